@@ -1,0 +1,86 @@
+"""`tilellm` command line: one subcommand per module, imported only when it runs.
+
+Each command module defines `add_arguments(parser)` and `main(args) -> int`; its docstring's
+first line is the command's help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("tilellm.commands.generate", "Generate completions for prompts (offline, batched)."),
+    "chat": ("tilellm.commands.chat", "Interactive chat with streaming output."),
+    "serve": ("tilellm.commands.serve", "Run the OpenAI-compatible HTTP server."),
+    "demo": ("tilellm.commands.demo", "Run the embedded model on a batch and check its accuracy."),
+    "inspect": ("tilellm.commands.inspect", "Show the tiles and pages of a batch (terminal or HTML)."),
+}
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "kernels": ("tilellm.bench.kernels", "Time the attention kernels on SPEC workloads P1-P3, D1-D4, V1, C1, S1."),
+    "throughput": ("tilellm.bench.throughput", "Offline engine throughput on SPEC workloads E1-E3."),
+    "serve": ("tilellm.bench.serve", "Drive a running server with a request rate and report latencies."),
+}
+
+
+class _LazyCommand:
+    """Defers importing a command's module until its parser is needed."""
+
+    def __init__(self, module: str):
+        self.module = module
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tilellm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+    bench = sub.add_parser("bench", help="Benchmarks (kernels, throughput, serve).")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # First pass finds the command; the command's own arguments are added before the real parse,
+    # so `tilellm serve --help` shows serve's flags without importing every other command.
+    known, _ = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+    module_name = getattr(known, "_module", None)
+    if module_name is not None:
+        module = importlib.import_module(module_name)
+        target = _find_subparser(parser, known)
+        module.add_arguments(target)
+    args = parser.parse_args(argv)
+    if args.version:
+        from tilellm import __version__
+
+        print(__version__)
+        return 0
+    if module_name is None:
+        parser.print_help()
+        return 0 if args.command is None else 2
+    return int(module.main(args) or 0)
+
+
+def _find_subparser(parser: argparse.ArgumentParser, known: argparse.Namespace) -> argparse.ArgumentParser:
+    sub_action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub_action.choices[known.command]
+    if known.command == "bench":
+        bench_action = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+        p = bench_action.choices[known.bench_command]
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

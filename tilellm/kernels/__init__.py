@@ -1,0 +1,28 @@
+"""Attention kernels in Triton (SPEC section 2). Each has a PyTorch twin in `tilellm.kernels.reference`.
+
+- `store_kvcache`: this step's K/V into their slots of the paged cache (slot -1 = skip).
+- `prefill_attention`: packed varlen causal prefill over this step's contiguous K/V.
+- `paged_attention`: any mix of prefix-cached/chunked prefill, verification and decode, K/V read
+  through the block table, with split-KV segments when the batch cannot fill the GPU.
+- `decode_attention`: one query per request (the q_len = 1 case of `paged_attention`).
+- `sparse_attention`: each query attends to its own top-k logical positions only.
+- `merge_attention_states`: combine split-KV partial outputs by their log-sum-exp.
+
+`tilellm.kernels.schedule` reports, for a batch, the launch grid, the tiles each program visits
+(full / diagonal / skipped) and the split-KV plan.
+"""
+
+from tilellm.kernels.merge import merge_attention_states
+from tilellm.kernels.paged import decode_attention, paged_attention
+from tilellm.kernels.prefill import prefill_attention
+from tilellm.kernels.sparse import sparse_attention
+from tilellm.kernels.store import store_kvcache
+
+__all__ = [
+    "store_kvcache",
+    "prefill_attention",
+    "paged_attention",
+    "decode_attention",
+    "sparse_attention",
+    "merge_attention_states",
+]
