@@ -1,0 +1,269 @@
+"""Tiny Hugging Face model directories for tests and demos, built locally (nothing is downloaded).
+
+`make_tiny_model` writes what a real checkpoint has: `config.json`, safetensors weights (one file,
+or shards plus `model.safetensors.index.json`), `generation_config.json` and a byte-level BPE
+tokenizer (`tokenizer.json` + `tokenizer_config.json` with a ChatML chat template). `transformers`
+loads the directory as it would a downloaded one, which makes it the correctness oracle.
+
+`make_random_model_dir` writes a `config.json` only, for `load_format="dummy"` benchmarks on
+real model shapes (e.g. Qwen3-0.6B) without weights.
+
+Neither imports `transformers`: the configs are written the way released checkpoints spell them
+(`rope_theta` / `rope_scaling` / `torch_dtype`), which keeps a call well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import torch
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# name -> (model_type, qkv bias, per-head q/k norm)
+_ARCHS = {
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "LlamaForCausalLM": ("llama", False, False),
+}
+
+# Text the BPE trainer learns its merges from: plain English plus some multi-byte UTF-8.
+_TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. A language model reads a sequence of tokens and
+predicts the next one. The engine keeps the keys and values of every token in a paged cache,
+so that many requests can share the memory of one accelerator. Each request is split into blocks
+of the same size; a block table maps the logical blocks of a request to physical blocks.
+Once upon a time there was a little robot who liked to count the stars at night. One, two, three,
+four, five, six, seven, eight, nine, ten. The robot wrote every number into a small notebook and
+showed it to the moon. The moon smiled and said: "you have counted well, but there are more."
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? It is Paris.
+The weather is nice in the spring and the summer; in the autumn the leaves turn red and yellow.
+Scheduling, batching, prefill, decode, attention, softmax, matrix, kernel, memory, throughput.
+Café, naïve, résumé, Zürich, São Paulo, 東京, 北京, Москва, Ελλάδα, emoji 🙂 and 🚀 too.
+"""
+
+
+def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * std
+
+
+def _make_state_dict(cfg: dict, arch: str, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights with HF names, scaled so activations stay O(1) and logits are well spread.
+
+    NOTE: a small embedding and gain-2 output projections keep the residual stream from being
+    just the current token's embedding, which would make greedy decoding repeat one token.
+    """
+    _, qkv_bias, qk_norm = _ARCHS[arch]
+    gen = torch.Generator().manual_seed(seed)
+    h, i_size, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    hq, hkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+
+    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        return _normal((out_f, in_f), gain / math.sqrt(in_f), gen)
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + _normal((n,), 0.1, gen)
+
+    sd = {"model.embed_tokens.weight": _normal((vocab, h), 0.25, gen)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        sd[p + "input_layernorm.weight"] = norm(h)
+        sd[p + "self_attn.q_proj.weight"] = linear(hq * d, h)
+        sd[p + "self_attn.k_proj.weight"] = linear(hkv * d, h)
+        sd[p + "self_attn.v_proj.weight"] = linear(hkv * d, h)
+        if qkv_bias:
+            sd[p + "self_attn.q_proj.bias"] = _normal((hq * d,), 0.1, gen)
+            sd[p + "self_attn.k_proj.bias"] = _normal((hkv * d,), 0.1, gen)
+            sd[p + "self_attn.v_proj.bias"] = _normal((hkv * d,), 0.1, gen)
+        sd[p + "self_attn.o_proj.weight"] = linear(h, hq * d, gain=2.0)
+        if qk_norm:
+            sd[p + "self_attn.q_norm.weight"] = norm(d)
+            sd[p + "self_attn.k_norm.weight"] = norm(d)
+        sd[p + "post_attention_layernorm.weight"] = norm(h)
+        sd[p + "mlp.gate_proj.weight"] = linear(i_size, h)
+        sd[p + "mlp.up_proj.weight"] = linear(i_size, h)
+        sd[p + "mlp.down_proj.weight"] = linear(h, i_size, gain=2.0)
+    sd["model.norm.weight"] = norm(h)
+    if not cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = _normal((vocab, h), 0.5, gen)
+    return sd
+
+
+def _save_weights(path: pathlib.Path, sd: dict[str, torch.Tensor], num_shards: int) -> None:
+    from safetensors.torch import save_file
+
+    meta = {"format": "pt"}
+    if num_shards == 1:
+        save_file(sd, str(path / "model.safetensors"), metadata=meta)
+        return
+    names = list(sd)
+    per_shard = math.ceil(len(names) / num_shards)
+    weight_map: dict[str, str] = {}
+    for s in range(num_shards):
+        fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        chunk = names[s * per_shard : (s + 1) * per_shard]
+        save_file({n: sd[n] for n in chunk}, str(path / fname), metadata=meta)
+        weight_map.update(dict.fromkeys(chunk, fname))
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _save_tokenizer(path: pathlib.Path, vocab_size: int, max_len: int) -> dict[str, int]:
+    """Byte-level BPE trained on `_TRAINING_TEXT`; special tokens take the last ids. Returns their ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TRAINING_TEXT.splitlines(), trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(path / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    added = {str(ids[t]): {"content": t, **flags} for t in SPECIAL_TOKENS}
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
+    return ids
+
+
+def make_tiny_model(
+    path: str | pathlib.Path,
+    arch: str = "Qwen3ForCausalLM",
+    *,
+    seed: int = 0,
+    vocab_size: int = 384,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = True,
+    dtype: str = "float32",
+    max_position_embeddings: int = 512,
+    rope_scaling: dict | None = None,
+    num_shards: int = 1,
+) -> pathlib.Path:
+    """Write a random `arch` model plus tokenizer into `path` (created if needed); returns the path.
+
+    Token ids: the byte-level BPE vocabulary (at most `vocab_size - 3` entries) followed by
+    `<|endoftext|>` (eos), `<|im_start|>` and `<|im_end|>`. `config.eos_token_id` is
+    `<|endoftext|>`; `generation_config.json` lists both `<|endoftext|>` and `<|im_end|>`, as Qwen's do.
+    """
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(_ARCHS)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
+        raise ValueError(f"vocab_size must be at least 260 (256 bytes + 3 special tokens), got {vocab_size}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    model_type = _ARCHS[arch][0]
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    ids = _save_tokenizer(path, vocab_size, max_position_embeddings)
+    eos_id = ids[EOS_TOKEN]
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": dtype,
+        "attention_bias": False,  # Qwen2 always has q/k/v biases and ignores this
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "use_cache": True,
+    }
+    if model_type in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
+    if model_type == "llama":
+        config.update(mlp_bias=False, pretraining_tp=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    gen_cfg = {"eos_token_id": [eos_id, ids[IM_END]], "pad_token_id": eos_id, "do_sample": False}
+    (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+
+    sd = _make_state_dict(config, arch, seed)
+    _save_weights(path, {k: v.to(_DTYPES[dtype]).contiguous() for k, v in sd.items()}, num_shards)
+    return path
+
+
+def make_random_model_dir(path: str | pathlib.Path, config_dict: dict) -> pathlib.Path:
+    """Write only `config.json` (for `load_format="dummy"`); returns the directory."""
+    if "architectures" not in config_dict:
+        raise ValueError("config_dict needs an 'architectures' entry, e.g. ['Qwen3ForCausalLM']")
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config_dict, indent=2))
+    return path
+
+
+# Qwen3-0.6B's architecture (SPEC section 5), for benchmarks with random weights.
+QWEN3_0_6B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
