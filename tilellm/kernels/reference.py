@@ -1,0 +1,226 @@
+"""Pure-PyTorch twins of the Triton kernels in `tilellm.kernels`, with the same signatures.
+
+They are the tests' oracle and the engine's CPU attention backend, so they stay readable (one
+loop over requests, the K/V of a request gathered through its block table) and avoid loops over
+tokens. Scores, softmax and accumulation run in fp32; outputs come back in `q.dtype`. Inputs are
+never modified (except the caches that `store_kvcache` writes), and every function validates its
+arguments with `tilellm.kernels.validation` exactly as its Triton twin does.
+
+Positions: the j-th new token of request i sits at absolute position `seq_lens[i] - q_len_i + j`
+and attends to keys `0..pos`. GQA: query head h reads KV head `h // (Hq // Hkv)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilellm.kernels import validation
+
+# Upper bound on the fp32 score elements materialised at once (about 256 MiB); longer requests
+# are processed in chunks of query rows.
+_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+def store_kvcache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes token t's K/V ([T, Hkv, D]) into slot `slot_mapping[t]` of the caches; -1 skips the token."""
+    validation.check_store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep]
+    v_cache[blocks, offsets] = v[keep]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of packed requests over their own K/V: q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]."""
+    name = "prefill_attention"
+    validation.check_prefill(name, q, k, v, cu_seqlens, max_seqlen)
+    scale = validation.resolve_scale(scale, q.shape[-1])
+    o = _output(name, q, out)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        positions = torch.arange(end - start, device=q.device)
+        o[start:end] = _attend(q[start:end], k[start:end], v[start:end], positions if causal else None, scale)
+    return o
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens q [T, Hq, D] over each request's paged K/V (prefix + new tokens).
+
+    `num_splits` is accepted for signature parity and ignored (the reference never splits).
+    """
+    name = "paged_attention"
+    validation.check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
+    scale = validation.resolve_scale(scale, q.shape[-1])
+    o = _output(name, q, out)
+    _paged(q, k_cache, v_cache, block_table, cu_seqlens_q.tolist(), seq_lens.tolist(), scale, o)
+    return o
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per request, q [B, Hq, D], at position `seq_lens[i] - 1` (the q_len = 1 case of paged)."""
+    name = "decode_attention"
+    validation.check_decode(name, q, k_cache, v_cache, block_table, seq_lens)
+    scale = validation.resolve_scale(scale, q.shape[-1])
+    o = _output(name, q, out)
+    _paged(q, k_cache, v_cache, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)
+    return o
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    topk_indices: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each token attends only to its own top-k logical positions `topk_indices[t]` (shared by its heads).
+
+    Entries equal to -1 are ignored; a token without any valid entry gets a zero output. A position
+    listed twice counts twice (the kernel treats the K entries as a list, not a set).
+    """
+    name = "sparse_attention"
+    validation.check_sparse(name, q, k_cache, v_cache, block_table, cu_seqlens_q, topk_indices, seq_lens)
+    scale = validation.resolve_scale(scale, q.shape[-1])
+    o = _output(name, q, out)
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    bounds = cu_seqlens_q.tolist()
+    num_k = max(topk_indices.shape[1], 1)
+    rows_per_chunk = max(1, _MAX_SCORE_ELEMENTS // (num_k * max(Hq, D * Hkv)))
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for lo in range(start, end, rows_per_chunk):
+            hi = min(end, lo + rows_per_chunk)
+            idx = topk_indices[lo:hi].long()  # [n, K]
+            valid = idx >= 0
+            pos = idx.clamp(min=0)
+            blocks = block_table[i].long()[pos // block_size]
+            keys = k_cache[blocks, pos % block_size].float()  # [n, K, Hkv, D]
+            values = v_cache[blocks, pos % block_size].float()
+            qg = q[lo:hi].float().view(hi - lo, Hkv, Hq // Hkv, D)
+            scores = torch.einsum("nhgd,nkhd->nhgk", qg, keys) * scale
+            probs = _masked_softmax(scores, valid[:, None, None, :])
+            o[lo:hi] = torch.einsum("nhgk,nkhd->nhgd", probs, values).reshape(hi - lo, Hq, D).to(q.dtype)
+    return o
+
+
+def merge_attention_states(
+    o_parts: torch.Tensor, lse_parts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combines S partial attentions over disjoint key sets: o_parts [S, T, H, D], lse_parts [S, T, H].
+
+        lse = logsumexp_s(lse_s),    o = sum_s exp(lse_s - lse) * o_s
+
+    Parts with lse = -inf (no keys) contribute nothing, whatever their o; when every part is
+    empty, o = 0 and lse = -inf. Returns o in o_parts.dtype and lse in float32.
+    """
+    validation.check_merge(o_parts, lse_parts)
+    lse = torch.logsumexp(lse_parts, dim=0)  # [T, H]; -inf where every part is -inf
+    empty = lse_parts == float("-inf")
+    weights = torch.exp(lse_parts - torch.where(torch.isinf(lse), 0.0, lse)).masked_fill(empty, 0.0)
+    parts = o_parts.float().masked_fill(empty[..., None], 0.0)
+    o = (weights[..., None] * parts).sum(dim=0)
+    return o.to(o_parts.dtype), lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _output(name: str, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    validation.check_out(name, out, q.shape, q.dtype, q.device)
+    return out
+
+
+def _paged(q, k_cache, v_cache, block_table, bounds, kv_lens, scale, o) -> None:
+    """Per request: gather its K/V through the block table, then causal attention of its new tokens."""
+    block_size = k_cache.shape[1]
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end == start:
+            continue
+        kv_len = kv_lens[i]
+        positions = torch.arange(kv_len, device=q.device)
+        blocks = block_table[i].long()[positions // block_size]
+        keys = k_cache[blocks, positions % block_size]  # [kv_len, Hkv, D]
+        values = v_cache[blocks, positions % block_size]
+        q_positions = positions[kv_len - (end - start) :]
+        o[start:end] = _attend(q[start:end], keys, values, q_positions, scale)
+
+
+def _attend(q, k, v, q_positions, scale) -> torch.Tensor:
+    """q [M, Hq, D] over k/v [N, Hkv, D]; row m sees keys 0..q_positions[m] (all keys if None)."""
+    M, Hq, D = q.shape
+    N, Hkv, _ = k.shape
+    group = Hq // Hkv
+    k32, v32 = k.float(), v.float()
+    out = torch.empty(M, Hq, D, dtype=q.dtype, device=q.device)
+    rows = max(1, _MAX_SCORE_ELEMENTS // max(1, N * Hq))
+    for lo in range(0, M, rows):
+        hi = min(M, lo + rows)
+        qg = q[lo:hi].float().view(hi - lo, Hkv, group, D)
+        scores = torch.einsum("mhgd,nhd->hgmn", qg, k32) * scale  # [Hkv, G, m, N]
+        if q_positions is None:
+            visible = torch.ones(hi - lo, N, dtype=torch.bool, device=q.device)
+        else:
+            visible = torch.arange(N, device=q.device)[None, :] <= q_positions[lo:hi, None]
+        probs = _masked_softmax(scores, visible)
+        out[lo:hi] = torch.einsum("hgmn,nhd->mhgd", probs, v32).reshape(hi - lo, Hq, D).to(q.dtype)
+    return out
+
+
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of fp32 `scores` restricted to `visible`; rows seeing nothing give 0."""
+    if scores.shape[-1] == 0:
+        return scores
+    scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), 0.0, row_max)
+    p = torch.exp(scores - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    return p / torch.where(denom == 0, 1.0, denom)

@@ -1,0 +1,468 @@
+"""Input checks shared by the Triton kernels and their PyTorch twins (SPEC sections 1 and 2).
+
+Every check raises `ValueError` whose message starts with the public function's name and says
+which argument is wrong and how. Two levels:
+
+- always on (cheap, no host sync): ranks, shapes, dtypes, devices, head counts, head dim,
+  strides the kernels rely on, and the lengths of the index tensors;
+- value checks (`deep_checks_enabled`): they read index tensors (`cu_seqlens`, `seq_lens`,
+  `block_table`, `slot_mapping`, `topk_indices`), which costs a device-to-host copy, so they run
+  on CPU tensors and, on the GPU, only when `TILELLM_DEBUG=1`.
+
+Layouts (SPEC section 1):
+    q: [T, Hq, D]        k, v: [T, Hkv, D]        k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+    cu_seqlens: [B+1] int32    seq_lens: [B] int32    block_table: [B, max_blocks] int32
+    slot_mapping: [T] int32/int64 (-1 = skip)      topk_indices: [T, K] int32 (-1 = empty)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """The softmax scale: `head_dim ** -0.5` when `scale` is None, else `scale` as a float."""
+    if scale is None:
+        return float(head_dim) ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def deep_checks_enabled(t: torch.Tensor) -> bool:
+    """Value checks run on CPU tensors always, on device tensors only when TILELLM_DEBUG=1."""
+    return t.device.type == "cpu" or os.environ.get("TILELLM_DEBUG") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# Public checks, one per kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    name = "store_kvcache"
+    _check_rank(name, "k", k, 3, "[T, Hkv, D]")
+    _check_rank(name, "v", v, 3, "[T, Hkv, D]")
+    _check_same_shape(name, "v", v, "k", k)
+    _check_cache_pair(name, k_cache, v_cache)
+    _check_float(name, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache})
+    _check_rank(name, "slot_mapping", slot_mapping, 1, "[T]")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    _check_device(
+        name, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
+    )
+    T, Hkv, D = k.shape
+    if tuple(k_cache.shape[2:]) != (Hkv, D):
+        raise ValueError(
+            f"{name}: k_cache [num_blocks, block_size, Hkv, D] has (Hkv, D) = {tuple(k_cache.shape[2:])}, "
+            f"but k has (Hkv, D) = {(Hkv, D)}"
+        )
+    _check_head_dim(name, D)
+    if slot_mapping.shape[0] != T:
+        raise ValueError(f"{name}: slot_mapping has {slot_mapping.shape[0]} entries, but k has {T} tokens")
+    _check_last_dim_stride(name, {"k": k, "v": v})
+    _check_contiguous(name, {"slot_mapping": slot_mapping})
+    if not deep_checks_enabled(k) or T == 0:
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    slots = slot_mapping.cpu()
+    bad = (slots < -1) | (slots >= num_slots)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: slot_mapping[{t}] = {int(slots[t])} is out of range [-1, {num_slots}) "
+            f"(num_blocks * block_size = {k_cache.shape[0]} * {k_cache.shape[1]})"
+        )
+
+
+def check_prefill(name, q, k, v, cu_seqlens, max_seqlen) -> None:
+    _check_rank(name, "q", q, 3, "[T, Hq, D]")
+    _check_rank(name, "k", k, 3, "[T, Hkv, D]")
+    _check_rank(name, "v", v, 3, "[T, Hkv, D]")
+    _check_same_shape(name, "v", v, "k", k)
+    _check_float(name, {"q": q, "k": k, "v": v})
+    _check_rank(name, "cu_seqlens", cu_seqlens, 1, "[B+1]")
+    _check_int32(name, {"cu_seqlens": cu_seqlens})
+    _check_device(name, {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens})
+    T, Hq, D = q.shape
+    if k.shape[0] != T:
+        raise ValueError(
+            f"{name}: k has {k.shape[0]} tokens but q has {T} (prefill K/V are this step's own tokens)"
+        )
+    if k.shape[2] != D:
+        raise ValueError(f"{name}: head dim of k ({k.shape[2]}) differs from q's ({D})")
+    _check_heads(name, Hq, k.shape[1])
+    _check_head_dim(name, D)
+    _check_last_dim_stride(name, {"q": q, "k": k, "v": v})
+    _check_cu_seqlens_len(name, "cu_seqlens", cu_seqlens)
+    _check_max_seqlen_type(name, "max_seqlen", max_seqlen)
+    if deep_checks_enabled(q):
+        lens = _check_cu_seqlens_values(name, "cu_seqlens", cu_seqlens, T)
+        _check_max_seqlen_value(name, "max_seqlen", max_seqlen, lens)
+
+
+def check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q) -> None:
+    _check_rank(name, "q", q, 3, "[T, Hq, D]")
+    _check_cache_pair(name, k_cache, v_cache)
+    _check_float(name, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    _check_rank(name, "block_table", block_table, 2, "[B, max_blocks_per_seq]")
+    _check_rank(name, "cu_seqlens_q", cu_seqlens_q, 1, "[B+1]")
+    _check_rank(name, "seq_lens", seq_lens, 1, "[B]")
+    _check_int32(name, {"block_table": block_table, "cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens})
+    _check_device(
+        name,
+        {
+            "q": q,
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "block_table": block_table,
+            "cu_seqlens_q": cu_seqlens_q,
+            "seq_lens": seq_lens,
+        },
+    )
+    T = q.shape[0]
+    _check_q_against_cache(name, q, k_cache)
+    batch = block_table.shape[0]
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"{name}: cu_seqlens_q must have B+1 = {batch + 1} entries (block_table has B = {batch} rows), "
+            f"got {cu_seqlens_q.shape[0]}"
+        )
+    if seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"{name}: seq_lens must have B = {batch} entries (block_table has {batch} rows), got {seq_lens.shape[0]}"
+        )
+    _check_contiguous(name, {"block_table": block_table, "cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens})
+    _check_max_seqlen_type(name, "max_seqlen_q", max_seqlen_q)
+    if not deep_checks_enabled(q):
+        return
+    q_lens = _check_cu_seqlens_values(name, "cu_seqlens_q", cu_seqlens_q, T)
+    _check_max_seqlen_value(name, "max_seqlen_q", max_seqlen_q, q_lens)
+    kv_lens = _check_seq_lens_values(name, seq_lens, q_lens)
+    _check_block_table_values(name, block_table, kv_lens, k_cache.shape[0], k_cache.shape[1])
+
+
+def check_decode(name, q, k_cache, v_cache, block_table, seq_lens) -> None:
+    _check_rank(name, "q", q, 3, "[B, Hq, D]")
+    _check_cache_pair(name, k_cache, v_cache)
+    _check_float(name, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    _check_rank(name, "block_table", block_table, 2, "[B, max_blocks_per_seq]")
+    _check_rank(name, "seq_lens", seq_lens, 1, "[B]")
+    _check_int32(name, {"block_table": block_table, "seq_lens": seq_lens})
+    _check_device(
+        name,
+        {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "seq_lens": seq_lens},
+    )
+    _check_q_against_cache(name, q, k_cache)
+    batch = q.shape[0]
+    if block_table.shape[0] != batch:
+        raise ValueError(
+            f"{name}: block_table must have B = {batch} rows (one per query of q [B, Hq, D]), "
+            f"got {block_table.shape[0]}"
+        )
+    if seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"{name}: seq_lens must have B = {batch} entries (one per query of q [B, Hq, D]), got {seq_lens.shape[0]}"
+        )
+    _check_contiguous(name, {"block_table": block_table, "seq_lens": seq_lens})
+    if not deep_checks_enabled(q):
+        return
+    kv_lens = _check_seq_lens_values(name, seq_lens, torch.ones(batch, dtype=torch.int64))
+    _check_block_table_values(name, block_table, kv_lens, k_cache.shape[0], k_cache.shape[1])
+
+
+def check_sparse(name, q, k_cache, v_cache, block_table, cu_seqlens_q, topk_indices, seq_lens) -> None:
+    _check_rank(name, "q", q, 3, "[T, Hq, D]")
+    _check_cache_pair(name, k_cache, v_cache)
+    _check_float(name, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    _check_rank(name, "block_table", block_table, 2, "[B, max_blocks_per_seq]")
+    _check_rank(name, "cu_seqlens_q", cu_seqlens_q, 1, "[B+1]")
+    _check_rank(name, "topk_indices", topk_indices, 2, "[T, K]")
+    indices = {"block_table": block_table, "cu_seqlens_q": cu_seqlens_q, "topk_indices": topk_indices}
+    if seq_lens is not None:
+        _check_rank(name, "seq_lens", seq_lens, 1, "[B]")
+        indices["seq_lens"] = seq_lens
+    _check_int32(name, indices)
+    _check_device(name, {"q": q, "k_cache": k_cache, "v_cache": v_cache, **indices})
+    T = q.shape[0]
+    _check_q_against_cache(name, q, k_cache)
+    batch = block_table.shape[0]
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"{name}: cu_seqlens_q must have B+1 = {batch + 1} entries (block_table has B = {batch} rows), "
+            f"got {cu_seqlens_q.shape[0]}"
+        )
+    if topk_indices.shape[0] != T:
+        raise ValueError(
+            f"{name}: topk_indices [T, K] must have one row per query token (T = {T}), got {topk_indices.shape[0]} rows"
+        )
+    if seq_lens is not None and seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"{name}: seq_lens must have B = {batch} entries (block_table has {batch} rows), got {seq_lens.shape[0]}"
+        )
+    _check_contiguous(name, indices)
+    if not deep_checks_enabled(q):
+        return
+    q_lens = _check_cu_seqlens_values(name, "cu_seqlens_q", cu_seqlens_q, T)
+    topk = topk_indices.cpu().long()
+    bad = topk < -1
+    if bool(bad.any()):
+        t, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"{name}: topk_indices[{t}, {j}] = {int(topk[t, j])} is negative (only -1 marks an empty entry)"
+        )
+    block_size = k_cache.shape[1]
+    if seq_lens is not None:
+        kv_lens = _check_seq_lens_values(name, seq_lens, q_lens)
+        # The j-th new token of request i sits at position seq_lens[i] - q_len_i + j.
+        req = torch.repeat_interleave(torch.arange(batch), q_lens)
+        starts = torch.cumsum(q_lens, 0) - q_lens
+        own_pos = kv_lens[req] - q_lens[req] + (torch.arange(T) - starts[req])
+        bad = topk > own_pos[:, None]
+        if bool(bad.any()):
+            t, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"{name}: topk_indices[{t}, {j}] = {int(topk[t, j])} is a future position: token {t} "
+                f"(request {int(req[t])}) sits at position {int(own_pos[t])} and may only attend to 0..{int(own_pos[t])}"
+            )
+        _check_block_table_values(name, block_table, kv_lens, k_cache.shape[0], block_size)
+        return
+    # Without seq_lens: every valid index must land in a mapped, in-range block of its request.
+    capacity = block_table.shape[1] * block_size
+    bad = topk >= capacity
+    if bool(bad.any()):
+        t, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"{name}: topk_indices[{t}, {j}] = {int(topk[t, j])} lies past the block table "
+            f"({block_table.shape[1]} blocks of {block_size} = {capacity} positions)"
+        )
+    if T == 0 or topk.numel() == 0:
+        return
+    req = torch.repeat_interleave(torch.arange(batch), q_lens)
+    table = block_table.cpu().long()
+    valid = topk >= 0
+    blocks = table[req[:, None].expand_as(topk), topk.clamp(min=0) // block_size]
+    bad = valid & ((blocks < 0) | (blocks >= k_cache.shape[0]))
+    if bool(bad.any()):
+        t, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"{name}: topk_indices[{t}, {j}] = {int(topk[t, j])} maps to block_table[{int(req[t])}, "
+            f"{int(topk[t, j]) // block_size}] = {int(blocks[t, j])}, outside [0, {k_cache.shape[0]}) (num_blocks)"
+        )
+
+
+def check_merge(o_parts, lse_parts) -> None:
+    name = "merge_attention_states"
+    _check_rank(name, "o_parts", o_parts, 4, "[S, T, H, D]")
+    _check_rank(name, "lse_parts", lse_parts, 3, "[S, T, H]")
+    _check_float(name, {"o_parts": o_parts})
+    if lse_parts.dtype != torch.float32:
+        raise ValueError(f"{name}: lse_parts must be float32, got {lse_parts.dtype}")
+    _check_device(name, {"o_parts": o_parts, "lse_parts": lse_parts})
+    if tuple(lse_parts.shape) != tuple(o_parts.shape[:3]):
+        raise ValueError(
+            f"{name}: lse_parts shape {tuple(lse_parts.shape)} must equal o_parts' [S, T, H] = {tuple(o_parts.shape[:3])}"
+        )
+    if o_parts.shape[0] < 1:
+        raise ValueError(f"{name}: o_parts needs at least one part (S >= 1), got S = 0")
+    _check_head_dim(name, o_parts.shape[3])
+    _check_last_dim_stride(name, {"o_parts": o_parts, "lse_parts": lse_parts})
+
+
+def check_out(name, out, like_shape, dtype, device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"{name}: out must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(like_shape):
+        raise ValueError(f"{name}: out must have shape {tuple(like_shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"{name}: out must have dtype {dtype}, got {out.dtype}")
+    if out.device != torch.device(device):
+        raise ValueError(f"{name}: out must be on {device}, got {out.device}")
+    _check_last_dim_stride(name, {"out": out})
+
+
+# ----------------------------------------------------------------------------------------------
+# Always-on helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_rank(name, arg, t, ndim, layout) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: {arg} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: {arg} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_same_shape(name, arg, t, ref_arg, ref) -> None:
+    if t.shape != ref.shape:
+        raise ValueError(
+            f"{name}: {arg} shape {tuple(t.shape)} must equal {ref_arg} shape {tuple(ref.shape)}"
+        )
+
+
+def _check_float(name, tensors: dict) -> None:
+    items = list(tensors.items())
+    for arg, t in items:
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}: {arg} must be float16, bfloat16 or float32, got {t.dtype}")
+    first_arg, first = items[0]
+    for arg, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise ValueError(f"{name}: {arg} dtype {t.dtype} differs from {first_arg} dtype {first.dtype}")
+
+
+def _check_int32(name, tensors: dict) -> None:
+    for arg, t in tensors.items():
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name}: {arg} must be int32, got {t.dtype}")
+
+
+def _check_device(name, tensors: dict) -> None:
+    items = list(tensors.items())
+    first_arg, first = items[0]
+    for arg, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but {first_arg} is on {first.device}")
+
+
+def _check_cache_pair(name, k_cache, v_cache) -> None:
+    _check_rank(name, "k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    _check_rank(name, "v_cache", v_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    _check_same_shape(name, "v_cache", v_cache, "k_cache", k_cache)
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"{name}: block_size (k_cache dim 1) must be >= 1, got {k_cache.shape[1]}")
+    if k_cache.shape[2] < 1:
+        raise ValueError(f"{name}: k_cache must have at least one KV head, got shape {tuple(k_cache.shape)}")
+    # The kernels address a slot as block * stride(0) + offset * stride(1) + head * stride(2) + d.
+    _check_contiguous(name, {"k_cache": k_cache, "v_cache": v_cache})
+
+
+def _check_q_against_cache(name, q, k_cache) -> None:
+    Hq, D = q.shape[1], q.shape[2]
+    if k_cache.shape[3] != D:
+        raise ValueError(f"{name}: head dim of k_cache ({k_cache.shape[3]}) differs from q's ({D})")
+    _check_heads(name, Hq, k_cache.shape[2])
+    _check_head_dim(name, D)
+    _check_last_dim_stride(name, {"q": q})
+
+
+def _check_heads(name, num_q_heads, num_kv_heads) -> None:
+    if num_kv_heads < 1 or num_q_heads < 1:
+        raise ValueError(f"{name}: need at least one head, got Hq = {num_q_heads}, Hkv = {num_kv_heads}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{name}: Hq % Hkv must be 0 (each KV head serves a whole group of query heads), "
+            f"got Hq = {num_q_heads}, Hkv = {num_kv_heads}"
+        )
+
+
+def _check_head_dim(name, head_dim) -> None:
+    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM) or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"{name}: head dim D must be a power of two in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got D = {head_dim}"
+        )
+
+
+def _check_last_dim_stride(name, tensors: dict) -> None:
+    for arg, t in tensors.items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}: {arg} must have stride 1 in its last dim (got strides {t.stride()}); call .contiguous()"
+            )
+
+
+def _check_contiguous(name, tensors: dict) -> None:
+    for arg, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{name}: {arg} must be contiguous (got strides {t.stride()}); call .contiguous()"
+            )
+
+
+def _check_cu_seqlens_len(name, arg, cu_seqlens) -> None:
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{name}: {arg} must have B+1 >= 1 entries, got none")
+
+
+def _check_max_seqlen_type(name, arg, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: {arg} must be a Python int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Value helpers (read index tensors on the host)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_cu_seqlens_values(name, arg, cu_seqlens, num_tokens) -> torch.Tensor:
+    """Checks `cu_seqlens` against `num_tokens` rows and returns the request lengths [B] (int64, CPU)."""
+    cu = cu_seqlens.cpu().long()
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name}: {arg}[0] must be 0, got {int(cu[0])}")
+    lens = cu[1:] - cu[:-1]
+    if bool((lens < 0).any()):
+        i = int((lens < 0).nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: {arg} must be non-decreasing, but {arg}[{i + 1}] = {int(cu[i + 1])} < {arg}[{i}] = {int(cu[i])}"
+        )
+    if int(cu[-1]) != num_tokens:
+        raise ValueError(
+            f"{name}: {arg}[-1] = {int(cu[-1])} must equal the number of query tokens T = {num_tokens}"
+        )
+    return lens
+
+
+def _check_max_seqlen_value(name, arg, value, lens) -> None:
+    longest = int(lens.max()) if lens.numel() else 0
+    if value < longest:
+        raise ValueError(
+            f"{name}: {arg} = {value} is smaller than the longest request ({longest} tokens, "
+            f"request {int(lens.argmax())}); the kernel would silently drop its last queries"
+        )
+
+
+def _check_seq_lens_values(name, seq_lens, q_lens) -> torch.Tensor:
+    """Checks seq_lens[i] >= q_len_i (the new tokens are part of the KV) and returns them (int64, CPU)."""
+    kv = seq_lens.cpu().long()
+    bad = kv < q_lens
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: seq_lens[{i}] = {int(kv[i])} is smaller than request {i}'s {int(q_lens[i])} new tokens "
+            f"(seq_lens counts the cached prefix plus the new tokens)"
+        )
+    return kv
+
+
+def _check_block_table_values(name, block_table, kv_lens, num_blocks, block_size) -> None:
+    needed = (kv_lens + block_size - 1) // block_size
+    columns = block_table.shape[1]
+    if needed.numel() and int(needed.max()) > columns:
+        i = int(needed.argmax())
+        raise ValueError(
+            f"{name}: block_table too short: request {i} needs {int(needed[i])} blocks for seq_len {int(kv_lens[i])} "
+            f"with block_size {block_size}, table has {columns} columns"
+        )
+    if block_table.numel() == 0:
+        return
+    table = block_table.cpu()
+    used = torch.arange(columns)[None, :] < needed[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"{name}: block_table[{i}, {j}] = {int(table[i, j])} is out of range [0, {num_blocks}) (num_blocks) "
+            f"but request {i} uses it (seq_len {int(kv_lens[i])})"
+        )
