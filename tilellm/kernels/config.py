@@ -1,0 +1,82 @@
+"""Tile shapes and launch settings shared by the kernels and their schedule report.
+
+One table per kernel family, chosen per head dim (and measured on an H200: see
+benchmarks/RESULTS.md). Keeping them here means `tilellm.kernels.schedule` describes exactly
+the tiles the kernels visit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per program (for paged: tokens x packed query heads)
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    """True when Triton runs under its CPU interpreter (small tiles keep it fast)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
+    """Tiles for `prefill_attention`: 128 query rows, 64 keys per step on Hopper."""
+    if interpreting():
+        return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: int) -> tuple[TileConfig, int]:
+    """Tiles for `paged_attention` and the query tokens per tile (`block_q`).
+
+    The query heads that share a KV head are packed into the rows of one tile, so a tile holds
+    `block_q` tokens x `group` heads; decode (one token) still gives the tensor cores >= 16 rows.
+    """
+    if interpreting():
+        rows = 16
+        block_n = 16
+        warps, stages = 4, 1
+    elif max_seqlen_q * group <= 16:
+        rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 4, 3
+    elif max_seqlen_q * group <= 64:
+        rows, block_n, warps, stages = 64, 64 if head_dim <= 128 else 32, 4, 3
+    else:
+        rows, block_n, warps, stages = (128, 64, 8, 2) if head_dim <= 128 else (64, 32, 4, 2)
+    if dtype == torch.float32 and not interpreting():
+        rows, block_n = min(rows, 64), min(block_n, 32)
+    block_q = max(1, rows // group)
+    block_q = 1 << (block_q.bit_length() - 1)  # power of two tokens per tile
+    block_q = min(block_q, _next_pow2(max(1, max_seqlen_q)))
+    block_m = max(16, _next_pow2(block_q * group))
+    return TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages), block_q
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (max(1, x) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device_index: int | None = None) -> int:
+    """Streaming multiprocessors of the current CUDA device; 132 (an H100/H200) elsewhere.
+
+    Off the GPU the nominal count keeps the split-KV plan deterministic for tests and the
+    inspector.
+    """
+    if torch.cuda.is_available() and not interpreting():
+        idx = torch.cuda.current_device() if device_index is None else device_index
+        return torch.cuda.get_device_properties(idx).multi_processor_count
+    return 132

@@ -1,0 +1,112 @@
+"""Combine split-KV partial attention outputs by their log-sum-exp.
+
+Each of S segments of a query's keys produced an output normalised over its own keys, `o_s`,
+and the log-sum-exp of its scores, `lse_s`. The full result is
+
+    lse = log(sum_s exp(lse_s)),   o = sum_s exp(lse_s - lse) * o_s
+
+Segments that saw no key carry lse_s = -inf and weigh nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilellm.kernels import validation
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _merge_kernel(
+    O_parts,
+    LSE_parts,
+    O,
+    LSE,
+    num_splits,
+    num_heads,
+    stride_ps,
+    stride_pt,
+    stride_ph,  # o_parts [S, T, H, D]
+    stride_ls,
+    stride_lt,  # lse_parts [S, T, H], heads contiguous
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+
+    lse = tl.load(LSE_parts + offs_s * stride_ls + tok * stride_lt + head, mask=split_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # All segments empty: weights 0, output 0, lse -inf (no NaN from -inf - -inf).
+    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.math.exp2((lse - lse_ref) * LOG2_E)
+    w_sum = tl.sum(w, 0)
+    o_parts = tl.load(
+        O_parts + offs_s[:, None] * stride_ps + tok * stride_pt + head * stride_ph + offs_d[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )
+    o = tl.sum(o_parts.to(tl.float32) * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    tl.store(O + tok * stride_ot + head * stride_oh + offs_d, o.to(O.dtype.element_ty))
+    if WRITE_LSE:
+        tl.store(LSE + tok * num_heads + head, lse_ref + tl.log(w_sum))
+
+
+def merge_attention_states(
+    o_parts: torch.Tensor, lse_parts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge split-KV partial outputs.
+
+    Args:
+        o_parts: [S, T, H, D] outputs of S key segments, each normalised over its own keys.
+        lse_parts: [S, T, H] float32 natural-log log-sum-exp of each segment's scaled scores.
+    Returns:
+        (o [T, H, D] in o_parts.dtype, lse [T, H] float32).
+    """
+    validation.check_merge(o_parts, lse_parts)
+    S, T, H, D = o_parts.shape
+    o = torch.empty((T, H, D), dtype=o_parts.dtype, device=o_parts.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=o_parts.device)
+    merge_into(o_parts, lse_parts, o, lse)
+    return o, lse
+
+
+def merge_into(
+    o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor | None = None
+) -> None:
+    """Merge into a preallocated `out` [T, H, D] (any dtype, last dim contiguous); internal use."""
+    S, T, H, D = o_parts.shape
+    if T == 0 or H == 0:
+        return
+    if o_parts.stride(3) != 1:
+        o_parts = o_parts.contiguous()
+    if lse_parts.stride(2) != 1:
+        lse_parts = lse_parts.contiguous()
+    _merge_kernel[(T, H)](
+        o_parts,
+        lse_parts,
+        out,
+        lse_out if lse_out is not None else lse_parts,
+        S,
+        H,
+        o_parts.stride(0),
+        o_parts.stride(1),
+        o_parts.stride(2),
+        lse_parts.stride(0),
+        lse_parts.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=D,
+        SPLITS_PAD=max(2, triton.next_power_of_2(S)),
+        WRITE_LSE=lse_out is not None,
+        num_warps=4 if D >= 128 else 2,
+    )

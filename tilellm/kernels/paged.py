@@ -1,0 +1,441 @@
+"""Paged attention for any mix of requests: prefix-cached / chunked prefill, verification, decode.
+
+Grid = (KV heads, requests, query tiles x splits). A program owns `block_q` new tokens of one
+request and all `group` query heads that share one KV head, packed as the rows of one tile
+(row r = token r // group, head r % group): every K/V tile read from the cache serves the whole
+group, and decode (one token) still gives `tl.dot` at least 16 rows.
+
+The j-th new token of request i sits at position `seq_lens[i] - q_len_i + j` and sees keys
+0..position. Keys are read through the block table: logical key p of the request lives in
+physical block `block_table[i, p // page]`, row `p % page`. As in prefill, key tiles wholly
+visible to every row of the tile run unmasked; only the tiles that cross the tile's diagonal
+(the small triangle of a verification, the last tile of a decode) are masked.
+
+Split-KV: when (requests x KV heads x query tiles) cannot fill the GPU and contexts are long, each
+program covers one of `num_splits` key segments, writes its normalised partial output and its
+log-sum-exp, and `merge_attention_states`' kernel combines them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilellm.kernels import validation
+from tilellm.kernels.config import paged_config
+from tilellm.kernels.merge import merge_into
+from tilellm.kernels.schedule import SplitPlan, choose_num_splits
+
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+@triton.jit
+def _paged_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    K_cache,
+    V_cache,
+    bt_row,
+    kv_head,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    offs_n,
+    offs_d,
+    n_start,
+    n_end,
+    key_end,
+    qk_scale,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online softmax over key tiles [n_start, n_end) gathered through the block table."""
+    for n in tl.range(n_start, n_end, BLOCK_N):
+        k_pos = n + offs_n
+        if MASKED:
+            key_ok = k_pos < key_end
+            block = tl.load(bt_row + k_pos // PAGE, mask=key_ok, other=0)
+        else:
+            block = tl.load(bt_row + k_pos // PAGE)
+        # int64: block * stride overflows int32 in large pools.
+        row_off = block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kv_head * stride_ch
+        if MASKED:
+            k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+        else:
+            k = tl.load(K_cache + row_off[None, :] + offs_d[:, None])
+        qk = tl.dot(q, k)
+        if MASKED:
+            visible = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            # A row may have seen no key yet in this segment: keep exp2 away from -inf - -inf.
+            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(V_cache + row_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            v = tl.load(V_cache + row_off[:, None] + offs_d[None, :])
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_kernel(
+    Q,
+    K_cache,
+    V_cache,
+    O,
+    O_parts,
+    LSE_parts,
+    stats,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    qk_scale,
+    num_tokens,
+    num_q_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+    RECORD_STATS: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    req = tl.program_id(1)
+    q_tile = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+
+    if IS_DECODE:
+        q_start = req
+        q_len = 1
+    else:
+        q_start = tl.load(cu_seqlens_q + req)
+        q_len = tl.load(cu_seqlens_q + req + 1) - q_start
+    t0 = q_tile * BLOCK_Q
+    if t0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens + req)
+    context = seq_len - q_len  # keys before this step's first new token
+
+    # -- rows: block_q tokens x group heads --
+    rows = tl.arange(0, BLOCK_M)
+    tok = t0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = context + tok
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+
+    # -- this program's key range: causal end of the tile, cut into segments --
+    last_tok = tl.minimum(t0 + BLOCK_Q, q_len) - 1
+    kv_end = context + last_tok + 1
+    full_end = (context + t0 + 1) // BLOCK_N * BLOCK_N  # tiles visible to every row of the tile
+    if SPLIT:
+        seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * seg
+        hi = tl.minimum(lo + seg, kv_end)
+    else:
+        lo = 0
+        hi = kv_end
+    full_hi = tl.maximum(tl.minimum(full_end, hi), lo)
+    masked_lo = tl.maximum(full_end, lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_table + req.to(tl.int64) * stride_bt
+    acc, l_i, m_i = _paged_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        K_cache,
+        V_cache,
+        bt_row,
+        kv_head,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        offs_n,
+        offs_d,
+        lo,
+        full_hi,
+        hi,
+        qk_scale,
+        PAGE,
+        BLOCK_N,
+        False,
+    )
+    acc, l_i, m_i = _paged_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        K_cache,
+        V_cache,
+        bt_row,
+        kv_head,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        offs_n,
+        offs_d,
+        masked_lo,
+        hi,
+        hi,
+        qk_scale,
+        PAGE,
+        BLOCK_N,
+        True,
+    )
+
+    if SPLIT:
+        # Partial result of this segment: normalised output and natural-log lse (-inf if empty).
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(
+            empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
+        )
+        part_row = split.to(tl.int64) * num_tokens + q_row
+        tl.store(
+            O_parts + (part_row[:, None] * num_q_heads + head[:, None]) * HEAD_DIM + offs_d[None, :],
+            o,
+            mask=row_ok[:, None],
+        )
+        tl.store(LSE_parts + part_row * num_q_heads + head, lse, mask=row_ok)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(
+            O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(O.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+    if RECORD_STATS:
+        pid = (req * tl.num_programs(0) + kv_head) * tl.num_programs(2) + tl.program_id(2)
+        tl.store(stats + pid * 2, tl.cdiv(full_hi - lo, BLOCK_N))
+        tl.store(stats + pid * 2 + 1, tl.cdiv(tl.maximum(hi - masked_lo, 0), BLOCK_N))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    max_seqlen_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each request's new tokens over its whole paged context.
+
+    Args:
+        q: [T, Hq, D] new tokens of all requests, packed.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] (this step's K/V already stored).
+        block_table: [B, max_blocks_per_seq] int32.
+        cu_seqlens_q: [B+1] int32 boundaries of each request's new tokens in q.
+        seq_lens: [B] int32 KV length of each request after this step (context + new tokens).
+        max_seqlen_q: the most new tokens of any request.
+        num_splits: None chooses split-KV segments by `plan_split_kv`; an int forces them.
+        max_seqlen_k: optional longest `seq_lens` (lets the split plan avoid reading seq_lens).
+        out: optional [T, Hq, D] output buffer.
+    Returns:
+        o: [T, Hq, D] in q.dtype.
+    """
+    validation.check_paged(
+        "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
+    )
+    o = _output(q, out, "paged_attention")
+    _launch(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        max_seqlen_q,
+        o,
+        scale,
+        num_splits,
+        max_seqlen_k,
+        is_decode=False,
+    )
+    return o
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    max_seqlen_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new token per request: q [B, Hq, D] -> o [B, Hq, D]; the q_len = 1 case of paged attention."""
+    validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
+    o = _output(q, out, "decode_attention")
+    _launch(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        None,
+        seq_lens,
+        1,
+        o,
+        scale,
+        num_splits,
+        max_seqlen_k,
+        is_decode=True,
+    )
+    return o
+
+
+def paged_tile_stats(
+    q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, *, num_splits: int | None = None
+) -> tuple[torch.Tensor, SplitPlan]:
+    """Run the kernel and return its own tile counts [B, Hkv, q_tiles * splits, 2] (full, masked)."""
+    validation.check_paged(
+        "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
+    )
+    o = torch.empty_like(q)
+    return _launch(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        max_seqlen_q,
+        o,
+        None,
+        num_splits,
+        None,
+        is_decode=False,
+        record_stats=True,
+    )
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    validation.check_out(name, out, q.shape, q.dtype, q.device)
+    return out
+
+
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    max_seqlen_q,
+    o,
+    scale,
+    num_splits,
+    max_seqlen_k,
+    *,
+    is_decode,
+    record_stats=False,
+):
+    T, Hq, D = q.shape
+    _, page, Hkv, _ = k_cache.shape
+    batch = seq_lens.numel()
+    group = Hq // Hkv
+    cfg, block_q = paged_config(D, q.dtype, group, max_seqlen_q)
+    q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
+    plan = choose_num_splits(batch, Hkv, q_tiles, seq_lens, num_splits=num_splits, max_seqlen_k=max_seqlen_k)
+    splits = plan.num_splits
+    grid = (Hkv, batch, q_tiles * splits)
+    stats = None
+    if record_stats:
+        stats = torch.zeros(batch * Hkv * q_tiles * splits * 2, dtype=torch.int32, device=q.device)
+    if T == 0 or batch == 0:
+        return (stats, plan) if record_stats else None
+    if splits > 1:
+        o_parts = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=q.device)
+        lse_parts = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
+    else:
+        o_parts = lse_parts = o  # unused
+    _paged_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        o,
+        o_parts,
+        lse_parts,
+        stats if stats is not None else seq_lens,
+        block_table,
+        cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
+        seq_lens,
+        validation.resolve_scale(scale, D) * LOG2_E,
+        T,
+        Hq,
+        q.stride(0),
+        q.stride(1),
+        o.stride(0),
+        o.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        splits,
+        GROUP=group,
+        HEAD_DIM=D,
+        PAGE=page,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=cfg.block_n,
+        SPLIT=splits > 1,
+        IS_DECODE=is_decode,
+        RECORD_STATS=record_stats,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        merge_into(o_parts, lse_parts, o)
+    if record_stats:
+        return stats.view(batch, Hkv, q_tiles * splits, 2), plan
+    return None

@@ -1,0 +1,261 @@
+"""What the attention kernels will do for a batch: launch grid, tiles per program, split-KV plan.
+
+No engine we know of shows its tile schedule; tilellm does, so that people can see why a batch
+runs the way it does (`tilellm inspect`) and tests can check the kernels' promises (no future
+tile is ever visited). The arithmetic here mirrors the kernels' loop bounds, and the kernels can
+record their own counts (`prefill_tile_stats`, `paged_tile_stats`) to check it against.
+
+Tile classes, per program (one query tile of one request, one head or KV-head group):
+  full      key tile wholly visible to every query row: computed without any mask
+  diagonal  key tile crossing the causal diagonal (or the request's end): masked in registers
+  skipped   key tile wholly in the future: never loaded
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tilellm.kernels.config import num_sms as device_num_sms
+from tilellm.kernels.config import paged_config, prefill_config
+
+MIN_KEYS_PER_SPLIT = 256  # below this a segment's fixed costs (Q load, partial write, merge) dominate
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2  # a memory-bound program per SM leaves bandwidth unused; aim for two
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How many key segments each (request, KV head, query tile) program is cut into, and why."""
+
+    num_splits: int
+    reason: str
+    num_sms: int
+    base_programs: int  # programs without splitting: requests x KV heads x query tiles
+    kv_len_per_split: int  # keys per segment for the longest context
+
+
+@dataclass(frozen=True)
+class ProgramTiles:
+    request: int
+    head: int  # query head (prefill) or KV head (paged: the whole group of query heads)
+    q_tile: int
+    split: int
+    full: int
+    diagonal: int
+    skipped: int
+    first_kv_tile: int  # -1 when the program visits nothing
+    last_kv_tile: int
+
+
+@dataclass
+class TileSchedule:
+    kernel: str
+    grid: tuple[int, ...]
+    block_m: int  # query rows per program
+    block_n: int  # keys per tile
+    programs: list[ProgramTiles] = field(default_factory=list)
+    split_plan: SplitPlan | None = None
+    block_q: int | None = None  # paged: tokens per query tile (rows = tokens x group)
+
+    @property
+    def num_full(self) -> int:
+        return sum(p.full for p in self.programs)
+
+    @property
+    def num_diagonal(self) -> int:
+        return sum(p.diagonal for p in self.programs)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(p.skipped for p in self.programs)
+
+    @property
+    def num_empty_programs(self) -> int:
+        """Programs that exit at once (their query tile is past the request's end)."""
+        return sum(1 for p in self.programs if p.first_kv_tile < 0 and p.full + p.diagonal == 0)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_list(x: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.detach().cpu().tolist()]
+    return [int(v) for v in x]
+
+
+def choose_num_splits(
+    num_requests: int,
+    num_kv_heads: int,
+    q_tiles: int,
+    seq_lens: torch.Tensor | Sequence[int] | None,
+    *,
+    num_splits: int | None = None,
+    max_seqlen_k: int | None = None,
+    num_sms: int | None = None,
+) -> SplitPlan:
+    """The split-KV decision from the batch shape and the longest context.
+
+    No split when the programs already fill the GPU (>= one per SM) or contexts are short;
+    otherwise enough segments for about PROGRAMS_PER_SM programs per SM, each of at least
+    MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS. `num_splits` forces the count.
+    """
+    sms = num_sms or device_num_sms()
+    base = num_requests * num_kv_heads * q_tiles
+    if max_seqlen_k is None:
+        if seq_lens is None or (isinstance(seq_lens, torch.Tensor) and seq_lens.numel() == 0):
+            max_seqlen_k = 0
+        elif isinstance(seq_lens, torch.Tensor):
+            max_seqlen_k = int(seq_lens.max().item())  # one host sync; callers in a hot loop pass it
+        else:
+            max_seqlen_k = max(seq_lens, default=0)
+    if num_splits is not None:
+        if int(num_splits) < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        n = int(num_splits)
+        return SplitPlan(n, f"forced: num_splits={n}", sms, base, _cdiv(max_seqlen_k, n))
+    if base >= sms:
+        return SplitPlan(1, f"no split: {base} programs already fill {sms} SMs", sms, base, max_seqlen_k)
+    if max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
+        return SplitPlan(
+            1,
+            f"no split: longest context {max_seqlen_k} < {2 * MIN_KEYS_PER_SPLIT} keys",
+            sms,
+            base,
+            max_seqlen_k,
+        )
+    want = _cdiv(PROGRAMS_PER_SM * sms, base)
+    n = max(1, min(want, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    reason = (
+        f"split {n}: only {base} programs for {sms} SMs; {n} segments give {base * n} programs "
+        f"(target {PROGRAMS_PER_SM} per SM, >= {MIN_KEYS_PER_SPLIT} keys each, cap {MAX_SPLITS})"
+    )
+    return SplitPlan(n, reason, sms, base, _cdiv(max_seqlen_k, n))
+
+
+def plan_split_kv(
+    cu_seqlens_q: torch.Tensor | Sequence[int],
+    seq_lens: torch.Tensor | Sequence[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    *,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    num_splits: int | None = None,
+    num_sms: int | None = None,
+) -> SplitPlan:
+    """The split-KV plan `paged_attention` would use for this batch."""
+    cu = _as_list(cu_seqlens_q)
+    lens = _as_list(seq_lens)
+    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    max_q = max(q_lens, default=1)
+    _, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
+    return choose_num_splits(
+        len(lens), num_kv_heads, _cdiv(max(max_q, 1), block_q), lens, num_splits=num_splits, num_sms=num_sms
+    )
+
+
+def prefill_schedule(
+    cu_seqlens: torch.Tensor | Sequence[int],
+    max_seqlen: int,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    causal: bool = True,
+) -> TileSchedule:
+    """Tiles of `prefill_attention`: grid (heads, requests, query tiles), issued longest-first."""
+    cu = _as_list(cu_seqlens)
+    cfg = prefill_config(head_dim, dtype)
+    bm, bn = cfg.block_m, cfg.block_n
+    num_m = _cdiv(max(max_seqlen, 1), bm)
+    sched = TileSchedule("prefill_attention", (num_heads, len(cu) - 1, num_m), bm, bn)
+    for req, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        length = end - start
+        total = _cdiv(length, bn)
+        for head in range(num_heads):
+            for m_tile in range(num_m):
+                m_start = m_tile * bm
+                if m_start >= length:
+                    sched.programs.append(ProgramTiles(req, head, m_tile, 0, 0, 0, 0, -1, -1))
+                    continue
+                if causal:
+                    full_end = (m_start + 1) // bn * bn
+                    diag_end = min(m_start + bm, length)
+                else:
+                    full_end, diag_end = length // bn * bn, length
+                full = full_end // bn
+                diag = _cdiv(diag_end - full_end, bn)
+                visited = full + diag
+                sched.programs.append(
+                    ProgramTiles(req, head, m_tile, 0, full, diag, total - visited, 0, visited - 1)
+                )
+    return sched
+
+
+def paged_schedule(
+    cu_seqlens_q: torch.Tensor | Sequence[int],
+    seq_lens: torch.Tensor | Sequence[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    *,
+    num_splits: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    num_sms: int | None = None,
+) -> TileSchedule:
+    """Tiles of `paged_attention`: grid (KV heads, requests, query tiles x splits).
+
+    `skipped` (future tiles of the request) is reported on each query tile's last segment.
+    """
+    cu = _as_list(cu_seqlens_q)
+    lens = _as_list(seq_lens)
+    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    max_q = max(q_lens, default=1)
+    group = num_q_heads // num_kv_heads
+    cfg, block_q = paged_config(head_dim, dtype, group, max_q)
+    bn = cfg.block_n
+    q_tiles = _cdiv(max(max_q, 1), block_q)
+    plan = choose_num_splits(len(lens), num_kv_heads, q_tiles, lens, num_splits=num_splits, num_sms=num_sms)
+    splits = plan.num_splits
+    sched = TileSchedule(
+        "paged_attention",
+        (num_kv_heads, len(lens), q_tiles * splits),
+        cfg.block_m,
+        bn,
+        split_plan=plan,
+        block_q=block_q,
+    )
+    for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
+        context = seq_len - q_len
+        total = _cdiv(seq_len, bn)
+        for kv_head in range(num_kv_heads):
+            for q_tile in range(q_tiles):
+                t0 = q_tile * block_q
+                for split in range(splits):
+                    if t0 >= q_len:
+                        sched.programs.append(ProgramTiles(req, kv_head, q_tile, split, 0, 0, 0, -1, -1))
+                        continue
+                    kv_end = context + min(t0 + block_q, q_len)
+                    full_end = (context + t0 + 1) // bn * bn
+                    if splits > 1:
+                        seg = _cdiv(_cdiv(kv_end, splits), bn) * bn
+                        lo, hi = split * seg, min(split * seg + seg, kv_end)
+                    else:
+                        lo, hi = 0, kv_end
+                    full_hi = max(min(full_end, hi), lo)
+                    masked_lo = max(full_end, lo)
+                    full = _cdiv(full_hi - lo, bn)
+                    diag = _cdiv(max(hi - masked_lo, 0), bn)
+                    skipped = total - _cdiv(kv_end, bn) if split == splits - 1 else 0
+                    first = lo // bn if full + diag else -1
+                    last = first + full + diag - 1 if full + diag else -1
+                    sched.programs.append(
+                        ProgramTiles(req, kv_head, q_tile, split, full, diag, skipped, first, last)
+                    )
+    return sched

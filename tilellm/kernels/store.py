@@ -1,0 +1,77 @@
+"""Write this step's K/V rows into their slots of the paged cache.
+
+One program per token: it reads the token's slot from `slot_mapping` and copies the token's
+`Hkv x D` K and V values there. Slot -1 marks padding (e.g. the dummy rows of a CUDA-graph
+batch): the program returns without touching the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilellm.kernels import validation
+
+
+@triton.jit
+def _store_kernel(
+    K,
+    V,
+    K_cache,
+    V_cache,
+    slot_mapping,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cslot,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping + tok).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    ok = offs < HEADS * HEAD_DIM
+    head = offs // HEAD_DIM
+    d = offs % HEAD_DIM
+    k = tl.load(K + tok.to(tl.int64) * stride_kt + head * stride_kh + d, mask=ok)
+    v = tl.load(V + tok.to(tl.int64) * stride_vt + head * stride_vh + d, mask=ok)
+    # Cache rows are [Hkv, D] contiguous: a slot is one row of Hkv * D values.
+    tl.store(K_cache + slot * stride_cslot + offs, k, mask=ok)
+    tl.store(V_cache + slot * stride_cslot + offs, v, mask=ok)
+
+
+def store_kvcache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store K/V rows in the paged cache.
+
+    Args:
+        k, v: [T, Hkv, D] this step's keys and values (the last dim contiguous).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous.
+        slot_mapping: [T] int32/int64 slot of each token (`block * block_size + offset`); -1 skips it.
+    """
+    validation.check_store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    T, Hkv, D = k.shape
+    if T == 0:
+        return
+    _store_kernel[(T,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        HEADS=Hkv,
+        HEAD_DIM=D,
+        BLOCK=triton.next_power_of_2(Hkv * D),
+        num_warps=4 if Hkv * D >= 1024 else 1,
+    )
