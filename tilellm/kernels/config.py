@@ -7,8 +7,10 @@ the tiles the kernels visit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,8 @@ def interpreting() -> bool:
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
     """Tiles for `prefill_attention`: 128 query rows, 64 keys per step on Hopper."""
+    if "prefill" in _overrides:
+        return _overrides["prefill"]
     if interpreting():
         return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:
@@ -46,10 +50,11 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     The query heads that share a KV head are packed into the rows of one tile, so a tile holds
     `block_q` tokens x `group` heads; decode (one token) still gives the tensor cores >= 16 rows.
     """
-    if interpreting():
-        rows = 16
-        block_n = 16
-        warps, stages = 4, 1
+    if "paged" in _overrides:
+        o = _overrides["paged"]
+        rows, block_n, warps, stages = o.block_m, o.block_n, o.num_warps, o.num_stages
+    elif interpreting():
+        rows, block_n, warps, stages = 16, 16, 4, 1
     elif max_seqlen_q * group <= 16:
         rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 4, 3
     elif max_seqlen_q * group <= 64:
@@ -80,3 +85,21 @@ def num_sms(device_index: int | None = None) -> int:
         idx = torch.cuda.current_device() if device_index is None else device_index
         return torch.cuda.get_device_properties(idx).multi_processor_count
     return 132
+
+
+_overrides: dict[str, TileConfig] = {}
+
+
+@contextlib.contextmanager
+def override(**configs: TileConfig) -> Iterator[None]:
+    """Force tile configs for a block of code (benchmark sweeps): `override(prefill=TileConfig(...))`.
+
+    Keys: "prefill", "paged". For "paged", block_m is the row count before packing.
+    """
+    saved = dict(_overrides)
+    _overrides.update(configs)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)

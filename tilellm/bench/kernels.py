@@ -1,0 +1,401 @@
+"""Benchmark the attention kernels on SPEC section 5's workloads, beside torch SDPA (cuDNN, flash).
+
+Each workload is one attention layer (bf16, Hq=32, Hkv=8, D=128, page 16) built from the SPEC's
+seeded lengths. Output: a table with TFLOP/s (prefill) or effective GB/s (decode/verify), the
+floor of each workload from the ceilings measured in the same run, and the peers; `--json FILE`
+writes everything. Every timed tilellm kernel is first checked against torch SDPA in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", default=None, help="write results to this file")
+    p.add_argument("--workloads", default="P1,P2,P3,D1,D2,D3,D4,V1,C1,S1", help="comma-separated subset")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA baselines")
+    p.add_argument("--flex", action="store_true", help="also time FlexAttention (slow to compile)")
+    p.add_argument("--sweep", action="store_true", help="also time tile configs and forced split counts")
+
+
+@dataclass
+class Row:
+    name: str
+    variant: str
+    ms: float
+    tflops: float | None = None
+    gbps: float | None = None
+    floor_ms: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _lengths(lo: int, hi: int, n: int, seed: int) -> list[int]:
+    return torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Copy bandwidth (read + write) and bf16 matmul rate on this card, on random data."""
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    y = torch.empty_like(x)
+    ms = _bench(lambda: y.copy_(x))
+    copy_gbps = 2 * x.numel() * 2 / ms / 1e6
+    x = y = None  # free 4 GiB before the matmul
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = _bench(lambda: a @ b)
+    return {"copy_gbps": copy_gbps, "matmul_tflops": 2 * 8192**3 / ms / 1e9}
+
+
+def _causal_flops(lens: list[int]) -> float:
+    return sum(4 * D * HQ * L * (L + 1) / 2 for L in lens)
+
+
+def _paged_inputs(q_lens: list[int], kv_lens: list[int], dtype, *, seed: int = 0):
+    """Random q and a paged cache holding each request's context, with a permuted block table."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_per = [math.ceil(kv / PAGE) for kv in kv_lens]
+    num_blocks = sum(blocks_per)
+    k_cache = torch.randn(num_blocks, PAGE, HKV, D, device="cuda", dtype=dtype, generator=g)
+    v_cache = torch.randn(num_blocks, PAGE, HKV, D, device="cuda", dtype=dtype, generator=g)
+    perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    block_table = torch.zeros(len(kv_lens), max(blocks_per), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, nb in enumerate(blocks_per):
+        block_table[i, :nb] = perm[start : start + nb]
+        start += nb
+    q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=dtype, generator=g)
+    cu = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, block_table, cu, seq_lens
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out, s = [], 0
+    for x in xs:
+        s += x
+        out.append(s)
+    return out
+
+
+def _kv_bytes(kv_lens: list[int], elem: int = 2) -> float:
+    return sum(kv_lens) * HKV * D * 2 * elem
+
+
+def _check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) -> float:
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+    if not err < tol:
+        raise AssertionError(f"{name}: relative max error {err:.3e} over {tol}")
+    return err
+
+
+def _sdpa_ref_paged(q, k_cache, v_cache, block_table, q_lens, kv_lens, limit: int = 4):
+    """fp32 SDPA over the first `limit` requests, gathered from the cache (the correctness oracle)."""
+    import torch.nn.functional as F
+
+    outs, start = [], 0
+    for i, (ql, kv) in enumerate(zip(q_lens[:limit], kv_lens[:limit])):
+        idx = torch.arange(kv, device="cuda")
+        blocks = block_table[i, idx // PAGE].long()
+        k = k_cache[blocks, idx % PAGE].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+        v = v_cache[blocks, idx % PAGE].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+        qq = q[start : start + ql].float().transpose(0, 1)
+        pos_q = torch.arange(kv - ql, kv, device="cuda")
+        mask = idx[None, :] <= pos_q[:, None]
+        outs.append(F.scaled_dot_product_attention(qq, k, v, attn_mask=mask).transpose(0, 1))
+        start += ql
+    return torch.cat(outs), start
+
+
+def bench_prefill(
+    name: str, lens: list[int], dtype, rows: list[Row], ceilings, peers: bool, flex: bool, sweep: bool
+):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import tilellm.kernels as tk
+    from tilellm.kernels import config
+
+    T = sum(lens)
+    q = torch.randn(T, HQ, D, device="cuda", dtype=dtype)
+    k = torch.randn(T, HKV, D, device="cuda", dtype=dtype)
+    v = torch.randn(T, HKV, D, device="cuda", dtype=dtype)
+    cu = torch.tensor([0] + _cumsum(lens), dtype=torch.int32, device="cuda")
+    flops = _causal_flops(lens)
+    floor = flops / (ceilings["matmul_tflops"] * 1e12) * 1e3
+
+    # correctness on the first requests (fp32 SDPA oracle)
+    o = tk.prefill_attention(q, k, v, cu, max(lens))
+    n_chk = min(len(lens), 2)
+    s = 0
+    for i in range(n_chk):
+        L = lens[i]
+        qq = q[s : s + L].float().transpose(0, 1)
+        kk = k[s : s + L].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+        vv = v[s : s + L].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+        ref = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).transpose(0, 1)
+        _check(f"{name} request {i}", o[s : s + L], ref)
+        s += L
+
+    ms = _bench(lambda: tk.prefill_attention(q, k, v, cu, max(lens)))
+    rows.append(Row(name, f"tilellm {str(dtype)[6:]}", ms, flops / ms / 1e9, None, floor))
+    if sweep:
+        for bm, bn, w, st in [
+            (128, 64, 4, 2),
+            (128, 64, 8, 2),
+            (128, 64, 8, 3),
+            (128, 128, 8, 2),
+            (64, 64, 4, 3),
+        ]:
+            cfg = config.TileConfig(bm, bn, w, st)
+            try:
+                with config.override(prefill=cfg):
+                    ms_c = _bench(lambda: tk.prefill_attention(q, k, v, cu, max(lens)))
+                rows.append(
+                    Row(name, f"tilellm bm{bm} bn{bn} w{w} s{st}", ms_c, flops / ms_c / 1e9, None, floor)
+                )
+            except Exception as e:  # a config that does not fit shared memory
+                rows.append(
+                    Row(name, f"tilellm bm{bm} bn{bn} w{w} s{st}", float("nan"), note=type(e).__name__)
+                )
+    if peers:
+        # one call per request, K/V expanded to Hq heads outside the timed region
+        per_req = []
+        s = 0
+        for L in lens:
+            per_req.append(
+                (
+                    q[s : s + L].transpose(0, 1).unsqueeze(0),
+                    k[s : s + L].transpose(0, 1).repeat_interleave(HQ // HKV, 0).unsqueeze(0),
+                    v[s : s + L].transpose(0, 1).repeat_interleave(HQ // HKV, 0).unsqueeze(0),
+                )
+            )
+            s += L
+        for label, backend in [
+            ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("sdpa flash", SDPBackend.FLASH_ATTENTION),
+        ]:
+            try:
+
+                def run(backend=backend):
+                    with sdpa_kernel(backend):
+                        for qq, kk, vv in per_req:
+                            F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+
+                ms_p = _bench(run)
+                rows.append(Row(name, label + " (per request)", ms_p, flops / ms_p / 1e9, None, floor))
+            except Exception as e:
+                rows.append(Row(name, label, float("nan"), note=f"{type(e).__name__}: {e}"[:80]))
+    if flex:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            doc = torch.repeat_interleave(
+                torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda")
+            )
+
+            def mask_mod(b, h, qi, ki):
+                return (doc[qi] == doc[ki]) & (qi >= ki)
+
+            bm = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+            fa = torch.compile(flex_attention)
+            qf, kf, vf = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            fa(qf, kf, vf, block_mask=bm, enable_gqa=True)
+            ms_f = _bench(lambda: fa(qf, kf, vf, block_mask=bm, enable_gqa=True))
+            rows.append(Row(name, "flex document-causal", ms_f, flops / ms_f / 1e9, None, floor))
+        except Exception as e:
+            rows.append(Row(name, "flex", float("nan"), note=f"{type(e).__name__}: {e}"[:80]))
+
+
+def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bool, sweep: bool, peers: bool):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import tilellm.kernels as tk
+    from tilellm.kernels.schedule import plan_split_kv
+
+    q, kc, vc, bt, cu, seq = _paged_inputs(q_lens, kv_lens, dtype)
+    byts = _kv_bytes(kv_lens)
+    floor = byts / (ceilings["copy_gbps"] * 1e9) * 1e3
+    max_q, max_k = max(q_lens), max(kv_lens)
+    if decode:
+        fn = lambda splits=None: tk.decode_attention(
+            q, kc, vc, bt, seq, num_splits=splits, max_seqlen_k=max_k
+        )
+    else:
+        fn = lambda splits=None: tk.paged_attention(
+            q, kc, vc, bt, cu, seq, max_q, num_splits=splits, max_seqlen_k=max_k
+        )
+    ref, n = _sdpa_ref_paged(q, kc, vc, bt, q_lens, kv_lens)
+    err = _check(name, fn()[:n], ref)
+    plan = plan_split_kv(cu, seq, HQ, HKV, head_dim=D, dtype=dtype)
+    ms = _bench(fn)
+    flops = sum(4 * D * HQ * (p + 1) for ql, kv in zip(q_lens, kv_lens) for p in range(kv - ql, kv))
+    rows.append(
+        Row(
+            name,
+            f"tilellm {str(dtype)[6:]} splits={plan.num_splits}",
+            ms,
+            flops / ms / 1e9,
+            byts / ms / 1e6,
+            floor,
+            extra={"max_rel_err": err, "plan": plan.reason},
+        )
+    )
+    if sweep:
+        for s in [1, 2, 4, 8, 16, 32, 64]:
+            if s == plan.num_splits:
+                continue
+            ms_s = _bench(lambda s=s: fn(s))
+            rows.append(Row(name, f"tilellm splits={s}", ms_s, flops / ms_s / 1e9, byts / ms_s / 1e6, floor))
+    if peers and decode and len(set(kv_lens)) == 1 and len(kv_lens) * kv_lens[0] <= 1 << 20:
+        # SDPA on contiguous (not paged) K/V, all requests in one batched call
+        B, L = len(kv_lens), kv_lens[0]
+        qd = q.view(B, HQ, 1, D)
+        kd = torch.randn(B, HKV, L, D, device="cuda", dtype=dtype)
+        vd = torch.randn(B, HKV, L, D, device="cuda", dtype=dtype)
+        for label, backend in [
+            ("sdpa cudnn contiguous", SDPBackend.CUDNN_ATTENTION),
+            ("sdpa flash contiguous", SDPBackend.FLASH_ATTENTION),
+        ]:
+            try:
+
+                def run(backend=backend):
+                    with sdpa_kernel(backend):
+                        F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
+
+                run()
+                ms_p = _bench(run)
+                rows.append(Row(name, label + " (GQA)", ms_p, None, byts / ms_p / 1e6, floor))
+            except Exception as e:
+                rows.append(Row(name, label, float("nan"), note=f"{type(e).__name__}: {e}"[:80]))
+        del kd, vd
+    return ms
+
+
+def bench_sparse(rows, ceilings, dtype):
+    import tilellm.kernels as tk
+
+    B, L, K = 64, 65536, 2048
+    q, kc, vc, bt, cu, seq = _paged_inputs([1] * B, [L] * B, dtype)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    topk = torch.stack([torch.randperm(L, device="cuda", generator=g)[:K] for _ in range(B)]).to(torch.int32)
+    topk, _ = topk.sort(dim=1)
+    o = tk.sparse_attention(q, kc, vc, bt, cu, topk, seq_lens=seq)
+    # oracle: dense attention restricted to the selected keys, first request
+    import torch.nn.functional as F
+
+    idx = topk[0].long()
+    blocks = bt[0, idx // PAGE].long()
+    k = kc[blocks, idx % PAGE].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+    v = vc[blocks, idx % PAGE].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+    ref = F.scaled_dot_product_attention(q[0:1].float().transpose(0, 1), k, v).transpose(0, 1)
+    err = _check("S1", o[0:1], ref)
+    ms_sparse = _bench(lambda: tk.sparse_attention(q, kc, vc, bt, cu, topk, seq_lens=seq))
+    ms_dense = _bench(lambda: tk.decode_attention(q, kc, vc, bt, seq, max_seqlen_k=L))
+    byts_sparse = B * K * HKV * D * 2 * 2
+    rows.append(
+        Row(
+            "S1",
+            "tilellm sparse top-2048",
+            ms_sparse,
+            None,
+            byts_sparse / ms_sparse / 1e6,
+            byts_sparse / (ceilings["copy_gbps"] * 1e9) * 1e3,
+            extra={"max_rel_err": err},
+        )
+    )
+    rows.append(
+        Row(
+            "S1",
+            "tilellm dense decode (same context)",
+            ms_dense,
+            None,
+            _kv_bytes([L] * B) / ms_dense / 1e6,
+            _kv_bytes([L] * B) / (ceilings["copy_gbps"] * 1e9) * 1e3,
+            note=f"sparse speedup {ms_dense / ms_sparse:.1f}x",
+        )
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("tilellm bench kernels needs a CUDA GPU")
+        return 1
+    dtype = getattr(torch, args.dtype)
+    want = set(args.workloads.split(","))
+    t0 = time.time()
+    ceilings = measure_ceilings()
+    print(
+        f"# {torch.cuda.get_device_name()}  copy {ceilings['copy_gbps']:.0f} GB/s  "
+        f"matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
+    )
+    rows: list[Row] = []
+    peers, sweep = not args.no_peers, args.sweep
+    prefill = {"P1": _lengths(512, 4096, 16, 1), "P2": [32768], "P3": _lengths(256, 1024, 64, 3)}
+    for name, lens in prefill.items():
+        if name in want:
+            bench_prefill(name, lens, dtype, rows, ceilings, peers, args.flex, sweep)
+            torch.cuda.empty_cache()
+    decode = {"D1": [2048] * 256, "D2": [32768] * 8, "D3": [131072], "D4": _lengths(128, 16384, 64, 4)}
+    for name, kv in decode.items():
+        if name in want:
+            bench_paged(
+                name,
+                [1] * len(kv),
+                kv,
+                dtype,
+                rows,
+                ceilings,
+                decode=True,
+                sweep=sweep and name in ("D2", "D3"),
+                peers=peers,
+            )
+            torch.cuda.empty_cache()
+    if "V1" in want:
+        bench_paged(
+            "V1", [6] * 32, [8192 + 6] * 32, dtype, rows, ceilings, decode=False, sweep=False, peers=False
+        )
+    if "C1" in want:
+        bench_paged(
+            "C1", [512] * 16, [4096 + 512] * 16, dtype, rows, ceilings, decode=False, sweep=False, peers=False
+        )
+    torch.cuda.empty_cache()
+    if "S1" in want:
+        bench_sparse(rows, ceilings, dtype)
+    print(f"{'workload':8} {'variant':44} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'floor ms':>9}  note")
+    for r in rows:
+        tf = f"{r.tflops:8.1f}" if r.tflops is not None else " " * 8
+        gb = f"{r.gbps:7.0f}" if r.gbps is not None else " " * 7
+        fl = f"{r.floor_ms:9.3f}" if r.floor_ms is not None else " " * 9
+        print(f"{r.name:8} {r.variant:44} {r.ms:9.3f} {tf} {gb} {fl}  {r.note}")
+    print(f"# {time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "ceilings": ceilings,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
+    return 0
