@@ -1,0 +1,138 @@
+"""Request and sequence state.
+
+A `Request` is what a caller submitted: one prompt and its `SamplingParams`. It owns `n`
+`Sequence`s (samples). A sequence is the unit the scheduler and the block manager work on:
+its tokens (prompt + generated), how many of them have K/V in the cache, and its blocks.
+
+Who sets what:
+  - scheduler: `status`, `num_computed_tokens` (advanced when a step is scheduled), `row`
+  - block manager: `block_table`, `block_hashes`, `num_hashed_blocks`, `row`
+  - engine (after a step): `token_ids` (appends), finish fields, logprobs, detokenizer
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from tilellm.engine.detokenizer import IncrementalDetokenizer
+from tilellm.engine.outputs import Logprob, RequestMetrics
+from tilellm.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue: no blocks (new, or preempted)
+    RUNNING = "running"  # holds blocks, scheduled every step it fits the budget
+    FINISHED = "finished"  # done (stop / length / abort), blocks released
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """One sample: tokens, progress through them, and the KV blocks that hold them.
+
+    NOTE: tokens `[0, num_computed_tokens)` have K/V in `block_table` (after the step that was
+    scheduled for them runs); tokens `[num_computed_tokens, num_tokens)` are still to compute.
+    A sequence samples a token in a step exactly when that step brings it to `num_tokens`.
+    """
+
+    __slots__ = (
+        "seq_id",
+        "request",
+        "index",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "status",
+        "block_table",
+        "block_hashes",
+        "num_hashed_blocks",
+        "cache_root",
+        "row",
+        "seed",
+        "finish_reason",
+        "stop_reason",
+        "cumulative_logprob",
+        "logprobs",
+        "detokenizer",
+        "text",
+        "admit_order",
+    )
+
+    def __init__(self, request: Request, index: int, seed: int, cache_root: bytes | None):
+        self.seq_id = next(_seq_counter)
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit (tokens) at first admission
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hash of each full block, computed lazily
+        self.num_hashed_blocks = 0  # leading blocks whose hash is registered (or were cache hits)
+        self.cache_root = cache_root  # None: never hashed (prefix caching off and n == 1)
+        self.row = -1  # row in the block manager's block-table array while blocks are held
+        self.seed = seed  # 64-bit seed of this sample's random stream
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob: float | None = 0.0 if request.params.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.text = ""  # final (or latest streamed) text; the detokenizer's text minus any stop string
+        self.admit_order = -1  # when it last entered `running` (preemption takes the latest)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request.request_id!r}, index={self.index}, "
+            f"status={self.status.value}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table})"
+        )
+
+
+class Request:
+    """One submitted prompt with its parameters and samples.
+
+    Sample 0 is queued first; samples 1..n-1 are queued once sample 0 has prefilled the prompt,
+    so that they find its full blocks in the cache and only compute the last partial block.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seeds: list[int],
+        cache_root: bytes | None,
+        arrival_time: float,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.seqs = [Sequence(self, i, seeds[i], cache_root) for i in range(params.n)]
+        self.siblings_queued = params.n == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,98 @@
+"""Sampling parameters of one request, with vLLM's names, defaults and value checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Temperatures below this are greedy (as in vLLM): dividing by them would overflow the logits.
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request (vLLM-compatible).
+
+    temperature 0 is greedy; `top_k` -1 or 0 and `top_p` 1 and `min_p` 0 turn those filters off.
+    `seed` makes a request's tokens reproducible whatever else shares its batches. `stop` strings
+    end generation and are cut from the text; `stop_token_ids` end it and stay in `token_ids`.
+    `min_tokens` suppresses EOS and `stop_token_ids` until that many tokens exist. `logprobs=k`
+    returns the sampled token's log-probability plus the top-k of each step (raw model distribution).
+    Invalid values raise ValueError naming the field; an unknown keyword raises TypeError naming it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check()
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.temperature < GREEDY_EPS:
+            # Greedy: the other filters cannot change an argmax.
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
+        if self.top_k == 0:
+            self.top_k = -1
+
+    def _check(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not _is_number(self.temperature) or not self.temperature >= 0 or self.temperature == float("inf"):
+            raise bad("temperature", "must be a finite number >= 0")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise bad("top_k", "must be -1 or 0 (off) or an integer >= 1")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and (
+            not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops)
+        ):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)
+        ):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", "must be a bool")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

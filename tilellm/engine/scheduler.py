@@ -1,0 +1,180 @@
+"""Continuous batching with one token budget per step.
+
+Each step spends at most `max_num_batched_tokens` tokens. Running sequences come first, in the
+order they were admitted: a decoding sequence takes 1 token, a sequence still in its prompt takes
+the next chunk of it (any prompt can be prefilled in chunks). What is left of the budget admits
+waiting sequences first-come first-served (their cached prefix blocks cost nothing), up to
+`max_num_seqs` running.
+
+When the pool has no block for a running sequence, the most recently admitted running sequence
+is preempted: its blocks are freed, its progress reset (recompute) and it goes back to the front
+of the waiting queue, keeping the tokens it generated. No sequence is admitted in a step that
+preempted. A sequence alone always fits (the engine caps `max_model_len` at the pool's size), so
+every step makes progress and no request is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tilellm.cache.block_manager import BlockManager
+from tilellm.engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: `seqs[i]` computes tokens `[starts[i], starts[i] + num_new_tokens[i])`.
+
+    `samples[i]` is True when that reaches the end of the sequence's known tokens, so the step
+    samples its next token. `admitted` lists the sequences that entered `running` in this step.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Decides which sequences run in each step and how many tokens each computes."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+        self._admissions = itertools.count()
+        self._running_dirty = False  # finished/aborted sequences still in `running`
+
+    # -- queue management ----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_front(self, seqs: list[Sequence]) -> None:
+        """Queue `seqs` ahead of everything waiting (e.g. the other samples of a started request)."""
+        self.waiting.extendleft(reversed(seqs))
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished sequence's blocks (it leaves `running` at the next schedule)."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._running_dirty = True
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass  # a sample not queued yet
+        if seq.status is not SequenceStatus.FINISHED:
+            self.finish(seq)
+
+    @property
+    def num_running(self) -> int:
+        self._compact()
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        self._compact()
+        return bool(self.running or self.waiting)
+
+    def _compact(self) -> None:
+        if self._running_dirty:
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+            self._running_dirty = False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._compact()
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        bs = bm.block_size
+        running = self.running
+        seqs, qlens, starts, samples = out.seqs, out.num_new_tokens, out.starts, out.samples
+
+        # Running sequences, oldest first: decodes (1 token) and prompt chunks.
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            start = seq.num_computed_tokens
+            total = len(seq.token_ids)
+            n = min(total - start, budget)
+            if start + n > len(seq.block_table) * bs:
+                while not bm.allocate(seq, n):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    if not running and not seqs:
+                        raise RuntimeError(f"KV pool of {bm.num_blocks} blocks cannot hold {seq!r} alone")
+                    break
+            seqs.append(seq)
+            qlens.append(n)
+            starts.append(start)
+            samples.append(start + n == total)
+            seq.num_computed_tokens = start + n
+            budget -= n
+            i += 1
+
+        # Waiting sequences, first come first served, while the budget and the pool allow.
+        if not out.preempted:
+            now = time.perf_counter()
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+                seq = waiting[0]
+                hits = bm.lookup_prefix(seq)
+                num_cached = len(hits) * bs
+                total = len(seq.token_ids)
+                n = min(total - num_cached, budget)
+                if not bm.allocate(seq, n, hits):
+                    break
+                waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                seq.admit_order = next(self._admissions)
+                metrics = seq.request.metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = num_cached
+                running.append(seq)
+                out.admitted.append(seq)
+                seqs.append(seq)
+                qlens.append(n)
+                starts.append(num_cached)
+                samples.append(num_cached + n == total)
+                seq.num_computed_tokens = num_cached + n
+                budget -= n
+        return out
