@@ -1,0 +1,126 @@
+"""A deterministic stand-in for `LLMEngine`, for tests that must make the engine misbehave.
+
+Token t of a sequence is `(sum(prompt) * 31 + 7 * t + index) % 200 + 32` (printable bytes of the
+tiny tokenizer); `fail_on_step` makes the next `step()` raise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FakeParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class FakeCompletion:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[FakeCompletion]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_total: int = 64
+    num_kv_blocks_used: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+@dataclass
+class _Req:
+    prompt: list[int]
+    params: FakeParams
+    tokens: list[list[int]] = field(default_factory=list)
+
+
+class FakeEngine:
+    def __init__(self, tokenizer, max_model_len: int = 256, vocab_size: int = 384):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.model_config = type("Cfg", (), {"vocab_size": vocab_size})()
+        self.reqs: dict[str, _Req] = {}
+        self.fail_on_step = False
+        self.stats = FakeStats()
+
+    def add_request(self, request_id, prompt, params) -> None:
+        if request_id in self.reqs:
+            raise ValueError(f"request_id {request_id} already exists")
+        self.reqs[request_id] = _Req(list(prompt), params, [[] for _ in range(params.n)])
+        self.stats.prompt_tokens_total += len(prompt)
+
+    def abort_request(self, request_id) -> bool:
+        return self.reqs.pop(request_id, None) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def get_stats(self) -> FakeStats:
+        self.stats.num_running = len(self.reqs)
+        self.stats.num_kv_blocks_used = len(self.reqs)
+        return self.stats
+
+    def step(self) -> list[FakeOutput]:
+        if self.fail_on_step:
+            self.fail_on_step = False
+            raise RuntimeError("injected failure")
+        outs = []
+        for rid, req in list(self.reqs.items()):
+            comps = []
+            for i, toks in enumerate(req.tokens):
+                t = (sum(req.prompt) * 31 + 7 * len(toks) + i) % 200 + 32
+                toks.append(t)
+                self.stats.generation_tokens_total += 1
+                lps = None
+                if req.params.logprobs is not None:
+                    lps = [{tok: math.log(0.5)} for tok in toks]
+                done = len(toks) >= req.params.max_tokens
+                comps.append(
+                    FakeCompletion(
+                        i, self.tokenizer.decode(toks), list(toks), None, lps, "length" if done else None
+                    )
+                )
+            finished = all(c.finish_reason for c in comps)
+            if finished:
+                del self.reqs[rid]
+            outs.append(FakeOutput(rid, None, req.prompt, comps, finished))
+        return outs

@@ -1,0 +1,83 @@
+"""Run the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tilellm.commands.common import add_engine_arguments, engine_kwargs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser, model_positional=True)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TILELLM_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $TILELLM_API_KEY)",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: MODEL as given)"
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, default=1024, help="requests queued beyond the running batch; more get 429"
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413"
+    )
+    parser.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before they are aborted",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def _resolve_model(model: str | None) -> tuple[str, str]:
+    """(model directory, default served name); the embedded model when none is given."""
+    if model is not None:
+        return model, model
+    from tilellm.assets import default_model_path
+
+    path = str(default_model_path())
+    print(f"tilellm serve: no MODEL given, serving the embedded default model at {path}", file=sys.stderr)
+    return path, os.path.basename(os.path.normpath(path))
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.uvicorn_log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.max_waiting < 1 or args.max_request_bytes < 1:
+        print("tilellm serve: --max-waiting and --max-request-bytes must be positive", file=sys.stderr)
+        return 2
+    model, default_name = _resolve_model(args.model)
+
+    from tilellm.engine.llm_engine import LLMEngine
+    from tilellm.server.app import ServerConfig, create_app
+    from tilellm.server.launcher import make_server
+
+    engine = LLMEngine(model, **engine_kwargs(args))
+    config = ServerConfig(
+        served_model_name=args.served_model_name or default_name,
+        api_key=args.api_key or None,
+        max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+        model_root=model,
+    )
+    app = create_app(engine, config)
+    server = make_server(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        graceful_timeout=args.graceful_shutdown_timeout,
+    )
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,197 @@
+"""The FastAPI application: routes, API-key check, body size limit, lifespan of the engine thread."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tilellm.server.async_engine import AsyncEngine
+from tilellm.server.errors import APIError, error_body, install_error_handlers
+from tilellm.server.metrics import ServerMetrics
+from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest
+from tilellm.server.serving import OpenAIServing
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
+    max_waiting: int = 1024  # requests queued but not yet running; beyond this -> 429
+    max_request_bytes: int = 8 * 1024 * 1024  # bodies over this -> 413
+    model_root: str | None = None  # shown as `root` in /v1/models
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for request bodies over `limit` bytes (declared or actually sent).
+
+    The body is read here in full (it is small by construction) and replayed to the app; later
+    `receive()` calls go to the server, so the app still sees the client's disconnect.
+    """
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _send_error(send, 413, self._message())
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await _send_error(send, 413, self._message())
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def _message(self) -> str:
+        return f"request body is larger than the limit of {self.limit} bytes"
+
+
+class _APIKeyCheck:
+    """ASGI middleware: 401 on /v1/* without `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not token:
+                return await _send_error(
+                    send, 401, "missing API key: send `Authorization: Bearer <key>`", "invalid_api_key"
+                )
+            if not secrets.compare_digest(token.strip(), self.api_key):
+                return await _send_error(send, 401, "incorrect API key provided", "invalid_api_key")
+        return await self.app(scope, receive, send)
+
+
+async def _send_error(send: Any, status: int, message: str, code: str | None = None) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _vocab_size(engine: Any) -> int:
+    cfg = getattr(engine, "model_config", None)
+    for obj in (cfg, getattr(cfg, "hf_config", None), getattr(cfg, "text_config", None)):
+        size = getattr(obj, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return len(engine.tokenizer)
+
+
+def create_app(engine: Any, config: ServerConfig) -> FastAPI:
+    """An app serving `engine` (an `LLMEngine`); the engine thread runs while the app's lifespan does."""
+    metrics = ServerMetrics(config.served_model_name)
+    async_engine = AsyncEngine(engine, max_waiting=config.max_waiting, observer=metrics)
+    metrics.bind(lambda: async_engine.stats)
+    serving = OpenAIServing(
+        async_engine,
+        engine.tokenizer,
+        config.served_model_name,
+        int(engine.max_model_len),
+        _vocab_size(engine),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="tilellm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.serving = serving
+    install_error_handlers(app)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            reason = async_engine.error or "the engine loop is not running"
+            return JSONResponse(error_body(503, reason, code="engine_dead"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tilellm",
+            "root": config.model_root or config.served_model_name,
+            "max_model_len": serving.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return (await models())["data"][0]
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await serving.chat(body, raw)
+
+    _mount_inspect(app)
+    if config.api_key:
+        app.add_middleware(_APIKeyCheck, api_key=config.api_key)
+    app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
+    return app
+
+
+def _mount_inspect(app: FastAPI) -> None:
+    """GET /inspect, when `tilellm.inspect` provides an HTML renderer (`render_html() -> str`)."""
+    try:
+        from tilellm.inspect import render_html  # type: ignore[attr-defined]
+    except Exception:
+        return
+
+    from fastapi.responses import HTMLResponse
+
+    @app.get("/inspect")
+    async def inspect_page() -> HTMLResponse:
+        return HTMLResponse(render_html())
+
+
+__all__ = ["APIError", "ServerConfig", "create_app"]

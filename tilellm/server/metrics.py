@@ -1,0 +1,162 @@
+"""Prometheus metrics of one server (its own `CollectorRegistry`, so several apps can share a process).
+
+Engine-level numbers (running/waiting requests, KV blocks, prefix cache, preemptions, token
+counters) are read at scrape time from the stats snapshot the engine thread publishes; latency
+histograms are observed by the engine thread as requests get their first token and finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tilellm.server.async_engine import StatsSnapshot
+
+PREFIX = "tilellm:"
+
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+)
+_TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+_E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, get_stats: Callable[[], StatsSnapshot], model_name: str):
+        self._get_stats = get_stats
+        self._labels = {"model_name": model_name}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+        g.add_metric(list(self._labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+        c.add_metric(list(self._labels.values()), value)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._get_stats()
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        usage = s.num_kv_blocks_used / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0
+        yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("kv_blocks_used", "KV cache blocks in use.", s.num_kv_blocks_used)
+        yield self._gauge("kv_blocks_total", "KV cache blocks in the pool.", s.num_kv_blocks_total)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", usage)
+        yield self._gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).", hit_rate)
+        yield self._counter("prefix_cache_queries", "Prefix cache lookups (tokens).", s.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prefix cache hits (tokens).", s.prefix_cache_hits)
+        yield self._counter("num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
+        yield self._counter("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
+        yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+
+
+class ServerMetrics:
+    """Owns the registry; the `AsyncEngine` calls `on_first_token` / `on_finished` (engine thread)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self._get_stats: Callable[[], StatsSnapshot] = StatsSnapshot
+        self.registry.register(_EngineCollector(lambda: self._get_stats(), model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by finish reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+
+    def bind(self, get_stats: Callable[[], StatsSnapshot]) -> None:
+        self._get_stats = get_stats
+
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+
+    def on_finished(self, e2e: float, tpot: float | None, finish_reason: str) -> None:
+        self.e2e.observe(e2e)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self._success.labels(self._model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,125 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), as OpenAI defines them plus vLLM's extras.
+
+Fields the engine cannot honour are accepted only at their neutral value (`presence_penalty: 0`,
+`logit_bias: {}`, ...); anything else is a 400 that names the field, raised by `check_unsupported`.
+Unknown fields are ignored, as OpenAI's own server does for forward compatibility.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tilellm.server.errors import APIError
+
+# Bounds that keep a single request from asking the engine for something absurd; the engine's
+# SamplingParams checks the finer ranges (temperature >= 0, 0 < top_p <= 1, ...).
+MAX_N = 128  # OpenAI's own limit on `n`
+MAX_LOGPROBS = 20  # OpenAI's limit on `top_logprobs`
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: TokenIds | None = None
+    repetition_penalty: float | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Request):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    """400 for OpenAI features this engine does not implement, unless left at their neutral value."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise APIError.invalid(f"{name} is not supported by this server; leave it unset or 0", name)
+    if req.repetition_penalty not in (None, 1.0):
+        raise APIError.invalid(
+            "repetition_penalty is not supported by this server; leave it unset or 1", "repetition_penalty"
+        )
+    if req.logit_bias:
+        raise APIError.invalid("logit_bias is not supported by this server", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError.invalid("stream_options is only allowed when stream is true", "stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if any(s == "" for s in stops):
+        raise APIError.invalid("stop strings must not be empty", "stop")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise APIError.invalid("suffix is not supported by this server", "suffix")
+        if req.best_of not in (None, req.n):
+            raise APIError.invalid(
+                "best_of is not supported by this server; leave it unset or equal to n", "best_of"
+            )
+        if req.echo and req.logprobs is not None:
+            raise APIError.invalid("echo together with logprobs (prompt logprobs) is not supported", "echo")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise APIError.invalid("tools (function calling) are not supported by this server", "tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError.invalid("only response_format type 'text' is supported", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError.invalid("top_logprobs requires logprobs to be true", "top_logprobs")

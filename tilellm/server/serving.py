@@ -1,0 +1,585 @@
+"""/v1/completions and /v1/chat/completions: request -> engine requests -> response or SSE stream.
+
+One HTTP request becomes one engine request per prompt (tags 0..k-1, `n` sequences each), all
+feeding one queue. Choice `i` of prompt `t` has index `t * n + i` in the response, as in OpenAI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tilellm.server.async_engine import AsyncEngine, EngineRequest, QueueFullError, RequestUpdate, SeqDelta
+from tilellm.server.errors import APIError
+from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
+
+# Engine SamplingParams names that may appear in its ValueError messages, for the error's `param`.
+_PARAM_NAMES = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "stop",
+    "logprobs",
+    "n",
+    "prompt",
+)
+
+
+@dataclass
+class _Choice:
+    """Accumulated output of one choice (non-streaming) or its running state (streaming)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    final_text: str | None = None
+    text_offset: int = 0  # completions logprobs: characters before the next token
+    started: bool = False  # chat streaming: role chunk sent
+
+
+def _sse(obj: dict[str, Any] | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def _merge(batch: list[RequestUpdate]) -> dict[tuple[int, int], SeqDelta]:
+    """Coalesce queued updates per (tag, index), in order: the client gets one chunk per choice."""
+    merged: dict[tuple[int, int], SeqDelta] = {}
+    for update in batch:
+        for d in update.deltas:
+            key = (update.tag, d.index)
+            m = merged.get(key)
+            if m is None:
+                merged[key] = SeqDelta(
+                    d.index, d.text, list(d.token_ids), list(d.logprobs) if d.logprobs is not None else None
+                )
+                m = merged[key]
+            else:
+                m.text += d.text
+                m.token_ids.extend(d.token_ids)
+                if d.logprobs is not None:
+                    m.logprobs = (m.logprobs or []) + list(d.logprobs)
+            if d.finish_reason is not None:
+                m.finish_reason, m.stop_reason, m.final_text = d.finish_reason, d.stop_reason, d.final_text
+    return merged
+
+
+def _logprob_value(v: Any) -> float:
+    return float(getattr(v, "logprob", v))
+
+
+def split_logprob_entry(entry: Any, sampled: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The sampled token's logprob and the `k` most likely (token id, logprob), from one engine entry.
+
+    An entry is a mapping token id -> logprob (a float or an object with `.logprob`) holding the
+    sampled token and the top candidates, as vLLM's `Logprob` dicts do.
+    """
+    if isinstance(entry, dict):
+        items = [(int(t), _logprob_value(v)) for t, v in entry.items()]
+    else:
+        items = [(int(t), _logprob_value(v)) for t, v in entry]
+    by_id = dict(items)
+    sampled_lp = by_id.get(sampled, float("-inf"))
+    tops = sorted(items, key=lambda x: -x[1])[:k]
+    return sampled_lp, tops
+
+
+def _finite(x: float) -> float:
+    # JSON has no infinities; OpenAI reports -9999.0 for "impossible".
+    return x if x > -9999.0 else -9999.0
+
+
+class OpenAIServing:
+    def __init__(
+        self, async_engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int
+    ):
+        self.engine = async_engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._token_str_cache: dict[int, str] = {}
+
+    # ---- shared steps ----
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def _token_str(self, tid: int) -> str:
+        s = self._token_str_cache.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid])
+            self._token_str_cache[tid] = s
+        return s
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError.invalid(
+                f"{param}: token id {bad} is out of range (vocabulary size {self.vocab_size})", param
+            )
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
+        if prompt_len == 0:
+            raise APIError.invalid(f"{prompt_param}: the prompt is empty", prompt_param)
+        if prompt_len >= self.max_model_len:
+            raise APIError.invalid(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {prompt_len} tokens. Please reduce the length of the {prompt_param}.",
+                prompt_param,
+            )
+        if requested is None:
+            return self.max_model_len - prompt_len
+        if requested < 1:
+            raise APIError.invalid(f"{param} must be at least 1, got {requested}", param)
+        if prompt_len + requested > self.max_model_len:
+            raise APIError.invalid(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, {requested} for the "
+                f"completion). Please reduce the length of the {prompt_param} or of {param}.",
+                param,
+            )
+        return requested
+
+    def _sampling_params(
+        self, req: Any, max_tokens: int, logprobs: int | None, renames: dict[str, str]
+    ) -> Any:
+        from tilellm import SamplingParams
+
+        kwargs: dict[str, Any] = dict(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+        )
+        optional = dict(
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            stop=[req.stop] if isinstance(req.stop, str) else req.stop,
+            stop_token_ids=req.stop_token_ids,
+            logprobs=logprobs,
+        )
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        if req.stop_token_ids:
+            self._check_token_ids(req.stop_token_ids, "stop_token_ids")
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise _engine_value_error(exc, renames) from None
+
+    async def _submit(
+        self, base_id: str, prompts: list[list[int]], params: Any, renames: dict[str, str]
+    ) -> tuple[asyncio.Queue, list[str]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        reqs = [EngineRequest(f"{base_id}-{t}", ids, params) for t, ids in enumerate(prompts)]
+        try:
+            await self.engine.add_requests(reqs, queue)
+        except QueueFullError as exc:
+            raise APIError(429, f"{exc}; retry later", code="queue_full") from None
+        except ValueError as exc:
+            raise _engine_value_error(exc, renames) from None
+        except RuntimeError as exc:  # shutting down
+            raise APIError(503, str(exc), code="shutting_down") from None
+        return queue, [r.request_id for r in reqs]
+
+    async def _collect(
+        self, queue: asyncio.Queue, num_prompts: int, request_ids: list[str], raw: Request
+    ) -> tuple[dict[tuple[int, int], _Choice], list[int]]:
+        """Wait for every engine request to finish; abort them all if the client goes away."""
+        choices: dict[tuple[int, int], _Choice] = {}
+        cached = [0] * num_prompts
+
+        async def consume() -> None:
+            async for batch in _updates(queue, num_prompts):
+                for u in batch:
+                    if u.error is not None:
+                        raise APIError(500, u.error, code="engine_error")
+                    cached[u.tag] = u.num_cached_tokens
+                for key, d in _merge(batch).items():
+                    c = choices.setdefault(key, _Choice())
+                    c.text.append(d.text)
+                    c.token_ids.extend(d.token_ids)
+                    c.logprobs.extend(d.logprobs or [])
+                    if d.finish_reason is not None:
+                        c.finish_reason, c.stop_reason, c.final_text = (
+                            d.finish_reason,
+                            d.stop_reason,
+                            d.final_text,
+                        )
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():  # client gone (or we were cancelled): free its KV blocks now
+                consumer.cancel()
+                self.engine.abort(request_ids)
+        if consumer.cancelled():
+            raise APIError(499, "client disconnected")
+        consumer.result()  # re-raise an engine error
+        return choices, cached
+
+    @staticmethod
+    def _usage(prompts: list[list[int]], choices: dict[Any, _Choice]) -> dict[str, int]:
+        p = sum(len(ids) for ids in prompts)
+        c = sum(len(ch.token_ids) for ch in choices.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    # ---- /v1/completions ----
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError.invalid("prompt: must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            self._check_token_ids(ids, "prompt")
+            out.append(ids)
+        return out
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        check_unsupported(req)
+        prompts = self._completion_prompts(req)
+        max_tokens = min(
+            self._max_tokens(req.max_tokens, len(ids), "max_tokens", "prompt") for ids in prompts
+        )
+        params = self._sampling_params(req, max_tokens, req.logprobs, {})
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        queue, request_ids = await self._submit(base_id, prompts, params, {})
+        created = int(time.time())
+        echo = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        if req.stream:
+            gen = self._completion_stream(req, base_id, created, prompts, echo, queue, request_ids)
+            return _sse_response(gen)
+        choices, _ = await self._collect(queue, len(prompts), request_ids, raw)
+        out = []
+        for (tag, idx), c in sorted(choices.items()):
+            text = c.final_text if c.final_text is not None else "".join(c.text)
+            lp = None
+            if req.logprobs is not None:
+                lp = self._completion_logprobs(c.logprobs, c.token_ids, req.logprobs, c)
+            out.append(
+                {
+                    "index": tag * req.n + idx,
+                    "text": echo[tag] + text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        body = {
+            "id": base_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": out,
+            "usage": self._usage(prompts, choices),
+        }
+        return JSONResponse(body)
+
+    def _completion_logprobs(
+        self, entries: list[Any], token_ids: list[int], k: int, c: _Choice
+    ) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for entry, tid in zip(entries, token_ids):
+            lp, top = split_logprob_entry(entry, tid, k)
+            s = self._token_str(tid)
+            tokens.append(s)
+            token_lps.append(_finite(lp))
+            tops.append({self._token_str(t): _finite(v) for t, v in top} if k > 0 else None)
+            offsets.append(c.text_offset)
+            c.text_offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _completion_stream(
+        self,
+        req: CompletionRequest,
+        base_id: str,
+        created: int,
+        prompts: list[list[int]],
+        echo: list[str],
+        queue: asyncio.Queue,
+        request_ids: list[str],
+    ) -> AsyncIterator[str]:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        state: dict[tuple[int, int], _Choice] = {}
+        finished = False
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            body = {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name}
+            body["choices"] = choices
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        try:
+            if req.echo:
+                for tag, text in enumerate(echo):
+                    for idx in range(req.n):
+                        state[(tag, idx)] = _Choice(text_offset=len(text))
+                        yield chunk(
+                            [
+                                {
+                                    "index": tag * req.n + idx,
+                                    "text": text,
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+            async for batch in _updates(queue, len(prompts)):
+                err = next((u.error for u in batch if u.error is not None), None)
+                if err is not None:
+                    yield _sse(APIError(500, err, code="engine_error").body())
+                    break
+                out = []
+                for (tag, idx), d in _merge(batch).items():
+                    c = state.setdefault((tag, idx), _Choice())
+                    c.token_ids.extend(d.token_ids)
+                    lp = None
+                    if req.logprobs is not None and d.logprobs is not None:
+                        lp = self._completion_logprobs(d.logprobs, d.token_ids, req.logprobs, c)
+                    out.append(
+                        {
+                            "index": tag * req.n + idx,
+                            "text": d.text,
+                            "logprobs": lp,
+                            "finish_reason": d.finish_reason,
+                        }
+                    )
+                    if d.finish_reason is not None:
+                        out[-1]["stop_reason"] = d.stop_reason
+                if out:
+                    yield chunk(out)
+            else:
+                if include_usage:
+                    body = {
+                        "id": base_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                    }
+                    body.update(choices=[], usage=self._usage(prompts, state))
+                    yield _sse(body)
+            yield _sse("[DONE]")
+            finished = True
+        finally:
+            if not finished:  # client gone mid-stream: free its KV blocks now
+                self.engine.abort(request_ids)
+
+    # ---- /v1/chat/completions ----
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            if m.content is None or isinstance(m.content, str):
+                content = m.content or ""
+            else:
+                parts = []
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        param = f"messages[{i}].content[{j}]"
+                        raise APIError.invalid(f"{param}: only text content parts are supported", param)
+                    parts.append(part.text)
+                content = "".join(parts)
+            messages.append({"role": m.role, "content": content})
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError.invalid("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
+        except Exception as exc:  # the template's own checks (e.g. role order) raise jinja errors
+            raise APIError.invalid(f"messages: the chat template rejected them: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        check_unsupported(req)
+        prompt = self._chat_prompt(req)
+        mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._max_tokens(requested, len(prompt), mt_param, "messages")
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        renames = {"max_tokens": mt_param, "logprobs": "top_logprobs"}
+        params = self._sampling_params(req, max_tokens, top, renames)
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        queue, request_ids = await self._submit(base_id, [prompt], params, renames)
+        created = int(time.time())
+        if req.stream:
+            return _sse_response(self._chat_stream(req, base_id, created, prompt, queue, request_ids))
+        choices, _ = await self._collect(queue, 1, request_ids, raw)
+        out = []
+        for (_, idx), c in sorted(choices.items()):
+            text = c.final_text if c.final_text is not None else "".join(c.text)
+            lp = self._chat_logprobs(c.logprobs, c.token_ids, top) if top is not None else None
+            out.append(
+                {
+                    "index": idx,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        body = {
+            "id": base_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": out,
+            "usage": self._usage([prompt], choices),
+        }
+        return JSONResponse(body)
+
+    def _chat_logprobs(self, entries: list[Any], token_ids: list[int], k: int) -> dict[str, Any]:
+        content = []
+        for entry, tid in zip(entries, token_ids):
+            lp, top = split_logprob_entry(entry, tid, k)
+            s = self._token_str(tid)
+            content.append(
+                {
+                    "token": s,
+                    "logprob": _finite(lp),
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": self._token_str(t),
+                            "logprob": _finite(v),
+                            "bytes": list(self._token_str(t).encode()),
+                        }
+                        for t, v in top
+                    ],
+                }
+            )
+        return {"content": content}
+
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        base_id: str,
+        created: int,
+        prompt: list[int],
+        queue: asyncio.Queue,
+        request_ids: list[str],
+    ) -> AsyncIterator[str]:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        state: dict[tuple[int, int], _Choice] = {}
+        finished = False
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            body = {
+                "id": base_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+            }
+            body["choices"] = choices
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        try:
+            first = [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(req.n)
+            ]
+            yield chunk(first)
+            async for batch in _updates(queue, 1):
+                err = next((u.error for u in batch if u.error is not None), None)
+                if err is not None:
+                    yield _sse(APIError(500, err, code="engine_error").body())
+                    break
+                out = []
+                for (tag, idx), d in _merge(batch).items():
+                    c = state.setdefault((tag, idx), _Choice())
+                    c.token_ids.extend(d.token_ids)
+                    lp = None
+                    if top is not None and d.logprobs is not None:
+                        lp = self._chat_logprobs(d.logprobs, d.token_ids, top)
+                    delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                    out.append(
+                        {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                    )
+                    if d.finish_reason is not None:
+                        out[-1]["stop_reason"] = d.stop_reason
+                if out:
+                    yield chunk(out)
+            else:
+                if include_usage:
+                    body = {"id": base_id, "object": "chat.completion.chunk", "created": created}
+                    body.update(model=self.model_name, choices=[], usage=self._usage([prompt], state))
+                    yield _sse(body)
+            yield _sse("[DONE]")
+            finished = True
+        finally:
+            if not finished:
+                self.engine.abort(request_ids)
+
+
+async def _updates(queue: asyncio.Queue, num_requests: int) -> AsyncIterator[list[RequestUpdate]]:
+    """Batches of whatever is queued, until all `num_requests` engine requests finished."""
+    remaining = num_requests
+    while remaining:
+        batch = [await queue.get()]
+        while not queue.empty():
+            batch.append(queue.get_nowait())
+        remaining -= sum(u.finished for u in batch)
+        yield batch
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+
+
+def _engine_value_error(exc: Exception, renames: dict[str, str]) -> APIError:
+    """The engine's ValueError as a 400; `param` is the first known field its message names."""
+    message = str(exc) or type(exc).__name__
+    param = None
+    for name in _PARAM_NAMES:
+        if re.search(rf"\b{re.escape(name)}\b", message):
+            param = renames.get(name, name)
+            break
+    return APIError.invalid(message, param)
