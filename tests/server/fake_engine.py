@@ -24,6 +24,7 @@ class FakeParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -52,6 +52,7 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: TokenIds | None = None
     repetition_penalty: float | None = None
+    skip_special_tokens: bool = True
 
 
 class CompletionRequest(_SamplingFields):

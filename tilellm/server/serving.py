@@ -169,6 +169,7 @@ class OpenAIServing:
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
+            skip_special_tokens=req.skip_special_tokens,
         )
         optional = dict(
             top_p=req.top_p,
@@ -575,11 +576,10 @@ def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
 
 
 def _engine_value_error(exc: Exception, renames: dict[str, str]) -> APIError:
-    """The engine's ValueError as a 400; `param` is the first known field its message names."""
+    """The engine's ValueError as a 400; `param` is the known field its message names first."""
     message = str(exc) or type(exc).__name__
-    param = None
-    for name in _PARAM_NAMES:
-        if re.search(rf"\b{re.escape(name)}\b", message):
-            param = renames.get(name, name)
-            break
+    found = [
+        (m.start(), name) for name in _PARAM_NAMES if (m := re.search(rf"\b{re.escape(name)}\b", message))
+    ]
+    param = renames.get(min(found)[1], min(found)[1]) if found else None
     return APIError.invalid(message, param)

@@ -1,0 +1,287 @@
+"""Drive a running server with a request rate and report latencies.
+
+Workload (E1-like, SPEC section 5): `random.seed(seed)`; first every prompt, `randint(100, 1024)`
+random token ids each in `[0, --token-id-max]` (length drawn before its tokens); then every
+`max_tokens`, `randint(100, 1024)`. `--input-len` / `--output-len` fix the lengths instead.
+Requests go to `/v1/completions` as token ids, streamed, with `ignore_eos`, either all at once
+(`--request-rate inf`), as a Poisson process, and/or capped at `--max-concurrency` in flight.
+
+Per request: TTFT (send -> first text chunk), inter-token latencies (gaps between text chunks;
+a chunk may carry several tokens when the client falls behind), TPOT
+((last - first chunk) / (output tokens - 1)) and end-to-end latency; output tokens come from
+the server's `usage`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("TILELLM_API_KEY"), help="default: $TILELLM_API_KEY"
+    )
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument(
+        "--input-len", type=int, default=None, help="fixed prompt length (default: randint(100, 1024))"
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=None, help="fixed max_tokens (default: randint(100, 1024))"
+    )
+    parser.add_argument("--token-id-max", type=int, default=10000, help="prompt token ids in [0, this]")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson arrivals (inf: all at once)",
+    )
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="at most this many requests in flight"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+def make_workload(
+    num_prompts: int, input_len: int | None, output_len: int | None, token_id_max: int, seed: int
+) -> Workload:
+    """E1's draw order: all prompts (length, then tokens), then all output lengths."""
+    random.seed(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        n = input_len if input_len is not None else random.randint(100, 1024)
+        prompts.append([random.randint(0, token_id_max) for _ in range(n)])
+    max_tokens = [
+        output_len if output_len is not None else random.randint(100, 1024) for _ in range(num_prompts)
+    ]
+    return Workload(prompts, max_tokens)
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+async def _one_request(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float,
+    timeout: float,
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = RequestResult(ok=False, prompt_len=len(prompt))
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                result.error = (
+                    f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                )
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = not result.error
+    return result
+
+
+async def _arrivals(n: int, rate: float, rng: random.Random):
+    """Yields 0..n-1, sleeping exponential gaps (mean 1/rate) between them; inf: no gaps."""
+    for i in range(n):
+        yield i
+        if math.isfinite(rate) and i + 1 < n:
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict:
+    work = make_workload(args.num_prompts, args.input_len, args.output_len, args.token_id_max, args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    in_flight = args.max_concurrency or args.num_prompts
+    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, limits=limits, timeout=60
+    ) as client:
+        model = args.model
+        if model is None:
+            resp = await client.get("/v1/models")
+            resp.raise_for_status()
+            model = resp.json()["data"][0]["id"]
+        sem = asyncio.Semaphore(in_flight)
+
+        async def limited(i: int) -> RequestResult:
+            async with sem:
+                return await _one_request(
+                    client, model, work.prompts[i], work.max_tokens[i], args.temperature, args.timeout
+                )
+
+        start = time.perf_counter()
+        tasks = []
+        async for i in _arrivals(args.num_prompts, args.request_rate, random.Random(args.seed + 1)):
+            tasks.append(asyncio.create_task(limited(i)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, model, args)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(results: list[RequestResult], duration: float, model: str, args: argparse.Namespace) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    ms = 1000.0
+    series = {
+        "ttft_ms": [r.ttft * ms for r in ok],
+        "tpot_ms": [r.tpot * ms for r in ok if r.tpot is not None],
+        "itl_ms": [x * ms for r in ok for x in r.itl],
+        "e2e_ms": [r.e2e * ms for r in ok],
+    }
+    summary = {
+        "model": model,
+        "base_url": args.base_url,
+        "num_prompts": len(results),
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": out_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
+    }
+    for name, values in series.items():
+        summary[f"mean_{name}"] = statistics.fmean(values) if values else float("nan")
+        for q in (50, 90, 99):
+            summary[f"p{q}_{name}"] = _pct(values, q)
+    errors = sorted({r.error for r in results if not r.ok})
+    summary["errors"] = errors[:10]
+    return summary
+
+
+def format_table(s: dict) -> str:
+    rows = [
+        ("Successful requests", f"{s['completed']}"),
+        ("Failed requests", f"{s['failed']}"),
+        ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
+        ("Total input tokens", f"{s['total_input_tokens']}"),
+        ("Total output tokens", f"{s['total_output_tokens']}"),
+        ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}"),
+    ]
+    for name, title in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_ms", "E2E latency"),
+    ):
+        for stat in ("mean", "p50", "p90", "p99"):
+            rows.append(
+                (
+                    f"{stat.capitalize() if stat == 'mean' else stat.upper()} {title} (ms)",
+                    f"{s[f'{stat}_{name}']:.2f}",
+                )
+            )
+    width = max(len(k) for k, _ in rows) + 2
+    lines = [f"{'=' * 20} tilellm bench serve {'=' * 20}"]
+    lines += [f"{k:<{width}}{v:>12}" for k, v in rows]
+    for e in s["errors"]:
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1:
+        print("tilellm bench serve: --num-prompts must be >= 1", file=sys.stderr)
+        return 2
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        print("tilellm bench serve: --max-concurrency must be >= 1", file=sys.stderr)
+        return 2
+    if not args.request_rate > 0:
+        print("tilellm bench serve: --request-rate must be > 0 (inf for all at once)", file=sys.stderr)
+        return 2
+    try:
+        summary = asyncio.run(run_benchmark(args))
+    except httpx.HTTPError as exc:
+        print(f"tilellm bench serve: cannot reach {args.base_url}: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(summary))
+    if args.json:
+        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
+        with open(args.json, "w") as f:
+            json.dump(clean, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+__all__ = ["add_arguments", "main", "make_workload", "RequestResult", "summarize"]
