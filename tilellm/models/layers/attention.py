@@ -65,7 +65,9 @@ class Attention(nn.Module):
         if meta.kind is BatchKind.PREFILL:
             return ops.prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale=self.scale)
         if meta.kind is BatchKind.DECODE:
-            return ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_table, meta.seq_lens, scale=self.scale)
+            return ops.decode_attention(
+                q, self.k_cache, self.v_cache, meta.block_table, meta.seq_lens, scale=self.scale
+            )
         return ops.paged_attention(
             q,
             self.k_cache,

@@ -1,0 +1,199 @@
+"""Fused element-wise Triton ops of the decoder layer: RMSNorm (+ residual add), SiLU-and-mul, RoPE.
+
+Each has a PyTorch twin with the same signature in `tilellm.kernels.fused_reference`, which also
+holds the input checks both share. All math is in fp32; outputs take the input dtype.
+
+- `rms_norm(x [N, H], weight [H], eps, *, residual=None)`: one program normalises a tile of
+  BLOCK_N rows (several rows per program when H is small, e.g. Qwen3's per-head q/k norm).
+- `silu_and_mul(x [N, 2I]) -> [N, I]`: grid over (rows, column tiles).
+- `apply_rotary(q, k, positions, cos_sin_cache) -> (q, k)`: grid (token, head block); a program
+  rotates a block of that token's q or k heads with the token's cos/sin row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilellm.kernels.fused_reference import check_apply_rotary, check_rms_norm, check_silu_and_mul
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
+    stride_x, stride_res, stride_y, stride_res_out,
+    N, H, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < N) & (cols[None, :] < H)
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # -- residual = x + residual, rounded to the storage dtype like an unfused add --
+        r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows64 * stride_res_out + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    # -- y = x * rsqrt(mean(x^2) + eps) * w --
+    mean_sq = tl.sum(x * x, axis=1) / H
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim of x [N, H]; y has x's dtype.
+
+    With `residual` [N, H]: residual = x + residual (rounded to x.dtype), y = norm(residual);
+    returns (y, residual) as new tensors (the inputs are not modified).
+    """
+    check_rms_norm(x, weight, eps, residual)
+    x = _last_dim_contiguous(x)
+    weight = weight.contiguous()
+    n, h = x.shape
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if residual is not None:
+        residual = _last_dim_contiguous(residual)
+        res_out = torch.empty_like(y)
+    else:
+        residual, res_out = x, y  # unused (HAS_RESIDUAL=False)
+    if n > 0:
+        block_h = triton.next_power_of_2(h)
+        block_n = max(1, min(16, 4096 // block_h))
+        grid = (triton.cdiv(n, block_n),)
+        _rms_norm_kernel[grid](
+            x, residual, weight, y, res_out,
+            x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0),
+            n, h, float(eps),
+            HAS_RESIDUAL=res_out is not y, BLOCK_N=block_n, BLOCK_H=block_h,
+            num_warps=4 if block_n * block_h <= 4096 else 8,
+        )  # fmt: skip
+    return y if res_out is y else (y, res_out)
+
+
+# ----------------------------------------------------------------------------------------------
+# SiLU-and-mul
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK_I: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < I
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    # silu(g) = g * sigmoid(g)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2I] = [gate | up] -> silu(gate) * up, [N, I] in x's dtype."""
+    check_silu_and_mul(x)
+    x = _last_dim_contiguous(x)
+    n, i = x.shape[0], x.shape[1] // 2
+    out = torch.empty((n, i), dtype=x.dtype, device=x.device)
+    if n > 0 and i > 0:
+        block_i = min(triton.next_power_of_2(i), 1024)
+        _silu_and_mul_kernel[(n, triton.cdiv(i, block_i))](
+            x, out, x.stride(0), out.stride(0), i, BLOCK_I=block_i
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding (NeoX / "rotate_half" layout)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_block(
+    x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, tok, h0, num_heads, cos, sin, half,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Heads h0..h0+BLOCK_H of token `tok`: [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]."""
+    heads = h0 + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_HALF)
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < half)
+    src = x_ptr + tok * stride_xt + heads[:, None] * stride_xh + dims[None, :]
+    dst = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
+    num_q_heads, num_k_heads, num_q_blocks, half,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Program (token, j): head block j of q when j < num_q_blocks, else block j - num_q_blocks of k."""
+    tok = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    # -- this token's cos/sin row: cache row = [cos | sin] --
+    cos = tl.load(cache_ptr + pos * stride_cache + dims, mask=dims < half, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+    if blk < num_q_blocks:
+        _rotate_block(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, tok, blk * BLOCK_H,
+                      num_q_heads, cos, sin, half, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+    else:
+        _rotate_block(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, tok,
+                      (blk - num_q_blocks) * BLOCK_H, num_k_heads, cos, sin, half,
+                      BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D]; new tensors.
+
+    cos_sin_cache [max_pos, D]: row p = [cos(p * f_0..f_{D/2-1}) | sin(p * f_0..f_{D/2-1})];
+    positions [T] int32/int64 index its rows.
+    """
+    check_apply_rotary(q, k, positions, cos_sin_cache)
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    cache = _last_dim_contiguous(cos_sin_cache)
+    positions = positions.contiguous()
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if t > 0:
+        half = d // 2
+        block_half = triton.next_power_of_2(half)
+        # heads per program: a tile of at most ~2K elements
+        block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 2048 // block_half))
+        num_q_blocks = triton.cdiv(hq, block_h)
+        grid = (t, num_q_blocks + triton.cdiv(hk, block_h))
+        _rotary_kernel[grid](
+            q, k, q_out, k_out, positions, cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
+            hq, hk, num_q_blocks, half,
+            BLOCK_H=block_h, BLOCK_HALF=block_half,
+        )  # fmt: skip
+    return q_out, k_out

@@ -1,0 +1,137 @@
+"""PyTorch twins of the fused element-wise ops in `tilellm.kernels.fused` (same signatures).
+
+All three compute in fp32 and return the input dtype. Validation is shared with the Triton
+versions, so both raise the same `ValueError` on the same bad input.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _debug() -> bool:
+    return os.environ.get("TILELLM_DEBUG") == "1"
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> None:
+    _check_float("x", x)
+    _check_float("weight", weight)
+    if x.dim() != 2:
+        raise ValueError(f"rms_norm: x must be [N, H], got shape {tuple(x.shape)}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"rms_norm: weight must be [H={x.shape[1]}], got shape {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
+    if not eps > 0:
+        raise ValueError(f"rms_norm: eps must be > 0, got {eps}")
+    if residual is not None:
+        _check_float("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(
+                f"rms_norm: residual ({residual.dtype}, {residual.device}) must match x ({x.dtype}, {x.device})"
+            )
+
+
+def check_silu_and_mul(x: torch.Tensor) -> None:
+    _check_float("x", x)
+    if x.dim() != 2 or x.shape[1] % 2 != 0:
+        raise ValueError(
+            f"silu_and_mul: x must be [N, 2*I] with an even last dim, got shape {tuple(x.shape)}"
+        )
+
+
+def check_apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    _check_float("q", q)
+    _check_float("k", k)
+    _check_float("cos_sin_cache", cos_sin_cache)
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(
+            f"apply_rotary: q and k must be [T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(
+            f"apply_rotary: k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in T or D"
+        )
+    if k.dtype != q.dtype:
+        raise ValueError(f"apply_rotary: q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    if d % 2 != 0:
+        raise ValueError(f"apply_rotary: head_dim must be even, got {d}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d:
+        raise ValueError(
+            f"apply_rotary: cos_sin_cache must be [max_pos, D={d}], got {tuple(cos_sin_cache.shape)}"
+        )
+    if positions.dim() != 1 or positions.shape[0] != t:
+        raise ValueError(f"apply_rotary: positions must be [T={t}], got shape {tuple(positions.shape)}")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"apply_rotary: positions must be int32 or int64, got {positions.dtype}")
+    for name, other in (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if other.device != q.device:
+            raise ValueError(f"apply_rotary: {name} is on {other.device} but q is on {q.device}")
+    if t > 0 and (positions.device.type == "cpu" or _debug()):
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise ValueError(
+                f"apply_rotary: positions must lie in [0, {cos_sin_cache.shape[0]}) (the cache length), "
+                f"got min {lo} max {hi}"
+            )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim of x [N, H].
+
+    With `residual`: residual = x + residual (rounded to x.dtype, as an unfused model would),
+    then y = norm(residual); returns (y, residual).
+    """
+    check_rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        residual = (x.float() + residual.float()).to(x.dtype)
+        x = residual
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    y = y.to(x.dtype)
+    return y if residual is None else (y, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2I] = [gate | up] -> silu(gate) * up, [N, I]."""
+    check_silu_and_mul(x)
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D].
+
+    cos_sin_cache [max_pos, D]: row p = [cos(p * f_0..f_{D/2-1}) | sin(p * f_0..f_{D/2-1})].
+    With x = [x1 | x2] (halves of D): out = [x1 cos - x2 sin | x2 cos + x1 sin]. Returns new tensors.
+    """
+    check_apply_rotary(q, k, positions, cos_sin_cache)
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache.float()[positions.long()]  # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().split(half, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)

@@ -1,0 +1,222 @@
+"""The Llama-family decoder shared by Llama, Qwen2 and Qwen3 (they differ only in flags).
+
+A step's tokens are packed along dim 0 with no batch dim: `model(input_ids [T], positions [T])`
+returns hidden states [T, hidden]; `compute_logits(hidden [N, hidden])` gives fp32 logits
+[N, vocab]. Attention reads the step's `AttentionMetadata` from the context installed by the
+runner (see `tilellm.engine.metadata`); the runner binds each layer's KV cache through
+`attention_layers()`.
+
+Checkpoint q/k/v and gate/up matrices are loaded into one `qkv_proj` and one `gate_up_proj`
+per layer (`packed_modules_mapping`, used by `tilellm.models.loader`).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tilellm.models.layers.activation import SiluAndMul
+from tilellm.models.layers.attention import Attention, resolve_attention_ops
+from tilellm.models.layers.layernorm import RMSNorm
+from tilellm.models.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from tilellm.models.layers.ops import resolve_fused_ops
+from tilellm.models.layers.rotary_embedding import RotaryEmbedding, rope_config
+
+
+def config_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class DecoderFlags:
+    """Per-architecture switches, read from the config by each model class."""
+
+    qkv_bias: bool  # biases on q_proj, k_proj, v_proj
+    o_bias: bool  # bias on o_proj
+    mlp_bias: bool  # biases on gate_proj, up_proj, down_proj
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+
+class LlamaAttention(nn.Module):
+    """qkv_proj -> (Qwen3: per-head RMSNorm of q and k) -> RoPE -> paged attention -> o_proj."""
+
+    def __init__(
+        self,
+        config: Any,
+        flags: DecoderFlags,
+        rotary: RotaryEmbedding,
+        attn_ops: types.ModuleType,
+        fused_ops: types.ModuleType,
+        tp_rank: int,
+        tp_size: int,
+    ):
+        super().__init__()
+        head_dim = config_head_dim(config)
+        hidden = config.hidden_size
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, config.num_attention_heads, config.num_key_value_heads, flags.qkv_bias, **tp
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden, flags.o_bias, **tp)
+        if flags.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, fused_ops)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused_ops)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, attn_ops)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """down_proj(silu(gate_proj x) * up_proj x), with gate and up in one matmul."""
+
+    def __init__(
+        self, config: Any, flags: DecoderFlags, fused_ops: types.ModuleType, tp_rank: int, tp_size: int
+    ):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            h, [i, i], flags.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.down_proj = RowParallelLinear(i, h, flags.mlp_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.act_fn = SiluAndMul(fused_ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. The residual stream is carried separately so that each residual add is
+    fused into the next RMSNorm: (hidden, residual) -> (hidden, residual)."""
+
+    def __init__(
+        self, config: Any, flags: DecoderFlags, rotary: RotaryEmbedding, attn_ops, fused_ops, tp_rank, tp_size
+    ):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, flags, rotary, attn_ops, fused_ops, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, flags, fused_ops, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, flags: DecoderFlags, attn_ops, fused_ops, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        theta, scaling = rope_config(config)
+        # one table shared by every layer
+        rotary = RotaryEmbedding(
+            config_head_dim(config), config.max_position_embeddings, theta, scaling, fused_ops
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, flags, rotary, attn_ops, fused_ops, tp_rank, tp_size)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3 (and, through the flags, Qwen2 and Qwen3) for packed-token inference.
+
+    forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden_size]
+    compute_logits(hidden [N, hidden_size]) -> logits [N, vocab_size] float32
+    """
+
+    # checkpoint sub-name -> (parameter sub-name, shard id) for the merged projections
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @classmethod
+    def decoder_flags(cls, config: Any) -> DecoderFlags:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderFlags(
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=False
+        )
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        attention_backend: str = "auto",
+        device: torch.device | str = "cpu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__()
+        self.config = config
+        attn_ops = resolve_attention_ops(attention_backend, device)
+        fused_ops = resolve_fused_ops(attention_backend, device)
+        flags = self.decoder_flags(config)
+        self.model = LlamaModel(config, flags, attn_ops, fused_ops, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: Llama with biases on q, k and v (not on o)."""
+
+    @classmethod
+    def decoder_flags(cls, config: Any) -> DecoderFlags:
+        return DecoderFlags(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)

@@ -1,0 +1,247 @@
+"""Build a model from a Hugging Face directory: config.json + safetensors (one file or sharded).
+
+    model, config = load_model("path/to/model", dtype="auto", device="cuda")
+
+The model is built on the meta device (no memory, no init), its parameters are then allocated
+on the target device in the target dtype, and each checkpoint tensor is handed to its
+parameter's `weight_loader` as a lazy `safetensors` slice, so a tensor-parallel rank reads only
+its own rows/columns. Checkpoint q/k/v and gate/up matrices land in the merged `qkv_proj` /
+`gate_up_proj` through the model's `packed_modules_mapping`.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from tilellm.models.layers.layernorm import RMSNorm
+from tilellm.models.layers.linear import default_weight_loader
+from tilellm.models.parallel import check_tp, partition_kv_heads
+from tilellm.models.registry import get_model_class, supported_architectures
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
+
+# checkpoint tensors that are not parameters (recomputed by the model)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _read_json(path: pathlib.Path, what: str) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed JSON in {path}: {e}") from e
+
+
+def read_model_config(model_dir: str | pathlib.Path) -> tuple[dict, Any]:
+    """(raw config.json dict, transformers config). Errors name the file or the architecture."""
+    model_dir = pathlib.Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    path = model_dir / "config.json"
+    raw = _read_json(path, "config.json")
+    if not isinstance(raw, dict):
+        raise ValueError(f"malformed config {path}: expected a JSON object, got {type(raw).__name__}")
+    archs = raw.get("architectures") or []
+    if not isinstance(archs, list) or not archs:
+        raise ValueError(
+            f"{path} has no 'architectures' entry; supported: {', '.join(supported_architectures())}"
+        )
+    try:
+        get_model_class(archs[0])
+    except ValueError as e:
+        raise ValueError(f"{e} (from {path})") from e
+
+    from transformers import AutoConfig
+
+    return raw, AutoConfig.from_pretrained(str(model_dir))
+
+
+def resolve_dtype(dtype: str | torch.dtype, raw_config: dict) -> torch.dtype:
+    """ "auto" = config.json's torch_dtype (float32 when absent); else float32/float16/bfloat16."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, float16 or bfloat16")
+        return dtype
+    if dtype == "auto":
+        name = raw_config.get("torch_dtype") or raw_config.get("dtype") or "float32"
+        if name not in _DTYPES:
+            raise ValueError(f"config.json's torch_dtype {name!r} is not supported; pass dtype= explicitly")
+        return _DTYPES[name]
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use 'auto', 'float32', 'float16' or 'bfloat16'")
+    return _DTYPES[dtype]
+
+
+def model_kv_spec(config: Any, tp_size: int = 1) -> tuple[int, int, int]:
+    """(num_layers, KV heads per tensor-parallel rank, head_dim) for sizing the KV pool."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, partition_kv_heads(num_kv, 0, tp_size).num_heads, head_dim
+
+
+def weight_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files of a checkpoint: those named by model.safetensors.index.json, else
+    model.safetensors, else every *.safetensors in the directory."""
+    model_dir = pathlib.Path(model_dir)
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = _read_json(index_path, "safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"malformed safetensors index {index_path}: no 'weight_map' object")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"safetensors shard {f.name} listed in {index_path} not found: {f}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_dir} (use load_format='dummy' for random ones)"
+        )
+    return files
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Allocate every meta parameter on `device` in `dtype` (tied parameters stay tied) and move
+    the buffers, which were computed on the CPU, keeping their dtype."""
+    allocated: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in allocated:
+                allocated[id(p)] = nn.Parameter(
+                    torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False
+                )
+            module._parameters[name] = allocated[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                if b.is_meta:
+                    raise RuntimeError(
+                        f"buffer {name!r} of {type(module).__name__} was built on the meta device"
+                    )
+                module._buffers[name] = b.to(device)
+
+
+def _fill_dummy_weights(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Random weights for benchmarks: N(0, 0.02) everywhere except RMSNorm weights, which are 1."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) in norm_weights:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def _packed_target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    """Checkpoint tensor name -> (parameter name, shard id) through `packed_modules_mapping`."""
+    for ckpt_part, (packed_part, shard_id) in mapping.items():
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
+    return name, None
+
+
+def _checkpoint_name(param_name: str, shard_id: Any, mapping: dict[str, tuple[str, Any]]) -> str:
+    """Inverse of `_packed_target`: the checkpoint tensor a (parameter, shard) is loaded from."""
+    for ckpt_part, (packed_part, sid) in mapping.items():
+        if sid == shard_id and f".{packed_part}." in param_name:
+            return param_name.replace(f".{packed_part}.", f".{ckpt_part}.")
+    return param_name
+
+
+def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
+    """Load every parameter of `model` from the safetensors `files`; every checkpoint tensor
+    must be used and every parameter shard filled, else a ValueError naming tensor and file."""
+    from safetensors import safe_open
+
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as the embedding
+    expected = set()
+    for pname in params:
+        owner = model.get_submodule(pname.rpartition(".")[0])
+        expected.update((pname, sid) for sid in getattr(owner, "shard_ids", (None,)))
+    loaded: set[tuple[str, Any]] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                pname, shard_id = _packed_target(ckpt_name, mapping)
+                if pname not in params:
+                    model_name = type(model).__name__
+                    raise ValueError(
+                        f"unexpected tensor {ckpt_name!r} in {path}: {model_name} has no {pname!r}"
+                    )
+                owner = model.get_submodule(pname.rpartition(".")[0])
+                loader = getattr(owner, "weight_loader", default_weight_loader)
+                try:
+                    loader(params[pname], f.get_slice(ckpt_name), shard_id)
+                except ValueError as e:
+                    raise ValueError(f"cannot load tensor {ckpt_name!r} from {path}: {e}") from e
+                loaded.add((pname, shard_id))
+    missing = sorted(_checkpoint_name(p, s, mapping) for p, s in expected - loaded)
+    if missing:
+        where = ", ".join(str(p) for p in files)
+        raise ValueError(f"missing weight(s) {', '.join(repr(m) for m in missing)}: not found in {where}")
+
+
+def load_model(
+    model_dir: str | pathlib.Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str | None = None,
+    attention_backend: str = "auto",
+    load_format: str = "safetensors",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    seed: int = 0,
+) -> tuple[nn.Module, Any]:
+    """(model in eval mode on `device`, its transformers config) for a HF model directory.
+
+    dtype: "auto" (config.json's torch_dtype, float32 when absent), "float32", "float16", "bfloat16".
+    device: None = "cuda" when available, else "cpu".
+    load_format: "safetensors", or "dummy" for random weights (only config.json needed).
+    tp_rank, tp_size: this rank's shard of every tensor-parallel layer.
+    """
+    if load_format not in ("safetensors", "dummy"):
+        raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
+    check_tp(tp_rank, tp_size)
+    raw, config = read_model_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, raw)
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    files = weight_files(model_dir) if load_format == "safetensors" else []
+    cls = get_model_class(raw["architectures"][0])
+    with torch.device("meta"):
+        model = cls(
+            config, attention_backend=attention_backend, device=device, tp_rank=tp_rank, tp_size=tp_size
+        )
+    _materialize(model, device, torch_dtype)
+    if load_format == "dummy":
+        _fill_dummy_weights(model, device, seed)
+    else:
+        load_weights(model, files)
+    return model.eval(), config
