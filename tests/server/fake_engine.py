@@ -1,36 +1,14 @@
 """A deterministic stand-in for `LLMEngine`, for tests that must make the engine misbehave.
 
 Token t of a sequence is `(sum(prompt) * 31 + 7 * t + index) % 200 + 32` (printable bytes of the
-tiny tokenizer); `fail_on_step` makes the next `step()` raise.
+tiny tokenizer); `fail_on_step` makes the next `step()` raise. It takes the real `tilellm.SamplingParams`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-
-@dataclass
-class FakeParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+from typing import Any
 
 
 @dataclass
@@ -70,7 +48,7 @@ class FakeStats:
 @dataclass
 class _Req:
     prompt: list[int]
-    params: FakeParams
+    params: Any
     tokens: list[list[int]] = field(default_factory=list)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,8 @@ from tilellm.server.errors import APIError, error_body, install_error_handlers
 from tilellm.server.metrics import ServerMetrics
 from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest
 from tilellm.server.serving import OpenAIServing
+
+logger = logging.getLogger("tilellm.server")
 
 
 @dataclass(frozen=True)
@@ -167,17 +171,32 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await serving.completions(body, raw)
+        return await _guarded(serving.completions(body, raw))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await serving.chat(body, raw)
+        return await _guarded(serving.chat(body, raw))
 
     _mount_inspect(app)
     if config.api_key:
         app.add_middleware(_APIKeyCheck, api_key=config.api_key)
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
     return app
+
+
+async def _guarded(handler: Awaitable[Any]) -> Any:
+    """Turn an unexpected exception into a logged, opaque 500 `APIError`.
+
+    (A bare exception would reach Starlette's ServerErrorMiddleware, which answers 500 but then
+    re-raises, and uvicorn drops the keep-alive connection.)
+    """
+    try:
+        return await handler
+    except APIError:
+        raise
+    except Exception:
+        logger.exception("internal error while serving a request")
+        raise APIError(500, "internal server error; see the server log", code="internal_error") from None
 
 
 def _mount_inspect(app: FastAPI) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -21,6 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tilellm.server.async_engine import AsyncEngine, EngineRequest, QueueFullError, RequestUpdate, SeqDelta
 from tilellm.server.errors import APIError
 from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
+
+logger = logging.getLogger("tilellm.server")
 
 # Engine SamplingParams names that may appear in its ValueError messages, for the error's `param`.
 _PARAM_NAMES = (
@@ -392,8 +395,14 @@ class OpenAIServing:
                     yield _sse(body)
             yield _sse("[DONE]")
             finished = True
+        except Exception:
+            logger.exception("internal error while streaming %s", base_id)
+            yield _sse(
+                APIError(500, "internal server error; see the server log", code="internal_error").body()
+            )
+            yield _sse("[DONE]")
         finally:
-            if not finished:  # client gone mid-stream: free its KV blocks now
+            if not finished:  # client gone mid-stream (or an error): free its KV blocks now
                 self.engine.abort(request_ids)
 
     # ---- /v1/chat/completions ----
@@ -547,6 +556,12 @@ class OpenAIServing:
                     yield _sse(body)
             yield _sse("[DONE]")
             finished = True
+        except Exception:
+            logger.exception("internal error while streaming %s", base_id)
+            yield _sse(
+                APIError(500, "internal server error; see the server log", code="internal_error").body()
+            )
+            yield _sse("[DONE]")
         finally:
             if not finished:
                 self.engine.abort(request_ids)
