@@ -18,6 +18,23 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+PREFILL_SWEEP = [
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 128, 8, 3),
+    (64, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 128, 4, 3),
+]
+DECODE_SWEEP = [
+    (16, 64, 4, 4),
+    (16, 128, 4, 3),
+    (16, 128, 4, 2),
+    (16, 64, 2, 3),
+    (16, 32, 4, 4),
+    (32, 64, 4, 3),
+]
+CHUNK_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,13 +163,13 @@ def bench_prefill(
     n_chk = min(len(lens), 2)
     s = 0
     for i in range(n_chk):
-        L = lens[i]
+        L = min(lens[i], 2048)  # causal: the first L queries depend only on the first L keys
         qq = q[s : s + L].float().transpose(0, 1)
         kk = k[s : s + L].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
         vv = v[s : s + L].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
         ref = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).transpose(0, 1)
         _check(f"{name} request {i}", o[s : s + L], ref)
-        s += L
+        s += lens[i]
 
     ms = _bench(lambda: tk.prefill_attention(q, k, v, cu, max(lens)))
     rows.append(Row(name, f"tilellm {str(dtype)[6:]}", ms, flops / ms / 1e9, None, floor))
@@ -260,7 +277,18 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
         )
     )
     if sweep:
-        for s in [1, 2, 4, 8, 16, 32, 64]:
+        from tilellm.kernels import config
+
+        for rows_, bn, w, st in CHUNK_SWEEP if max_q > 1 else DECODE_SWEEP:
+            cfg = config.TileConfig(rows_, bn, w, st)
+            label = f"tilellm rows{rows_} bn{bn} w{w} s{st}"
+            try:
+                with config.override(paged=cfg):
+                    ms_c = _bench(fn)
+                rows.append(Row(name, label, ms_c, flops / ms_c / 1e9, byts / ms_c / 1e6, floor))
+            except Exception as e:
+                rows.append(Row(name, label, float("nan"), note=type(e).__name__))
+        for s in [1, 2, 4, 8, 16, 32, 64] if max_q == 1 else []:
             if s == plan.num_splits:
                 continue
             ms_s = _bench(lambda s=s: fn(s))
@@ -335,6 +363,18 @@ def bench_sparse(rows, ceilings, dtype):
     )
 
 
+def _guard(name: str, rows: list[Row], fn: Callable, *args, **kwargs) -> None:
+    """Run one workload; a failure is recorded as a row (and fails the command) instead of ending the run."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        rows.append(Row(name, "FAILED", float("nan"), note=f"{type(e).__name__}: {e}"[:200]))
+    torch.cuda.empty_cache()
+
+
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("tilellm bench kernels needs a CUDA GPU")
@@ -352,12 +392,14 @@ def main(args: argparse.Namespace) -> int:
     prefill = {"P1": _lengths(512, 4096, 16, 1), "P2": [32768], "P3": _lengths(256, 1024, 64, 3)}
     for name, lens in prefill.items():
         if name in want:
-            bench_prefill(name, lens, dtype, rows, ceilings, peers, args.flex, sweep)
-            torch.cuda.empty_cache()
+            _guard(name, rows, bench_prefill, name, lens, dtype, rows, ceilings, peers, args.flex, sweep)
     decode = {"D1": [2048] * 256, "D2": [32768] * 8, "D3": [131072], "D4": _lengths(128, 16384, 64, 4)}
     for name, kv in decode.items():
         if name in want:
-            bench_paged(
+            _guard(
+                name,
+                rows,
+                bench_paged,
                 name,
                 [1] * len(kv),
                 kv,
@@ -365,21 +407,43 @@ def main(args: argparse.Namespace) -> int:
                 rows,
                 ceilings,
                 decode=True,
-                sweep=sweep and name in ("D2", "D3"),
+                sweep=sweep and name in ("D1", "D3", "D4"),
                 peers=peers,
             )
             torch.cuda.empty_cache()
     if "V1" in want:
-        bench_paged(
-            "V1", [6] * 32, [8192 + 6] * 32, dtype, rows, ceilings, decode=False, sweep=False, peers=False
+        _guard(
+            "V1",
+            rows,
+            bench_paged,
+            "V1",
+            [6] * 32,
+            [8192 + 6] * 32,
+            dtype,
+            rows,
+            ceilings,
+            decode=False,
+            sweep=False,
+            peers=False,
         )
     if "C1" in want:
-        bench_paged(
-            "C1", [512] * 16, [4096 + 512] * 16, dtype, rows, ceilings, decode=False, sweep=False, peers=False
+        _guard(
+            "C1",
+            rows,
+            bench_paged,
+            "C1",
+            [512] * 16,
+            [4096 + 512] * 16,
+            dtype,
+            rows,
+            ceilings,
+            decode=False,
+            sweep=False,
+            peers=False,
         )
     torch.cuda.empty_cache()
     if "S1" in want:
-        bench_sparse(rows, ceilings, dtype)
+        _guard("S1", rows, bench_sparse, rows, ceilings, dtype)
     print(f"{'workload':8} {'variant':44} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'floor ms':>9}  note")
     for r in rows:
         tf = f"{r.tflops:8.1f}" if r.tflops is not None else " " * 8
@@ -398,4 +462,4 @@ def main(args: argparse.Namespace) -> int:
                 f,
                 indent=1,
             )
-    return 0
+    return 1 if any(r.variant == "FAILED" for r in rows) else 0

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation
 
-LOG2_E = 1.4426950408889634
+LOG2_E = tl.constexpr(1.4426950408889634)  # 1/ln 2, usable inside @jit
 
 
 @triton.jit

@@ -66,10 +66,10 @@ def _paged_tiles(
         # int64: block * stride overflows int32 in large pools.
         row_off = block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kv_head * stride_ch
         if MASKED:
-            k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+            k = tl.load(K_cache + row_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         else:
-            k = tl.load(K_cache + row_off[None, :] + offs_d[:, None])
-        qk = tl.dot(q, k)
+            k = tl.load(K_cache + row_off[:, None] + offs_d[None, :])
+        qk = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
@@ -115,6 +115,7 @@ def _paged_kernel(
     stride_cs,
     stride_ch,
     num_splits,
+    seg_len,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -162,7 +163,10 @@ def _paged_kernel(
     kv_end = context + last_tok + 1
     full_end = (context + t0 + 1) // BLOCK_N * BLOCK_N  # tiles visible to every row of the tile
     if SPLIT:
-        seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        # Fixed-length segments from the plan, or (forced count) this tile's keys in equal parts.
+        seg = seg_len
+        if seg == 0:
+            seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         lo = split * seg
         hi = tl.minimum(lo + seg, kv_end)
     else:
@@ -260,7 +264,7 @@ def paged_attention(
     max_seqlen_q: int,
     *,
     scale: float | None = None,
-    num_splits: int | None = None,
+    num_splits: int | SplitPlan | None = None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -273,8 +277,10 @@ def paged_attention(
         cu_seqlens_q: [B+1] int32 boundaries of each request's new tokens in q.
         seq_lens: [B] int32 KV length of each request after this step (context + new tokens).
         max_seqlen_q: the most new tokens of any request.
-        num_splits: None chooses split-KV segments by `plan_split_kv`; an int forces them.
-        max_seqlen_k: optional longest `seq_lens` (lets the split plan avoid reading seq_lens).
+        num_splits: None chooses split-KV segments (`tilellm.kernels.schedule.plan_split_kv`); an int
+            forces that many; a `SplitPlan` made on the host is used as is (no host sync: the
+            engine plans once per step, outside CUDA graphs).
+        max_seqlen_k: optional longest `seq_lens` (with an int `num_splits`, saves reading seq_lens).
         out: optional [T, Hq, D] output buffer.
     Returns:
         o: [T, Hq, D] in q.dtype.
@@ -308,7 +314,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     *,
     scale: float | None = None,
-    num_splits: int | None = None,
+    num_splits: int | SplitPlan | None = None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -386,7 +392,18 @@ def _launch(
     group = Hq // Hkv
     cfg, block_q = paged_config(D, q.dtype, group, max_seqlen_q)
     q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
-    plan = choose_num_splits(batch, Hkv, q_tiles, seq_lens, num_splits=num_splits, max_seqlen_k=max_seqlen_k)
+    if isinstance(num_splits, SplitPlan):
+        plan = num_splits  # planned on the host by the caller (no sync, CUDA-graph safe)
+    else:
+        plan = choose_num_splits(
+            batch,
+            Hkv,
+            q_tiles,
+            seq_lens,
+            block_n=cfg.block_n,
+            num_splits=num_splits,
+            max_seqlen_k=max_seqlen_k,
+        )
     splits = plan.num_splits
     grid = (Hkv, batch, q_tiles * splits)
     stats = None
@@ -422,6 +439,7 @@ def _launch(
         k_cache.stride(1),
         k_cache.stride(2),
         splits,
+        plan.kv_per_split,
         GROUP=group,
         HEAD_DIM=D,
         PAGE=page,

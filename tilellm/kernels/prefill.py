@@ -53,13 +53,13 @@ def _attend_tiles(
     the others are wholly visible and run without any elementwise mask.
     """
     for n in tl.range(n_start, n_end, BLOCK_N):
-        # -- load K^T [D, BLOCK_N] and compute scores --
+        # -- load K [BLOCK_N, D] and compute scores Q K^T --
         if MASKED:
             key_ok = (n + offs_n) < seq_len
-            k = tl.load(k_ptrs + n * stride_kt, mask=key_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs + n * stride_kt, mask=key_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs + n * stride_kt)
-        qk = tl.dot(q, k)
+        qk = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = key_ok[None, :]
             if CAUSAL:
@@ -125,7 +125,7 @@ def _prefill_kernel(
     q_ptrs = Q + (seq_start + offs_m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     base = seq_start.to(tl.int64)
-    k_ptrs = K + (base + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]
+    k_ptrs = K + (base + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
     v_ptrs = V + (base + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

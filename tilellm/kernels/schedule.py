@@ -28,13 +28,24 @@ PROGRAMS_PER_SM = 2  # a memory-bound program per SM leaves bandwidth unused; ai
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """How many key segments each (request, KV head, query tile) program is cut into, and why."""
+    """How the keys of each (request, KV head, query tile) program are cut into segments, and why.
+
+    Two modes: `kv_per_split > 0` cuts every request's keys into fixed segments of that many keys
+    (the heuristic: long requests get more segments than short ones, so work is balanced);
+    `kv_per_split == 0` cuts each request's keys into `num_splits` equal parts (a forced count).
+    The grid has `num_splits` segments per query tile either way; a segment past a request's keys
+    records an empty partial result (lse = -inf).
+    """
 
     num_splits: int
     reason: str
     num_sms: int
     base_programs: int  # programs without splitting: requests x KV heads x query tiles
-    kv_len_per_split: int  # keys per segment for the longest context
+    kv_per_split: int  # 0: each request divided into num_splits equal parts
+
+    @property
+    def kv_len_per_split(self) -> int:  # older name
+        return self.kv_per_split
 
 
 @dataclass(frozen=True)
@@ -94,47 +105,58 @@ def choose_num_splits(
     q_tiles: int,
     seq_lens: torch.Tensor | Sequence[int] | None,
     *,
+    block_n: int = 64,
     num_splits: int | None = None,
     max_seqlen_k: int | None = None,
+    total_kv: int | None = None,
     num_sms: int | None = None,
 ) -> SplitPlan:
-    """The split-KV decision from the batch shape and the longest context.
+    """The split-KV decision from the SM count, the batch and its context lengths.
 
-    No split when the programs already fill the GPU (>= one per SM) or contexts are short;
-    otherwise enough segments for about PROGRAMS_PER_SM programs per SM, each of at least
-    MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS. `num_splits` forces the count.
+    Work is counted in keys: about `num_kv_heads * q_tiles * sum(seq_lens)`. Segments are sized
+    so that this work makes about PROGRAMS_PER_SM programs per SM, never shorter than
+    MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS per request; no split when the longest request
+    already fits in one segment (the batch fills the GPU by itself). `num_splits` forces a count.
+    Lengths come from `seq_lens` unless `max_seqlen_k` and `total_kv` are given (reading a CUDA
+    tensor costs one host sync: the engine plans on the host instead).
     """
     sms = num_sms or device_num_sms()
     base = num_requests * num_kv_heads * q_tiles
-    if max_seqlen_k is None:
-        if seq_lens is None or (isinstance(seq_lens, torch.Tensor) and seq_lens.numel() == 0):
-            max_seqlen_k = 0
+    if max_seqlen_k is None or (total_kv is None and num_splits is None):
+        if seq_lens is None or len(seq_lens) == 0:
+            max_seqlen_k, total_kv = 0, 0
         elif isinstance(seq_lens, torch.Tensor):
-            max_seqlen_k = int(seq_lens.max().item())  # one host sync; callers in a hot loop pass it
+            mx, tot = torch.stack([seq_lens.max(), seq_lens.sum()]).tolist()
+            max_seqlen_k, total_kv = int(mx), int(tot)
         else:
-            max_seqlen_k = max(seq_lens, default=0)
+            max_seqlen_k, total_kv = max(seq_lens), sum(seq_lens)
     if num_splits is not None:
         if int(num_splits) < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         n = int(num_splits)
-        return SplitPlan(n, f"forced: num_splits={n}", sms, base, _cdiv(max_seqlen_k, n))
-    if base >= sms:
-        return SplitPlan(1, f"no split: {base} programs already fill {sms} SMs", sms, base, max_seqlen_k)
+        return SplitPlan(n, f"forced: num_splits={n}", sms, base, 0)
     if max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
         return SplitPlan(
-            1,
-            f"no split: longest context {max_seqlen_k} < {2 * MIN_KEYS_PER_SPLIT} keys",
-            sms,
-            base,
-            max_seqlen_k,
+            1, f"no split: longest context {max_seqlen_k} < {2 * MIN_KEYS_PER_SPLIT} keys", sms, base, 0
         )
-    want = _cdiv(PROGRAMS_PER_SM * sms, base)
-    n = max(1, min(want, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    work = num_kv_heads * q_tiles * total_kv
+    target = PROGRAMS_PER_SM * sms
+    seg = _round_up(max(MIN_KEYS_PER_SPLIT, _cdiv(work, target)), block_n)
+    seg = max(seg, _round_up(_cdiv(max_seqlen_k, MAX_SPLITS), block_n))
+    n = _cdiv(max_seqlen_k, seg)
+    if n <= 1:
+        return SplitPlan(
+            1, f"no split: {base} programs of <= {max_seqlen_k} keys balance over {sms} SMs", sms, base, 0
+        )
     reason = (
-        f"split {n}: only {base} programs for {sms} SMs; {n} segments give {base * n} programs "
-        f"(target {PROGRAMS_PER_SM} per SM, >= {MIN_KEYS_PER_SPLIT} keys each, cap {MAX_SPLITS})"
+        f"split: {base} programs for {sms} SMs; segments of {seg} keys (work {work} keys / "
+        f"{target} programs, >= {MIN_KEYS_PER_SPLIT}) give up to {n} segments per request"
     )
-    return SplitPlan(n, reason, sms, base, _cdiv(max_seqlen_k, n))
+    return SplitPlan(n, reason, sms, base, seg)
+
+
+def _round_up(x: int, m: int) -> int:
+    return _cdiv(x, m) * m
 
 
 def plan_split_kv(
@@ -153,9 +175,15 @@ def plan_split_kv(
     lens = _as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
-    _, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
+    cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
     return choose_num_splits(
-        len(lens), num_kv_heads, _cdiv(max(max_q, 1), block_q), lens, num_splits=num_splits, num_sms=num_sms
+        len(lens),
+        num_kv_heads,
+        _cdiv(max(max_q, 1), block_q),
+        lens,
+        block_n=cfg.block_n,
+        num_splits=num_splits,
+        num_sms=num_sms,
     )
 
 
@@ -221,7 +249,9 @@ def paged_schedule(
     cfg, block_q = paged_config(head_dim, dtype, group, max_q)
     bn = cfg.block_n
     q_tiles = _cdiv(max(max_q, 1), block_q)
-    plan = choose_num_splits(len(lens), num_kv_heads, q_tiles, lens, num_splits=num_splits, num_sms=num_sms)
+    plan = choose_num_splits(
+        len(lens), num_kv_heads, q_tiles, lens, block_n=bn, num_splits=num_splits, num_sms=num_sms
+    )
     splits = plan.num_splits
     sched = TileSchedule(
         "paged_attention",
@@ -244,8 +274,9 @@ def paged_schedule(
                     kv_end = context + min(t0 + block_q, q_len)
                     full_end = (context + t0 + 1) // bn * bn
                     if splits > 1:
-                        seg = _cdiv(_cdiv(kv_end, splits), bn) * bn
-                        lo, hi = split * seg, min(split * seg + seg, kv_end)
+                        seg = plan.kv_per_split or _cdiv(_cdiv(kv_end, splits), bn) * bn
+                        lo = split * seg
+                        hi = max(lo, min(lo + seg, kv_end))
                     else:
                         lo, hi = 0, kv_end
                     full_hi = max(min(full_end, hi), lo)
