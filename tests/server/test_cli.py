@@ -1,0 +1,93 @@
+"""`tilellm serve` as a process (graceful SIGTERM/SIGINT, exit 0); `tilellm bench serve` against a server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+from tilellm.server.launcher import bind_socket
+
+
+def _free_port() -> int:
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def _start_serve(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tilellm.cli", "serve", model_dir, "--port", str(port), "--device", "cpu"]
+    cmd += ["--num-kv-blocks", "64", "--max-model-len", "256", "--uvicorn-log-level", "warning", *extra]
+    env = {**os.environ, "TILELLM_API_KEY": "env-key"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early ({proc.returncode}):\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not become healthy")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_shuts_down_gracefully_on_signal(tiny_model_dir, sig):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start_serve(tiny_model_dir, port, "--served-model-name", MODEL_NAME)
+    try:
+        _wait_healthy(proc, url)
+        headers = {"Authorization": "Bearer env-key"}  # the key came from $TILELLM_API_KEY
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        body = {"model": MODEL_NAME, "prompt": [4] * 10, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(ln for ln in lines if ln.startswith("data: "))
+            proc.send_signal(sig)  # mid-stream: the request is allowed to finish
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        chunks = [json.loads(ln[6:]) for ln in [first, *rest[:-1]]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from tests.server.conftest import API_KEY
+    from tilellm.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6"]
+    argv += ["--input-len", "12", "--output-len", "5", "--token-id-max", "300", "--max-concurrency", "3"]
+    argv += ["--request-rate", "100", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 30 and result["total_input_tokens"] == 72
+    for key in (
+        "p50_ttft_ms",
+        "p90_ttft_ms",
+        "p99_ttft_ms",
+        "p50_tpot_ms",
+        "p99_itl_ms",
+        "output_throughput",
+    ):
+        assert result[key] is not None and result[key] >= 0
