@@ -70,14 +70,17 @@ def paged_attention(
     *,
     scale: float | None = None,
     num_splits: int | None = None,
+    max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens q [T, Hq, D] over each request's paged K/V (prefix + new tokens).
 
-    `num_splits` is accepted for signature parity and ignored (the reference never splits).
+    `num_splits` and `max_seqlen_k` (the Triton version's split-plan hints) are checked and
+    otherwise ignored: the reference never splits.
     """
     name = "paged_attention"
     validation.check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
+    validation.check_split_hints(name, num_splits, max_seqlen_k, seq_lens)
     scale = validation.resolve_scale(scale, q.shape[-1])
     o = _output(name, q, out)
     _paged(q, k_cache, v_cache, block_table, cu_seqlens_q.tolist(), seq_lens.tolist(), scale, o)
@@ -93,11 +96,13 @@ def decode_attention(
     *,
     scale: float | None = None,
     num_splits: int | None = None,
+    max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request, q [B, Hq, D], at position `seq_lens[i] - 1` (the q_len = 1 case of paged)."""
     name = "decode_attention"
     validation.check_decode(name, q, k_cache, v_cache, block_table, seq_lens)
+    validation.check_split_hints(name, num_splits, max_seqlen_k, seq_lens)
     scale = validation.resolve_scale(scale, q.shape[-1])
     o = _output(name, q, out)
     _paged(q, k_cache, v_cache, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)

@@ -279,6 +279,24 @@ def check_merge(o_parts, lse_parts) -> None:
     _check_last_dim_stride(name, {"o_parts": o_parts, "lse_parts": lse_parts})
 
 
+def check_split_hints(name, num_splits, max_seqlen_k, seq_lens) -> None:
+    """Optional split-KV arguments of paged/decode attention: `num_splits` >= 1, `max_seqlen_k` >= max(seq_lens)."""
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+            raise ValueError(f"{name}: num_splits must be an int or None, got {type(num_splits).__name__}")
+        if num_splits < 1:
+            raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
+    if max_seqlen_k is None:
+        return
+    _check_max_seqlen_type(name, "max_seqlen_k", max_seqlen_k)
+    if deep_checks_enabled(seq_lens) and seq_lens.numel():
+        longest = int(seq_lens.max())
+        if max_seqlen_k < longest:
+            raise ValueError(
+                f"{name}: max_seqlen_k = {max_seqlen_k} is smaller than the longest seq_lens entry ({longest})"
+            )
+
+
 def check_out(name, out, like_shape, dtype, device) -> None:
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"{name}: out must be a torch.Tensor or None, got {type(out).__name__}")
