@@ -1,0 +1,182 @@
+"""`LLM`: the offline, batched front end (SPEC section 3), on top of `LLMEngine`.
+
+llm = LLM(model="path/to/model")
+outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16))
+outs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tilellm.engine.llm_engine import LLMEngine
+from tilellm.engine.outputs import RequestOutput
+from tilellm.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """Generate completions for batches of prompts; see SPEC section 3 for every argument."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        device: str | None = None,
+        attention_backend: str = "auto",
+        num_kv_blocks: int | None = None,
+        load_format: str = "safetensors",
+        skip_tokenizer_init: bool = False,
+    ):
+        self.llm_engine = LLMEngine(
+            model,
+            dtype=dtype,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            device=device,
+            attention_backend=attention_backend,
+            num_kv_blocks=num_kv_blocks,
+            load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...});
+        outputs come back in the prompts' order. One SamplingParams for all, or one per prompt."""
+        prompts = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts: "
+                    "pass one, or one per prompt"
+                )
+        engine = self.llm_engine
+        ids = [f"llm-{next(self._request_counter)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, params in zip(ids, prompts, params_list):
+                engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        gen0 = engine.generation_tokens_total
+        last_refresh = 0.0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine._step(emit_partial=False):
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    now = time.perf_counter()
+                    if now - last_refresh > 0.2:
+                        rate = (engine.generation_tokens_total - gen0) / max(now - start, 1e-9)
+                        bar.set_postfix_str(f"output {rate:,.0f} tok/s", refresh=True)
+                        last_refresh = now
+        except BaseException:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                rate = (engine.generation_tokens_total - gen0) / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"output {rate:,.0f} tok/s")
+                bar.close()
+        return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat() needs the tokenizer (skip_tokenizer_init=True)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            # The template already holds any BOS: do not let encode() add another.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts)]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return [_one_prompt(p) for p in prompts]
+
+
+def _one_prompt(p: Prompt):
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return _TokensPrompt(p["prompt_token_ids"], p.get("prompt"))
+        if "prompt" in p:
+            return p["prompt"]
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return p
+
+
+class _TokensPrompt(list):
+    """Token ids that remember their text (chat prompts), so outputs can show it."""
+
+    def __init__(self, ids: list[int], text: str | None):
+        super().__init__(ids)
+        self.text = text

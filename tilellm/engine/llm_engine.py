@@ -1,0 +1,418 @@
+"""The engine: requests in, one scheduler step at a time, outputs out.
+
+    engine = LLMEngine("path/to/model", max_num_seqs=64)
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.outputs[0].text)
+
+`step()` reads as three parts: schedule (which sequences run, how many tokens each), run
+(metadata -> model -> sampler on the device), postprocess (append tokens, stop checks, text).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from tilellm.cache.block_manager import SHARED_ROOT, BlockManager, request_root
+from tilellm.engine.config import EngineConfig
+from tilellm.engine.detokenizer import IncrementalDetokenizer
+from tilellm.engine.metadata import build_step_batch
+from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from tilellm.engine.request import Request, Sequence
+from tilellm.engine.runner import ModelRunner, StepResult
+from tilellm.engine.sampler import SamplingTable
+from tilellm.engine.sampling_params import SamplingParams
+from tilellm.engine.scheduler import Scheduler, SchedulerOutput
+from tilellm.engine.stats import EngineStats, StepSnapshot, StepTimings
+
+_MASK64 = (1 << 64) - 1
+
+
+def _sample_seed(base: int, index: int) -> int:
+    """Seed of sample `index` of a request (sample 0 keeps the request's own seed)."""
+    return (base + index * 0x9E3779B97F4A7C15) & _MASK64
+
+
+def _eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
+    """EOS ids: the tokenizer's, config.json's and generation_config.json's (as HF generate uses)."""
+    ids: list[int] = []
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, (list, tuple)):
+            ids.extend(x for x in v if isinstance(x, int))
+
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    add(getattr(hf_config, "eos_token_id", None))
+    gen_path = pathlib.Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            add(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    return list(dict.fromkeys(ids))
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model (see the module docstring).
+
+    Thread safety: every public method holds one lock, so a server may call `add_request` /
+    `abort_request` from another thread than the one calling `step`.
+    """
+
+    def __init__(self, model: str, **llm_kwargs: Any):
+        self.config = EngineConfig(model=str(model), **llm_kwargs)
+        cfg = self.config
+        self.runner = ModelRunner(cfg)
+        self.model_config = self.runner.hf_config
+        self.max_model_len: int = self.runner.max_model_len
+        self.model_config.max_model_len = self.max_model_len
+        self.vocab_size = self.runner.vocab_size
+        self.tokenizer = None
+        if not cfg.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.eos_token_ids = _eos_token_ids(cfg.model, self.model_config, self.tokenizer)
+        self._eos_set = frozenset(self.eos_token_ids)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks,
+            cfg.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            max_num_seqs=cfg.max_num_seqs,
+            max_blocks_per_seq=self.runner.max_blocks_per_seq,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+        )
+        self.sampling_table = SamplingTable(cfg.max_num_seqs, self.vocab_size)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(cfg.seed)  # seeds of requests that bring none
+        self._lock = threading.RLock()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.timings = StepTimings()
+        self.record_steps = False  # keep one StepTimings record per step (benchmarks)
+        self._last_step_data: tuple | None = None
+        self._last_step: StepSnapshot | None = None
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request. ValueError (nothing allocated, the engine unaffected) when the prompt is
+        empty, longer than max_model_len, has token ids outside the vocabulary, or the id is taken."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        with self._lock:
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+            if request_id in self.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            text, ids = self._tokenize(prompt)
+            if not ids:
+                raise ValueError(f"request {request_id!r}: the prompt is empty")
+            if len(ids) > self.max_model_len:
+                raise ValueError(
+                    f"request {request_id!r}: the prompt ({len(ids)} tokens) is longer than "
+                    f"max_model_len ({self.max_model_len})"
+                )
+            base = self._rng.getrandbits(64) if params.seed is None else params.seed & _MASK64
+            seeds = [_sample_seed(base, i) for i in range(params.n)]
+            if self.config.enable_prefix_caching:
+                root = SHARED_ROOT
+            else:  # only the samples of this request share blocks
+                root = request_root(request_id) if params.n > 1 else None
+            req = Request(request_id, text, ids, params, seeds, root, time.perf_counter())
+            self.requests[request_id] = req
+            self.scheduler.add(req.seqs[0])
+            self.prompt_tokens_total += len(ids)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "a text prompt needs the tokenizer (skip_tokenizer_init=True): pass token ids"
+                )
+            return prompt, list(self.tokenizer.encode(prompt))
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            ) from None
+        if any(isinstance(t, bool) or int(t) != t for t in prompt):
+            raise ValueError("prompt token ids must be integers")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return getattr(prompt, "text", None), ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now, freeing its blocks; False when it is unknown or already finished."""
+        with self._lock:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                return False
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.abort(seq)
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        with self._lock:
+            return len(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; outputs of the requests that got new tokens or finished."""
+        return self._step(emit_partial=True)
+
+    def _step(self, emit_partial: bool) -> list[RequestOutput]:
+        """`emit_partial=False` (offline `LLM.generate`): only finished requests are returned and
+        text is decoded once at the end unless stop strings need it on the way."""
+        with self._lock:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.scheduler.has_work():
+                    raise RuntimeError("the scheduler made no progress with requests pending")
+                return []
+            for seq in sched.admitted:
+                self.sampling_table.set_row(
+                    seq.row, seq.request.params, seq.seed, seq.num_prompt_tokens, self.eos_token_ids
+                )
+            t1 = time.perf_counter()
+            batch, sampled = self._prepare(sched)
+            t2 = time.perf_counter()
+            result = self.runner.execute(batch, sampled[1])
+            t3 = time.perf_counter()
+            outputs = self._postprocess(sched, sampled[0], result, emit_partial)
+            t4 = time.perf_counter()
+            self._last_step_data = (sched, batch)
+            self._last_step = None
+            self._record_timing(sched, batch, t0, t1, t2, t3, t4, result.device_time_s)
+            return outputs
+
+    def _prepare(self, sched: SchedulerOutput):
+        seqs = sched.seqs
+        rows = [s.row for s in seqs]
+        batch = build_step_batch(
+            [s.token_ids for s in seqs],
+            sched.starts,
+            sched.num_new_tokens,
+            rows,
+            sched.samples,
+            self.block_manager.block_tables,
+            self.block_manager.block_size,
+        )
+        sampled = [s for s, smp in zip(seqs, sched.samples) if smp]
+        sampled_rows = np.fromiter((s.row for s in sampled), dtype=np.int64, count=len(sampled))
+        num_tokens = np.fromiter((len(s.token_ids) for s in sampled), dtype=np.int64, count=len(sampled))
+        return batch, (sampled, self.sampling_table.gather(sampled_rows, num_tokens))
+
+    def _record_timing(self, sched, batch, t0, t1, t2, t3, t4, device_s) -> None:
+        tm = self.timings
+        tm.num_steps += 1
+        kind = batch.attn.kind.value
+        tm.num_decode_steps += kind == "decode"
+        tm.schedule_s += t1 - t0
+        tm.prepare_s += t2 - t1
+        tm.execute_s += t3 - t2
+        tm.postprocess_s += t4 - t3
+        if device_s is not None:
+            tm.device_s += device_s
+        if self.record_steps:
+            ntok = int(batch.input_ids.shape[0])
+            tm.records.append((kind, len(sched.seqs), ntok, t1 - t0, t2 - t1, t3 - t2, device_s, t4 - t3))
+
+    # -- postprocess ----------------------------------------------------------------------------
+
+    def _postprocess(
+        self, sched: SchedulerOutput, sampled: list[Sequence], result: StepResult, emit_partial: bool
+    ) -> list[RequestOutput]:
+        bm = self.block_manager
+        bs = bm.block_size
+        for seq in sched.seqs:  # K/V of this step now exist: register newly full blocks
+            if seq.cache_root is not None and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+                bm.commit(seq)
+        tokens = result.token_ids.tolist()
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        eos = self._eos_set
+        max_len = self.max_model_len
+        for k, seq in enumerate(sampled):
+            token = tokens[k]
+            seq.token_ids.append(token)
+            req = seq.request
+            params = req.params
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if seq.logprobs is not None:
+                self._append_logprobs(seq, k, token, result)
+            num_out = len(seq.token_ids) - seq.num_prompt_tokens
+            reason: str | None = None
+            stop_reason: int | str | None = None
+            if token in eos and not params.ignore_eos:
+                reason = "stop"
+            elif token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif params.max_tokens is not None and num_out >= params.max_tokens:
+                reason = "length"
+            elif len(seq.token_ids) >= max_len:
+                reason = "length"
+            if params.stop or emit_partial:
+                hit = self._detokenize(seq, token, reason is not None)
+                if hit is not None and (reason is None or reason == "length"):
+                    reason, stop_reason = "stop", hit
+            if reason is not None:
+                self._finish(seq, reason, stop_reason)
+            if not req.siblings_queued and seq.index == 0:
+                req.siblings_queued = True
+                self.scheduler.add_front(req.seqs[1:])
+            touched[req.request_id] = req
+        self.generation_tokens_total += len(sampled)
+        for req in touched.values():
+            req.metrics.last_token_time = now
+        return [self._make_output(req, now) for req in touched.values() if emit_partial or req.is_finished]
+
+    def _detokenize(self, seq: Sequence, token: int, finishing: bool) -> str | None:
+        """Extend `seq.text`; returns the stop string that ends it, if any (text cut before it)."""
+        if self.tokenizer is None:
+            return None
+        params = seq.request.params
+        detok = seq.detokenizer
+        if detok is None:
+            detok = seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], params.skip_special_tokens
+            )
+            if len(seq.token_ids) - seq.num_prompt_tokens > 1:  # tokens generated before streaming began
+                detok.add(seq.token_ids[seq.num_prompt_tokens : -1])
+        delta = detok.add([token])
+        if finishing:
+            delta += detok.flush()
+        text = detok.text
+        stops = params.stop
+        if stops and delta and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
+            longest = max(len(s) for s in stops)
+            begin = max(0, len(text) - len(delta) - longest + 1)
+            found = [(i, s) for s in stops if (i := text.find(s, begin)) != -1]
+            if found:
+                i, s = min(found)
+                seq.text = text[:i]
+                return s
+        if stops and not finishing:  # hold back what could be the start of a stop string
+            longest = max(len(s) for s in stops)
+            seq.text = text[: max(len(seq.text), len(text) - longest + 1)]
+        else:
+            seq.text = text
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq)
+        if seq.detokenizer is None and self.tokenizer is not None:
+            skip = seq.request.params.skip_special_tokens
+            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
+        req = seq.request
+        if req.is_finished:
+            req.metrics.finished_time = time.perf_counter()
+            self.requests.pop(req.request_id, None)
+
+    def _append_logprobs(self, seq: Sequence, k: int, token: int, result: StepResult) -> None:
+        lp = float(result.sampled_logprobs[k])
+        entry = {token: Logprob(lp, int(result.sampled_ranks[k]))}
+        num = seq.request.params.logprobs or 0
+        if num and result.top_token_ids is not None:
+            ids = result.top_token_ids[k, :num].tolist()
+            lps = result.top_logprobs[k, :num].tolist()
+            for rank, (tid, v) in enumerate(zip(ids, lps), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(v, rank)
+        if self.tokenizer is not None:
+            for tid, item in entry.items():
+                item.decoded_token = self.tokenizer.decode([tid])
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += lp
+
+    def _make_output(self, req: Request, now: float) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=req.is_finished,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+            metrics=req.metrics,
+        )
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        with self._lock:
+            bm = self.block_manager
+            sch = self.scheduler
+            return EngineStats(
+                num_running=sch.num_running,
+                num_waiting=sch.num_waiting,
+                num_kv_blocks_total=bm.num_blocks,
+                num_kv_blocks_used=bm.num_used_blocks,
+                prefix_cache_queries=bm.prefix_cache_queries,
+                prefix_cache_hits=bm.prefix_cache_hits,
+                num_preemptions=sch.num_preemptions,
+                prompt_tokens_total=self.prompt_tokens_total,
+                generation_tokens_total=self.generation_tokens_total,
+            )
+
+    @property
+    def last_step(self) -> StepSnapshot | None:
+        """The last step's batch (built on first access after each step)."""
+        if self._last_step is None and self._last_step_data is not None:
+            sched, batch = self._last_step_data
+            attn = batch.attn
+            seq_lens = attn.seq_lens.tolist()
+            bs = self.block_manager.block_size
+            table = attn.block_table.tolist()
+            self._last_step = StepSnapshot(
+                request_ids=[s.request.request_id for s in sched.seqs],
+                query_lens=list(sched.num_new_tokens),
+                seq_lens=seq_lens,
+                num_cached_tokens=[s.num_cached_tokens for s in sched.seqs],
+                block_tables=[row[: -(-n // bs)] for row, n in zip(table, seq_lens)],
+                block_size=bs,
+                kind=attn.kind.value,
+            )
+        return self._last_step

@@ -1,0 +1,438 @@
+"""The model runner: owns the model, the KV pool, the CUDA graphs and the sampler.
+
+One call per engine step: `execute(batch, sampling)` takes the step's CPU metadata (from
+`build_step_batch`) and the rows' sampling arrays, moves them to the device in one copy through
+a pinned staging buffer, runs the model (a CUDA graph for decode steps, eager otherwise),
+samples, and copies the sampled tokens back: the only host sync of the step.
+
+KV pool: one K and one V cache per layer, `[num_blocks, block_size, Hkv, D]`, views into one
+allocation. On CUDA its size comes from the memory left after a profiling forward at the
+largest step (`max_num_batched_tokens` tokens, `max_num_seqs` sampled rows), times
+`gpu_memory_utilization`; `num_kv_blocks` overrides it. On CPU the pool is at most 2 GiB.
+
+CUDA graphs: decode steps (one new token per request) replay a graph captured at the next
+bucketed batch size (1, 2, 4, 8, 16, 24, 32, ... up to `max_num_seqs`); padding rows store
+nothing (slot -1) and attend to one key. `enforce_eager=True`, CPU, and every other step kind
+run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tilellm.engine.config import EngineConfig
+from tilellm.engine.metadata import AttentionMetadata, BatchKind, StepBatch, attention_context
+from tilellm.engine.sampler import Sampler, SamplerOutput, metadata_from_host
+
+logger = logging.getLogger(__name__)
+
+_CPU_POOL_BYTES = 2 << 30
+_GRAPH_RESERVE_BYTES = 512 << 20  # CUDA graph pool and allocator slack, kept out of the KV pool
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a decode graph: 1, 2, 4, 8, then every multiple of 8 up to the max."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+@dataclass
+class StepResult:
+    """Host copies of the sampler's output for the sampled rows of one step."""
+
+    token_ids: np.ndarray  # [N] int64
+    sampled_logprobs: np.ndarray | None = None  # [N] float32
+    sampled_ranks: np.ndarray | None = None  # [N] int64
+    top_logprobs: np.ndarray | None = None  # [N, K] float32
+    top_token_ids: np.ndarray | None = None  # [N, K] int64
+    device_time_s: float | None = None  # H2D + forward + sampling + D2H (CUDA events), when timed
+
+
+class _Staging:
+    """Packs a step's host arrays into one pinned buffer and moves them with a single H2D copy.
+
+    NOTE: the pinned buffer is rewritten every step; this is safe because every step ends by
+    waiting for its sampled tokens, which the device produces after this copy has completed.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self, device: torch.device, nbytes: int = 1 << 20):
+        self.device = device
+        self._alloc(nbytes)
+        self._items: list[tuple[int, int, np.dtype, tuple[int, ...]]] = []
+        self._offset = 0
+
+    def _alloc(self, nbytes: int) -> None:
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def add(self, a: np.ndarray) -> int:
+        a = np.ascontiguousarray(a)
+        off = -(-self._offset // self._ALIGN) * self._ALIGN
+        end = off + a.nbytes
+        if end > self.host_np.nbytes:
+            old, used = self.host_np, self._offset
+            self._alloc(max(2 * self.host_np.nbytes, end + (1 << 20)))
+            self.host_np[:used] = old[:used]
+        self.host_np[off:end] = a.reshape(-1).view(np.uint8)
+        self._items.append((off, a.nbytes, a.dtype, a.shape))
+        self._offset = end
+        return len(self._items) - 1
+
+    def commit(self) -> list[torch.Tensor]:
+        """Copy everything added since the last commit; returns the device views, in order."""
+        self.dev[: self._offset].copy_(self.host[: self._offset], non_blocking=True)
+        out = []
+        for off, n, dtype, shape in self._items:
+            t = self.dev[off : off + n].view(_TORCH_DTYPES[np.dtype(dtype)]).view(shape)
+            out.append(t)
+        self._items, self._offset = [], 0
+        return out
+
+
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+class ModelRunner:
+    """Runs one step on the device: see the module docstring."""
+
+    def __init__(self, config: EngineConfig):
+        from tilellm.models.loader import load_model, model_kv_spec
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        dtype = config.dtype
+        if dtype == "auto" and self.device.type == "cpu":
+            dtype = "float32"  # CPU: the fp32 oracle's precision (and no bf16 interpreter trap)
+        t0 = time.perf_counter()
+        self.model, self.hf_config = load_model(
+            config.model,
+            dtype=dtype,
+            device=self.device,
+            attention_backend=config.attention_backend,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        self.dtype = next(self.model.parameters()).dtype
+        self.vocab_size = int(self.hf_config.vocab_size)
+        logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
+        self.num_layers, self.num_kv_heads, self.head_dim = model_kv_spec(self.hf_config)
+        self.block_size = config.block_size
+        self.block_bytes = (
+            2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        )
+        self.sampler = Sampler()
+        self.is_cuda = self.device.type == "cuda"
+        self.staging = _Staging(self.device) if self.is_cuda else None
+        if self.is_cuda:
+            self._token_host = torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+        model_len = config.max_model_len or int(getattr(self.hf_config, "max_position_embeddings", 2048))
+
+        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(model_len)
+        pool_tokens = self.num_kv_blocks * self.block_size
+        if model_len > pool_tokens:
+            logger.warning("max_model_len %d capped at the KV pool's %d tokens", model_len, pool_tokens)
+            model_len = pool_tokens
+        self.max_model_len = model_len
+        self.max_blocks_per_seq = -(-model_len // self.block_size)
+        self._allocate_kv_cache()
+
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.time_device = False  # CUDA-event timing of each step (benchmarks turn it on)
+        if self.is_cuda and not config.enforce_eager:
+            try:
+                self._capture_graphs()
+            except Exception:  # a kernel that syncs with the host cannot be captured
+                logger.exception("CUDA graph capture failed: decode steps run eagerly")
+                self.graphs = {}
+                torch.cuda.synchronize()
+
+    # -- KV pool --------------------------------------------------------------------------------
+
+    def _auto_num_blocks(self, model_len: int) -> int:
+        if not self.is_cuda:
+            return max(_CPU_POOL_BYTES // self.block_bytes, 1)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run(model_len)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        current = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free  # weights, CUDA context, other processes
+        budget = total * self.config.gpu_memory_utilization - used - (peak - current) - _GRAPH_RESERVE_BYTES
+        num_blocks = int(budget // self.block_bytes)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: {used / 2**30:.1f} GiB in use, activations peak at "
+                f"{(peak - current) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs"
+            )
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%.1f GiB); activation peak %.2f GiB",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_bytes / 2**30,
+            (peak - current) / 2**30,
+        )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_run(self, model_len: int) -> None:
+        """One forward at the largest step before the pool exists (PREFILL, K/V not stored)."""
+        cfg = self.config
+        num_tokens = cfg.max_num_batched_tokens
+        seq_len = min(model_len, num_tokens)
+        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // seq_len))
+        lens = [seq_len] * num_seqs
+        num_tokens = sum(lens)
+        cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            kind=BatchKind.PREFILL,
+            cu_seqlens_q=cu,
+            seq_lens=cu[1:] - cu[:-1],
+            max_seqlen_q=seq_len,
+            max_seqlen_k=seq_len,
+            block_table=torch.zeros((num_seqs, 1), dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device) % seq_len
+        with attention_context(meta):
+            hidden = self.model(ids, pos)
+        rows = min(cfg.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        del hidden
+        # The sampler at its most expensive: every filter and 20 logprobs.
+        n = rows
+        host = dict(
+            inv_temp=np.ones(n, np.float32),
+            keys=np.zeros(n, np.int64),
+            all_greedy=False,
+            greedy=None,
+            any_greedy=False,
+            top_k=np.full(n, 50, np.int64),
+            max_top_k=50,
+            top_p=np.full(n, 0.9, np.float32),
+            min_p=np.full(n, 0.05, np.float32),
+            max_num_logprobs=20,
+            banned=None,
+        )
+        md = metadata_from_host(host, lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device))
+        self.sampler(logits, md)
+
+    def _allocate_kv_cache(self) -> None:
+        shape = (2, self.num_layers, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # Zeroed so that padding rows (which read key 0 of block 0) never meet NaN garbage.
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        layers = self.model.attention_layers()
+        if len(layers) != self.num_layers:
+            raise RuntimeError(f"model has {len(layers)} attention layers, config says {self.num_layers}")
+        for i, layer in enumerate(layers):
+            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        t0 = time.perf_counter()
+        max_bs = self.config.max_num_seqs
+        dev = self.device
+        self.graph_sizes = graph_batch_sizes(max_bs)
+        self.g_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_pos = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.g_block_table = torch.zeros((max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        pool = None
+        for bs in reversed(self.graph_sizes):
+            meta = AttentionMetadata(
+                kind=BatchKind.DECODE,
+                cu_seqlens_q=self.g_cu[: bs + 1],
+                seq_lens=self.g_seq_lens[:bs],
+                max_seqlen_q=1,
+                max_seqlen_k=self.max_model_len,
+                block_table=self.g_block_table[:bs],
+                slot_mapping=self.g_slots[:bs],
+            )
+            with attention_context(meta):
+                self._graph_body(bs)  # warm-up: compiles the kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._graph_body(bs)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
+
+    def _graph_body(self, bs: int) -> torch.Tensor:
+        hidden = self.model(self.g_ids[:bs], self.g_pos[:bs])
+        return self.model.compute_logits(hidden)
+
+    def _graph_bucket(self, num_reqs: int) -> int | None:
+        if not self.graphs or num_reqs > self.config.max_num_seqs:
+            return None
+        for bs in self.graph_sizes:
+            if bs >= num_reqs:
+                return bs
+        return None
+
+    # -- one step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, sampling: dict) -> StepResult:
+        """Run the model on `batch` (CPU tensors) and sample its `logits_indices` rows."""
+        if not self.is_cuda:
+            return self._execute_cpu(batch, sampling)
+        start_ev = end_ev = None
+        if self.time_device:
+            start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_ev.record()
+        attn = batch.attn
+        num_reqs = attn.seq_lens.shape[0]
+        bucket = self._graph_bucket(num_reqs) if attn.kind is BatchKind.DECODE else None
+        st = self.staging
+        if bucket is not None:
+            pad = bucket - num_reqs
+            ids = np.pad(batch.input_ids.numpy(), (0, pad))
+            pos = np.pad(batch.positions.numpy(), (0, pad))
+            slots = np.pad(attn.slot_mapping.numpy(), (0, pad), constant_values=-1)
+            seq_lens = np.pad(attn.seq_lens.numpy(), (0, pad), constant_values=1)
+            for a in (ids, pos, slots, seq_lens, attn.block_table.numpy(), batch.logits_indices.numpy()):
+                st.add(a)
+        else:
+            for t in (batch.input_ids, batch.positions, attn.slot_mapping, attn.seq_lens, attn.block_table):
+                st.add(t.numpy())
+            st.add(attn.cu_seqlens_q.numpy())
+            st.add(batch.logits_indices.numpy())
+        keys = _stage_sampling(st, sampling)
+        dev = st.commit()
+        md = metadata_from_host(_unstage_sampling(sampling, keys, dev), lambda a: a)
+
+        if bucket is not None:
+            ids, pos, slots, seq_lens, table, logits_idx = dev[:6]
+            nb = table.shape[1]
+            self.g_ids[:bucket].copy_(ids)
+            self.g_pos[:bucket].copy_(pos)
+            self.g_slots[:bucket].copy_(slots)
+            self.g_seq_lens[:bucket].copy_(seq_lens)
+            self.g_block_table[:num_reqs, :nb].copy_(table)
+            graph, graph_logits = self.graphs[bucket]
+            graph.replay()
+            # Usually every request samples, in order: a view, not a gather.
+            all_rows = batch.logits_indices.shape[0] == num_reqs
+            logits = graph_logits[:num_reqs] if all_rows else graph_logits[logits_idx]
+        else:
+            ids, pos, slots, seq_lens, table, cu, logits_idx = dev[:7]
+            meta = AttentionMetadata(
+                kind=attn.kind,
+                cu_seqlens_q=cu,
+                seq_lens=seq_lens,
+                max_seqlen_q=attn.max_seqlen_q,
+                max_seqlen_k=attn.max_seqlen_k,
+                block_table=table,
+                slot_mapping=slots,
+            )
+            with attention_context(meta):
+                hidden = self.model(ids, pos)
+            logits = self.model.compute_logits(hidden[logits_idx])
+        result = self._to_host(self.sampler(logits, md))
+        if end_ev is not None:
+            end_ev.record()
+        torch.cuda.current_stream().synchronize()
+        if end_ev is not None:
+            result.device_time_s = start_ev.elapsed_time(end_ev) / 1e3
+        return result
+
+    def _to_host(self, out: SamplerOutput) -> StepResult:
+        def host(t: torch.Tensor | None) -> np.ndarray | None:
+            if t is None:
+                return None
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buf.copy_(t, non_blocking=True)
+            return buf.numpy()
+
+        n = out.token_ids.shape[0]
+        if self._token_host.shape[0] < n:
+            self._token_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        tokens = self._token_host[:n]
+        tokens.copy_(out.token_ids, non_blocking=True)
+        return StepResult(
+            # A copy once the stream is synchronised: the pinned buffer is reused next step.
+            token_ids=tokens.numpy(),
+            sampled_logprobs=host(out.sampled_logprobs),
+            sampled_ranks=host(out.sampled_ranks),
+            top_logprobs=host(out.top_logprobs),
+            top_token_ids=host(out.top_token_ids),
+        )
+
+    def _execute_cpu(self, batch: StepBatch, sampling: dict) -> StepResult:
+        t0 = time.perf_counter()
+        with attention_context(batch.attn):
+            hidden = self.model(batch.input_ids, batch.positions)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        md = metadata_from_host(sampling, lambda a: torch.from_numpy(np.ascontiguousarray(a)))
+        out = self.sampler(logits, md)
+
+        def host(t: torch.Tensor | None) -> np.ndarray | None:
+            return None if t is None else t.numpy()
+
+        return StepResult(
+            token_ids=out.token_ids.numpy(),
+            sampled_logprobs=host(out.sampled_logprobs),
+            sampled_ranks=host(out.sampled_ranks),
+            top_logprobs=host(out.top_logprobs),
+            top_token_ids=host(out.top_token_ids),
+            device_time_s=time.perf_counter() - t0 if self.time_device else None,
+        )
+
+
+_SAMPLING_ARRAYS = ("inv_temp", "keys", "greedy", "top_k", "top_p", "min_p")
+
+
+def _stage_sampling(st: _Staging, sampling: dict) -> dict[str, int]:
+    """Add the sampling arrays to the staging buffer; returns their positions in the commit."""
+    where: dict[str, int] = {}
+    for name in _SAMPLING_ARRAYS:
+        if sampling.get(name) is not None:
+            where[name] = st.add(sampling[name])
+    if sampling.get("banned") is not None:
+        where["banned_rows"] = st.add(sampling["banned"][0])
+        where["banned_tokens"] = st.add(sampling["banned"][1])
+    return where
+
+
+def _unstage_sampling(sampling: dict, where: dict[str, int], dev: list[torch.Tensor]) -> dict:
+    out = dict(sampling)
+    for name in _SAMPLING_ARRAYS:
+        if name in where:
+            out[name] = dev[where[name]]
+    if "banned_rows" in where:
+        out["banned"] = (dev[where["banned_rows"]], dev[where["banned_tokens"]])
+    return out

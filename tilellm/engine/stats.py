@@ -1,0 +1,64 @@
+"""Counters and snapshots the engine exposes (server metrics, inspector, benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    """Engine state after the last step. Counts of sequences (samples), blocks and tokens."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of which found
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@dataclass
+class StepSnapshot:
+    """What the last step computed, per scheduled sequence (for the inspector).
+
+    query_lens[i] new tokens of request_ids[i] ending at seq_lens[i]; block_tables[i] its blocks
+    (the ones covering seq_lens[i]); num_cached_tokens[i] its prefix-cache hit at admission.
+    """
+
+    request_ids: list[str]
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_cached_tokens: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    kind: str = ""  # "prefill" | "decode" | "mixed"
+
+
+@dataclass
+class StepTimings:
+    """Where the engine's step time goes, summed over steps (seconds).
+
+    schedule: the scheduler; prepare: metadata and sampling arrays on the host; execute: the
+    runner's call (H2D, launch, wait for the sampled tokens); device: the same span measured by
+    CUDA events (only with `time_device`); postprocess: appending tokens, stop checks, outputs.
+    """
+
+    num_steps: int = 0
+    num_decode_steps: int = 0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    execute_s: float = 0.0
+    device_s: float = 0.0
+    postprocess_s: float = 0.0
+    # Per-step records (kind, num_seqs, num_tokens, schedule, prepare, execute, device, post) when on.
+    records: list[tuple] = field(default_factory=list)
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.postprocess_s
+
+    def reset(self) -> None:
+        self.__init__()
