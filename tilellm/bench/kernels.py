@@ -27,12 +27,12 @@ PREFILL_SWEEP = [
     (64, 128, 4, 3),
 ]
 DECODE_SWEEP = [
-    (16, 64, 4, 4),
-    (16, 128, 4, 3),
-    (16, 128, 4, 2),
     (16, 64, 2, 3),
-    (16, 32, 4, 4),
-    (32, 64, 4, 3),
+    (16, 64, 2, 4),
+    (16, 128, 4, 3),
+    (16, 128, 2, 3),
+    (16, 64, 4, 4),
+    (16, 32, 2, 4),
 ]
 CHUNK_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)]
 
@@ -174,13 +174,7 @@ def bench_prefill(
     ms = _bench(lambda: tk.prefill_attention(q, k, v, cu, max(lens)))
     rows.append(Row(name, f"tilellm {str(dtype)[6:]}", ms, flops / ms / 1e9, None, floor))
     if sweep:
-        for bm, bn, w, st in [
-            (128, 64, 4, 2),
-            (128, 64, 8, 2),
-            (128, 64, 8, 3),
-            (128, 128, 8, 2),
-            (64, 64, 4, 3),
-        ]:
+        for bm, bn, w, st in PREFILL_SWEEP:
             cfg = config.TileConfig(bm, bn, w, st)
             try:
                 with config.override(prefill=cfg):
@@ -288,7 +282,7 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
                 rows.append(Row(name, label, ms_c, flops / ms_c / 1e9, byts / ms_c / 1e6, floor))
             except Exception as e:
                 rows.append(Row(name, label, float("nan"), note=type(e).__name__))
-        for s in [1, 2, 4, 8, 16, 32, 64] if max_q == 1 else []:
+        for s in [1, 2, 4, 8, 16, 32, 64]:
             if s == plan.num_splits:
                 continue
             ms_s = _bench(lambda s=s: fn(s))
@@ -423,7 +417,7 @@ def main(args: argparse.Namespace) -> int:
             rows,
             ceilings,
             decode=False,
-            sweep=False,
+            sweep=sweep,
             peers=False,
         )
     if "C1" in want:
@@ -438,7 +432,7 @@ def main(args: argparse.Namespace) -> int:
             rows,
             ceilings,
             decode=False,
-            sweep=False,
+            sweep=sweep,
             peers=False,
         )
     torch.cuda.empty_cache()

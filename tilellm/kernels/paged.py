@@ -66,10 +66,10 @@ def _paged_tiles(
         # int64: block * stride overflows int32 in large pools.
         row_off = block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kv_head * stride_ch
         if MASKED:
-            k = tl.load(K_cache + row_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
         else:
-            k = tl.load(K_cache + row_off[:, None] + offs_d[None, :])
-        qk = tl.dot(q, tl.trans(k))
+            k = tl.load(K_cache + row_off[None, :] + offs_d[:, None])
+        qk = tl.dot(q, k)  # K^T gathered as [D, BLOCK_N]: measured faster than tl.trans here
         if MASKED:
             visible = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))

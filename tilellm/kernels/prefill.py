@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import prefill_config
@@ -29,52 +30,33 @@ LOG2_E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2_E)
 
 @triton.jit
 def _attend_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_ptrs,
-    v_ptrs,
-    stride_kt,
-    stride_vt,
-    offs_m,
-    offs_n,
-    seq_len,
-    n_start,
-    n_end,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """Online softmax over key tiles [n_start, n_end), keys of one request (local positions).
+    acc, l_i, m_i, q, k_desc, v_desc,
+    kv_row0, kv_col, offs_m, offs_n, seq_len, n_start, n_end, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key tiles [n_start, n_end) of one request (local key positions).
 
-    MASKED tiles build the causal mask `key <= query` (and `key < seq_len`) in registers;
-    the others are wholly visible and run without any elementwise mask.
+    MASKED tiles build the causal mask `key <= query` (and `key < seq_len`) in registers; the
+    others are wholly visible and run without any elementwise mask. Rows a tile loads past the
+    request's end belong to the next request (or are zero-filled past the tensor): they are
+    always masked out, never used.
     """
     for n in tl.range(n_start, n_end, BLOCK_N):
-        # -- load K [BLOCK_N, D] and compute scores Q K^T --
-        if MASKED:
-            key_ok = (n + offs_n) < seq_len
-            k = tl.load(k_ptrs + n * stride_kt, mask=key_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs + n * stride_kt)
+        # -- scores: Q [BLOCK_M, D] @ K^T [D, BLOCK_N] --
+        k = k_desc.load([kv_row0 + n, kv_col])
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
-            visible = key_ok[None, :]
+            visible = ((n + offs_n) < seq_len)[None, :]
             if CAUSAL:
                 visible = visible & (offs_m[:, None] >= (n + offs_n)[None, :])
             qk = tl.where(visible, qk, float("-inf"))
-        # -- online softmax, base 2, scale folded in --
+        # -- online softmax, base 2, softmax scale folded into qk_scale --
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- accumulate P @ V --
-        if MASKED:
-            v = tl.load(v_ptrs + n * stride_vt, mask=key_ok[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs + n * stride_vt)
+        v = v_desc.load([kv_row0 + n, kv_col])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_ij
@@ -83,28 +65,11 @@ def _attend_tiles(
 
 @triton.jit
 def _prefill_kernel(
-    Q,
-    K,
-    V,
-    O,
-    cu_seqlens,
-    stats,
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    RECORD_STATS: tl.constexpr,
-):
+    q_desc, k_desc, v_desc, O, cu_seqlens, stats,
+    qk_scale, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, RECORD_STATS: tl.constexpr,
+):  # fmt: skip
     head = tl.program_id(0)
     req = tl.program_id(1)
     # Longest-first: the last query tiles (most key tiles under the diagonal) are issued first.
@@ -116,71 +81,36 @@ def _prefill_kernel(
     if m_start >= seq_len:
         return  # this request has no queries in this tile
 
-    kv_head = head // GROUP
     offs_m = m_start + tl.arange(0, BLOCK_M)  # local query positions
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < seq_len
-
-    q_ptrs = Q + (seq_start + offs_m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    base = seq_start.to(tl.int64)
-    k_ptrs = K + (base + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-    v_ptrs = V + (base + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    # Q, K, V are 2-D views [T, heads * D]: a head is a column block; GQA reads KV head head // GROUP.
+    q = q_desc.load([seq_start + m_start, head * HEAD_DIM])
+    kv_col = (head // GROUP) * HEAD_DIM
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if CAUSAL:
-        # Tiles ending at or before the first query of this tile are wholly visible.
+        # Key tiles ending at or before this tile's first query are wholly visible.
         full_end = (m_start + 1) // BLOCK_N * BLOCK_N
         diag_end = tl.minimum(m_start + BLOCK_M, seq_len)
     else:
         full_end = seq_len // BLOCK_N * BLOCK_N
         diag_end = seq_len
     acc, l_i, m_i = _attend_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs,
-        v_ptrs,
-        stride_kt,
-        stride_vt,
-        offs_m,
-        offs_n,
-        seq_len,
-        0,
-        full_end,
-        qk_scale,
-        BLOCK_N,
-        False,
-        CAUSAL,
-    )
+        acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
+        0, full_end, qk_scale, BLOCK_N, False, CAUSAL,
+    )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs,
-        v_ptrs,
-        stride_kt,
-        stride_vt,
-        offs_m,
-        offs_n,
-        seq_len,
-        full_end,
-        diag_end,
-        qk_scale,
-        BLOCK_N,
-        True,
-        CAUSAL,
-    )
+        acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
+        full_end, diag_end, qk_scale, BLOCK_N, True, CAUSAL,
+    )  # fmt: skip
 
     acc = acc / l_i[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)
     o_ptrs = O + (seq_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
 
     if RECORD_STATS:
         # The kernel's own account of its tiles: [full, diagonal] per program.
@@ -247,35 +177,27 @@ def _output(q: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tenso
     return out
 
 
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> [T, H * D] without a copy when heads are packed (the layout TMA reads)."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
+
+
 def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> None:
     T, Hq, D = q.shape
     batch = cu_seqlens.numel() - 1
     if T == 0 or batch == 0:
         return
     cfg = prefill_config(D, q.dtype)
+    q_desc = TensorDescriptor.from_tensor(_rows_view(q), [cfg.block_m, D])
+    k_desc = TensorDescriptor.from_tensor(_rows_view(k), [cfg.block_n, D])
+    v_desc = TensorDescriptor.from_tensor(_rows_view(v), [cfg.block_n, D])
     grid = (Hq, batch, triton.cdiv(max(max_seqlen, 1), cfg.block_m))
     _prefill_kernel[grid](
-        q,
-        k,
-        v,
-        o,
-        cu_seqlens,
-        stats if stats is not None else cu_seqlens,
-        scale * LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        o.stride(0),
-        o.stride(1),
-        GROUP=Hq // k.shape[1],
-        HEAD_DIM=D,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        CAUSAL=causal,
-        RECORD_STATS=stats is not None,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        q_desc, k_desc, v_desc, o, cu_seqlens, stats if stats is not None else cu_seqlens,
+        scale * LOG2_E, o.stride(0), o.stride(1),
+        GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, RECORD_STATS=stats is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip

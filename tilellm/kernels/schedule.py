@@ -21,9 +21,9 @@ import torch
 from tilellm.kernels.config import num_sms as device_num_sms
 from tilellm.kernels.config import paged_config, prefill_config
 
-MIN_KEYS_PER_SPLIT = 256  # below this a segment's fixed costs (Q load, partial write, merge) dominate
+MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed costs (Q load, partial write, merge) dominate
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 2  # a memory-bound program per SM leaves bandwidth unused; aim for two
+PROGRAMS_PER_SM = 8  # memory-bound programs: many in flight per SM hide latency and balance the tail
 
 
 @dataclass(frozen=True)
@@ -141,16 +141,17 @@ def choose_num_splits(
         )
     work = num_kv_heads * q_tiles * total_kv
     target = PROGRAMS_PER_SM * sms
-    seg = _round_up(max(MIN_KEYS_PER_SPLIT, _cdiv(work, target)), block_n)
-    seg = max(seg, _round_up(_cdiv(max_seqlen_k, MAX_SPLITS), block_n))
+    # Segments for the longest request; shorter ones get fewer segments of the same length.
+    n = max(1, min(_cdiv(target * max_seqlen_k, max(work, 1)), MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
+    seg = _round_up(_cdiv(max_seqlen_k, n), block_n)
     n = _cdiv(max_seqlen_k, seg)
     if n <= 1:
         return SplitPlan(
             1, f"no split: {base} programs of <= {max_seqlen_k} keys balance over {sms} SMs", sms, base, 0
         )
     reason = (
-        f"split: {base} programs for {sms} SMs; segments of {seg} keys (work {work} keys / "
-        f"{target} programs, >= {MIN_KEYS_PER_SPLIT}) give up to {n} segments per request"
+        f"split: {base} programs for {sms} SMs; the longest context cut into {n} segments of {seg} keys "
+        f"(target {PROGRAMS_PER_SM} programs per SM over {work} keys of work, >= {MIN_KEYS_PER_SPLIT} keys each)"
     )
     return SplitPlan(n, reason, sms, base, seg)
 
