@@ -1,0 +1,50 @@
+"""Fixtures for the engine tests: tiny random checkpoints and a `transformers` greedy oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Two cores shared by many processes: one thread each is much faster than oversubscription.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    from tilellm.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("qwen3"), "Qwen3ForCausalLM", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    from tilellm.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM", seed=2))
+
+
+_HF_CACHE: dict[str, object] = {}
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations by `transformers` (fp32, CPU), one prompt at a time, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = _HF_CACHE.get(model_dir)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None  # run to max_new_tokens, as ignore_eos does
+        _HF_CACHE[model_dir] = model
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(g[0, len(p) :].tolist())
+    return outs
