@@ -29,19 +29,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
-    """Tiles for `prefill_attention`: 128 query rows, 64 keys per step on Hopper."""
+def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30) -> TileConfig:
+    """Tiles for `prefill_attention`, from H200 sweeps (benchmarks/RESULTS.md).
+
+    Long requests: 128x128 tiles, 8 warps, 3 stages. Batches of short requests (<= 1024 tokens):
+    64x64 tiles, so fewer rows of the last query tile of each request are wasted.
+    """
     if "prefill" in _overrides:
         return _overrides["prefill"]
     if interpreting():
         return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if head_dim > 128:
+        return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if max_seqlen <= 1024:
+        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     if head_dim <= 64:
         return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    if head_dim <= 128:
-        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-    return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: int) -> tuple[TileConfig, int]:
@@ -60,7 +66,7 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     elif max_seqlen_q * group <= 64:
         rows, block_n, warps, stages = 64, 64 if head_dim <= 128 else 32, 4, 3
     else:
-        rows, block_n, warps, stages = (128, 64, 8, 2) if head_dim <= 128 else (64, 32, 4, 2)
+        rows, block_n, warps, stages = (128, 128, 8, 3) if head_dim <= 128 else (64, 32, 4, 2)
     if dtype == torch.float32 and not interpreting():
         rows, block_n = min(rows, 64), min(block_n, 32)
     block_q = max(1, rows // group)

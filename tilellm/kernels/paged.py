@@ -115,7 +115,6 @@ def _paged_kernel(
     stride_cs,
     stride_ch,
     num_splits,
-    seg_len,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -163,10 +162,8 @@ def _paged_kernel(
     kv_end = context + last_tok + 1
     full_end = (context + t0 + 1) // BLOCK_N * BLOCK_N  # tiles visible to every row of the tile
     if SPLIT:
-        # Fixed-length segments from the plan, or (forced count) this tile's keys in equal parts.
-        seg = seg_len
-        if seg == 0:
-            seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        # This tile's keys in num_splits equal segments (whole key tiles each).
+        seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         lo = split * seg
         hi = tl.minimum(lo + seg, kv_end)
     else:
@@ -400,7 +397,6 @@ def _launch(
             Hkv,
             q_tiles,
             seq_lens,
-            block_n=cfg.block_n,
             num_splits=num_splits,
             max_seqlen_k=max_seqlen_k,
         )
@@ -439,7 +435,6 @@ def _launch(
         k_cache.stride(1),
         k_cache.stride(2),
         splits,
-        plan.kv_per_split,
         GROUP=group,
         HEAD_DIM=D,
         PAGE=page,

@@ -163,7 +163,7 @@ def prefill_tile_stats(
     """
     validation.check_prefill("prefill_attention", q, k, v, cu_seqlens, max_seqlen)
     o = torch.empty_like(q)
-    cfg = prefill_config(q.shape[-1], q.dtype)
+    cfg = prefill_config(q.shape[-1], q.dtype, max_seqlen)
     num_m = triton.cdiv(max(max_seqlen, 1), cfg.block_m)
     stats = torch.zeros((cu_seqlens.numel() - 1) * q.shape[1] * num_m * 2, dtype=torch.int32, device=q.device)
     _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(None, q.shape[-1]), stats)
@@ -189,7 +189,7 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     batch = cu_seqlens.numel() - 1
     if T == 0 or batch == 0:
         return
-    cfg = prefill_config(D, q.dtype)
+    cfg = prefill_config(D, q.dtype, max_seqlen)
     q_desc = TensorDescriptor.from_tensor(_rows_view(q), [cfg.block_m, D])
     k_desc = TensorDescriptor.from_tensor(_rows_view(k), [cfg.block_n, D])
     v_desc = TensorDescriptor.from_tensor(_rows_view(v), [cfg.block_n, D])

@@ -23,29 +23,22 @@ from tilellm.kernels.config import paged_config, prefill_config
 
 MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed costs (Q load, partial write, merge) dominate
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 8  # memory-bound programs: many in flight per SM hide latency and balance the tail
+PROGRAMS_PER_SM = 16  # measured on an H200 (benchmarks/RESULTS.md): decode wants many short programs
 
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """How the keys of each (request, KV head, query tile) program are cut into segments, and why.
+    """Into how many key segments each (request, KV head, query tile) program is cut, and why.
 
-    Two modes: `kv_per_split > 0` cuts every request's keys into fixed segments of that many keys
-    (the heuristic: long requests get more segments than short ones, so work is balanced);
-    `kv_per_split == 0` cuts each request's keys into `num_splits` equal parts (a forced count).
-    The grid has `num_splits` segments per query tile either way; a segment past a request's keys
-    records an empty partial result (lse = -inf).
+    Each program's causal key range is divided into `num_splits` equal segments (multiples of
+    the key tile); a segment with no key for a row records an empty partial result (lse = -inf).
     """
 
     num_splits: int
     reason: str
     num_sms: int
     base_programs: int  # programs without splitting: requests x KV heads x query tiles
-    kv_per_split: int  # 0: each request divided into num_splits equal parts
-
-    @property
-    def kv_len_per_split(self) -> int:  # older name
-        return self.kv_per_split
+    kv_len_per_split: int  # keys per segment of the longest context
 
 
 @dataclass(frozen=True)
@@ -105,59 +98,50 @@ def choose_num_splits(
     q_tiles: int,
     seq_lens: torch.Tensor | Sequence[int] | None,
     *,
-    block_n: int = 64,
     num_splits: int | None = None,
     max_seqlen_k: int | None = None,
-    total_kv: int | None = None,
     num_sms: int | None = None,
 ) -> SplitPlan:
-    """The split-KV decision from the SM count, the batch and its context lengths.
+    """The split-KV decision from the SM count, the batch and its longest context.
 
-    Work is counted in keys: about `num_kv_heads * q_tiles * sum(seq_lens)`. Segments are sized
-    so that this work makes about PROGRAMS_PER_SM programs per SM, never shorter than
-    MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS per request; no split when the longest request
-    already fits in one segment (the batch fills the GPU by itself). `num_splits` forces a count.
-    Lengths come from `seq_lens` unless `max_seqlen_k` and `total_kv` are given (reading a CUDA
-    tensor costs one host sync: the engine plans on the host instead).
+    No split when the programs already fill the GPU or contexts are short; otherwise enough
+    segments for about PROGRAMS_PER_SM programs per SM, each of at least MIN_KEYS_PER_SPLIT keys
+    of the longest context, at most MAX_SPLITS. `num_splits` forces the count. The longest
+    context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
+    host sync: the engine plans on the host instead and passes the plan).
     """
     sms = num_sms or device_num_sms()
     base = num_requests * num_kv_heads * q_tiles
-    if max_seqlen_k is None or (total_kv is None and num_splits is None):
+    if max_seqlen_k is None:
         if seq_lens is None or len(seq_lens) == 0:
-            max_seqlen_k, total_kv = 0, 0
+            max_seqlen_k = 0
         elif isinstance(seq_lens, torch.Tensor):
-            mx, tot = torch.stack([seq_lens.max(), seq_lens.sum()]).tolist()
-            max_seqlen_k, total_kv = int(mx), int(tot)
+            max_seqlen_k = int(seq_lens.max().item())
         else:
-            max_seqlen_k, total_kv = max(seq_lens), sum(seq_lens)
+            max_seqlen_k = max(seq_lens)
     if num_splits is not None:
         if int(num_splits) < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         n = int(num_splits)
-        return SplitPlan(n, f"forced: num_splits={n}", sms, base, 0)
+        return SplitPlan(n, f"forced: num_splits={n}", sms, base, _cdiv(max_seqlen_k, n))
     if max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
         return SplitPlan(
-            1, f"no split: longest context {max_seqlen_k} < {2 * MIN_KEYS_PER_SPLIT} keys", sms, base, 0
+            1,
+            f"no split: longest context {max_seqlen_k} < {2 * MIN_KEYS_PER_SPLIT} keys",
+            sms,
+            base,
+            max_seqlen_k,
         )
-    work = num_kv_heads * q_tiles * total_kv
-    target = PROGRAMS_PER_SM * sms
-    # Segments for the longest request; shorter ones get fewer segments of the same length.
-    n = max(1, min(_cdiv(target * max_seqlen_k, max(work, 1)), MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
-    seg = _round_up(_cdiv(max_seqlen_k, n), block_n)
-    n = _cdiv(max_seqlen_k, seg)
-    if n <= 1:
-        return SplitPlan(
-            1, f"no split: {base} programs of <= {max_seqlen_k} keys balance over {sms} SMs", sms, base, 0
-        )
+    want = _cdiv(PROGRAMS_PER_SM * sms, base)
+    n = max(1, min(want, MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
+    if n == 1:
+        return SplitPlan(1, f"no split: {base} programs already fill {sms} SMs", sms, base, max_seqlen_k)
     reason = (
-        f"split: {base} programs for {sms} SMs; the longest context cut into {n} segments of {seg} keys "
-        f"(target {PROGRAMS_PER_SM} programs per SM over {work} keys of work, >= {MIN_KEYS_PER_SPLIT} keys each)"
+        f"split {n}: {base} programs for {sms} SMs; {n} segments per query tile give {base * n} programs "
+        f"(target {PROGRAMS_PER_SM} per SM, >= {MIN_KEYS_PER_SPLIT} keys per segment of the longest context, "
+        f"cap {MAX_SPLITS})"
     )
-    return SplitPlan(n, reason, sms, base, seg)
-
-
-def _round_up(x: int, m: int) -> int:
-    return _cdiv(x, m) * m
+    return SplitPlan(n, reason, sms, base, _cdiv(max_seqlen_k, n))
 
 
 def plan_split_kv(
@@ -176,13 +160,12 @@ def plan_split_kv(
     lens = _as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
-    cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
+    _, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
     return choose_num_splits(
         len(lens),
         num_kv_heads,
         _cdiv(max(max_q, 1), block_q),
         lens,
-        block_n=cfg.block_n,
         num_splits=num_splits,
         num_sms=num_sms,
     )
@@ -199,7 +182,7 @@ def prefill_schedule(
 ) -> TileSchedule:
     """Tiles of `prefill_attention`: grid (heads, requests, query tiles), issued longest-first."""
     cu = _as_list(cu_seqlens)
-    cfg = prefill_config(head_dim, dtype)
+    cfg = prefill_config(head_dim, dtype, max_seqlen)
     bm, bn = cfg.block_m, cfg.block_n
     num_m = _cdiv(max(max_seqlen, 1), bm)
     sched = TileSchedule("prefill_attention", (num_heads, len(cu) - 1, num_m), bm, bn)
@@ -250,9 +233,7 @@ def paged_schedule(
     cfg, block_q = paged_config(head_dim, dtype, group, max_q)
     bn = cfg.block_n
     q_tiles = _cdiv(max(max_q, 1), block_q)
-    plan = choose_num_splits(
-        len(lens), num_kv_heads, q_tiles, lens, block_n=bn, num_splits=num_splits, num_sms=num_sms
-    )
+    plan = choose_num_splits(len(lens), num_kv_heads, q_tiles, lens, num_splits=num_splits, num_sms=num_sms)
     splits = plan.num_splits
     sched = TileSchedule(
         "paged_attention",
@@ -275,7 +256,7 @@ def paged_schedule(
                     kv_end = context + min(t0 + block_q, q_len)
                     full_end = (context + t0 + 1) // bn * bn
                     if splits > 1:
-                        seg = plan.kv_per_split or _cdiv(_cdiv(kv_end, splits), bn) * bn
+                        seg = _cdiv(_cdiv(kv_end, splits), bn) * bn
                         lo = split * seg
                         hi = max(lo, min(lo + seg, kv_end))
                     else:
