@@ -5,9 +5,9 @@ holds the input checks both share. All math is in fp32; outputs take the input d
 
 - `rms_norm(x [N, H], weight [H], eps, *, residual=None)`: one program normalises a tile of
   BLOCK_N rows (several rows per program when H is small, e.g. Qwen3's per-head q/k norm).
-- `silu_and_mul(x [N, 2I]) -> [N, I]`: grid over (rows, column tiles).
-- `apply_rotary(q, k, positions, cos_sin_cache) -> (q, k)`: grid (token, head block); a program
-  rotates a block of that token's q or k heads with the token's cos/sin row.
+- `silu_and_mul(x [N, 2I]) -> [N, I]`: grid over (row tiles, column tiles).
+- `apply_rotary(q, k, positions, cos_sin_cache) -> (q, k)`: q and k viewed as [T * H, D] rows
+  (one per token and head); a program rotates a tile of rows, each with its token's cos/sin.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def rms_norm(
         residual, res_out = x, y  # unused (HAS_RESIDUAL=False)
     if n > 0:
         block_h = triton.next_power_of_2(h)
-        block_n = max(1, min(16, 4096 // block_h))
+        block_n = max(1, min(64, 4096 // block_h))
         grid = (triton.cdiv(n, block_n),)
         _rms_norm_kernel[grid](
             x, residual, weight, y, res_out,
@@ -92,15 +92,19 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK_I: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, N, I,
+    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = cols < I
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows[:, None] < N) & (cols[None, :] < I)
+    rows64 = rows.to(tl.int64)[:, None]
+    gate = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + rows64 * stride_x + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # silu(g) = g * sigmoid(g)
     out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows64 * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -110,10 +114,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n, i = x.shape[0], x.shape[1] // 2
     out = torch.empty((n, i), dtype=x.dtype, device=x.device)
     if n > 0 and i > 0:
-        block_i = min(triton.next_power_of_2(i), 1024)
-        _silu_and_mul_kernel[(n, triton.cdiv(i, block_i))](
-            x, out, x.stride(0), out.stride(0), i, BLOCK_I=block_i
-        )
+        # tiles of about 4K elements: several rows per program when I is small
+        block_i = min(triton.next_power_of_2(i), 2048)
+        block_n = max(1, min(64, 4096 // block_i))
+        grid = (triton.cdiv(n, block_n), triton.cdiv(i, block_i))
+        _silu_and_mul_kernel[grid](
+            x, out, x.stride(0), out.stride(0), n, i, BLOCK_N=block_n, BLOCK_I=block_i
+        )  # fmt: skip
     return out
 
 
@@ -123,22 +130,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_block(
-    x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, tok, h0, num_heads, cos, sin, half,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _rotate_rows(
+    x_ptr, out_ptr, pos_ptr, cache_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_cache,
+    row0, num_rows, num_heads, half,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """Heads h0..h0+BLOCK_H of token `tok`: [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]."""
-    heads = h0 + tl.arange(0, BLOCK_H)
+    """Rows row0..row0+BLOCK_R of x viewed as [T * H, D] (row = token * H + head):
+    [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin] with the row's token's cos/sin."""
+    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
-    mask = (heads[:, None] < num_heads) & (dims[None, :] < half)
-    src = x_ptr + tok * stride_xt + heads[:, None] * stride_xh + dims[None, :]
-    dst = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (dims[None, :] < half)
+    tok, head = rows // num_heads, rows % num_heads
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64)
+    # -- cos/sin of each row's position: cache row = [cos | sin] --
+    cs = cache_ptr + pos[:, None] * stride_cache + dims[None, :]
+    cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs + half, mask=mask, other=0.0).to(tl.float32)
+    src = x_ptr + tok[:, None] * stride_xt + head[:, None] * stride_xh + dims[None, :]
+    dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, o2.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -146,24 +160,19 @@ def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
-    num_q_heads, num_k_heads, num_q_blocks, half,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    num_tokens, num_q_heads, num_k_heads, num_q_programs, half,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """Program (token, j): head block j of q when j < num_q_blocks, else block j - num_q_blocks of k."""
-    tok = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)
-    # -- this token's cos/sin row: cache row = [cos | sin] --
-    cos = tl.load(cache_ptr + pos * stride_cache + dims, mask=dims < half, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + half + dims, mask=dims < half, other=0.0).to(tl.float32)
-    if blk < num_q_blocks:
-        _rotate_block(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, tok, blk * BLOCK_H,
-                      num_q_heads, cos, sin, half, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+    """The first num_q_programs programs rotate q's (token, head) rows, the rest k's."""
+    pid = tl.program_id(0)
+    if pid < num_q_programs:
+        _rotate_rows(q_ptr, q_out_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
+                     stride_cache, pid * BLOCK_R, num_tokens * num_q_heads, num_q_heads, half,
+                     BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
     else:
-        _rotate_block(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, tok,
-                      (blk - num_q_blocks) * BLOCK_H, num_k_heads, cos, sin, half,
-                      BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+        _rotate_rows(k_ptr, k_out_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot, stride_koh,
+                     stride_cache, (pid - num_q_programs) * BLOCK_R, num_tokens * num_k_heads, num_k_heads,
+                     half, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
 
 
 def apply_rotary(
@@ -185,15 +194,15 @@ def apply_rotary(
     if t > 0:
         half = d // 2
         block_half = triton.next_power_of_2(half)
-        # heads per program: a tile of at most ~2K elements
-        block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 2048 // block_half))
-        num_q_blocks = triton.cdiv(hq, block_h)
-        grid = (t, num_q_blocks + triton.cdiv(hk, block_h))
+        # (token, head) rows per program: tiles of about 4K elements
+        block_r = max(1, min(256, 4096 // block_half))
+        num_q_programs = triton.cdiv(t * hq, block_r)
+        grid = (num_q_programs + triton.cdiv(t * hk, block_r),)
         _rotary_kernel[grid](
             q, k, q_out, k_out, positions, cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
-            hq, hk, num_q_blocks, half,
-            BLOCK_H=block_h, BLOCK_HALF=block_half,
+            t, hq, hk, num_q_programs, half,
+            BLOCK_R=block_r, BLOCK_HALF=block_half,
         )  # fmt: skip
     return q_out, k_out

@@ -66,7 +66,13 @@ class Attention(nn.Module):
             return ops.prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale=self.scale)
         if meta.kind is BatchKind.DECODE:
             return ops.decode_attention(
-                q, self.k_cache, self.v_cache, meta.block_table, meta.seq_lens, scale=self.scale
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_table,
+                meta.seq_lens,
+                scale=self.scale,
+                max_seqlen_k=meta.max_seqlen_k,  # lets the split-KV plan skip reading seq_lens
             )
         return ops.paged_attention(
             q,
@@ -77,4 +83,5 @@ class Attention(nn.Module):
             meta.seq_lens,
             meta.max_seqlen_q,
             scale=self.scale,
+            max_seqlen_k=meta.max_seqlen_k,
         )

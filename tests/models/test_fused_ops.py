@@ -1,0 +1,206 @@
+"""Fused Triton ops (`tilellm.kernels.fused`) against their PyTorch twins, and the twins against
+plain formulas / transformers. On CPU the kernels run under the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilellm.kernels.fused as fused
+import tilellm.kernels.fused_reference as ref
+
+# fp32: both compute in fp32, so only summation order differs; fp16: at most one rounding apart
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.float16]
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype=dtype, device=device)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = max(expected.float().abs().max().item(), 1.0)
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max abs error {err:.3g} (output scale {scale:.3g})"
+
+
+# ---------------------------------------------------------------------------------------------
+# rms_norm
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, h", [(1, 64), (7, 96), (33, 1000), (3, 4097), (130, 16)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(device, dtype, n, h, with_residual):
+    x = _randn(n, h, dtype=dtype, seed=1, device=device) * 3
+    w = _randn(h, seed=2, device=device)
+    residual = _randn(n, h, dtype=dtype, seed=3, device=device) if with_residual else None
+    x_copy = x.clone()
+    out = fused.rms_norm(x, w, 1e-6, residual=residual)
+    expected = ref.rms_norm(x, w, 1e-6, residual=residual)
+    torch.testing.assert_close(x, x_copy, rtol=0, atol=0)  # inputs untouched
+    if with_residual:
+        _assert_close(out[0], expected[0], dtype)
+        _assert_close(out[1], expected[1], dtype)
+    else:
+        _assert_close(out, expected, dtype)
+
+
+def test_rms_norm_strided_rows(device):
+    """A row-strided view (e.g. a slice of a wider buffer) is read through its stride."""
+    base = _randn(9, 200, seed=4, device=device)
+    x = base[:, 37:137]
+    w = _randn(100, seed=5, device=device)
+    _assert_close(fused.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), torch.float32)
+
+
+def test_rms_norm_reference_formula():
+    x, w, r = _randn(5, 24, seed=1), _randn(24, seed=2), _randn(5, 24, seed=3)
+    s = x + r
+    expected = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    y, new_res = ref.rms_norm(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(new_res, s)
+
+
+def test_rms_norm_empty(device):
+    x = torch.empty(0, 32, device=device)
+    assert fused.rms_norm(x, torch.ones(32, device=device), 1e-6).shape == (0, 32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(x=torch.randn(2, 3, 4), weight=torch.ones(4)), r"x must be \[N, H\]"),
+        (dict(x=torch.randn(2, 4), weight=torch.ones(5)), r"weight must be \[H=4\]"),
+        (dict(x=torch.randn(2, 4).int(), weight=torch.ones(4)), "x must be float32"),
+        (dict(x=torch.randn(2, 4), weight=torch.ones(4), residual=torch.randn(3, 4)), "residual shape"),
+        (dict(x=torch.randn(2, 4), weight=torch.ones(4), residual=torch.randn(2, 4).half()), "must match x"),
+        (dict(x=torch.randn(2, 4), weight=torch.ones(4), eps=0.0), "eps must be > 0"),
+    ],
+)
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+def test_rms_norm_rejects_bad_input(impl, kwargs, match):
+    kwargs = {"eps": 1e-6, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        impl.rms_norm(kwargs.pop("x"), kwargs.pop("weight"), kwargs.pop("eps"), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# silu_and_mul
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, i", [(1, 64), (7, 300), (70, 24), (3, 2500)])
+def test_silu_and_mul_matches_reference(device, dtype, n, i):
+    x = _randn(n, 2 * i, dtype=dtype, seed=6, device=device) * 4
+    _assert_close(fused.silu_and_mul(x), ref.silu_and_mul(x), dtype)
+
+
+def test_silu_and_mul_reference_formula():
+    x = _randn(4, 10, seed=7)
+    gate, up = x[:, :5], x[:, 5:]
+    torch.testing.assert_close(ref.silu_and_mul(x), gate * torch.sigmoid(gate) * up)
+
+
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        (torch.randn(3, 5), "even last dim"),
+        (torch.randn(2, 3, 4), r"\[N, 2\*I\]"),
+        (torch.ones(2, 4).long(), "float"),
+    ],
+)
+def test_silu_and_mul_rejects_bad_input(impl, x, match):
+    with pytest.raises(ValueError, match=match):
+        impl.silu_and_mul(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# apply_rotary
+# ---------------------------------------------------------------------------------------------
+
+
+def _cos_sin_cache(max_pos: int, d: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2).float() / d)
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "t, hq, hkv, d", [(1, 1, 1, 16), (7, 6, 2, 24), (9, 16, 8, 128), (40, 4, 1, 64), (5, 3, 3, 2)]
+)
+@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
+def test_apply_rotary_matches_reference(device, dtype, t, hq, hkv, d, pos_dtype):
+    max_pos = 300
+    q = _randn(t, hq, d, dtype=dtype, seed=8, device=device)
+    k = _randn(t, hkv, d, dtype=dtype, seed=9, device=device)
+    positions = torch.randint(0, max_pos, (t,), generator=torch.Generator().manual_seed(t)).to(pos_dtype)
+    cache = _cos_sin_cache(max_pos, d).to(device)
+    q_copy = q.clone()
+    q_out, k_out = fused.apply_rotary(q, k, positions.to(device), cache)
+    q_ref, k_ref = ref.apply_rotary(q, k, positions.to(device), cache)
+    torch.testing.assert_close(q, q_copy, rtol=0, atol=0)  # not in place
+    _assert_close(q_out, q_ref, dtype)
+    _assert_close(k_out, k_ref, dtype)
+
+
+def test_apply_rotary_strided_views_of_qkv(device):
+    """q, k as views into a packed qkv projection (token stride > H * D), as the model passes them."""
+    t, hq, hkv, d = 6, 4, 2, 32
+    qkv = _randn(t, (hq + 2 * hkv) * d, seed=10, device=device)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    positions = torch.arange(3, 3 + t, device=device)
+    cache = _cos_sin_cache(64, d).to(device)
+    q_out, k_out = fused.apply_rotary(q, k, positions, cache)
+    q_ref, k_ref = ref.apply_rotary(q.contiguous(), k.contiguous(), positions, cache)
+    _assert_close(q_out, q_ref, torch.float32)
+    _assert_close(k_out, k_ref, torch.float32)
+
+
+def test_apply_rotary_reference_matches_transformers():
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    t, hq, hkv, d = 5, 4, 2, 16
+    q, k = _randn(t, hq, d, seed=11), _randn(t, hkv, d, seed=12)
+    positions = torch.tensor([0, 4, 2, 9, 30])
+    cache = _cos_sin_cache(64, d)
+    half = d // 2
+    cos = torch.cat([cache[positions, :half]] * 2, dim=-1)  # HF's [T, D] layout
+    sin = torch.cat([cache[positions, half:]] * 2, dim=-1)
+    # HF takes [B, H, T, D] and cos/sin [B, T, D]
+    q_hf, k_hf = llama.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    q_out, k_out = ref.apply_rotary(q, k, positions, cache)
+    torch.testing.assert_close(q_out, q_hf[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_out, k_hf[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(q=torch.randn(3, 2, 8, 1)), r"\[T, H, D\]"),
+        (dict(k=torch.randn(4, 1, 8)), "does not match q"),
+        (dict(k=torch.randn(3, 1, 8).half()), "share a dtype"),
+        (dict(q=torch.randn(3, 2, 7), k=torch.randn(3, 1, 7), cache=torch.randn(10, 7)), "must be even"),
+        (dict(cache=torch.randn(10, 6)), r"cos_sin_cache must be \[max_pos, D=8\]"),
+        (dict(positions=torch.tensor([0, 1])), r"positions must be \[T=3\]"),
+        (dict(positions=torch.tensor([0.0, 1.0, 2.0])), "int32 or int64"),
+        (dict(positions=torch.tensor([0, 1, 10])), r"positions must lie in \[0, 10\)"),
+        (dict(positions=torch.tensor([0, -1, 2])), "min -1"),
+    ],
+)
+def test_apply_rotary_rejects_bad_input(impl, change, match):
+    args = dict(
+        q=torch.randn(3, 2, 8), k=torch.randn(3, 1, 8), positions=torch.arange(3), cache=torch.randn(10, 8)
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        impl.apply_rotary(args["q"], args["k"], args["positions"], args["cache"])
