@@ -87,10 +87,13 @@ class FakeRunner:
 class FakeEngine(LLMEngine):
     """LLMEngine whose runner is a `FakeRunner` (token-id prompts only)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, eos_token_id: int | None = None, **kwargs):
         kwargs.setdefault("skip_tokenizer_init", True)
         kwargs.setdefault("device", "cpu")
+        self._eos = eos_token_id
         super().__init__("fake-model", **kwargs)
 
     def _make_runner(self, config):
-        return FakeRunner(config)
+        runner = FakeRunner(config)
+        runner.hf_config.eos_token_id = self._eos
+        return runner

@@ -1,0 +1,91 @@
+"""Greedy tokens of the engine == `transformers` generate (fp32, CPU) on tiny random checkpoints.
+
+One batch holds prompts with shared prefixes and lengths 1, around block boundaries and beyond;
+it runs twice on the same engine, so that the second pass reads the prefix cache. The same
+tokens must come out under every engine configuration that changes how the work is cut up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import hf_greedy
+from tilellm import LLM, SamplingParams
+
+MAX_TOKENS = 10
+
+
+def _prompts(vocab: int = 380) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, vocab, 40).tolist()
+    own = lambda n: rng.integers(0, vocab, n).tolist()  # noqa: E731
+    return [
+        [int(rng.integers(0, vocab))],  # length 1
+        shared[:16],  # exactly one block
+        shared[:17],  # one block + 1
+        shared[:32] + own(3),  # shared prefix, then its own tokens
+        shared[:33] + own(20),  # beyond
+        shared + own(9),
+        own(31),
+    ]
+
+
+_EXPECTED: dict[str, list[list[int]]] = {}
+
+
+def expected(model_dir: str) -> list[list[int]]:
+    if model_dir not in _EXPECTED:
+        _EXPECTED[model_dir] = hf_greedy(model_dir, _prompts(), MAX_TOKENS)
+    return _EXPECTED[model_dir]
+
+
+def run_twice(model_dir: str, prompts=None, **llm_kwargs) -> tuple[LLM, list, list]:
+    prompts = prompts or _prompts()
+    llm = LLM(model_dir, **llm_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return llm, first, second
+
+
+CONFIGS = {
+    "default": dict(num_kv_blocks=64),
+    "no_prefix_cache": dict(num_kv_blocks=64, enable_prefix_caching=False),
+    "block_size_1": dict(num_kv_blocks=1024, block_size=1),
+    "tiny_pool_preempts": dict(num_kv_blocks=8, max_num_seqs=8),  # 128 tokens for 7 prompts + outputs
+    "chunked_prefill": dict(num_kv_blocks=64, max_num_batched_tokens=13),
+    "few_seqs": dict(num_kv_blocks=64, max_num_seqs=2),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_qwen3_greedy_matches_hf(tiny_qwen3, config):
+    llm, first, second = run_twice(tiny_qwen3, **CONFIGS[config])
+    want = expected(tiny_qwen3)
+    assert first == want
+    assert second == want
+    stats = llm.llm_engine.get_stats()
+    if config == "tiny_pool_preempts":
+        assert stats.num_preemptions > 0
+    if config in ("default", "block_size_1"):
+        assert stats.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("config", ["default", "chunked_prefill", "tiny_pool_preempts"])
+def test_llama_greedy_matches_hf(tiny_llama, config):
+    _, first, second = run_twice(tiny_llama, **CONFIGS[config])
+    want = expected(tiny_llama)
+    assert first == want and second == want
+
+
+def test_triton_backend_greedy_matches_hf(tiny_qwen3):
+    """The Triton kernels under the interpreter (CPU): a small batch, cached + chunked steps included."""
+    prompts = _prompts()[:4]
+    want = expected(tiny_qwen3)[:4]
+    llm = LLM(tiny_qwen3, num_kv_blocks=32, attention_backend="triton", max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == [w[:4] for w in want]
+    assert llm.llm_engine.get_stats().prefix_cache_hits > 0
