@@ -150,6 +150,27 @@ def test_apply_rotary_matches_reference(device, dtype, t, hq, hkv, d, pos_dtype)
     _assert_close(k_out, k_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, hq, hkv, d", [(1, 2, 1, 16), (11, 6, 2, 24), (33, 16, 8, 128)])
+def test_apply_rotary_with_qk_norm_matches_reference(device, dtype, t, hq, hkv, d):
+    """Qwen3's per-head q/k RMSNorm fused into the rotary pass, on strided views of a qkv buffer."""
+    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=13, device=device) * 5
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    qw, kw = _randn(d, seed=14, device=device), _randn(d, seed=15, device=device)
+    positions = torch.randint(0, 100, (t,), generator=torch.Generator().manual_seed(1)).to(device)
+    cache = _cos_sin_cache(100, d).to(device)
+    kwargs = dict(q_norm_weight=qw, k_norm_weight=kw, eps=1e-6)
+    q_out, k_out = fused.apply_rotary(q, k, positions, cache, **kwargs)
+    q_ref, k_ref = ref.apply_rotary(q, k, positions, cache, **kwargs)
+    _assert_close(q_out, q_ref, dtype)
+    _assert_close(k_out, k_ref, dtype)
+    # the reference is norm-then-rotate
+    q_normed = ref.rms_norm(q.reshape(-1, d).float(), qw, 1e-6).view(t, hq, d)
+    q_two_step, _ = ref.apply_rotary(q_normed, k.float(), positions, cache)
+    _assert_close(q_ref.float(), q_two_step, torch.float32 if dtype == torch.float32 else dtype)
+
+
 def test_apply_rotary_strided_views_of_qkv(device):
     """q, k as views into a packed qkv projection (token stride > H * D), as the model passes them."""
     t, hq, hkv, d = 6, 4, 2, 32
@@ -195,6 +216,9 @@ def test_apply_rotary_reference_matches_transformers():
         (dict(positions=torch.tensor([0.0, 1.0, 2.0])), "int32 or int64"),
         (dict(positions=torch.tensor([0, 1, 10])), r"positions must lie in \[0, 10\)"),
         (dict(positions=torch.tensor([0, -1, 2])), "min -1"),
+        (dict(q_norm_weight=torch.ones(8)), "both q_norm_weight and k_norm_weight"),
+        (dict(q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(4)), r"k_norm_weight must be \[D=8\]"),
+        (dict(q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(8), eps=-1.0), "eps must be > 0"),
     ],
 )
 def test_apply_rotary_rejects_bad_input(impl, change, match):
@@ -202,5 +226,6 @@ def test_apply_rotary_rejects_bad_input(impl, change, match):
         q=torch.randn(3, 2, 8), k=torch.randn(3, 1, 8), positions=torch.arange(3), cache=torch.randn(10, 8)
     )
     args.update(change)
+    q, k, positions, cache = (args.pop(n) for n in ("q", "k", "positions", "cache"))
     with pytest.raises(ValueError, match=match):
-        impl.apply_rotary(args["q"], args["k"], args["positions"], args["cache"])
+        impl.apply_rotary(q, k, positions, cache, **args)

@@ -6,8 +6,9 @@ holds the input checks both share. All math is in fp32; outputs take the input d
 - `rms_norm(x [N, H], weight [H], eps, *, residual=None)`: one program normalises a tile of
   BLOCK_N rows (several rows per program when H is small, e.g. Qwen3's per-head q/k norm).
 - `silu_and_mul(x [N, 2I]) -> [N, I]`: grid over (row tiles, column tiles).
-- `apply_rotary(q, k, positions, cos_sin_cache) -> (q, k)`: q and k viewed as [T * H, D] rows
-  (one per token and head); a program rotates a tile of rows, each with its token's cos/sin.
+- `apply_rotary(q, k, positions, cos_sin_cache, *, q_norm_weight=None, k_norm_weight=None, eps)
+  -> (q, k)`: q and k viewed as [T * H, D] rows (one per token and head); a program rotates a
+  tile of rows, each with its token's cos/sin, after Qwen3's per-head RMSNorm when weights are given.
 """
 
 from __future__ import annotations
@@ -131,64 +132,86 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotate_rows(
-    x_ptr, out_ptr, pos_ptr, cache_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_cache,
-    row0, num_rows, num_heads, half,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr, out_ptr, w_ptr, pos_ptr, cache_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_cache,
+    row0, num_rows, num_heads, half, eps,
+    HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     """Rows row0..row0+BLOCK_R of x viewed as [T * H, D] (row = token * H + head):
+    optionally x <- x * rsqrt(mean(x^2) + eps) * w, then
     [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin] with the row's token's cos/sin."""
     rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows
-    mask = row_ok[:, None] & (dims[None, :] < half)
+    dim_ok = dims < half
+    mask = row_ok[:, None] & dim_ok[None, :]
     tok, head = rows // num_heads, rows % num_heads
-    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64)
+    src = x_ptr + tok[:, None] * stride_xt + head[:, None] * stride_xh + dims[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        # -- per-head RMSNorm over the whole row [x1 | x2] --
+        mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
+        rstd = (1.0 / tl.sqrt(mean_sq + eps))[:, None]
+        w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        x1 = x1 * rstd * w1[None, :]
+        x2 = x2 * rstd * w2[None, :]
     # -- cos/sin of each row's position: cache row = [cos | sin] --
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64)
     cs = cache_ptr + pos[:, None] * stride_cache + dims[None, :]
     cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(cs + half, mask=mask, other=0.0).to(tl.float32)
-    src = x_ptr + tok[:, None] * stride_xt + head[:, None] * stride_xh + dims[None, :]
     dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
     tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
-    num_tokens, num_q_heads, num_k_heads, num_q_programs, half,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    num_tokens, num_q_heads, num_k_heads, num_q_programs, half, eps,
+    HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """The first num_q_programs programs rotate q's (token, head) rows, the rest k's."""
+    """The first num_q_programs programs handle q's (token, head) rows, the rest k's."""
     pid = tl.program_id(0)
     if pid < num_q_programs:
-        _rotate_rows(q_ptr, q_out_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
-                     stride_cache, pid * BLOCK_R, num_tokens * num_q_heads, num_q_heads, half,
-                     BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+        _rotate_rows(q_ptr, q_out_ptr, qw_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
+                     stride_cache, pid * BLOCK_R, num_tokens * num_q_heads, num_q_heads, half, eps,
+                     HAS_NORM=HAS_NORM, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
     else:
-        _rotate_rows(k_ptr, k_out_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot, stride_koh,
+        _rotate_rows(k_ptr, k_out_ptr, kw_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot, stride_koh,
                      stride_cache, (pid - num_q_programs) * BLOCK_R, num_tokens * num_k_heads, num_k_heads,
-                     half, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+                     half, eps, HAS_NORM=HAS_NORM, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D]; new tensors.
 
     cos_sin_cache [max_pos, D]: row p = [cos(p * f_0..f_{D/2-1}) | sin(p * f_0..f_{D/2-1})];
-    positions [T] int32/int64 index its rows.
+    positions [T] int32/int64 index its rows. With q_norm_weight and k_norm_weight [D] (Qwen3),
+    each head is first RMS-normalised over D (eps) and scaled by its weight, in the same pass.
+    q and k may be strided views (e.g. of a packed qkv projection) with a unit last-dim stride.
     """
-    check_apply_rotary(q, k, positions, cos_sin_cache)
+    check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
     q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
     cache = _last_dim_contiguous(cos_sin_cache)
     positions = positions.contiguous()
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    has_norm = q_norm_weight is not None
+    qw = q_norm_weight.contiguous() if has_norm else cache  # unused when not has_norm
+    kw = k_norm_weight.contiguous() if has_norm else cache
     t, hq, d = q.shape
     hk = k.shape[1]
     if t > 0:
@@ -199,10 +222,10 @@ def apply_rotary(
         num_q_programs = triton.cdiv(t * hq, block_r)
         grid = (num_q_programs + triton.cdiv(t * hk, block_r),)
         _rotary_kernel[grid](
-            q, k, q_out, k_out, positions, cache,
+            q, k, q_out, k_out, qw, kw, positions, cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
-            t, hq, hk, num_q_programs, half,
-            BLOCK_R=block_r, BLOCK_HALF=block_half,
+            t, hq, hk, num_q_programs, half, float(eps),
+            HAS_NORM=has_norm, BLOCK_R=block_r, BLOCK_HALF=block_half,
         )  # fmt: skip
     return q_out, k_out

@@ -54,7 +54,13 @@ def check_silu_and_mul(x: torch.Tensor) -> None:
 
 
 def check_apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> None:
     _check_float("q", q)
     _check_float("k", k)
@@ -80,7 +86,18 @@ def check_apply_rotary(
         raise ValueError(f"apply_rotary: positions must be [T={t}], got shape {tuple(positions.shape)}")
     if positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"apply_rotary: positions must be int32 or int64, got {positions.dtype}")
-    for name, other in (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("apply_rotary: pass both q_norm_weight and k_norm_weight, or neither")
+    devices = {"k": k, "positions": positions, "cos_sin_cache": cos_sin_cache}
+    if q_norm_weight is not None:
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            _check_float(name, w)
+            if w.shape != (d,):
+                raise ValueError(f"apply_rotary: {name} must be [D={d}], got shape {tuple(w.shape)}")
+            devices[name] = w
+        if not eps > 0:
+            raise ValueError(f"apply_rotary: eps must be > 0, got {eps}")
+    for name, other in devices.items():
         if other.device != q.device:
             raise ValueError(f"apply_rotary: {name} is on {other.device} but q is on {q.device}")
     if t > 0 and (positions.device.type == "cpu" or _debug()):
@@ -118,20 +135,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D].
 
     cos_sin_cache [max_pos, D]: row p = [cos(p * f_0..f_{D/2-1}) | sin(p * f_0..f_{D/2-1})].
     With x = [x1 | x2] (halves of D): out = [x1 cos - x2 sin | x2 cos + x1 sin]. Returns new tensors.
+    With q_norm_weight and k_norm_weight [D] (Qwen3), each head is first RMS-normalised over D
+    and scaled by its weight (no rounding in between).
     """
-    check_apply_rotary(q, k, positions, cos_sin_cache)
+    check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
     half = q.shape[-1] // 2
     cs = cos_sin_cache.float()[positions.long()]  # [T, D]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().split(half, dim=-1)
+    def rotate(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        xf = x.float()
+        if w is not None:
+            xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * w.float()
+        x1, x2 = xf.split(half, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    return rotate(q), rotate(k)
+    return rotate(q, q_norm_weight), rotate(k, k_norm_weight)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tilellm.models.layers.layernorm import RMSNorm
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -57,7 +59,10 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    """forward(positions [T], q [T, Hq, D], k [T, Hkv, D]) -> rotated (q, k), new tensors."""
+    """forward(positions [T], q [T, Hq, D], k [T, Hkv, D]) -> rotated (q, k), new tensors.
+
+    q and k may be strided views into the packed qkv projection: the kernel reads them in place.
+    """
 
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict | None, ops: types.ModuleType
@@ -71,9 +76,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.apply_rotary(q, k, positions, self.cos_sin_cache)
+        """Rotated (q, k); with `q_norm`/`k_norm` (Qwen3) the per-head RMSNorms run first, fused."""
+        if q_norm is None:
+            return self.ops.apply_rotary(q, k, positions, self.cos_sin_cache)
+        return self.ops.apply_rotary(
+            q,
+            k,
+            positions,
+            self.cos_sin_cache,
+            q_norm_weight=q_norm.weight,
+            k_norm_weight=k_norm.weight,
+            eps=q_norm.eps,
+        )
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
