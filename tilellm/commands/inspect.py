@@ -1,8 +1,8 @@
 """Show the tiles and pages of a batch (terminal or HTML).
 
-    tilellm inspect --batch "1:1328,5:18,129:463" --heads 32/8 --head-dim 128
-    tilellm inspect --batch "48:48,48:48" --shared-prefix 32 --html batch.html
-    tilellm inspect --demo --html step.html     # the embedded model's engine, last step
+tilellm inspect --batch "1:1328,5:18,129:463" --heads 32/8 --head-dim 128
+tilellm inspect --batch "48:48,48:48" --shared-prefix 32 --html batch.html
+tilellm inspect --demo --html step.html     # the embedded model's engine, last step
 """
 
 from __future__ import annotations
@@ -26,15 +26,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", default="32/8", help="query/KV heads, e.g. 32/8 (default) or 16")
     g.add_argument("--head-dim", type=int, default=128)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-splits", type=int, default=None, help="force split-KV segments (default: heuristic)")
+    g.add_argument(
+        "--num-splits", type=int, default=None, help="force split-KV segments (default: heuristic)"
+    )
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     g.add_argument("--kernel", default="auto", choices=["auto", "prefill", "paged"])
     g.add_argument(
-        "--shared-prefix", type=int, default=0, help="tokens of context every request shares via the prefix cache"
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens of context every request shares via the prefix cache",
     )
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a bit more)")
+    g.add_argument(
+        "--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a bit more)"
+    )
     e = parser.add_argument_group("the live engine")
-    e.add_argument("--demo", action="store_true", help="run a few engine steps on the embedded model; show the last")
+    e.add_argument(
+        "--demo", action="store_true", help="run a few engine steps on the embedded model; show the last"
+    )
     e.add_argument("--model", default=None, help="model directory for --demo (default: the embedded model)")
     e.add_argument("--device", default=None, help="device for --demo (default: cuda when available)")
     e.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])

@@ -3,7 +3,7 @@
 A prompt is a fixed instruction (the shared prefix of every request) followed by `a+b=`;
 the answer is the decimal sum and then the end-of-text token::
 
-    "Compute the sum of two numbers.\\n123+4567="  ->  "4690"
+    "Compute the sum of two numbers.\\n123+456="  ->  "579"
 
 The problem space is split once and for all by a hash of `(a, b)`: training never sees a
 held-out problem, and accuracy (in `tools/train_tiny_model.py` and `tilellm demo`) is measured
@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 # 32 characters: two full KV blocks of 16 tokens, shared by every request through the prefix cache.
 PREFIX = "Compute the sum of two numbers.\n"
-MIN_DIGITS = 4  # both operands of a problem have the same number of digits, MIN_DIGITS..MAX_DIGITS
-MAX_DIGITS = 4
+# Both operands of a problem have the same number of digits, MIN_DIGITS..MAX_DIGITS (defaults of the
+# trainer; the shipped model's own range is recorded in its tilellm_demo.json).
+MIN_DIGITS = 3
+MAX_DIGITS = 3
 HELD_OUT_MODULUS = 101  # about 1% of all problems are held out
 
 

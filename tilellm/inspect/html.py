@@ -61,6 +61,7 @@ svg text { font: 11px system-ui, sans-serif; fill: #424242; }
 [data-state="cached"] { background: var(--cached); }
 [data-state="free"] { background: var(--free); color: #757575; }
 .pool-run { min-width: 60px; }
+.pool-block[data-cached="1"], .table-block[data-cached="1"] { box-shadow: inset 0 -3px 0 #4db6ac; }
 .dim .request, .dim .request-row, .dim .table-block, .dim .program, .dim .tile-counts { opacity: 0.25; }
 .dim .hl { opacity: 1 !important; }
 .rowlabel { font-size: 12px; color: #424242; margin-top: 4px; }
@@ -415,7 +416,8 @@ def _pages(insp: Inspection) -> str:
             f'<span><i class="sw" style="background:var(--{k})"></i>{k}</span>'
             for k in ("shared", "used", "cached", "free")
         )
-        + "</div>",
+        + '<span><i class="sw" style="background:var(--used);box-shadow:inset 0 -3px 0 #4db6ac"></i>'
+        "underlined: registered in the prefix cache</span></div>",
         "<h2>Block tables (logical &rarr; physical)</h2>",
     ]
     for r in insp.requests:
@@ -431,7 +433,9 @@ def _pages(insp: Inspection) -> str:
                 data_logical=j,
                 data_block=b,
                 data_state=blk.state,
-                title=f"logical {j} -> physical {b}, ref count {blk.ref_count}",
+                data_cached=int(blk.cached),
+                title=f"logical {j} -> physical {b}, ref count {blk.ref_count}"
+                + (", in the prefix cache" if blk.cached else ""),
             )
             parts.append(f"<span {a}>{b}</span>")
         parts.append("</div>")

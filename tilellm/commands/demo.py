@@ -1,0 +1,63 @@
+"""Run the embedded model on a batch and check its accuracy.
+
+Offline, on the CPU by default: requests sharing an instruction prefix arrive a few per step;
+each step prints running / waiting requests, tokens computed, prefix-cache hits, KV blocks in
+use and preemptions; then the answers, their accuracy (checked by program) and throughput.
+Exits 1 when the accuracy is below the threshold recorded with the model (tilellm_demo.json).
+
+    tilellm demo
+    tilellm demo --num-kv-blocks 12          # a small pool: watch the scheduler preempt
+    tilellm demo --device cuda --attention-backend triton --num-requests 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "\n".join(__doc__.splitlines()[2:])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--arrivals-per-step", type=int, default=8, help="requests added before each step")
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size; small values preempt")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=2024, help="which held-out problems are asked")
+    parser.add_argument("--quiet", action="store_true", help="print only the verdict line")
+
+
+def main(args: argparse.Namespace) -> int:
+    from tilellm.demo import run_demo
+
+    if args.num_requests < 1 or args.arrivals_per_step < 1:
+        print("tilellm demo: error: --num-requests and --arrivals-per-step must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        result = run_demo(
+            model=args.model,
+            num_requests=args.num_requests,
+            arrivals_per_step=args.arrivals_per_step,
+            device=args.device,
+            attention_backend=args.attention_backend,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size,
+            seed=args.seed,
+            out=None if args.quiet else sys.stdout,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tilellm demo: error: {exc}", file=sys.stderr)
+        return 2
+    if args.quiet:
+        verdict = "PASS" if result.passed else "FAIL"
+        print(
+            f"tilellm demo: accuracy {result.num_correct}/{len(result.problems)} = {result.accuracy:.1%} "
+            f"(threshold {result.threshold:.0%}) {verdict}; {result.output_tokens / result.seconds:.0f} "
+            f"output tok/s, {len(result.steps)} steps, {result.preemptions} preemptions"
+        )
+    return 0 if result.passed else 1
