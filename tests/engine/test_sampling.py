@@ -11,8 +11,8 @@ from tilellm.engine.sampler import (
     Sampler,
     SamplingTable,
     gumbel_argmax_torch,
-    metadata_from_host,
     row_keys,
+    seed_keys,
 )
 from tilellm.engine.sampling_params import SamplingParams
 
@@ -71,11 +71,10 @@ def run_sampler(logits, params: list[SamplingParams], steps=None, seeds=None, eo
     n = len(params)
     table = SamplingTable(n, logits.shape[1])
     for i, p in enumerate(params):
-        table.set_row(i, p, seeds[i] if seeds else (p.seed or 0), 10, list(eos))
+        table.set_row(i, p, seeds[i] if seeds else (p.seed or 0), 10, list(eos), 10**6)
     steps = np.zeros(n, dtype=np.int64) if steps is None else np.asarray(steps)
     host = table.gather(np.arange(n), steps + 10)
-    md = metadata_from_host(host, lambda a: torch.from_numpy(np.ascontiguousarray(a)))
-    return Sampler(use_triton=use_triton)(logits, md)
+    return Sampler(use_triton=use_triton)(logits, host.to_cpu_metadata())
 
 
 def test_greedy_is_argmax():
@@ -164,8 +163,13 @@ def test_min_tokens_bans_eos_and_stop_tokens():
 
 
 def test_row_keys_depend_on_seed_and_step():
-    k = row_keys(np.array([1, 1, 2, 2**63 + 1], dtype=np.uint64), np.array([0, 1, 0, 0]))
+    seeds, steps = np.array([1, 1, 2, 2**63 + 1], dtype=np.uint64), np.array([0, 1, 0, 0])
+    k = row_keys(seeds, steps)
     assert len(set(k.tolist())) == 4
+    from tilellm.engine.sampler import device_row_keys
+
+    dev = device_row_keys(torch.from_numpy(seed_keys(seeds).astype(np.int64)), torch.from_numpy(steps))
+    assert dev.tolist() == k.astype(np.int64).tolist()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -176,10 +180,13 @@ def test_triton_gumbel_kernel_matches_torch():
     logits = torch.randn(6, 3000, generator=g)
     logits[1, 100:] = float("-inf")
     inv_temp = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0, 1.0])
-    keys = torch.from_numpy(row_keys(np.arange(6, dtype=np.uint64) * 977, np.arange(6)).astype(np.int64))
+    keys = torch.from_numpy(seed_keys(np.arange(6, dtype=np.uint64) * 977).astype(np.int64))
+    steps = torch.arange(6) * 1000
     from tilellm.engine.sampler import gumbel_argmax_triton
 
-    want = gumbel_argmax_torch(logits, inv_temp, keys)
-    got = gumbel_argmax_triton(logits.to(device), inv_temp.to(device), keys.to(device)).cpu()
+    want = gumbel_argmax_torch(logits, inv_temp, keys, steps)
+    got = gumbel_argmax_triton(
+        logits.to(device), inv_temp.to(device), keys.to(device), steps.to(device)
+    ).cpu()
     assert got.tolist() == want.tolist()
     assert got[1].item() < 100

@@ -61,7 +61,8 @@ class BlockManager:
     """Hands out KV blocks to sequences and shares cached prefix blocks between them.
 
     `block_tables[seq.row, :len(seq.block_table)]` mirrors each holding sequence's block table as
-    an int32 array, so that a step's metadata is one gather instead of a loop over requests.
+    an int32 array (-1 after its last block), so that a step's metadata is one gather instead of
+    a loop over requests.
     """
 
     def __init__(
@@ -86,7 +87,7 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.free_uncached: collections.deque[int] = collections.deque(range(num_blocks))
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
-        self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
+        self.block_tables = np.full((max_num_seqs, max_blocks_per_seq), -1, dtype=np.int32)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of which found in the cache
@@ -249,5 +250,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
         if seq.row >= 0:
+            self.block_tables[seq.row] = -1
             self._free_rows.append(seq.row)
             seq.row = -1

@@ -24,11 +24,11 @@ import numpy as np
 from tilellm.cache.block_manager import SHARED_ROOT, BlockManager, request_root
 from tilellm.engine.config import EngineConfig
 from tilellm.engine.detokenizer import IncrementalDetokenizer
-from tilellm.engine.metadata import build_step_batch
+from tilellm.engine.metadata import StepBatch, build_step_batch
 from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tilellm.engine.request import Request, Sequence
 from tilellm.engine.runner import ModelRunner, StepResult
-from tilellm.engine.sampler import SamplingTable
+from tilellm.engine.sampler import HostSampling, SamplingTable
 from tilellm.engine.sampling_params import SamplingParams
 from tilellm.engine.scheduler import Scheduler, SchedulerOutput
 from tilellm.engine.stats import EngineStats, StepSnapshot, StepTimings
@@ -84,7 +84,7 @@ class LLMEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.eos_token_ids = _eos_token_ids(cfg.model, self.model_config, self.tokenizer)
-        self._eos_set = frozenset(self.eos_token_ids)
+        self._eos_array = np.asarray(self.eos_token_ids, dtype=np.int64)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks,
             cfg.block_size,
@@ -204,23 +204,29 @@ class LLMEngine:
                 return []
             for seq in sched.admitted:
                 self.sampling_table.set_row(
-                    seq.row, seq.request.params, seq.seed, seq.num_prompt_tokens, self.eos_token_ids
+                    seq.row,
+                    seq.request.params,
+                    seq.seed,
+                    seq.num_prompt_tokens,
+                    self.eos_token_ids,
+                    self.max_model_len,
                 )
             t1 = time.perf_counter()
-            batch, sampled = self._prepare(sched)
+            batch, sampled, sampling = self._prepare(sched)
             t2 = time.perf_counter()
-            result = self.runner.execute(batch, sampled[1])
+            result = self.runner.execute(batch, sampling)
             t3 = time.perf_counter()
-            outputs = self._postprocess(sched, sampled[0], result, emit_partial)
+            outputs = self._postprocess(sched, sampled, sampling, result, emit_partial)
             t4 = time.perf_counter()
             self._last_step_data = (sched, batch)
             self._last_step = None
             self._record_timing(sched, batch, t0, t1, t2, t3, t4, result.device_time_s)
             return outputs
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _prepare(self, sched: SchedulerOutput) -> tuple[StepBatch, list[Sequence], HostSampling]:
+        """The step's metadata and the sampled rows' sampling inputs (host arrays)."""
         seqs = sched.seqs
-        rows = [s.row for s in seqs]
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         batch = build_step_batch(
             [s.token_ids for s in seqs],
             sched.starts,
@@ -230,10 +236,10 @@ class LLMEngine:
             self.block_manager.block_tables,
             self.block_manager.block_size,
         )
+        mask = np.asarray(sched.samples, dtype=bool)
         sampled = [s for s, smp in zip(seqs, sched.samples) if smp]
-        sampled_rows = np.fromiter((s.row for s in sampled), dtype=np.int64, count=len(sampled))
-        num_tokens = np.fromiter((len(s.token_ids) for s in sampled), dtype=np.int64, count=len(sampled))
-        return batch, (sampled, self.sampling_table.gather(sampled_rows, num_tokens))
+        num_tokens = batch.attn.seq_lens.numpy()[mask].astype(np.int64)  # sampled rows end their tokens
+        return batch, sampled, self.sampling_table.gather(rows[mask], num_tokens)
 
     def _record_timing(self, sched, batch, t0, t1, t2, t3, t4, device_s) -> None:
         tm = self.timings
@@ -253,52 +259,81 @@ class LLMEngine:
     # -- postprocess ----------------------------------------------------------------------------
 
     def _postprocess(
-        self, sched: SchedulerOutput, sampled: list[Sequence], result: StepResult, emit_partial: bool
+        self,
+        sched: SchedulerOutput,
+        sampled: list[Sequence],
+        sampling: HostSampling,
+        result: StepResult,
+        emit_partial: bool,
     ) -> list[RequestOutput]:
         bm = self.block_manager
         bs = bm.block_size
         for seq in sched.seqs:  # K/V of this step now exist: register newly full blocks
             if seq.cache_root is not None and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
                 bm.commit(seq)
-        tokens = result.token_ids.tolist()
-        now = time.perf_counter()
-        touched: dict[str, Request] = {}
-        eos = self._eos_set
-        max_len = self.max_model_len
-        for k, seq in enumerate(sampled):
-            token = tokens[k]
+        token_arr = result.token_ids
+        tokens = token_arr.tolist()
+        for seq, token in zip(sampled, tokens):
             seq.token_ids.append(token)
+        self.generation_tokens_total += len(tokens)
+        now = time.perf_counter()
+
+        # Vectorised stop checks; only rows that stop or need more run Python code below.
+        table = self.sampling_table
+        rows = sampling.rows
+        length_done = sampling.steps + 1 >= table.max_outputs[rows]
+        eos_done = np.isin(token_arr, self._eos_array) & table.eos_stops[rows]
+        if emit_partial:
+            visit = range(len(sampled))
+        else:
+            special = table.python_checks[rows] | (sampling.steps == 0)
+            visit = np.flatnonzero(length_done | eos_done | special).tolist()
+        touched: dict[str, Request] = {}
+        for k in visit:
+            seq = sampled[k]
             req = seq.request
-            params = req.params
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            if seq.logprobs is not None:
-                self._append_logprobs(seq, k, token, result)
-            num_out = len(seq.token_ids) - seq.num_prompt_tokens
-            reason: str | None = None
-            stop_reason: int | str | None = None
-            if token in eos and not params.ignore_eos:
-                reason = "stop"
-            elif token in params.stop_token_ids:
-                reason, stop_reason = "stop", token
-            elif params.max_tokens is not None and num_out >= params.max_tokens:
-                reason = "length"
-            elif len(seq.token_ids) >= max_len:
-                reason = "length"
-            if params.stop or emit_partial:
-                hit = self._detokenize(seq, token, reason is not None)
-                if hit is not None and (reason is None or reason == "length"):
-                    reason, stop_reason = "stop", hit
-            if reason is not None:
-                self._finish(seq, reason, stop_reason)
-            if not req.siblings_queued and seq.index == 0:
-                req.siblings_queued = True
-                self.scheduler.add_front(req.seqs[1:])
+            self._check_stop(seq, tokens[k], k, bool(eos_done[k]), bool(length_done[k]), result, emit_partial)
             touched[req.request_id] = req
-        self.generation_tokens_total += len(sampled)
-        for req in touched.values():
-            req.metrics.last_token_time = now
-        return [self._make_output(req, now) for req in touched.values() if emit_partial or req.is_finished]
+        if emit_partial:
+            for req in touched.values():
+                req.metrics.last_token_time = now
+            return [self._make_output(req) for req in touched.values()]
+        return [self._make_output(req) for req in touched.values() if req.is_finished]
+
+    def _check_stop(
+        self,
+        seq: Sequence,
+        token: int,
+        k: int,
+        eos_done: bool,
+        length_done: bool,
+        result: StepResult,
+        emit_partial: bool,
+    ) -> None:
+        """Logprobs, stop conditions, text and sibling samples of one sequence after its new token."""
+        req = seq.request
+        params = req.params
+        if seq.logprobs is not None:
+            self._append_logprobs(seq, k, token, result)
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        if eos_done:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif length_done:
+            reason = "length"
+        if params.stop or emit_partial:
+            hit = self._detokenize(seq, token, reason is not None)
+            if hit is not None and reason != "stop":
+                reason, stop_reason = "stop", hit
+        if reason is not None:
+            self._finish(seq, reason, stop_reason)
+        if not req.siblings_queued and seq.index == 0:
+            req.siblings_queued = True
+            self.scheduler.add_front(req.seqs[1:])
 
     def _detokenize(self, seq: Sequence, token: int, finishing: bool) -> str | None:
         """Extend `seq.text`; returns the stop string that ends it, if any (text cut before it)."""
@@ -360,7 +395,7 @@ class LLMEngine:
         seq.logprobs.append(entry)
         seq.cumulative_logprob += lp
 
-    def _make_output(self, req: Request, now: float) -> RequestOutput:
+    def _make_output(self, req: Request) -> RequestOutput:
         outs = [
             CompletionOutput(
                 index=s.index,

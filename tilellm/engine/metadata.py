@@ -104,9 +104,9 @@ def build_step_batch(
     """The `StepBatch` (CPU tensors) of one scheduled step; a pure function of its arguments.
 
     Request `i` computes tokens `token_ids[i][starts[i] : starts[i] + q_lens[i]]`; its blocks are
-    `block_tables[rows[i]]` (only the first `ceil((starts[i] + q_lens[i]) / block_size)` entries
-    are read; the rest of its row in the batch is set to -1). `logits_indices` holds the last row
-    of each request with `samples[i]` (only those reach the LM head), in batch order.
+    `block_tables[rows[i]]`, which holds exactly the `ceil((starts[i] + q_lens[i]) / block_size)`
+    blocks covering its tokens, then -1 (as the block manager keeps it). `logits_indices` holds
+    the last row of each request with `samples[i]` (only those reach the LM head), in batch order.
     Vectorised with numpy: no Python work per token, one list lookup per request.
     """
     num_reqs = len(q_lens)
@@ -132,7 +132,6 @@ def build_step_batch(
     positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start - cu[:-1], q)
     num_blocks = (seq_lens + block_size - 1) // block_size
     table = block_tables[np.asarray(rows, dtype=np.int64), : int(num_blocks.max())]
-    table[np.arange(table.shape[1])[None, :] >= num_blocks[:, None]] = -1
     block_of_token = table[req_of_token, positions // block_size].astype(np.int64)
     slots = block_of_token * block_size + positions % block_size
 

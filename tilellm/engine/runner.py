@@ -27,7 +27,7 @@ import torch
 
 from tilellm.engine.config import EngineConfig
 from tilellm.engine.metadata import AttentionMetadata, BatchKind, StepBatch, attention_context
-from tilellm.engine.sampler import Sampler, SamplerOutput, metadata_from_host
+from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -228,21 +228,23 @@ class ModelRunner:
         del hidden
         # The sampler at its most expensive: every filter and 20 logprobs.
         n = rows
-        host = dict(
+        host = HostSampling(
+            rows=np.arange(n),
+            steps=np.zeros(n, np.int64),
             inv_temp=np.ones(n, np.float32),
-            keys=np.zeros(n, np.int64),
+            seed_keys=np.zeros(n, np.int64),
             all_greedy=False,
-            greedy=None,
-            any_greedy=False,
             top_k=np.full(n, 50, np.int64),
             max_top_k=50,
             top_p=np.full(n, 0.9, np.float32),
             min_p=np.full(n, 0.05, np.float32),
             max_num_logprobs=20,
-            banned=None,
         )
-        md = metadata_from_host(host, lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device))
-        self.sampler(logits, md)
+        dev = {
+            k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
+            for k, v in host.device_arrays().items()
+        }
+        self.sampler(logits, host.to_metadata(dev))
 
     def _allocate_kv_cache(self) -> None:
         shape = (2, self.num_layers, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -306,7 +308,7 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, sampling: dict) -> StepResult:
+    def execute(self, batch: StepBatch, sampling: HostSampling) -> StepResult:
         """Run the model on `batch` (CPU tensors) and sample its `logits_indices` rows."""
         if not self.is_cuda:
             return self._execute_cpu(batch, sampling)
@@ -331,9 +333,10 @@ class ModelRunner:
                 st.add(t.numpy())
             st.add(attn.cu_seqlens_q.numpy())
             st.add(batch.logits_indices.numpy())
-        keys = _stage_sampling(st, sampling)
+        sampling_arrays = sampling.device_arrays()
+        where = {name: st.add(a) for name, a in sampling_arrays.items()}
         dev = st.commit()
-        md = metadata_from_host(_unstage_sampling(sampling, keys, dev), lambda a: a)
+        md = sampling.to_metadata({name: dev[i] for name, i in where.items()})
 
         if bucket is not None:
             ids, pos, slots, seq_lens, table, logits_idx = dev[:6]
@@ -392,13 +395,12 @@ class ModelRunner:
             top_token_ids=host(out.top_token_ids),
         )
 
-    def _execute_cpu(self, batch: StepBatch, sampling: dict) -> StepResult:
+    def _execute_cpu(self, batch: StepBatch, sampling: HostSampling) -> StepResult:
         t0 = time.perf_counter()
         with attention_context(batch.attn):
             hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        md = metadata_from_host(sampling, lambda a: torch.from_numpy(np.ascontiguousarray(a)))
-        out = self.sampler(logits, md)
+        out = self.sampler(logits, sampling.to_cpu_metadata())
 
         def host(t: torch.Tensor | None) -> np.ndarray | None:
             return None if t is None else t.numpy()
@@ -411,28 +413,3 @@ class ModelRunner:
             top_token_ids=host(out.top_token_ids),
             device_time_s=time.perf_counter() - t0 if self.time_device else None,
         )
-
-
-_SAMPLING_ARRAYS = ("inv_temp", "keys", "greedy", "top_k", "top_p", "min_p")
-
-
-def _stage_sampling(st: _Staging, sampling: dict) -> dict[str, int]:
-    """Add the sampling arrays to the staging buffer; returns their positions in the commit."""
-    where: dict[str, int] = {}
-    for name in _SAMPLING_ARRAYS:
-        if sampling.get(name) is not None:
-            where[name] = st.add(sampling[name])
-    if sampling.get("banned") is not None:
-        where["banned_rows"] = st.add(sampling["banned"][0])
-        where["banned_tokens"] = st.add(sampling["banned"][1])
-    return where
-
-
-def _unstage_sampling(sampling: dict, where: dict[str, int], dev: list[torch.Tensor]) -> dict:
-    out = dict(sampling)
-    for name in _SAMPLING_ARRAYS:
-        if name in where:
-            out[name] = dev[where[name]]
-    if "banned_rows" in where:
-        out["banned"] = (dev[where["banned_rows"]], dev[where["banned_tokens"]])
-    return out

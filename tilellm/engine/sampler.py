@@ -16,7 +16,6 @@ as plain Python values in `SamplingMetadata`, so nothing here reads a device val
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,13 +42,19 @@ def _mix32_np(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """uint32 key of each row from its 64-bit seed (uint64) and the index of the token it samples."""
+def seed_keys(seeds: np.ndarray) -> np.ndarray:
+    """uint32 key of each 64-bit seed (uint64), computed once per sequence."""
     seeds = seeds.astype(np.uint64)
     lo = (seeds & np.uint64(_MASK32)).astype(np.uint32)
     hi = (seeds >> np.uint64(32)).astype(np.uint32)
-    s = _mix32_np(steps.astype(np.uint32) ^ np.uint32(_GOLDEN))
-    return _mix32_np(lo ^ _mix32_np(hi ^ s))
+    return _mix32_np(lo ^ _mix32_np(hi))
+
+
+def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """uint32 noise key of each row from its 64-bit seed and the index of the token it samples.
+
+    The sampler computes the same on the device from `seed_keys(seeds)` and `steps`."""
+    return _mix32_np(seed_keys(seeds) ^ _mix32_np(steps.astype(np.uint32) ^ np.uint32(_GOLDEN)))
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -75,9 +80,17 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def gumbel_argmax_torch(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def device_row_keys(seed_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`row_keys` on the device: int64 tensors holding uint32 values."""
+    return _mix32_torch(seed_keys ^ _mix32_torch((steps & _MASK32) ^ _GOLDEN))
+
+
+def gumbel_argmax_torch(
+    logits: torch.Tensor, inv_temp: torch.Tensor, seed_keys: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
     """argmax_v(logits[i, v] * inv_temp[i] + g[i, v]); [N] int64. Pure PyTorch."""
-    return (logits.float() * inv_temp[:, None] + gumbel_noise(keys, logits.shape[1])).argmax(dim=-1)
+    noise = gumbel_noise(device_row_keys(seed_keys, steps), logits.shape[1])
+    return (logits.float() * inv_temp[:, None] + noise).argmax(dim=-1)
 
 
 try:  # The Triton kernel fuses noise, scaling and the argmax into one read of the logits.
@@ -94,24 +107,24 @@ try:  # The Triton kernel fuses noise, scaling and the argmax into one read of t
 
     @triton.jit
     def _gumbel_argmax_kernel(
-        logits_ptr, stride_row, inv_temp_ptr, keys_ptr, out_ptr, V, BLOCK: tl.constexpr
+        logits_ptr, stride_row, inv_temp_ptr, seed_keys_ptr, steps_ptr, out_ptr, V, BLOCK: tl.constexpr
     ):
         row = tl.program_id(0)
         inv_t = tl.load(inv_temp_ptr + row)
-        key = tl.load(keys_ptr + row).to(tl.uint32)
+        # -- row key: the same as device_row_keys() --
+        step = (tl.load(steps_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
+        key = _mix32_tl(tl.load(seed_keys_ptr + row).to(tl.uint32) ^ _mix32_tl(step ^ 0x9E3779B9))
         best_val = tl.full([], float("-inf"), tl.float32)
         best_idx = tl.full([], 0, tl.int32)
         for start in range(0, V, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             in_vocab = idx < V
-            x = tl.load(logits_ptr + row * stride_row + idx, mask=in_vocab, other=float("-inf")).to(
-                tl.float32
-            )
+            x = tl.load(logits_ptr + row * stride_row + idx, mask=in_vocab, other=float("-inf"))
             # -- noise: the same hash as gumbel_noise() --
             h = _mix32_tl(idx.to(tl.uint32) ^ key)
             h = _mix32_tl(h + key)
             u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            v = x * inv_t - tl.log(-tl.log(u))
+            v = x.to(tl.float32) * inv_t - tl.log(-tl.log(u))
             v = tl.where(in_vocab, v, float("-inf"))
             # -- running argmax; strict > keeps the first index on ties --
             blk_max = tl.max(v, axis=0)
@@ -122,14 +135,16 @@ try:  # The Triton kernel fuses noise, scaling and the argmax into one read of t
         tl.store(out_ptr + row, best_idx.to(tl.int64))
 
     def gumbel_argmax_triton(
-        logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor
+        logits: torch.Tensor, inv_temp: torch.Tensor, seed_keys: torch.Tensor, steps: torch.Tensor
     ) -> torch.Tensor:
         """Same result as `gumbel_argmax_torch` (up to float rounding), one kernel launch."""
         n, v = logits.shape
         out = torch.empty(n, dtype=torch.int64, device=logits.device)
         if n:
             logits = logits if logits.stride(1) == 1 else logits.contiguous()
-            _gumbel_argmax_kernel[(n,)](logits, logits.stride(0), inv_temp, keys, out, v, BLOCK=2048)
+            _gumbel_argmax_kernel[(n,)](
+                logits, logits.stride(0), inv_temp, seed_keys, steps, out, v, BLOCK=2048
+            )
         return out
 
     HAS_TRITON = True
@@ -144,14 +159,16 @@ except ImportError:  # pragma: no cover
 class SamplingMetadata:
     """Per-row sampling inputs of one step (device tensors) and host-known switches.
 
-    inv_temperature: [N] float32 (1 for greedy rows); keys: [N] int64 (uint32 noise key per row);
+    inv_temperature: [N] float32 (1 for greedy rows); seed_keys: [N] int64 (uint32 key of each
+    row's seed); steps: [N] int64 (index of the token each row samples: its noise counter);
     greedy: [N] bool, only when the batch mixes greedy and random rows (else `all_greedy` says);
     top_k: [N] int64 (V = off) or None when no row filters; top_p / min_p: [N] float32 or None;
     banned: (rows, token ids) int64 pairs set to -inf (min_tokens), or None.
     """
 
     inv_temperature: torch.Tensor
-    keys: torch.Tensor
+    seed_keys: torch.Tensor
+    steps: torch.Tensor
     all_greedy: bool
     greedy: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
@@ -174,90 +191,140 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None = None  # [N, K] int64
 
 
+@dataclass
+class HostSampling:
+    """One step's sampling inputs on the host (numpy), from `SamplingTable.gather`.
+
+    Arrays are None when no row needs them; `rows` and `steps` are also what the engine's
+    vectorised stop checks use after the step.
+    """
+
+    rows: np.ndarray  # [N] int64 block-table rows of the sampled sequences
+    steps: np.ndarray  # [N] int64 index of the token each row samples (0 = first output token)
+    inv_temp: np.ndarray
+    seed_keys: np.ndarray
+    all_greedy: bool
+    greedy: np.ndarray | None = None
+    top_k: np.ndarray | None = None
+    max_top_k: int = 0
+    top_p: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+    banned: np.ndarray | None = None  # [2, K]: rows, token ids
+    max_num_logprobs: int = -1
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays the sampler needs on the device, by name."""
+        names = ("inv_temp", "seed_keys", "steps", "greedy", "top_k", "top_p", "min_p", "banned")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def to_metadata(self, dev: dict[str, torch.Tensor]) -> SamplingMetadata:
+        """Assemble the SamplingMetadata from the device copies of `device_arrays()`."""
+        banned = dev.get("banned")
+        return SamplingMetadata(
+            inv_temperature=dev["inv_temp"],
+            seed_keys=dev["seed_keys"],
+            steps=dev["steps"],
+            all_greedy=self.all_greedy,
+            greedy=dev.get("greedy"),
+            top_k=dev.get("top_k"),
+            max_top_k=self.max_top_k,
+            top_p=dev.get("top_p"),
+            min_p=dev.get("min_p"),
+            banned=None if banned is None else (banned[0], banned[1]),
+            max_num_logprobs=self.max_num_logprobs,
+        )
+
+    def to_cpu_metadata(self) -> SamplingMetadata:
+        return self.to_metadata(
+            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in self.device_arrays().items()}
+        )
+
+
 class SamplingTable:
-    """Sampling parameters of every running sequence, by block-table row, as numpy arrays.
+    """Request parameters of every running sequence, by block-table row, as numpy arrays.
 
     Rows are written once when a sequence is admitted; each step gathers its rows, so building
-    a step's `SamplingMetadata` costs a few vectorised gathers, not a loop over requests.
+    a step's sampling inputs costs a few vectorised gathers, not a loop over requests. The stop
+    conditions the engine checks every step (length limit, EOS) live here too, for the same reason.
     """
 
     def __init__(self, max_rows: int, vocab_size: int):
         self.vocab_size = vocab_size
-        self.temperature = np.zeros(max_rows, dtype=np.float32)
+        self.inv_temp = np.ones(max_rows, dtype=np.float32)
+        self.greedy = np.ones(max_rows, dtype=bool)
         self.top_k = np.full(max_rows, vocab_size, dtype=np.int64)
         self.top_p = np.ones(max_rows, dtype=np.float32)
         self.min_p = np.zeros(max_rows, dtype=np.float32)
-        self.seed = np.zeros(max_rows, dtype=np.uint64)
+        self.seed_key = np.zeros(max_rows, dtype=np.int64)
         self.num_prompt = np.zeros(max_rows, dtype=np.int64)
         self.logprobs = np.full(max_rows, -1, dtype=np.int64)
         self.min_tokens = np.zeros(max_rows, dtype=np.int64)
         self.min_tokens_ban: dict[int, list[int]] = {}  # row -> token ids banned before min_tokens
+        # -- stop checks --
+        self.max_outputs = np.zeros(max_rows, dtype=np.int64)  # finished ("length") at this many outputs
+        self.eos_stops = np.zeros(max_rows, dtype=bool)  # EOS ends it (not ignore_eos)
+        self.python_checks = np.zeros(max_rows, dtype=bool)  # stop strings/ids, logprobs, n > 1
 
     def set_row(
-        self, row: int, params: SamplingParams, seed: int, num_prompt: int, eos_ids: list[int]
+        self,
+        row: int,
+        params: SamplingParams,
+        seed: int,
+        num_prompt: int,
+        eos_ids: list[int],
+        max_model_len: int,
     ) -> None:
-        self.temperature[row] = params.temperature
+        greedy = params.temperature == 0
+        self.greedy[row] = greedy
+        self.inv_temp[row] = 1.0 if greedy else 1.0 / max(params.temperature, 1e-5)
         self.top_k[row] = params.top_k if params.top_k > 0 else self.vocab_size
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
-        self.seed[row] = seed & 0xFFFFFFFFFFFFFFFF
+        self.seed_key[row] = int(seed_keys(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])
         self.num_prompt[row] = num_prompt
         self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.min_tokens[row] = params.min_tokens
+        self.min_tokens_ban.pop(row, None)
         if params.min_tokens > 0:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids))
             self.min_tokens_ban[row] = [t for t in dict.fromkeys(banned) if 0 <= t < self.vocab_size]
-
-    def gather(self, rows: np.ndarray, num_tokens: np.ndarray) -> dict:
-        """Host arrays and switches for rows sampling their token number `num_tokens - num_prompt`."""
-        temp = self.temperature[rows]
-        steps = num_tokens - self.num_prompt[rows]
-        greedy = temp == 0
-        top_k = self.top_k[rows]
-        top_p = self.top_p[rows]
-        min_p = self.min_p[rows]
-        use_k = bool((top_k < self.vocab_size).any())
-        out = dict(
-            inv_temp=np.where(greedy, 1.0, 1.0 / np.maximum(temp, 1e-5)).astype(np.float32),
-            greedy=greedy,
-            keys=row_keys(self.seed[rows], steps).astype(np.int64),
-            all_greedy=bool(greedy.all()),
-            any_greedy=bool(greedy.any()),
-            top_k=top_k if use_k else None,
-            max_top_k=int(top_k.max()) if use_k else 0,
-            top_p=top_p if bool((top_p < 1).any()) else None,
-            min_p=min_p if bool((min_p > 0).any()) else None,
-            max_num_logprobs=int(self.logprobs[rows].max()) if len(rows) else -1,
-            banned=None,
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        self.max_outputs[row] = min(max_tokens, max_model_len - num_prompt)
+        self.eos_stops[row] = not params.ignore_eos and bool(eos_ids)
+        self.python_checks[row] = bool(
+            params.stop or params.stop_token_ids or params.logprobs is not None or params.n > 1
         )
-        short = np.nonzero(steps < self.min_tokens[rows])[0]
-        if len(short):
+
+    def gather(self, rows: np.ndarray, num_tokens: np.ndarray) -> HostSampling:
+        """Inputs for `rows` sampling their token number `num_tokens - num_prompt`."""
+        steps = num_tokens - self.num_prompt[rows]
+        greedy = self.greedy[rows]
+        all_greedy = bool(greedy.all())
+        out = HostSampling(
+            rows=rows,
+            steps=steps,
+            inv_temp=self.inv_temp[rows],
+            seed_keys=self.seed_key[rows],
+            all_greedy=all_greedy,
+            greedy=greedy if not all_greedy and greedy.any() else None,
+            max_num_logprobs=int(self.logprobs[rows].max()) if len(rows) else -1,
+        )
+        if not all_greedy:
+            top_k = self.top_k[rows]
+            if (top_k < self.vocab_size).any():
+                out.top_k, out.max_top_k = top_k, int(top_k.max())
+            top_p = self.top_p[rows]
+            if (top_p < 1).any():
+                out.top_p = top_p
+            min_p = self.min_p[rows]
+            if (min_p > 0).any():
+                out.min_p = min_p
+        if self.min_tokens_ban:
+            short = np.nonzero(steps < self.min_tokens[rows])[0]
             pairs = [(i, t) for i in short.tolist() for t in self.min_tokens_ban.get(int(rows[i]), [])]
             if pairs:
-                out["banned"] = np.asarray(pairs, dtype=np.int64).T
+                out.banned = np.asarray(pairs, dtype=np.int64).T.copy()
         return out
-
-
-def metadata_from_host(host: dict, to_device: Callable[[np.ndarray], torch.Tensor]) -> SamplingMetadata:
-    """`SamplingTable.gather` output moved to the device by `to_device` (the runner's staging)."""
-
-    def dev(a: np.ndarray | None) -> torch.Tensor | None:
-        return None if a is None else to_device(a)
-
-    banned = host["banned"]
-    greedy = host["greedy"] if host["any_greedy"] and not host["all_greedy"] else None
-    return SamplingMetadata(
-        inv_temperature=dev(host["inv_temp"]),
-        keys=dev(host["keys"]),
-        all_greedy=host["all_greedy"],
-        greedy=dev(greedy),
-        top_k=dev(host["top_k"]),
-        max_top_k=host["max_top_k"],
-        top_p=dev(host["top_p"]),
-        min_p=dev(host["min_p"]),
-        banned=None if banned is None else (dev(banned[0]), dev(banned[1])),
-        max_num_logprobs=host["max_num_logprobs"],
-    )
 
 
 # -- the sampler --------------------------------------------------------------------------------
@@ -298,13 +365,11 @@ class Sampler:
     def __init__(self, use_triton: bool | None = None):
         self.use_triton = use_triton
 
-    def _gumbel_argmax(
-        self, logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor
-    ) -> torch.Tensor:
+    def _gumbel_argmax(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         use_triton = self.use_triton if self.use_triton is not None else logits.is_cuda
         if use_triton and HAS_TRITON:
-            return gumbel_argmax_triton(logits, inv_temp, keys)
-        return gumbel_argmax_torch(logits, inv_temp, keys)
+            return gumbel_argmax_triton(logits, md.inv_temperature, md.seed_keys, md.steps)
+        return gumbel_argmax_torch(logits, md.inv_temperature, md.seed_keys, md.steps)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -319,7 +384,7 @@ class Sampler:
                 mask = _filter_mask(logits * inv_temp[:, None], md)
                 if mask is not None:
                     logits = logits.masked_fill(mask, float("-inf"))
-            tokens = self._gumbel_argmax(logits, inv_temp, md.keys)
+            tokens = self._gumbel_argmax(logits, md)
             if md.greedy is not None:
                 tokens = torch.where(md.greedy, logits.argmax(dim=-1), tokens)
         out = SamplerOutput(token_ids=tokens)
