@@ -152,6 +152,25 @@ def make_paged_batch(
     )
 
 
+def sparse_indices(pairs, num_k, gen, *, empty_rows=(), pad=0.3):
+    """Per token: up to num_k distinct positions <= its own position, some entries -1."""
+    rows = []
+    for q_len, kv_len in pairs:
+        for j in range(q_len):
+            pos = kv_len - q_len + j
+            picks = torch.randperm(pos + 1, generator=gen)[:num_k]
+            row = torch.full((num_k,), -1, dtype=torch.int32)
+            row[: len(picks)] = picks.to(torch.int32)
+            drop = torch.rand(num_k, generator=gen) < pad
+            row[drop] = -1
+            row = row[torch.randperm(num_k, generator=gen)]  # -1 entries anywhere in the row
+            rows.append(row)
+    topk = torch.stack(rows) if rows else torch.empty(0, num_k, dtype=torch.int32)
+    for t in empty_rows:
+        topk[t] = -1
+    return topk
+
+
 # fp32 and fp16 everywhere; bf16 only on CUDA (the interpreter's bf16 tl.dot is wrong on CPU).
 DTYPES = [
     pytest.param(torch.float32, id="fp32"),

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close, cu_seqlens, make_paged_batch, poisoned, randn
+from tests.kernels.helpers import assert_close, cu_seqlens, make_paged_batch, poisoned, randn, sparse_indices
 from tilellm.kernels import reference as ref
 
 # Output rounding only: fp32 keeps ~1e-7, fp16 ~5e-4, bf16 ~4e-3 of the output scale.
@@ -89,25 +89,6 @@ def naive_sparse(b, topk, scale):
                 out[t, h] = naive_softmax_av(b.q[t, h], flat_k[slots, kvh], flat_v[slots, kvh], scale)
             t += 1
     return out
-
-
-def sparse_indices(pairs, num_k, gen, *, empty_rows=(), pad=0.3):
-    """Per token: up to num_k distinct positions <= its own position, some entries -1."""
-    rows = []
-    for q_len, kv_len in pairs:
-        for j in range(q_len):
-            pos = kv_len - q_len + j
-            picks = torch.randperm(pos + 1, generator=gen)[:num_k]
-            row = torch.full((num_k,), -1, dtype=torch.int32)
-            row[: len(picks)] = picks.to(torch.int32)
-            drop = torch.rand(num_k, generator=gen) < pad
-            row[drop] = -1
-            row = row[torch.randperm(num_k, generator=gen)]  # -1 entries anywhere in the row
-            rows.append(row)
-    topk = torch.stack(rows) if rows else torch.empty(0, num_k, dtype=torch.int32)
-    for t in empty_rows:
-        topk[t] = -1
-    return topk
 
 
 def check(actual, expected64, dtype, what):

@@ -663,11 +663,17 @@ CASES = [
 def test_invalid_input_raises(mod, kernel, mutate, message):
     make, call = KERNELS[kernel]
     args = make()
-    call(mod, args)  # the starting point is valid
-    args = make()
     mutate(args)
     with pytest.raises(ValueError, match=message):
         call(mod, args)
+
+
+@pytest.mark.parametrize("mod", MODULES)
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_starting_points_are_valid(mod, kernel):
+    """Each case above breaks exactly one thing of these valid calls."""
+    make, call = KERNELS[kernel]
+    call(mod, make())
 
 
 @pytest.mark.parametrize("mod", MODULES)

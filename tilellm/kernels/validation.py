@@ -280,7 +280,11 @@ def check_merge(o_parts, lse_parts) -> None:
 
 
 def check_split_hints(name, num_splits, max_seqlen_k, seq_lens) -> None:
-    """Optional split-KV arguments of paged/decode attention: `num_splits` >= 1, `max_seqlen_k` >= max(seq_lens)."""
+    """Optional split-KV arguments of paged/decode attention: `num_splits` >= 1, `max_seqlen_k` >= max(seq_lens).
+
+    `num_splits` may also be a `tilellm.kernels.schedule.SplitPlan` (planned on the host).
+    """
+    num_splits = getattr(num_splits, "num_splits", num_splits)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
             raise ValueError(f"{name}: num_splits must be an int or None, got {type(num_splits).__name__}")

@@ -1,0 +1,275 @@
+"""The tile-schedule report (`tilellm.kernels.schedule`): its promises, and that it describes the kernels.
+
+Invariants, checked on hand-picked and on generated batches:
+- no future tile is ever visited: every visited key tile of a causal program starts at or before
+  the program's last query position, and every `full` tile is visible to the program's first row;
+- nothing visible is missed: the visited tiles run contiguously up to the last query position;
+- full + diagonal + skipped = the key tiles of the request (summed over split-KV segments);
+- a program whose query tile lies past its request's end visits nothing.
+Then the kernels' own tile counts (`prefill_tile_stats`, `paged_tile_stats`) must equal the report,
+and the split plan must pick 1 for many short requests, > 1 for one long one, and honour forced counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.kernels.helpers import cu_seqlens, make_paged_batch, randn
+from tilellm.kernels import schedule
+from tilellm.kernels.paged import paged_tile_stats
+from tilellm.kernels.prefill import prefill_tile_stats
+from tilellm.kernels.schedule import paged_schedule, plan_split_kv, prefill_schedule
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def visited(p):
+    return p.full + p.diagonal
+
+
+# ----------------------------------------------------------------------------------------------
+# Invariant checkers
+# ----------------------------------------------------------------------------------------------
+
+
+def check_prefill_schedule(sched, lengths, num_heads, causal=True):
+    bm, bn = sched.block_m, sched.block_n
+    num_m = cdiv(max(max(lengths, default=0), 1), bm)
+    assert sched.grid == (num_heads, len(lengths), num_m)
+    assert len(sched.programs) == num_heads * len(lengths) * num_m
+    seen = set()
+    for p in sched.programs:
+        seen.add((p.request, p.head, p.q_tile))
+        length = lengths[p.request]
+        m_start = p.q_tile * bm
+        where = f"request {p.request} (len {length}) head {p.head} q_tile {p.q_tile}: {p}"
+        if m_start >= length:
+            assert (visited(p), p.skipped, p.first_kv_tile, p.last_kv_tile) == (0, 0, -1, -1), where
+            continue
+        last_q = min(m_start + bm, length) - 1  # the program's last query position
+        assert p.full + p.diagonal + p.skipped == cdiv(length, bn), where
+        assert p.first_kv_tile == 0 and p.last_kv_tile == visited(p) - 1, where
+        if causal:
+            assert p.last_kv_tile * bn <= last_q, f"future tile visited: {where}"
+            assert (p.last_kv_tile + 1) * bn > last_q, f"visible keys missed: {where}"
+            assert p.full * bn <= m_start + 1, f"a 'full' tile is not visible to the first row: {where}"
+        else:
+            assert p.skipped == 0 and visited(p) == cdiv(length, bn), where
+    assert len(seen) == len(sched.programs), "a program is listed twice"
+
+
+def check_paged_schedule(sched, pairs, num_kv_heads, forced_splits=None):
+    bn, block_q = sched.block_n, sched.block_q
+    plan = sched.split_plan
+    splits = plan.num_splits
+    if forced_splits is not None:
+        assert splits == forced_splits, plan
+    max_q = max((q for q, _ in pairs), default=1)
+    q_tiles = cdiv(max(max_q, 1), block_q)
+    assert sched.grid == (num_kv_heads, len(pairs), q_tiles * splits)
+    assert len(sched.programs) == num_kv_heads * len(pairs) * q_tiles * splits
+    by_tile = {}
+    for p in sched.programs:
+        by_tile.setdefault((p.request, p.head, p.q_tile), []).append(p)
+    for (req, head, q_tile), progs in by_tile.items():
+        q_len, seq_len = pairs[req]
+        context = seq_len - q_len
+        t0 = q_tile * block_q
+        where = f"request {req} ({q_len}, {seq_len}) kv_head {head} q_tile {q_tile}: {progs}"
+        assert sorted(p.split for p in progs) == list(range(splits)), where
+        if t0 >= q_len:
+            assert all(visited(p) == 0 and p.skipped == 0 and p.first_kv_tile == -1 for p in progs), where
+            continue
+        first_q = context + t0
+        last_q = context + min(t0 + block_q, q_len) - 1
+        assert sum(p.full + p.diagonal + p.skipped for p in progs) == cdiv(seq_len, bn), where
+        # Segments in split order visit disjoint, contiguous ranges starting at tile 0.
+        next_tile = 0
+        for p in sorted(progs, key=lambda p: p.split):
+            if visited(p) == 0:
+                assert p.first_kv_tile == -1 and p.last_kv_tile == -1, where
+                continue
+            assert p.first_kv_tile == next_tile, f"gap or overlap between segments: {where}"
+            assert p.last_kv_tile == p.first_kv_tile + visited(p) - 1, where
+            assert p.last_kv_tile * bn <= last_q, f"future tile visited: {where}"
+            full_last = p.first_kv_tile + p.full - 1  # last unmasked tile of this segment
+            assert p.full == 0 or (full_last + 1) * bn <= first_q + 1, (
+                f"'full' tile not visible to row 0: {where}"
+            )
+            next_tile = p.last_kv_tile + 1
+        assert next_tile * bn > last_q, f"visible keys missed: {where}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Hand-picked batches
+# ----------------------------------------------------------------------------------------------
+
+PREFILL_BATCHES = [[1], [0, 5, 0], [15, 16, 17, 31, 32, 33], [129, 1, 2, 65], [300]]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("lengths", PREFILL_BATCHES, ids=str)
+def test_prefill_schedule_invariants(lengths, causal):
+    sched = prefill_schedule(cu_seqlens(lengths, "cpu"), max(lengths), 3, 64, causal=causal)
+    check_prefill_schedule(sched, lengths, 3, causal)
+
+
+def test_prefill_schedule_counts_past_the_end():
+    sched = prefill_schedule([0, 1, 300], 299, 2, 64)  # lists are accepted too
+    tiles = cdiv(299, sched.block_m)
+    assert sched.num_empty_programs == 2 * (tiles - 1)  # request 0 (1 token) uses one query tile
+    assert sched.num_full + sched.num_diagonal + sched.num_skipped == 2 * (
+        cdiv(1, sched.block_n) + tiles * cdiv(299, sched.block_n)
+    )
+
+
+PAGED_BATCHES = [
+    [(1, 1)],
+    [(1, 1328), (5, 18), (129, 463)],
+    [(1, 75), (5, 18), (23, 41), (0, 7), (16, 16)],
+    [(64, 64), (1, 4096)],
+]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 7])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (5, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("pairs", PAGED_BATCHES, ids=lambda p: f"B{len(p)}")
+def test_paged_schedule_invariants(pairs, heads, num_splits):
+    cu = cu_seqlens([q for q, _ in pairs], "cpu")
+    seq_lens = torch.tensor([kv for _, kv in pairs], dtype=torch.int32)
+    sched = paged_schedule(cu, seq_lens, *heads, 128, 16, num_splits=num_splits)
+    check_paged_schedule(sched, pairs, heads[1], num_splits)
+    listed = paged_schedule(cu.tolist(), seq_lens.tolist(), *heads, 128, 16, num_splits=num_splits)
+    assert listed.programs == sched.programs, "lists and CPU tensors must give the same schedule"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.integers(0, 80), st.integers(0, 300)).map(lambda t: (t[0], t[0] + t[1])),
+        min_size=1,
+        max_size=5,
+    ),
+    group=st.sampled_from([1, 2, 5, 8]),
+    num_kv_heads=st.sampled_from([1, 2]),
+    num_splits=st.sampled_from([None, 1, 2, 3, 7]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    head_dim=st.sampled_from([64, 128, 256]),
+)
+def test_paged_schedule_invariants_generated(pairs, group, num_kv_heads, num_splits, dtype, head_dim):
+    cu = [0]
+    for q, _ in pairs:
+        cu.append(cu[-1] + q)
+    sched = paged_schedule(
+        cu,
+        [kv for _, kv in pairs],
+        group * num_kv_heads,
+        num_kv_heads,
+        head_dim,
+        16,
+        num_splits=num_splits,
+        dtype=dtype,
+    )
+    check_paged_schedule(sched, pairs, num_kv_heads, num_splits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 400), min_size=1, max_size=6),
+    causal=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    head_dim=st.sampled_from([64, 128, 256]),
+)
+def test_prefill_schedule_invariants_generated(lengths, causal, dtype, head_dim):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    sched = prefill_schedule(cu, max(lengths), 2, head_dim, dtype, causal=causal)
+    check_prefill_schedule(sched, lengths, 2, causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# The report describes what the kernels do
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_prefill_report_matches_kernel(causal, device):
+    lengths = [1, 15, 0, 33, 70]
+    gen = torch.Generator().manual_seed(0)
+    T, Hq, Hkv, D = sum(lengths), 2, 1, 16
+    q = randn((T, Hq, D), torch.float32, device, gen)
+    k = randn((T, Hkv, D), torch.float32, device, gen)
+    v = randn((T, Hkv, D), torch.float32, device, gen)
+    stats = prefill_tile_stats(q, k, v, cu_seqlens(lengths, device), 70, causal=causal).cpu()
+    sched = prefill_schedule(cu_seqlens(lengths, "cpu"), 70, Hq, D, torch.float32, causal=causal)
+    assert stats.shape == (len(lengths), Hq, sched.grid[2], 2)
+    for p in sched.programs:
+        got = tuple(stats[p.request, p.head, p.q_tile].tolist())
+        assert got == (p.full, p.diagonal), f"kernel counted {got} (full, diagonal), report says {p}"
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_paged_report_matches_kernel(num_splits, device):
+    pairs = [(1, 75), (5, 18), (23, 41), (0, 7), (16, 16)]
+    if num_splits is None:
+        pairs.append((1, 3 * schedule.MIN_KEYS_PER_SPLIT + 5))  # long enough for the heuristic to split
+    b = make_paged_batch(pairs, 4, 1, 16, 16, torch.float32, device, seed=1)
+    stats, plan = paged_tile_stats(*b.args(), num_splits=num_splits)
+    sched = paged_schedule(
+        b.cu_seqlens_q.cpu(), b.seq_lens.cpu(), 4, 1, 16, 16, num_splits=num_splits, dtype=torch.float32
+    )
+    assert plan.num_splits == sched.split_plan.num_splits, (plan, sched.split_plan)
+    if num_splits is None:
+        assert plan.num_splits > 1, plan.reason
+    stats = stats.cpu()
+    assert stats.shape == (len(pairs), 1, sched.grid[2], 2)
+    splits = plan.num_splits
+    for p in sched.programs:
+        got = tuple(stats[p.request, p.head, p.q_tile * splits + p.split].tolist())
+        assert got == (p.full, p.diagonal), f"kernel counted {got} (full, masked), report says {p}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Split plan
+# ----------------------------------------------------------------------------------------------
+
+
+def test_no_split_for_a_big_batch_of_short_requests():
+    cu = list(range(257))  # 256 decodes
+    plan = plan_split_kv(cu, [300] * 256, 32, 8, head_dim=128, num_sms=132)
+    assert plan.num_splits == 1, plan.reason
+    assert plan.base_programs >= 256 * 8
+
+
+def test_split_for_one_long_request():
+    plan = plan_split_kv([0, 1], [131072], 32, 8, head_dim=128, num_sms=132)
+    assert plan.num_splits > 1, plan.reason
+    assert plan.num_splits <= schedule.MAX_SPLITS
+    assert plan.num_splits * plan.kv_len_per_split >= 131072, "segments must cover the whole context"
+
+
+@pytest.mark.parametrize("forced", [1, 2, 7, 64])
+def test_forced_splits_are_honoured(forced):
+    for cu, lens in [(list(range(257)), [300] * 256), ([0, 1], [131072]), ([0, 5], [5])]:
+        plan = plan_split_kv(cu, lens, 32, 8, num_splits=forced, num_sms=132)
+        assert plan.num_splits == forced, plan
+    sched = paged_schedule([0, 1, 6], [4000, 5], 32, 8, 128, 16, num_splits=forced, num_sms=132)
+    assert sched.grid[2] % forced == 0 and sched.split_plan.num_splits == forced
+
+
+def test_invalid_forced_splits():
+    with pytest.raises(ValueError, match="num_splits"):
+        plan_split_kv([0, 1], [100], 8, 2, num_splits=0)
+
+
+def test_longer_context_never_gets_fewer_segments():
+    counts = [
+        plan_split_kv([0, 1], [n], 32, 8, num_sms=132).num_splits for n in (256, 1024, 8192, 65536, 131072)
+    ]
+    assert counts == sorted(counts), counts

@@ -1,0 +1,102 @@
+"""`store_kvcache` (Triton) against its PyTorch twin.
+
+Caches are poisoned with NaN: written slots must equal the reference bit for bit, every other
+slot (including those of -1 tokens) must stay NaN, and k/v must be left as they were.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilellm.kernels as tk
+from tests.kernels.helpers import randn
+from tilellm.kernels import reference as ref
+
+# bf16 is a plain copy here (no tl.dot), so the interpreter handles it on CPU too.
+STORE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make(T, Hkv, D, num_blocks, block_size, dtype, device, slot_dtype=torch.int32, seed=0, skip=0.25):
+    gen = torch.Generator().manual_seed(seed)
+    k = randn((T, Hkv, D), dtype, device, gen)
+    v = randn((T, Hkv, D), dtype, device, gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[torch.rand(T, generator=gen) < skip] = -1
+    k_cache = torch.full((num_blocks, block_size, Hkv, D), float("nan"), dtype=dtype, device=device)
+    return k, v, k_cache, k_cache.clone(), slots.to(device=device, dtype=slot_dtype)
+
+
+def check(k, v, k_cache, v_cache, slots):
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    ref.store_kvcache(k, v, expected_k, expected_v, slots)
+    k0, v0 = k.clone(), v.clone()
+    tk.store_kvcache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k, k0) and torch.equal(v, v0), "store_kvcache modified k or v"
+    for name, got, want in [("k_cache", k_cache, expected_k), ("v_cache", v_cache, expected_v)]:
+        nan_got, nan_want = torch.isnan(got), torch.isnan(want)
+        wrong = torch.nonzero((nan_got != nan_want).flatten(0, 1).any(-1).any(-1)).flatten()
+        assert wrong.numel() == 0, f"{name}: slots {wrong[:8].tolist()} written / skipped wrongly"
+        assert torch.equal(got[~nan_got], want[~nan_want]), f"{name}: stored values differ"
+    written = slots[slots >= 0]
+    untouched = torch.ones(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool, device=k.device)
+    untouched[written.long()] = False
+    assert torch.isnan(k_cache.flatten(0, 1)[untouched]).all(), "a slot nobody wrote lost its poison"
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", STORE_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("Hkv", "D", "block_size"), [(1, 16, 1), (2, 64, 16), (8, 128, 16), (4, 256, 64), (3, 32, 256)]
+)
+def test_store(Hkv, D, block_size, dtype, slot_dtype, device):
+    num_blocks = max(2, 64 // block_size) + 3
+    check(*make(37, Hkv, D, num_blocks, block_size, dtype, device, slot_dtype, seed=Hkv * D))
+
+
+def test_all_slots_skipped(device):
+    check(*make(9, 2, 16, 4, 16, torch.float16, device, skip=1.1))
+
+
+def test_no_tokens(device):
+    check(*make(0, 2, 16, 4, 16, torch.float16, device))
+
+
+def test_strided_k_v_from_fused_projection(device):
+    T, Hq, Hkv, D = 21, 8, 2, 32
+    gen = torch.Generator().manual_seed(3)
+    qkv = randn((T, (Hq + 2 * Hkv) * D), torch.float16, device, gen)
+    _, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=1))
+    _, _, k_cache, v_cache, slots = make(T, Hkv, D, 5, 16, torch.float16, device, seed=3)
+    check(k, v, k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
+def test_slots_past_int32_offsets(slot_dtype, device):
+    """Slots whose element offset `slot * Hkv * D` exceeds 2^31 (a 4 GiB cache, only its top touched)."""
+    T, Hkv, D, block_size = 12, 2, 64, 16
+    num_blocks = (1 << 31) // (block_size * Hkv * D) + 16
+    gen = torch.Generator().manual_seed(4)
+    k = randn((T, Hkv, D), torch.float16, device, gen)
+    v = randn((T, Hkv, D), torch.float16, device, gen)
+    top = num_blocks * block_size
+    slots = (top - 1 - torch.randperm(128, generator=gen)[:T]).to(device=device, dtype=slot_dtype)
+    slots[3] = -1
+    assert int(slots.max()) * Hkv * D >= 2**31
+    k_cache = torch.empty((num_blocks, block_size, Hkv, D), dtype=torch.float16, device=device)
+    v_cache = torch.empty_like(k_cache)
+    tail = slice(num_blocks - 10, num_blocks)  # covers every slot used
+    k_cache[tail] = float("nan")
+    v_cache[tail] = float("nan")
+    tk.store_kvcache(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    for t in range(T):
+        s = int(slots[t])
+        if s >= 0:
+            assert torch.equal(flat_k[s], k[t]) and torch.equal(flat_v[s], v[t]), f"token {t} (slot {s})"
+    assert int(torch.isnan(k_cache[tail]).flatten(0, 1).all(-1).all(-1).sum()) == 10 * block_size - (T - 1)
+
+
+@pytest.mark.gpu
+def test_gpu_real_shapes(device):
+    check(*make(8192, 8, 128, 2048, 16, torch.bfloat16, device, torch.int64, seed=5))
