@@ -139,12 +139,12 @@ def _rotate_rows(
     """Rows row0..row0+BLOCK_R of x viewed as [T * H, D] (row = token * H + head):
     optionally x <- x * rsqrt(mean(x^2) + eps) * w, then
     [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin] with the row's token's cos/sin."""
-    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_R)  # int32: T * H is far below 2^31
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows
     dim_ok = dims < half
     mask = row_ok[:, None] & dim_ok[None, :]
-    tok, head = rows // num_heads, rows % num_heads
+    tok, head = (rows // num_heads).to(tl.int64), rows % num_heads
     src = x_ptr + tok[:, None] * stride_xt + head[:, None] * stride_xh + dims[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
@@ -217,8 +217,8 @@ def apply_rotary(
     if t > 0:
         half = d // 2
         block_half = triton.next_power_of_2(half)
-        # (token, head) rows per program: tiles of about 4K elements
-        block_r = max(1, min(256, 4096 // block_half))
+        # (token, head) rows per program: half-row tiles of about 2K elements
+        block_r = max(1, min(256, 2048 // block_half))
         num_q_programs = triton.cdiv(t * hq, block_r)
         grid = (num_q_programs + triton.cdiv(t * hk, block_r),)
         _rotary_kernel[grid](
