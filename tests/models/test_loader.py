@@ -296,3 +296,12 @@ def test_unsupported_rope_type(tmp_path):
     d = make_tiny_model(tmp_path, "LlamaForCausalLM", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
         load_model(d, device="cpu")
+
+
+def test_sliding_window_is_rejected(tmp_path, tiny):
+    d = _copy_model(tiny, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=16)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="sliding-window"):
+        load_model(d, device="cpu")

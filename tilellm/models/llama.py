@@ -192,6 +192,10 @@ class LlamaForCausalLM(nn.Module):
         tp_size: int = 1,
     ):
         super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError(
+                f"{type(self).__name__}: sliding-window attention (use_sliding_window) is not supported"
+            )
         self.config = config
         attn_ops = resolve_attention_ops(attention_backend, device)
         fused_ops = resolve_fused_ops(attention_backend, device)
