@@ -1,0 +1,83 @@
+"""Generate completions for prompts (offline, batched)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tilellm.commands.common import (
+    ModelNotFound,
+    add_engine_arguments,
+    add_sampling_arguments,
+    engine_kwargs,
+    resolve_model,
+    sampling_kwargs,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--prompt", "-p", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts-file", default=None, help="one prompt per line ('-' = stdin)")
+    parser.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message (chat template)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_sampling_arguments(parser)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
+        with stream:
+            prompts += [line.rstrip("\n") for line in stream if line.strip()]
+    return prompts
+
+
+def main(args: argparse.Namespace) -> int:
+    prompts = _read_prompts(args)
+    if not prompts:
+        print("tilellm generate: give at least one --prompt (or --prompts-file)", file=sys.stderr)
+        return 2
+    try:
+        model = resolve_model(args.model, "generate")
+    except ModelNotFound as e:
+        print(e, file=sys.stderr)
+        return 2
+    from tilellm import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(**sampling_kwargs(args))
+    except ValueError as e:
+        print(f"tilellm generate: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(model, **engine_kwargs(args))
+    use_tqdm = not args.no_progress
+    try:
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=use_tqdm)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    except ValueError as e:
+        print(f"tilellm generate: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(prompts, outs):
+        if args.json:
+            record = {
+                "prompt": prompt,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "outputs": [
+                    {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                    for c in out.outputs
+                ],
+            }
+            print(json.dumps(record, ensure_ascii=False))
+            continue
+        for c in out.outputs:
+            tag = f" [{c.index}]" if len(out.outputs) > 1 else ""
+            print(f"Prompt{tag}: {prompt!r}")
+            print(f"Output{tag}: {c.text!r}  ({len(c.token_ids)} tokens, {c.finish_reason})")
+    return 0
