@@ -13,6 +13,7 @@ Exits 1 when the accuracy is below the threshold recorded with the model (tilell
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -32,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    device = args.device or "cpu"
+    if args.attention_backend == "triton" and device == "cpu":
+        # The Triton kernels run on the CPU only under the interpreter, set before triton loads.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from tilellm.demo import run_demo
 
     if args.num_requests < 1 or args.arrivals_per_step < 1:
@@ -42,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
             model=args.model,
             num_requests=args.num_requests,
             arrivals_per_step=args.arrivals_per_step,
-            device=args.device,
+            device=device,
             attention_backend=args.attention_backend,
             num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs,

@@ -3,7 +3,7 @@
 A prompt is a fixed instruction (the shared prefix of every request) followed by `a+b=`;
 the answer is the decimal sum and then the end-of-text token::
 
-    "Compute the sum of two numbers.\\n123+456="  ->  "579"
+    "Calculate the sum of these two numbers.\\n123+456="  ->  "579"
 
 The problem space is split once and for all by a hash of `(a, b)`: training never sees a
 held-out problem, and accuracy (in `tools/train_tiny_model.py` and `tilellm demo`) is measured
@@ -15,8 +15,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-# 32 characters: two full KV blocks of 16 tokens, shared by every request through the prefix cache.
-PREFIX = "Compute the sum of two numbers.\n"
+# 40 characters (one token each): two full KV blocks of 16 tokens shared by every request through the
+# prefix cache; with a 3-digit problem ("123+456=") a prompt fills exactly 3 blocks, so the first
+# generated token needs a new block (a small pool then makes the scheduler preempt).
+PREFIX = "Calculate the sum of these two numbers.\n"
 # Both operands of a problem have the same number of digits, MIN_DIGITS..MAX_DIGITS (defaults of the
 # trainer; the shipped model's own range is recorded in its tilellm_demo.json).
 MIN_DIGITS = 3

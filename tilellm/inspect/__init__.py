@@ -23,12 +23,20 @@ __all__ = [
     "PoolView",
     "RequestView",
     "describe_batch",
+    "inspect_engine",
     "inspect_step",
     "parse_batch",
     "parse_heads",
     "render_html",
     "render_text",
 ]
+
+
+def inspect_engine(engine, **kwargs) -> Inspection:
+    """The inspection of an `LLMEngine`'s last step and its block pool."""
+    from tilellm.inspect.engine import inspect_engine as _inspect
+
+    return _inspect(engine, **kwargs)
 
 
 def render_text(insp: Inspection, **kwargs) -> str:

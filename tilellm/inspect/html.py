@@ -51,6 +51,8 @@ svg text { font: 11px system-ui, sans-serif; fill: #424242; }
 .tile[data-tile-class="diagonal"] { fill: var(--diagonal); opacity: 0.55; }
 .tile[data-tile-class="skipped"] { fill: url(#hatch); opacity: 1; }
 .gridline { stroke: #fff; stroke-width: 0.6; opacity: 0.8; }
+.split-edge { stroke: #c62828; stroke-width: 2; stroke-dasharray: 3 2; }
+.cached-prefix { fill: var(--shared); }
 .program { stroke: #fff; stroke-width: 1; }
 .program[data-empty="1"] { fill: url(#hatch); }
 .blocks { display: flex; flex-wrap: wrap; gap: 2px; margin: 2px 0 8px; }
@@ -265,6 +267,13 @@ def _matrix(insp: Inspection) -> str:
                 f"{run.tile_class} tile(s) from key tile {run.first_tile}</title></rect>"
             )
         parts.append(_gridlines(insp, r, sx, sy, bw, bh))
+        parts.append(_split_edges(insp, r, sx, sy))
+        if r.num_cached_tokens > 0:
+            a = _attrs(class_="cached-prefix", data_request=r.index, data_tokens=r.num_cached_tokens)
+            parts.append(
+                f'<rect {a} x="0" y="-3" width="{min(r.num_cached_tokens, r.seq_len) * sx:.2f}" height="3">'
+                f"<title>{r.num_cached_tokens} tokens from the prefix cache</title></rect>"
+            )
         if bw > 40:
             parts.append(f'<text x="2" y="-4">req {r.index}</text>')
         parts.append("</g>")
@@ -292,12 +301,30 @@ def _gridlines(insp: Inspection, r: RequestView, sx: float, sy: float, bw: float
     return "".join(lines)
 
 
+def _split_edges(insp: Inspection, r: RequestView, sx: float, sy: float) -> str:
+    """Dashed lines where a split-KV segment starts, over its program's query rows (KV head 0)."""
+    bn = insp.schedule.block_n
+    lines = []
+    for p in insp.schedule.programs:
+        if p.request != r.index or p.head != 0 or p.split == 0 or p.first_kv_tile <= 0:
+            continue
+        r0, r1 = query_rows(insp, r, p.q_tile)
+        x = p.first_kv_tile * bn * sx
+        lines.append(
+            f'<line class="split-edge" {_attrs(data_request=r.index, data_split=p.split)} '
+            f'x1="{x:.2f}" y1="{r0 * sy:.2f}" x2="{x:.2f}" y2="{r1 * sy:.2f}"/>'
+        )
+    return "".join(lines)
+
+
 def _legend() -> str:
     items = [
         ("var(--visible)", "attended (causal, with cached context)"),
         ("var(--full)", "full tile"),
         ("var(--diagonal)", "diagonal tile (masked)"),
         ("#bdbdbd", "skipped tile"),
+        ("var(--shared)", "context from the prefix cache (bar above)"),
+        ("#c62828", "split-KV segment start"),
     ]
     return (
         '<div class="legend">'
