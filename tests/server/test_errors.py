@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -20,6 +21,11 @@ from tests.server.helpers import ServerThread
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def _post(http: httpx.Client, path: str, body: dict) -> httpx.Response:
+    # json.dumps escapes lone surrogates and writes Infinity, as some clients do; httpx's json= would refuse.
+    return http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
 
 
 def _metric(text: str, name: str) -> float:
@@ -54,6 +60,14 @@ def _metric(text: str, name: str) -> float:
         ("/v1/completions", {**COMPLETION, "prompt": [1] * MAX_MODEL_LEN}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": [1] * 10, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         ("/v1/completions", {**COMPLETION, "seed": 2**70}, "seed"),
+        ("/v1/completions", {**COMPLETION, "prompt": "ab\ud800"}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "stop": ["\udfff"]}, "stop"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
+            "messages[0].content",
+        ),
+        ("/v1/completions", {**COMPLETION, "temperature": float("inf")}, "temperature"),
         ("/v1/chat/completions", {"model": MODEL_NAME}, "messages"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
         (
@@ -79,7 +93,7 @@ def _metric(text: str, name: str) -> float:
     ],
 )
 def test_invalid_field_is_400_naming_it(http, path, body, param):
-    err = assert_error(http.post(path, json=body), 400, param)
+    err = assert_error(_post(http, path, body), 400, param)
     assert err["type"] == "invalid_request_error"
     assert_serving(http)
 
@@ -123,6 +137,7 @@ def test_unknown_model_is_404(http):
     assert err["code"] == "model_not_found"
     assert_error(http.post("/v1/chat/completions", json={**CHAT, "model": "gpt-9"}), 404, "model")
     assert_error(http.get("/v1/models/gpt-9"), 404, "model")
+    assert_error(_post(http, "/v1/completions", {**COMPLETION, "model": "\ud800"}), 404, "model")
     assert_serving(http)
 
 

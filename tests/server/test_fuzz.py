@@ -1,8 +1,8 @@
 """Random request bodies: never a 500, and every 4xx carries OpenAI's error shape.
 
-Bodies mix the real field names with well-typed, edge and wrongly typed values (and junk keys),
-so most examples reach the engine's own checks rather than stopping at JSON parsing. Generation
-lengths are kept tiny so the fuzz stays within a few seconds.
+Bodies start from plausible values of the real fields (so many reach the engine and succeed) and
+then get a few fields, or unknown keys, replaced by junk or edge values (so the validation paths
+are hit too). Generation lengths are kept tiny so the fuzz stays within a few seconds.
 """
 
 from __future__ import annotations
@@ -24,54 +24,61 @@ junk = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=6,
 )
-small_int = st.integers(-3, 4)
-prob = st.floats(-0.5, 1.5, allow_nan=False)
-token_ids = st.lists(st.integers(-2, 400), max_size=12)
-stop = st.none() | st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3)
+edge = st.sampled_from(
+    [0, -1, 1, 2**63, -(2**63) - 1, 0.0, -0.0, 1e-320, 1e308, "", " ", [], {}, [None], True, False]
+)
+token_id = st.integers(0, 380)
+stop_text = st.text(min_size=1, max_size=3)
 
+# Values a client would plausibly send; most bodies built from them alone are valid.
 COMMON = {
-    "model": st.sampled_from([MODEL_NAME, "other"]) | junk,
-    "n": small_int | junk,
-    "temperature": prob | junk,
-    "top_p": prob | junk,
-    "top_k": small_int | junk,
-    "min_p": prob | junk,
-    "seed": st.integers(-(2**65), 2**65) | junk,
-    "stop": stop | junk,
-    "stream": st.booleans() | junk,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | junk,
-    "presence_penalty": st.sampled_from([0, 0.0, 1.0]) | junk,
-    "logit_bias": st.just({}) | junk,
-    "ignore_eos": st.booleans() | junk,
-    "min_tokens": small_int | junk,
-    "stop_token_ids": token_ids | junk,
-    "max_tokens": small_int | junk,
+    "model": st.just(MODEL_NAME),
+    "n": st.integers(1, 3),
+    "temperature": st.floats(0, 1.5),
+    "top_p": st.floats(0.05, 1),
+    "top_k": st.sampled_from([-1, 0, 1, 5, 50]),
+    "min_p": st.floats(0, 0.5),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "stop": stop_text | st.lists(stop_text, max_size=3),
+    "stream": st.booleans(),
+    "max_tokens": st.integers(1, 4),
+    "ignore_eos": st.booleans(),
+    "min_tokens": st.integers(0, 1),
+    "stop_token_ids": st.lists(token_id, max_size=3),
+    "presence_penalty": st.just(0),
+    "user": st.text(max_size=5),
 }
 COMPLETION = {
     **COMMON,
-    "prompt": st.text(max_size=20) | token_ids | st.lists(st.text(max_size=8), max_size=3) | junk,
-    "logprobs": st.integers(-1, 21) | junk,
-    "echo": st.booleans() | junk,
+    "prompt": st.text(min_size=1, max_size=20)
+    | st.lists(token_id, min_size=1, max_size=12)
+    | st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=3),
+    "logprobs": st.integers(0, 5),
+    "echo": st.booleans(),
 }
 message = st.fixed_dictionaries(
-    {
-        "role": st.sampled_from(["user", "system", "assistant", "robot"]) | junk,
-        "content": st.text(max_size=20) | junk,
-    }
+    {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=20)}
 )
 CHAT = {
     **COMMON,
-    "messages": st.lists(message, max_size=3) | junk,
-    "max_completion_tokens": small_int | junk,
-    "logprobs": st.booleans() | junk,
-    "top_logprobs": st.integers(-1, 21) | junk,
+    "messages": st.lists(message, min_size=1, max_size=3),
+    "max_completion_tokens": st.integers(1, 4),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 5),
 }
 
 
-def _body(fields: dict) -> st.SearchStrategy:
-    """Any subset of the fields (chat bodies always bound the generation length), plus junk keys."""
-    return st.fixed_dictionaries({}, optional=fields).flatmap(
-        lambda d: st.dictionaries(st.text(max_size=6), junk, max_size=2).map(lambda extra: {**extra, **d})
+def _body(fields: dict, required: str) -> st.SearchStrategy:
+    """A plausible body (any subset of the fields plus the required one), then 0-3 keys (a field
+    or a junk key) set to junk or edge values."""
+    optional = {k: v for k, v in fields.items() if k != required}
+    plausible = st.fixed_dictionaries({required: fields[required]}, optional=optional)
+    keys = st.sampled_from([*fields, "stream_options", "logit_bias"]) | st.text(max_size=6)
+    mutations = st.lists(st.tuples(keys, junk | edge), max_size=3).filter(
+        lambda m: len(m) < 2 or m[0] != m[1]
+    )
+    return st.tuples(plausible, st.sampled_from([0, 0, 1, 1, 2, 3]), mutations).map(
+        lambda t: {**t[0], **dict(t[2][: t[1]])}
     )
 
 
@@ -112,13 +119,13 @@ FUZZ = settings(
 
 
 @FUZZ
-@given(body=_body(COMPLETION))
+@given(body=_body(COMPLETION, "prompt"))
 def test_fuzz_completions(http, body):
     _check(http, "/v1/completions", _bounded(body, chat=False))
 
 
 @FUZZ
-@given(body=_body(CHAT))
+@given(body=_body(CHAT, "messages"))
 def test_fuzz_chat(http, body):
     _check(http, "/v1/chat/completions", _bounded(body, chat=True))
 

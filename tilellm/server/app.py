@@ -106,7 +106,7 @@ async def _send_error(send: Any, status: int, message: str, code: str | None = N
 
 def _vocab_size(engine: Any) -> int:
     cfg = getattr(engine, "model_config", None)
-    for obj in (cfg, getattr(cfg, "hf_config", None), getattr(cfg, "text_config", None)):
+    for obj in (engine, cfg, getattr(cfg, "hf_config", None), getattr(cfg, "text_config", None)):
         size = getattr(obj, "vocab_size", None)
         if isinstance(size, int) and size > 0:
             return size

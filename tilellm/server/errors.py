@@ -53,6 +53,10 @@ def error_body(
     status: int, message: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     err_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    # Messages may quote client input; a lone surrogate from JSON would make the body unencodable.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 

@@ -139,6 +139,15 @@ class OpenAIServing:
                 f"{param}: token id {bad} is out of range (vocabulary size {self.vocab_size})", param
             )
 
+    @staticmethod
+    def _check_text(text: str, param: str) -> None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # JSON allows "\ud800"; a tokenizer does not
+            raise APIError.invalid(
+                f"{param}: contains a lone UTF-16 surrogate (invalid Unicode)", param
+            ) from None
+
     def _max_tokens(self, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
         if prompt_len == 0:
             raise APIError.invalid(f"{prompt_param}: the prompt is empty", prompt_param)
@@ -186,6 +195,8 @@ class OpenAIServing:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         if req.stop_token_ids:
             self._check_token_ids(req.stop_token_ids, "stop_token_ids")
+        for text in optional["stop"] or []:
+            self._check_text(text, "stop")
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:
@@ -263,6 +274,8 @@ class OpenAIServing:
             prompt = [prompt]
         out = []
         for p in prompt:
+            if isinstance(p, str):
+                self._check_text(p, "prompt")
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             self._check_token_ids(ids, "prompt")
             out.append(ids)
@@ -420,6 +433,7 @@ class OpenAIServing:
                         raise APIError.invalid(f"{param}: only text content parts are supported", param)
                     parts.append(part.text)
                 content = "".join(parts)
+            self._check_text(content, f"messages[{i}].content")
             messages.append({"role": m.role, "content": content})
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.invalid("this model has no chat template; use /v1/completions", "messages")
