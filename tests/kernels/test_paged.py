@@ -21,7 +21,7 @@ from tilellm.kernels import reference as ref
 from tilellm.kernels import schedule
 from tilellm.kernels.schedule import plan_split_kv
 
-GQA = [(4, 4), (8, 4), (8, 2), (5, 1), (10, 2)]
+GQA = [(4, 4), (8, 4), (8, 2), (5, 1), (10, 2), (32, 1)]  # the last: more heads per group than tile rows
 # decode, verify, chunked prefill over a prefix, empty request, fresh prompt
 MIXED = [(1, 75), (5, 18), (23, 41), (0, 7), (16, 16)]
 
@@ -86,6 +86,24 @@ def test_heuristic_split_on_long_context(device):
     plan = plan_split_kv(b.cu_seqlens_q, b.seq_lens, 4, 1, head_dim=32, dtype=torch.float32)
     assert plan.num_splits > 1, plan.reason
     run_and_check(b, device, "num_splits=None (split)")
+
+
+def test_host_planned_split(device):
+    """The engine passes a SplitPlan made on the host (no sync); the kernel uses it as is."""
+    pairs = [(1, 150), (4, 37), (9, 9)]
+    b = make_paged_batch(pairs, 8, 2, 32, 16, torch.float32, device, seed=14)
+    plan = plan_split_kv(
+        [0, 1, 5, 14], [kv for _, kv in pairs], 8, 2, head_dim=32, dtype=torch.float32, num_splits=3
+    )
+    run_and_check(b, device, "SplitPlan(3)", num_splits=plan, max_seqlen_k=150)
+
+
+def test_large_scores(device):
+    """Scores in the hundreds: the online softmax must rescale, not overflow exp."""
+    b = make_paged_batch([(1, 75), (5, 18), (23, 41)], 4, 1, 32, 16, torch.float32, device, seed=15)
+    b.q = b.q * 30
+    run_and_check(b, device, "large scores")
+    run_and_check(b, device, "large scores, split", num_splits=3)
 
 
 def test_custom_scale(device):

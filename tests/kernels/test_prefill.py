@@ -54,6 +54,12 @@ def test_long_and_short_requests(device):
     run_and_check(make([129, 1, 2, 65], (4, 2), 16, torch.float16, device, seed=3), device, "129")
 
 
+def test_large_scores(device):
+    """Scores in the hundreds: the online softmax must rescale, not overflow exp."""
+    q, k, v, cu, max_len = make(LENGTHS, (8, 2), 32, torch.float32, device, seed=8)
+    run_and_check((q * 30, k, v, cu, max_len), device, "large scores")
+
+
 def test_custom_scale(device):
     run_and_check(make(LENGTHS, (8, 2), 32, torch.float32, device, seed=4), device, "scale", scale=0.05)
 

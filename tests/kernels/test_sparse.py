@@ -88,6 +88,12 @@ def test_custom_scale_and_strided_q(device):
     run_and_check(b, sparse_indices(PAIRS, 9, torch.Generator().manual_seed(6)), device, "scale", scale=0.9)
 
 
+def test_large_scores(device):
+    b = make_paged_batch(PAIRS, 8, 2, 32, 8, torch.float32, device, seed=9)
+    b.q = b.q * 30
+    run_and_check(b, sparse_indices(PAIRS, 40, torch.Generator().manual_seed(9)), device, "large scores")
+
+
 def test_no_tokens(device):
     b = make_paged_batch([(0, 4)], 4, 2, 16, 8, torch.float32, device)
     o = tk.sparse_attention(

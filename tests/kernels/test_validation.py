@@ -12,10 +12,20 @@ import pytest
 import torch
 
 import tilellm.kernels as tk
+from tests.conftest import DEVICE
 from tests.kernels.helpers import cu_seqlens, make_paged_batch, randn
 from tilellm.kernels import reference, validation
+from tilellm.kernels.schedule import plan_split_kv
 
 MODULES = [pytest.param(tk, id="triton"), pytest.param(reference, id="reference")]
+
+
+@pytest.fixture(autouse=True)
+def value_checks_everywhere(monkeypatch):
+    """On the GPU the value checks run only with TILELLM_DEBUG=1: switch them on for these tests."""
+    monkeypatch.setenv("TILELLM_DEBUG", "1")
+
+
 F32, F16, I32, I64 = torch.float32, torch.float16, torch.int32, torch.int64
 
 
@@ -25,7 +35,7 @@ F32, F16, I32, I64 = torch.float32, torch.float16, torch.int32, torch.int64
 
 
 def paged_args():
-    b = make_paged_batch([(2, 5), (1, 20), (3, 3)], 4, 2, 16, 8, F32, "cpu")
+    b = make_paged_batch([(2, 5), (1, 20), (3, 3)], 4, 2, 16, 8, F32, DEVICE)
     return {
         "q": b.q,
         "k_cache": b.k_cache,
@@ -44,7 +54,7 @@ def call_paged(mod, a):
 
 
 def decode_args():
-    b = make_paged_batch([(1, 5), (1, 20), (1, 1)], 4, 2, 16, 8, F32, "cpu")
+    b = make_paged_batch([(1, 5), (1, 20), (1, 1)], 4, 2, 16, 8, F32, DEVICE)
     return {
         "q": b.q,
         "k_cache": b.k_cache,
@@ -66,10 +76,10 @@ def prefill_args():
     lengths = [3, 0, 9]
     T = sum(lengths)
     return {
-        "q": randn((T, 4, 16), F32, "cpu", gen),
-        "k": randn((T, 2, 16), F32, "cpu", gen),
-        "v": randn((T, 2, 16), F32, "cpu", gen),
-        "cu_seqlens": cu_seqlens(lengths, "cpu"),
+        "q": randn((T, 4, 16), F32, DEVICE, gen),
+        "k": randn((T, 2, 16), F32, DEVICE, gen),
+        "v": randn((T, 2, 16), F32, DEVICE, gen),
+        "cu_seqlens": cu_seqlens(lengths, DEVICE),
         "max_seqlen": 9,
         "kw": {},
     }
@@ -81,8 +91,8 @@ def call_prefill(mod, a):
 
 def sparse_args():
     pairs = [(2, 5), (1, 20)]
-    b = make_paged_batch(pairs, 4, 2, 16, 8, F32, "cpu")
-    topk = torch.tensor([[0, 3, -1], [4, 1, 2], [19, -1, 0]], dtype=I32)
+    b = make_paged_batch(pairs, 4, 2, 16, 8, F32, DEVICE)
+    topk = torch.tensor([[0, 3, -1], [4, 1, 2], [19, -1, 0]], dtype=I32, device=DEVICE)
     return {
         "q": b.q,
         "k_cache": b.k_cache,
@@ -102,11 +112,11 @@ def call_sparse(mod, a):
 def store_args():
     gen = torch.Generator().manual_seed(0)
     return {
-        "k": randn((4, 2, 16), F32, "cpu", gen),
-        "v": randn((4, 2, 16), F32, "cpu", gen),
-        "k_cache": randn((3, 8, 2, 16), F32, "cpu", gen),
-        "v_cache": randn((3, 8, 2, 16), F32, "cpu", gen),
-        "slot_mapping": torch.tensor([0, 9, -1, 23], dtype=I32),
+        "k": randn((4, 2, 16), F32, DEVICE, gen),
+        "v": randn((4, 2, 16), F32, DEVICE, gen),
+        "k_cache": randn((3, 8, 2, 16), F32, DEVICE, gen),
+        "v_cache": randn((3, 8, 2, 16), F32, DEVICE, gen),
+        "slot_mapping": torch.tensor([0, 9, -1, 23], dtype=I32, device=DEVICE),
     }
 
 
@@ -116,7 +126,10 @@ def call_store(mod, a):
 
 def merge_args():
     gen = torch.Generator().manual_seed(0)
-    return {"o_parts": randn((3, 5, 2, 16), F32, "cpu", gen), "lse_parts": randn((3, 5, 2), F32, "cpu", gen)}
+    return {
+        "o_parts": randn((3, 5, 2, 16), F32, DEVICE, gen),
+        "lse_parts": randn((3, 5, 2), F32, DEVICE, gen),
+    }
 
 
 def call_merge(mod, a):
@@ -135,7 +148,7 @@ KERNELS = {
 
 def strided_last_dim(t):
     """Same values, stride 2 in the last dim."""
-    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
     wide[..., ::2] = t
     return wide[..., ::2]
 
@@ -277,7 +290,7 @@ CASES = [
         "paged",
         "device",
         set_item("block_table", lambda t: t.to("meta")),
-        r"block_table is on meta but q is on cpu",
+        r"block_table is on meta but q is on (cpu|cuda)",
     ),
     ("paged", "q_strided", set_item("q", strided_last_dim), r"q must have stride 1 in its last dim"),
     (
@@ -471,7 +484,7 @@ CASES = [
         "prefill",
         "out_device",
         set_kw("out", lambda a: torch.empty(12, 4, 16, device="meta")),
-        r"out must be on cpu, got meta",
+        r"out must be on (cpu|cuda\S*), got meta",
     ),
     # -- sparse --
     (
@@ -525,7 +538,7 @@ CASES = [
     (
         "sparse",
         "seq_len_lt_q_len",
-        set_kw("seq_lens", lambda a: torch.tensor([1, 20], dtype=I32)),
+        set_kw("seq_lens", lambda a: torch.tensor([1, 20], dtype=I32, device=DEVICE)),
         r"seq_lens\[0\] = 1 is smaller than request 0's 2 new tokens",
     ),
     (
@@ -613,7 +626,7 @@ CASES = [
         "store",
         "device",
         set_item("slot_mapping", lambda s: s.to("meta")),
-        r"slot_mapping is on meta but k is on cpu",
+        r"slot_mapping is on meta but k is on (cpu|cuda)",
     ),
     # -- merge --
     (
@@ -651,7 +664,7 @@ CASES = [
         "merge",
         "device",
         set_item("lse_parts", lambda x: x.to("meta")),
-        r"lse_parts is on meta but o_parts is on cpu",
+        r"lse_parts is on meta but o_parts is on (cpu|cuda)",
     ),
 ]
 
@@ -712,6 +725,16 @@ def test_sparse_without_seq_lens_checks_addressability(mod):
 
 
 @pytest.mark.parametrize("mod", MODULES)
+@pytest.mark.parametrize("kernel", ["paged", "decode"])
+def test_host_split_plan_is_accepted(mod, kernel):
+    """The engine plans the split on the host and passes the SplitPlan as num_splits."""
+    make, call = KERNELS[kernel]
+    a = make()
+    a["kw"]["num_splits"] = plan_split_kv(list(range(4)), [5, 20, 1], 4, 2, head_dim=16, num_splits=2)
+    call(mod, a)
+
+
+@pytest.mark.parametrize("mod", MODULES)
 def test_unused_block_table_entries_are_not_checked(mod):
     """Columns past a request's last block may hold anything (e.g. -1 padding)."""
     a = paged_args()
@@ -723,7 +746,7 @@ def test_unused_block_table_entries_are_not_checked(mod):
 @pytest.mark.parametrize("mod", MODULES)
 def test_empty_requests_are_valid(mod):
     a = prefill_args()
-    a["cu_seqlens"] = torch.tensor([0, 0, 3, 3, 12, 12], dtype=I32)
+    a["cu_seqlens"] = torch.tensor([0, 0, 3, 3, 12, 12], dtype=I32, device=DEVICE)
     call_prefill(mod, a)
 
 
