@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -26,7 +27,7 @@ logger = logging.getLogger("tilellm.server")
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
-    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set, /v1/* and /inspect need `Authorization: Bearer <key>`
     max_waiting: int = 1024  # requests queued but not yet running; beyond this -> 429
     max_request_bytes: int = 8 * 1024 * 1024  # bodies over this -> 413
     model_root: str | None = None  # shown as `root` in /v1/models
@@ -78,14 +79,14 @@ class _BodyLimit:
 
 
 class _APIKeyCheck:
-    """ASGI middleware: 401 on /v1/* without `Authorization: Bearer <key>`."""
+    """ASGI middleware: 401 on /v1/* and /inspect without `Authorization: Bearer <key>`."""
 
     def __init__(self, app: Any, api_key: str):
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] == "/inspect"):
             auth = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not token:
@@ -177,7 +178,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await _guarded(serving.chat(body, raw))
 
-    _mount_inspect(app)
+    _mount_inspect(app, async_engine)
     if config.api_key:
         app.add_middleware(_APIKeyCheck, api_key=config.api_key)
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
@@ -199,18 +200,26 @@ async def _guarded(handler: Awaitable[Any]) -> Any:
         raise APIError(500, "internal server error; see the server log", code="internal_error") from None
 
 
-def _mount_inspect(app: FastAPI) -> None:
-    """GET /inspect, when `tilellm.inspect` provides an HTML renderer (`render_html() -> str`)."""
+def _mount_inspect(app: FastAPI, async_engine: AsyncEngine) -> None:
+    """GET /inspect: the last engine step and the KV pool as HTML, when `tilellm.inspect` is there."""
     try:
-        from tilellm.inspect import render_html  # type: ignore[attr-defined]
-    except Exception:
+        from tilellm.inspect import inspect_engine, render_html
+    except ImportError:
         return
 
     from fastapi.responses import HTMLResponse
 
-    @app.get("/inspect")
+    @app.get("/inspect", response_class=HTMLResponse)
     async def inspect_page() -> HTMLResponse:
-        return HTMLResponse(render_html())
+        async def run() -> HTMLResponse:
+            try:
+                # The engine thread takes the snapshot between two steps; rendering happens here.
+                insp = await async_engine.call(inspect_engine)
+            except ValueError as exc:  # no step has run yet
+                raise APIError(503, f"nothing to inspect yet: {exc}", code="nothing_to_inspect") from None
+            return HTMLResponse(await asyncio.to_thread(render_html, insp))
+
+        return await _guarded(run())
 
 
 __all__ = ["APIError", "ServerConfig", "create_app"]

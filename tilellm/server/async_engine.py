@@ -20,6 +20,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,12 @@ class _AddBatch:
 
 
 @dataclass
+class _Call:
+    fn: Callable[[Any], Any]  # run as fn(engine) on the engine thread
+    future: asyncio.Future
+
+
+@dataclass
 class StatsSnapshot:
     """The engine's stats plus the server's own counts; published by the engine thread."""
 
@@ -99,7 +106,7 @@ class AsyncEngine:
     """Runs `engine` (an `LLMEngine`) in a background thread for an asyncio server.
 
     `observer` (optional) receives `on_first_token(ttft)`, `on_finished(e2e, tpot, finish_reason)`
-    from the engine thread, for metrics.
+    and `on_aborted()` from the engine thread, for metrics.
     """
 
     def __init__(self, engine: Any, *, max_waiting: int = 1024, observer: Any = None):
@@ -107,7 +114,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.observer = observer
         self._cv = threading.Condition()
-        self._inbox: list[_AddBatch | list[str]] = []  # guarded by _cv; list[str] = request ids to abort
+        self._inbox: list[_AddBatch | _Call | list[str]] = []  # guarded by _cv; list[str]: ids to abort
         self._pending_adds = 0  # requests in the inbox, not yet handed to the engine (guarded by _cv)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -174,6 +181,16 @@ class AsyncEngine:
             self._inbox.append(list(request_ids))
             self._cv.notify()
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps (e.g. to inspect its state)."""
+        fut = asyncio.get_running_loop().create_future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            self._inbox.append(_Call(fn, fut))
+            self._cv.notify()
+        return await fut
+
     # ---- engine thread ----
 
     def _run(self) -> None:
@@ -197,14 +214,22 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self._fail_all("the engine stopped unexpectedly")
 
-    def _apply(self, commands: list[_AddBatch | list[str]]) -> None:
+    def _apply(self, commands: list[_AddBatch | _Call | list[str]]) -> None:
         for cmd in commands:
             if isinstance(cmd, _AddBatch):
                 self._add_batch(cmd)
+            elif isinstance(cmd, _Call):
+                try:
+                    value, error = cmd.fn(self.engine), None
+                except Exception as exc:
+                    value, error = None, exc
+                self._call_in_loop(_resolve, cmd.future, error, value)
             else:
                 for rid in cmd:
                     if self._tracked.pop(rid, None) is not None:
                         self.engine.abort_request(rid)
+                        if self.observer is not None:
+                            self.observer.on_aborted()
         self._publish_stats()
 
     def _add_batch(self, batch: _AddBatch) -> None:
@@ -299,6 +324,8 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)
+            if self.observer is not None:
+                self.observer.on_aborted()
             routed.append((tracked.queue, RequestUpdate(tracked.tag, [], True, error=message)))
         self._tracked.clear()
         if routed:
@@ -307,11 +334,13 @@ class AsyncEngine:
     def _abort_all(self, message: str) -> None:
         with self._cv:
             commands, self._inbox = self._inbox, []
-        for cmd in commands:  # adds that arrived after the stop request are refused
+        for cmd in commands:  # adds and calls that arrived after the stop request are refused
             if isinstance(cmd, _AddBatch):
                 with self._cv:
                     self._pending_adds -= len(cmd.requests)
                 self._call_in_loop(_resolve, cmd.accepted, RuntimeError(message))
+            elif isinstance(cmd, _Call):
+                self._call_in_loop(_resolve, cmd.future, RuntimeError(message))
         self._fail_all(message)
         self._publish_stats()
 
@@ -336,11 +365,11 @@ class AsyncEngine:
             pass
 
 
-def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future, error: BaseException | None, value: Any = None) -> None:
     if fut.done():  # the handler gave up (client gone); its requests were aborted
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(value)
     else:
         fut.set_exception(error)
 

@@ -110,7 +110,8 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """Owns the registry; the `AsyncEngine` calls `on_first_token` / `on_finished` (engine thread)."""
+    """Owns the registry; the `AsyncEngine` calls `on_first_token`, `on_finished` and `on_aborted`
+    from the engine thread."""
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -140,11 +141,13 @@ class ServerMetrics:
         ).labels(model_name)
         self._success = Counter(
             PREFIX + "request_success",
-            "Requests finished, by finish reason.",
+            "Requests finished, by finish reason (abort: the client left or the server stopped).",
             labels + ["finished_reason"],
             registry=self.registry,
         )
         self._model_name = model_name
+        for reason in ("stop", "length", "abort"):  # export zeros before the first request
+            self._success.labels(model_name, reason)
 
     def bind(self, get_stats: Callable[[], StatsSnapshot]) -> None:
         self._get_stats = get_stats
@@ -157,6 +160,9 @@ class ServerMetrics:
         if tpot is not None:
             self.tpot.observe(tpot)
         self._success.labels(self._model_name, finish_reason).inc()
+
+    def on_aborted(self) -> None:
+        self._success.labels(self._model_name, "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

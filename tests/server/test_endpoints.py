@@ -1,0 +1,71 @@
+"""/health, /metrics (exact token counters, latency histograms) and /inspect."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME
+
+METRICS = [
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "kv_cache_usage_perc",
+    "prefix_cache_hit_rate",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "num_preemptions_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "time_to_first_token_seconds_count",
+    "time_per_output_token_seconds_count",
+    "e2e_request_latency_seconds_count",
+    "request_success_total",
+]
+
+
+def _metrics(http) -> dict[str, float]:
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("tilellm:") and "_bucket{" not in line:
+            name = line[len("tilellm:") :].split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_health(server):
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200
+
+
+def test_metrics_count_tokens_and_latencies_exactly(http):
+    before = _metrics(http)
+    assert set(METRICS) <= set(before), set(METRICS) - set(before)
+    assert before["kv_blocks_total"] == 512
+    body = {"model": MODEL_NAME, "prompt": [9] * 37, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    body["prompt"] = [9] * 37 + [10]  # shares the first two full blocks
+    assert http.post("/v1/completions", json=body).status_code == 200
+    after = _metrics(http)
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 75
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 12
+    for name in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+    ):
+        assert after[f"{name}_count"] - before[f"{name}_count"] == 2
+        assert after[f"{name}_sum"] > before[f"{name}_sum"]
+    assert after["request_success_total"] - before["request_success_total"] == 2
+    assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] >= 32
+    assert 0 < after["prefix_cache_hit_rate"] <= 1
+    assert after["num_requests_running"] == after["num_requests_waiting"] == after["kv_blocks_used"] == 0
+
+
+def test_inspect_page(server, http):
+    assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
+    r = http.get("/inspect")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "<svg" in r.text or "<html" in r.text.lower()
+    assert httpx.get(server.url + "/inspect").status_code == 401  # behind the API key like /v1
