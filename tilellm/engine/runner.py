@@ -147,7 +147,13 @@ class ModelRunner:
         self.staging = _Staging(self.device) if self.is_cuda else None
         if self.is_cuda:
             self._token_host = torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
-        model_len = config.max_model_len or int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        max_positions = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
+        model_len = config.max_model_len or max_positions or 2048
+        if max_positions is not None and model_len > max_positions:
+            raise ValueError(
+                f"max_model_len ({model_len}) is larger than the model's "
+                f"max_position_embeddings ({max_positions})"
+            )
 
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(model_len)
         pool_tokens = self.num_kv_blocks * self.block_size

@@ -1,0 +1,371 @@
+"""Offline engine throughput on SPEC section 5's end-to-end workloads E1, E2 and E3.
+
+Model: Qwen3-0.6B's architecture with random weights (`load_format="dummy"`, bf16), unless
+`--model DIR` names a real directory. Every request ignores EOS. Per workload: output tok/s,
+time to first token, and where the engine's step time goes (scheduler + input preparation +
+postprocess on the host vs the device span measured with CUDA events), including the host share
+at 256 running requests. `--hf-baseline` runs `transformers` generate on E1 (batches of 64) in
+the same process. `--json FILE` writes every number.
+
+  E1: random.seed(0); 256 prompts of randint(100, 1024) tokens (randint(0, 10000) each, the length
+      drawn first), then 256 max_tokens randint(100, 1024); temperature 0.6. 133966 output tokens.
+  E2: 256 x (one shared 2048-token prefix + 128 own tokens), 128 output tokens; prefix caching on
+      vs off.
+  E3: 8 requests x 32768-token prompts, 512 output tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+E1_OUTPUT_TOKENS = 133966
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workloads", default="E1,E2,E3", help="comma-separated subset of E1,E2,E3")
+    p.add_argument("--json", default=None, help="write results to this file")
+    p.add_argument("--model", default=None, help="a model directory instead of the random Qwen3-0.6B")
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
+    p.add_argument("--hf-baseline", action="store_true", help="also run transformers generate on E1")
+    p.add_argument(
+        "--hf-requests", type=int, default=256, help="E1 requests for the HF baseline (batches of 64)"
+    )
+    p.add_argument(
+        "--scale", type=float, default=1.0, help="shrink lengths and counts (smoke tests on CPU); 1 = SPEC"
+    )
+
+
+# -- workloads ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    temperature: float
+    note: str = ""
+
+
+def e1(scale: float = 1.0) -> Workload:
+    random.seed(0)
+    n = max(1, round(256 * scale))
+    hi = max(2, round(1024 * scale))
+    lo = max(1, round(100 * scale))
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))] for _ in range(n)]
+    max_tokens = [random.randint(lo, hi) for _ in range(n)]
+    return Workload("E1", prompts, max_tokens, 0.6, "nano-vllm benchmark: 256 random requests")
+
+
+def e2(scale: float = 1.0) -> list[int] | Workload:
+    rng = random.Random(2)
+    n = max(1, round(256 * scale))
+    prefix = [rng.randint(0, 10000) for _ in range(max(1, round(2048 * scale)))]
+    own = max(1, round(128 * scale))
+    prompts = [prefix + [rng.randint(0, 10000) for _ in range(own)] for _ in range(n)]
+    return Workload("E2", prompts, [max(1, round(128 * scale))] * n, 0.6, "shared 2048-token prefix")
+
+
+def e3(scale: float = 1.0) -> Workload:
+    rng = random.Random(3)
+    n = max(1, round(8 * min(1.0, scale * 4)))
+    length = max(1, round(32768 * scale))
+    prompts = [[rng.randint(0, 10000) for _ in range(length)] for _ in range(n)]
+    return Workload("E3", prompts, [max(1, round(512 * scale))] * n, 0.6, "long context")
+
+
+# -- running --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    workload: str
+    variant: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+    output_tok_s: float
+    total_tok_s: float
+    ttft_mean_s: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    steps: int = 0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    execute_s: float = 0.0
+    device_s: float = 0.0
+    postprocess_s: float = 0.0
+    host_share: float | None = None  # (schedule + prepare + postprocess) / wall time
+    host_share_256: float | None = None  # the same over decode steps with >= 250 running requests
+    host_us_per_step_256: float | None = None
+    step_ms_256: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _model_dir(args: argparse.Namespace, tmp: str) -> tuple[str, str]:
+    if args.model:
+        return args.model, "safetensors"
+    from tilellm.testing import QWEN3_0_6B_CONFIG, make_random_model_dir
+
+    return str(make_random_model_dir(tmp, QWEN3_0_6B_CONFIG)), "dummy"
+
+
+def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_len: int, **over):
+    from tilellm import LLM
+
+    kwargs = dict(
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+        load_format=load_format,
+        skip_tokenizer_init=load_format == "dummy",
+    )
+    kwargs.update(over)
+    return LLM(model, **kwargs)
+
+
+def _fit_vocab(w: Workload, vocab: int) -> Workload:
+    """A small --model: fold the token ids into its vocabulary (no change for Qwen3's)."""
+    if max(max(p) for p in w.prompts) < vocab:
+        return w
+    return Workload(w.name, [[t % vocab for t in p] for p in w.prompts], w.max_tokens, w.temperature, w.note)
+
+
+def _needed_len(w: Workload) -> int:
+    """max_model_len for a workload: its longest prompt plus its largest max_tokens."""
+    return max(len(p) for p in w.prompts) + max(w.max_tokens)
+
+
+def _free(llm: Any) -> None:
+    del llm
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
+    from tilellm import SamplingParams
+
+    engine = llm.llm_engine
+    w = _fit_vocab(w, engine.vocab_size)
+    params = [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True) for m in w.max_tokens]
+    # Warm-up (compiles the eager path's kernels for this engine), then the measured run.
+    llm.generate([w.prompts[0][:64]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    engine.timings.reset()
+    engine.record_steps = True
+    engine.runner.time_device = True
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(w.prompts, params, use_tqdm=True)
+    _sync()
+    seconds = time.perf_counter() - t0
+    engine.runner.time_device = False
+    engine.record_steps = False
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(len(p) for p in w.prompts)
+    ttft = np.array(
+        [o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None]
+    )
+    tm = engine.timings
+    r = Result(
+        workload=w.name,
+        variant=variant,
+        requests=len(outs),
+        prompt_tokens=prompt_tokens,
+        output_tokens=out_tokens,
+        seconds=seconds,
+        output_tok_s=out_tokens / seconds,
+        total_tok_s=(out_tokens + prompt_tokens) / seconds,
+        ttft_mean_s=float(ttft.mean()) if len(ttft) else None,
+        ttft_p50_s=float(np.percentile(ttft, 50)) if len(ttft) else None,
+        ttft_p99_s=float(np.percentile(ttft, 99)) if len(ttft) else None,
+        steps=tm.num_steps,
+        schedule_s=tm.schedule_s,
+        prepare_s=tm.prepare_s,
+        execute_s=tm.execute_s,
+        device_s=tm.device_s,
+        postprocess_s=tm.postprocess_s,
+        host_share=tm.host_s / seconds,
+    )
+    # records: (kind, num_seqs, num_tokens, schedule, prepare, execute, device, post)
+    full = [x for x in tm.records if x[0] == "decode" and x[1] >= 250]
+    if full:
+        host = np.array([x[3] + x[4] + x[7] for x in full])
+        step = np.array([x[3] + x[4] + x[5] + x[7] for x in full])
+        r.host_share_256 = float(host.sum() / step.sum())
+        r.host_us_per_step_256 = float(np.median(host) * 1e6)
+        r.step_ms_256 = float(np.median(step) * 1e3)
+        r.extra["decode_steps_256"] = len(full)
+    kinds: dict[str, int] = {}
+    for x in tm.records:
+        kinds[x[0]] = kinds.get(x[0], 0) + 1
+    r.extra["steps_by_kind"] = kinds
+    r.extra["num_cuda_graphs"] = len(getattr(engine.runner, "graphs", {}))
+    r.extra["num_kv_blocks"] = engine.block_manager.num_blocks
+    stats = engine.get_stats()
+    r.extra["prefix_cache_hit_rate"] = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
+    r.extra["preemptions"] = stats.num_preemptions
+    return r
+
+
+def _sync() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def hf_baseline(model_dir: str, w: Workload, num_requests: int, dtype: str) -> Result:
+    """`transformers` generate on the first `num_requests` of E1, batches of 64, left padding."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        dtype, torch.bfloat16
+    )
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+    model.generation_config.eos_token_id = None  # ignore EOS
+    w = _fit_vocab(w, config.vocab_size)
+    model.generation_config.pad_token_id = 0
+    prompts, max_tokens = w.prompts[:num_requests], w.max_tokens[:num_requests]
+    useful = 0
+    _sync()
+    t0 = time.perf_counter()
+    for b in range(0, len(prompts), 64):
+        batch, mt = prompts[b : b + 64], max_tokens[b : b + 64]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            model.generate(
+                ids.to(dev),
+                attention_mask=mask.to(dev),
+                max_new_tokens=max(mt),
+                do_sample=True,
+                temperature=w.temperature,
+                top_k=0,
+                top_p=1.0,
+            )
+        useful += sum(mt)  # each request's own max_tokens; the rest of its row is padding work
+    _sync()
+    seconds = time.perf_counter() - t0
+    del model
+    return Result(
+        workload="E1",
+        variant=f"transformers generate, batches of 64 ({len(prompts)} requests)",
+        requests=len(prompts),
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=useful,
+        seconds=seconds,
+        output_tok_s=useful / seconds,
+        total_tok_s=(useful + sum(len(p) for p in prompts)) / seconds,
+    )
+
+
+def _print_table(results: list[Result]) -> None:
+    head = (
+        f"{'workload':8} {'variant':28} {'reqs':>5} {'out tok':>8} {'sec':>7} {'out tok/s':>10} "
+        f"{'TTFT p50':>9} {'host %':>7} {'host%@256':>9} {'host us@256':>11} {'step ms@256':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+
+        def f(v: float | None, fmt: str) -> str:
+            return format(v, fmt) if v is not None else "-"
+
+        print(
+            f"{r.workload:8} {r.variant[:28]:28} {r.requests:>5} {r.output_tokens:>8} {r.seconds:>7.2f} "
+            f"{r.output_tok_s:>10,.0f} {f(r.ttft_p50_s, '>9.3f')} "
+            f"{f(None if r.steps == 0 else 100 * (r.host_share or 0), '>7.1f')} "
+            f"{f(None if r.host_share_256 is None else 100 * r.host_share_256, '>9.1f')} "
+            f"{f(r.host_us_per_step_256, '>11.0f')} {f(r.step_ms_256, '>11.2f')}"
+        )
+    for r in results:
+        if r.steps:
+            print(
+                f"  {r.workload} {r.variant}: {r.steps} steps; schedule {r.schedule_s:.2f}s, prepare "
+                f"{r.prepare_s:.2f}s, execute {r.execute_s:.2f}s (device {r.device_s:.2f}s), "
+                f"postprocess {r.postprocess_s:.2f}s; {r.extra}"
+            )
+
+
+def main(args: argparse.Namespace) -> int:
+    names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
+    unknown = set(names) - {"E1", "E2", "E3"}
+    if unknown:
+        print(f"unknown workloads: {sorted(unknown)}")
+        return 2
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, load_format = _model_dir(args, tmp)
+        if "E1" in names:
+            w = e1(args.scale)
+            if args.scale == 1.0:
+                assert sum(w.max_tokens) == E1_OUTPUT_TOKENS
+            llm = _make_llm(args, model, load_format, max_model_len=_needed_len(w))
+            results.append(run_workload(llm, w))
+            _free(llm)
+        if "E2" in names:
+            w = e2(args.scale)
+            for caching in (True, False):
+                llm = _make_llm(
+                    args, model, load_format, max_model_len=_needed_len(w), enable_prefix_caching=caching
+                )
+                results.append(run_workload(llm, w, "prefix caching " + ("on" if caching else "off")))
+                _free(llm)
+            on, off = results[-2], results[-1]
+            on.extra["speedup_vs_off"] = off.seconds / on.seconds
+        if "E3" in names:
+            w = e3(args.scale)
+            llm = _make_llm(args, model, load_format, max_model_len=_needed_len(w))
+            results.append(run_workload(llm, w))
+            _free(llm)
+        if args.hf_baseline:
+            results.append(hf_baseline(model, e1(args.scale), args.hf_requests, args.dtype))
+    _print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": [asdict(r) for r in results]}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
