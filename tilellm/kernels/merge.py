@@ -55,7 +55,10 @@ def _merge_kernel(
         mask=split_ok[:, None],
         other=0.0,
     )
-    o = tl.sum(o_parts.to(tl.float32) * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    # An empty segment's output is undefined: select, don't multiply (0 * NaN is NaN).
+    o = tl.sum(tl.where(w[:, None] > 0.0, o_parts.to(tl.float32) * w[:, None], 0.0), 0) / tl.where(
+        w_sum == 0.0, 1.0, w_sum
+    )
     tl.store(O + tok * stride_ot + head * stride_oh + offs_d, o.to(O.dtype.element_ty))
     if WRITE_LSE:
         tl.store(LSE + tok * num_heads + head, lse_ref + tl.log(w_sum))

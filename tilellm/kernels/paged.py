@@ -285,6 +285,7 @@ def paged_attention(
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
     )
+    validation.check_split_hints("paged_attention", num_splits, max_seqlen_k, seq_lens)
     o = _output(q, out, "paged_attention")
     _launch(
         q,
@@ -317,6 +318,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] -> o [B, Hq, D]; the q_len = 1 case of paged attention."""
     validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
+    validation.check_split_hints("decode_attention", num_splits, max_seqlen_k, seq_lens)
     o = _output(q, out, "decode_attention")
     _launch(
         q,
