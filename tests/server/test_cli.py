@@ -91,3 +91,37 @@ def test_bench_serve_against_the_server(server, tmp_path):
         "output_throughput",
     ):
         assert result[key] is not None and result[key] >= 0
+
+
+def test_serve_help_lists_the_flags(capsys):
+    from tilellm.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    flags = ["--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs"]
+    flags += [
+        "--gpu-memory-utilization",
+        "--block-size",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+    ]
+    flags += ["--max-waiting", "--max-request-bytes", "--device", "--num-kv-blocks"]
+    assert all(f in out for f in flags), [f for f in flags if f not in out]
+
+
+def test_serve_without_model_uses_the_embedded_one(capsys):
+    from tilellm.assets import default_model_path
+    from tilellm.commands.serve import _resolve_model
+
+    path, name = _resolve_model(None)
+    assert path == str(default_model_path()) and name == default_model_path().name
+    assert "embedded default model" in capsys.readouterr().err
+
+
+def test_serve_rejects_a_directory_without_a_model(tmp_path, capsys):
+    from tilellm.cli import main
+
+    assert main(["serve", str(tmp_path)]) == 2
+    assert "not a model directory" in capsys.readouterr().err

@@ -57,6 +57,9 @@ def main(args: argparse.Namespace) -> int:
         print("tilellm serve: --max-waiting and --max-request-bytes must be positive", file=sys.stderr)
         return 2
     model, default_name = _resolve_model(args.model)
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        print(f"tilellm serve: {model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
 
     from tilellm.engine.llm_engine import LLMEngine
     from tilellm.server.app import ServerConfig, create_app
