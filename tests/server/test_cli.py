@@ -45,29 +45,56 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> Non
     raise AssertionError("server did not become healthy")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_serve_shuts_down_gracefully_on_signal(tiny_model_dir, sig):
+@pytest.mark.parametrize(
+    "sig, grace, max_tokens",
+    [(signal.SIGTERM, "30", 40), (signal.SIGINT, "0.2", 240)],
+    ids=["sigterm-finishes-in-flight", "sigint-aborts-after-grace"],
+)
+def test_serve_shuts_down_gracefully_on_signal(tiny_model_dir, sig, grace, max_tokens):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start_serve(tiny_model_dir, port, "--served-model-name", MODEL_NAME)
+    proc = _start_serve(
+        tiny_model_dir, port, "--served-model-name", MODEL_NAME, "--graceful-shutdown-timeout", grace
+    )
     try:
         _wait_healthy(proc, url)
         headers = {"Authorization": "Bearer env-key"}  # the key came from $TILELLM_API_KEY
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
-        body = {"model": MODEL_NAME, "prompt": [4] * 10, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": [4] * 10,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as resp:
             lines = resp.iter_lines()
-            first = next(ln for ln in lines if ln.startswith("data: "))
-            proc.send_signal(sig)  # mid-stream: the request is allowed to finish
-            rest = [ln for ln in lines if ln.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        chunks = [json.loads(ln[6:]) for ln in [first, *rest[:-1]]]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            events.append(next(ln for ln in lines if ln.startswith("data: ")))
+            proc.send_signal(sig)  # mid-stream
+            try:
+                events += [ln for ln in lines if ln.startswith("data: ")]
+            except httpx.HTTPError:  # cut off when the grace period ends
+                pass
         assert proc.wait(timeout=60) == 0
+        assert httpx_refused(url)
+        if sig == signal.SIGTERM:  # allowed to finish
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        else:  # aborted once the grace period ran out
+            assert events[-1] != "data: [DONE]"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def httpx_refused(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
 
 
 def test_bench_serve_against_the_server(server, tmp_path):
