@@ -145,10 +145,6 @@ class AsyncEngine:
 
     # ---- requests (event loop side) ----
 
-    def num_waiting(self) -> int:
-        with self._cv:
-            return self._pending_adds + self.stats.num_waiting
-
     async def add_requests(self, requests: list[EngineRequest], queue: asyncio.Queue) -> None:
         """Queue `requests` (tags 0..k-1) for the engine; returns once the engine accepted all of them.
 
