@@ -12,10 +12,11 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import torch
 
 from tilellm.engine.llm_engine import LLMEngine
 from tilellm.engine.metadata import BatchKind, StepBatch
-from tilellm.engine.runner import StepResult
+from tilellm.engine.runner import InputPatch, StepHandle, StepResult
 
 VOCAB = 997
 
@@ -46,9 +47,13 @@ class FakeRunner:
         self.kv = np.full(self.num_kv_blocks * self.block_size, -1, dtype=np.int64)
         self.kinds: list[BatchKind] = []
 
-    def execute(self, batch: StepBatch, sampling: dict) -> StepResult:
+    def launch(self, batch: StepBatch, sampling, patch: InputPatch | None = None) -> StepHandle:
         a = batch.attn
-        ids, pos, slots = batch.input_ids.numpy(), batch.positions.numpy(), a.slot_mapping.numpy()
+        ids, pos, slots = batch.input_ids.numpy().copy(), batch.positions.numpy(), a.slot_mapping.numpy()
+        if patch is not None:  # tokens sampled by the step still "in flight"
+            assert (ids[patch.dst] == -1).all()
+            ids[patch.dst] = patch.prev.tokens_dev.numpy()[patch.src]
+        assert (ids >= 0).all(), "a placeholder token reached the model"
         cu, seq_lens, table = a.cu_seqlens_q.numpy(), a.seq_lens.numpy(), a.block_table.numpy()
         bs = self.block_size
         q = np.diff(cu)
@@ -81,17 +86,25 @@ class FakeRunner:
             context = self.kv[table[i, p // bs].astype(np.int64) * bs + p % bs]
             assert (context >= 0).all(), "read a slot nobody wrote"
             tokens.append(next_token(context))
-        return StepResult(token_ids=np.asarray(tokens, dtype=np.int64))
+        arr = np.asarray(tokens, dtype=np.int64)
+        return StepHandle(tokens_dev=torch.from_numpy(arr), out=None, host=StepResult(token_ids=arr))
+
+    def wait(self, handle: StepHandle) -> StepResult:
+        return handle.host
+
+    def execute(self, batch: StepBatch, sampling) -> StepResult:
+        return self.wait(self.launch(batch, sampling))
 
 
 class FakeEngine(LLMEngine):
     """LLMEngine whose runner is a `FakeRunner` (token-id prompts only)."""
 
-    def __init__(self, eos_token_id: int | None = None, **kwargs):
+    def __init__(self, eos_token_id: int | None = None, async_scheduling: bool = False, **kwargs):
         kwargs.setdefault("skip_tokenizer_init", True)
         kwargs.setdefault("device", "cpu")
         self._eos = eos_token_id
         super().__init__("fake-model", **kwargs)
+        self.async_scheduling = async_scheduling
 
     def _make_runner(self, config):
         runner = FakeRunner(config)

@@ -42,7 +42,9 @@ def expected(model_dir: str) -> list[list[int]]:
 
 def run_twice(model_dir: str, prompts=None, **llm_kwargs) -> tuple[LLM, list, list]:
     prompts = prompts or _prompts()
+    async_scheduling = llm_kwargs.pop("async_scheduling", False)
     llm = LLM(model_dir, **llm_kwargs)
+    llm.llm_engine.async_scheduling = async_scheduling
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -56,6 +58,9 @@ CONFIGS = {
     "tiny_pool_preempts": dict(num_kv_blocks=8, max_num_seqs=8),  # 128 tokens for 7 prompts + outputs
     "chunked_prefill": dict(num_kv_blocks=64, max_num_batched_tokens=13),
     "few_seqs": dict(num_kv_blocks=64, max_num_seqs=2),
+    # Step N+1 launched before step N's tokens are read (the CUDA default), with preemption.
+    "async_tiny_pool": dict(num_kv_blocks=8, max_num_seqs=8, async_scheduling=True),
+    "async_chunked": dict(num_kv_blocks=64, max_num_batched_tokens=13, async_scheduling=True),
 }
 
 

@@ -67,8 +67,11 @@ request_st = st.tuples(
     budget=st.integers(1, 64),
     max_num_seqs=st.integers(1, 8),
     prefix_caching=st.booleans(),
+    async_scheduling=st.booleans(),
 )
-def test_engine_random_workloads(requests, block_size, extra_blocks, budget, max_num_seqs, prefix_caching):
+def test_engine_random_workloads(
+    requests, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, async_scheduling
+):
     max_model_len = 64
     num_blocks = -(-max_model_len // block_size) + extra_blocks
     engine = FakeEngine(
@@ -78,6 +81,7 @@ def test_engine_random_workloads(requests, block_size, extra_blocks, budget, max
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         enable_prefix_caching=prefix_caching,
+        async_scheduling=async_scheduling,
     )
     rng = np.random.default_rng(0)
     prefixes = [rng.integers(0, 997, 40).tolist() for _ in range(3)]
@@ -122,10 +126,16 @@ def test_engine_random_workloads(requests, block_size, extra_blocks, budget, max
     assert sorted(bm._free_rows) == list(range(max_num_seqs))
 
 
-def test_preemption_happens_and_recomputes():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_happens_and_recomputes(async_scheduling):
     """A pool for two sequences at a time and eight requests: preemption must kick in."""
     engine = FakeEngine(
-        block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=32
+        block_size=4,
+        num_kv_blocks=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=32,
+        async_scheduling=async_scheduling,
     )
     prompts = [[i, i + 1, i + 2, i + 3, i + 4] for i in range(8)]
     for i, p in enumerate(prompts):
@@ -178,3 +188,22 @@ def test_prefix_cache_hits_counted(prefix_caching):
     else:
         assert out.num_cached_tokens == 0 and stats.prefix_cache_hits == 0
     assert out.outputs[0].token_ids == reference_tokens(shared + [2, 3], 2)
+
+
+def test_async_outputs_lag_one_step_and_abort_in_flight():
+    engine = FakeEngine(block_size=4, num_kv_blocks=32, max_model_len=64, async_scheduling=True)
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5))
+    engine.add_request("b", [4, 5, 6], SamplingParams(temperature=0, max_tokens=5))
+    assert engine.step() == []  # step 1 launched, nothing read back yet
+    outs = engine.step()  # step 2 launched, step 1 read
+    assert {o.request_id for o in outs} == {"a", "b"}
+    assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+    assert engine.abort_request("b")  # b has a token in flight: dropped, blocks freed now
+    seen = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            seen[o.request_id] = o
+    assert set(seen) == {"a"} and seen["a"].outputs[0].token_ids == reference_tokens([1, 2, 3], 5)
+    assert all(t >= 0 for t in seen["a"].outputs[0].token_ids)
+    engine.step()  # the speculative step of the finished request is read back and dropped
+    assert engine.block_manager.num_free_blocks == 32

@@ -17,6 +17,7 @@ import pathlib
 import random
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,8 +27,8 @@ from tilellm.engine.config import EngineConfig
 from tilellm.engine.detokenizer import IncrementalDetokenizer
 from tilellm.engine.metadata import StepBatch, build_step_batch
 from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from tilellm.engine.request import Request, Sequence
-from tilellm.engine.runner import ModelRunner, StepResult
+from tilellm.engine.request import Request, Sequence, SequenceStatus
+from tilellm.engine.runner import InputPatch, ModelRunner, StepHandle, StepResult
 from tilellm.engine.sampler import HostSampling, SamplingTable
 from tilellm.engine.sampling_params import SamplingParams
 from tilellm.engine.scheduler import Scheduler, SchedulerOutput
@@ -61,6 +62,19 @@ def _eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
         except (json.JSONDecodeError, AttributeError):
             pass
     return list(dict.fromkeys(ids))
+
+
+@dataclass
+class _InFlight:
+    """A launched step and what its postprocessing needs."""
+
+    sched: SchedulerOutput
+    batch: StepBatch
+    sampled: list[Sequence]
+    sampling: HostSampling
+    positions: np.ndarray  # [N] position of each sampled row's new token (its placeholder)
+    handle: StepHandle
+    times: list[float] = field(default_factory=list)  # schedule, prepare+launch seconds
 
 
 class LLMEngine:
@@ -106,6 +120,11 @@ class LLMEngine:
         self.timings = StepTimings()
         self.record_steps = False  # keep one StepTimings record per step (benchmarks)
         self._last_step_data: tuple | None = None
+        # Asynchronous scheduling: step N+1 is scheduled and launched before step N's tokens are
+        # read, so host work overlaps device work (on by default on CUDA; outputs lag one call).
+        self.async_scheduling = bool(getattr(self.runner, "is_cuda", False))
+        self._inflight: _InFlight | None = None
+        self._pending_src = np.zeros(cfg.max_num_seqs, dtype=np.int64)  # row -> index in its step
         self._last_step: StepSnapshot | None = None
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
@@ -175,6 +194,9 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
+                    if seq.num_pending:
+                        del seq.token_ids[-seq.num_pending :]
+                        seq.num_pending = 0
                     self.scheduler.abort(seq)
             return True
 
@@ -193,38 +215,55 @@ class LLMEngine:
         return self._step(emit_partial=True)
 
     def _step(self, emit_partial: bool) -> list[RequestOutput]:
-        """`emit_partial=False` (offline `LLM.generate`): only finished requests are returned and
-        text is decoded once at the end unless stop strings need it on the way."""
+        """Schedule and launch a step, then finish the previous one (asynchronous scheduling) or
+        this one (synchronous). `emit_partial=False` (offline `LLM.generate`): only finished
+        requests are returned and text is decoded once at the end unless stop strings need it."""
         with self._lock:
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
-            if sched.is_empty:
+            launched: _InFlight | None = None
+            if not sched.is_empty:
+                for seq in sched.admitted:
+                    self.sampling_table.set_row(
+                        seq.row,
+                        seq.request.params,
+                        seq.seed,
+                        seq.num_prompt_tokens,
+                        self.eos_token_ids,
+                        self.max_model_len,
+                    )
+                t1 = time.perf_counter()
+                launched = self._launch(sched)
+                t2 = time.perf_counter()
+                launched.times = [t1 - t0, t2 - t1]
+            elif self._inflight is None:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler made no progress with requests pending")
                 return []
-            for seq in sched.admitted:
-                self.sampling_table.set_row(
-                    seq.row,
-                    seq.request.params,
-                    seq.seed,
-                    seq.num_prompt_tokens,
-                    self.eos_token_ids,
-                    self.max_model_len,
-                )
-            t1 = time.perf_counter()
-            batch, sampled, sampling = self._prepare(sched)
-            t2 = time.perf_counter()
-            result = self.runner.execute(batch, sampling)
+            if self.async_scheduling:  # finish the step launched last time, while this one runs
+                done, self._inflight = self._inflight, launched
+            else:
+                done, self._inflight = (self._inflight or launched), None
+                if done is not launched and launched is not None:  # async was just switched off
+                    self._inflight = launched
+            if done is None:
+                return []
             t3 = time.perf_counter()
-            outputs = self._postprocess(sched, sampled, sampling, result, emit_partial)
+            result = self.runner.wait(done.handle)
             t4 = time.perf_counter()
-            self._last_step_data = (sched, batch)
+            outputs = self._postprocess(done, result, emit_partial)
+            t5 = time.perf_counter()
+            self._last_step_data = (done.sched, done.batch)
             self._last_step = None
-            self._record_timing(sched, batch, t0, t1, t2, t3, t4, result.device_time_s)
+            self._record_timing(done, t4 - t3, t5 - t4, result.device_time_s)
             return outputs
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[StepBatch, list[Sequence], HostSampling]:
-        """The step's metadata and the sampled rows' sampling inputs (host arrays)."""
+    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+        """Build the step's inputs (host arrays) and start it on the device.
+
+        Sampled sequences get a placeholder token (-1) until the step's result arrives; a later
+        step that already feeds it to the model reads it on the device (`InputPatch`).
+        """
         seqs = sched.seqs
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         batch = build_step_batch(
@@ -238,63 +277,90 @@ class LLMEngine:
         )
         mask = np.asarray(sched.samples, dtype=bool)
         sampled = [s for s, smp in zip(seqs, sched.samples) if smp]
-        num_tokens = batch.attn.seq_lens.numpy()[mask].astype(np.int64)  # sampled rows end their tokens
-        return batch, sampled, self.sampling_table.gather(rows[mask], num_tokens)
+        # A sampled row ends its sequence's tokens: its seq_len is the new token's position.
+        positions = batch.attn.seq_lens.numpy()[mask].astype(np.int64)
+        sampled_rows = rows[mask]
+        sampling = self.sampling_table.gather(sampled_rows, positions)
+        patch = None
+        pending = np.flatnonzero(batch.input_ids.numpy() < 0)
+        if len(pending):
+            assert self._inflight is not None, "a placeholder token without a step in flight"
+            cu = batch.attn.cu_seqlens_q.numpy()
+            req = np.searchsorted(cu, pending, side="right") - 1
+            patch = InputPatch(pending, self._pending_src[rows[req]], self._inflight.handle)
+        handle = self.runner.launch(batch, sampling, patch)
+        for seq in sampled:
+            seq.token_ids.append(-1)
+            seq.num_pending += 1
+        self._pending_src[sampled_rows] = np.arange(len(sampled))
+        return _InFlight(sched, batch, sampled, sampling, positions, handle)
 
-    def _record_timing(self, sched, batch, t0, t1, t2, t3, t4, device_s) -> None:
+    def _record_timing(self, done: _InFlight, wait_s: float, post_s: float, device_s: float | None) -> None:
         tm = self.timings
         tm.num_steps += 1
-        kind = batch.attn.kind.value
+        kind = done.batch.attn.kind.value
         tm.num_decode_steps += kind == "decode"
-        tm.schedule_s += t1 - t0
-        tm.prepare_s += t2 - t1
-        tm.execute_s += t3 - t2
-        tm.postprocess_s += t4 - t3
+        schedule_s, prepare_s = done.times
+        tm.schedule_s += schedule_s
+        tm.prepare_s += prepare_s
+        tm.execute_s += wait_s
+        tm.postprocess_s += post_s
         if device_s is not None:
             tm.device_s += device_s
         if self.record_steps:
-            ntok = int(batch.input_ids.shape[0])
-            tm.records.append((kind, len(sched.seqs), ntok, t1 - t0, t2 - t1, t3 - t2, device_s, t4 - t3))
+            ntok = int(done.batch.input_ids.shape[0])
+            tm.records.append(
+                (kind, len(done.sched.seqs), ntok, schedule_s, prepare_s, wait_s, device_s, post_s)
+            )
 
     # -- postprocess ----------------------------------------------------------------------------
 
-    def _postprocess(
-        self,
-        sched: SchedulerOutput,
-        sampled: list[Sequence],
-        sampling: HostSampling,
-        result: StepResult,
-        emit_partial: bool,
-    ) -> list[RequestOutput]:
+    def _postprocess(self, done: _InFlight, result: StepResult, emit_partial: bool) -> list[RequestOutput]:
+        sampled, sampling = done.sampled, done.sampling
+        tokens = result.token_ids.tolist()
+        alive = np.ones(len(sampled), dtype=bool)
+        for k, (seq, token, pos) in enumerate(zip(sampled, tokens, done.positions.tolist())):
+            if seq.status is SequenceStatus.FINISHED:  # stopped or aborted while this step ran
+                alive[k] = False
+                continue
+            seq.token_ids[pos] = token
+            seq.num_pending -= 1
         bm = self.block_manager
         bs = bm.block_size
-        for seq in sched.seqs:  # K/V of this step now exist: register newly full blocks
+        for seq in done.sched.seqs:  # K/V of this step now exist: register newly full blocks
             if seq.cache_root is not None and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
-                bm.commit(seq)
-        token_arr = result.token_ids
-        tokens = token_arr.tolist()
-        for seq, token in zip(sampled, tokens):
-            seq.token_ids.append(token)
-        self.generation_tokens_total += len(tokens)
+                if seq.status is not SequenceStatus.FINISHED:
+                    bm.commit(seq)
+        self.generation_tokens_total += int(alive.sum())
         now = time.perf_counter()
 
         # Vectorised stop checks; only rows that stop or need more run Python code below.
         table = self.sampling_table
         rows = sampling.rows
         length_done = sampling.steps + 1 >= table.max_outputs[rows]
-        eos_done = np.isin(token_arr, self._eos_array) & table.eos_stops[rows]
+        eos_done = np.isin(result.token_ids, self._eos_array) & table.eos_stops[rows]
         if emit_partial:
-            visit = range(len(sampled))
+            visit = np.flatnonzero(alive).tolist()
         else:
             special = table.python_checks[rows] | (sampling.steps == 0)
-            visit = np.flatnonzero(length_done | eos_done | special).tolist()
+            visit = np.flatnonzero((length_done | eos_done | special) & alive).tolist()
+        positions = done.positions
         touched: dict[str, Request] = {}
         for k in visit:
             seq = sampled[k]
             req = seq.request
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self._check_stop(seq, tokens[k], k, bool(eos_done[k]), bool(length_done[k]), result, emit_partial)
+            self._check_stop(
+                seq,
+                tokens[k],
+                int(positions[k]),
+                k,
+                bool(eos_done[k]),
+                bool(length_done[k]),
+                result,
+                emit_partial,
+            )
             touched[req.request_id] = req
         if emit_partial:
             for req in touched.values():
@@ -306,6 +372,7 @@ class LLMEngine:
         self,
         seq: Sequence,
         token: int,
+        pos: int,
         k: int,
         eos_done: bool,
         length_done: bool,
@@ -326,7 +393,7 @@ class LLMEngine:
         elif length_done:
             reason = "length"
         if params.stop or emit_partial:
-            hit = self._detokenize(seq, token, reason is not None)
+            hit = self._detokenize(seq, token, pos, reason is not None)
             if hit is not None and reason != "stop":
                 reason, stop_reason = "stop", hit
         if reason is not None:
@@ -335,7 +402,7 @@ class LLMEngine:
             req.siblings_queued = True
             self.scheduler.add_front(req.seqs[1:])
 
-    def _detokenize(self, seq: Sequence, token: int, finishing: bool) -> str | None:
+    def _detokenize(self, seq: Sequence, token: int, pos: int, finishing: bool) -> str | None:
         """Extend `seq.text`; returns the stop string that ends it, if any (text cut before it)."""
         if self.tokenizer is None:
             return None
@@ -345,14 +412,14 @@ class LLMEngine:
             detok = seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], params.skip_special_tokens
             )
-            if len(seq.token_ids) - seq.num_prompt_tokens > 1:  # tokens generated before streaming began
-                detok.add(seq.token_ids[seq.num_prompt_tokens : -1])
+            if pos > seq.num_prompt_tokens:  # tokens generated before streaming began
+                detok.add(seq.token_ids[seq.num_prompt_tokens : pos])
         delta = detok.add([token])
         if finishing:
             delta += detok.flush()
         text = detok.text
         stops = params.stop
-        if stops and delta and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
+        if stops and delta and pos + 1 - seq.num_prompt_tokens >= params.min_tokens:
             longest = max(len(s) for s in stops)
             begin = max(0, len(text) - len(delta) - longest + 1)
             found = [(i, s) for s in stops if (i := text.find(s, begin)) != -1]
@@ -368,6 +435,9 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if seq.num_pending:  # placeholders of a step still in flight: its tokens are dropped
+            del seq.token_ids[-seq.num_pending :]
+            seq.num_pending = 0
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq)

@@ -59,6 +59,7 @@ class Sequence:
         "detokenizer",
         "text",
         "admit_order",
+        "num_pending",
     )
 
     def __init__(self, request: Request, index: int, seed: int, cache_root: bytes | None):
@@ -83,6 +84,7 @@ class Sequence:
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""  # final (or latest streamed) text; the detokenizer's text minus any stop string
         self.admit_order = -1  # when it last entered `running` (preemption takes the latest)
+        self.num_pending = 0  # trailing placeholder tokens (-1) of launched steps not yet read back
 
     @property
     def num_tokens(self) -> int:
@@ -90,11 +92,11 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_pending]
 
     @property
     def is_finished(self) -> bool:

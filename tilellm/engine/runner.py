@@ -62,11 +62,36 @@ class StepResult:
     device_time_s: float | None = None  # H2D + forward + sampling + D2H (CUDA events), when timed
 
 
+@dataclass
+class InputPatch:
+    """Input tokens not known on the host when a step is launched (asynchronous scheduling).
+
+    `input_ids[dst[j]]` is the token the step `prev` sampled in its row `src[j]`; the runner copies
+    it on the device, so the host never waits for it.
+    """
+
+    dst: np.ndarray  # [P] int64 rows of the step's input_ids
+    src: np.ndarray  # [P] int64 rows of prev's sampled tokens
+    prev: StepHandle
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its device outputs, their pinned host copies and the event that ends it."""
+
+    tokens_dev: torch.Tensor  # [N] int64 on the device (read by the next step's InputPatch)
+    out: SamplerOutput
+    host: StepResult  # pinned numpy views, valid once `event` has completed
+    event: torch.cuda.Event | None = None
+    start_event: torch.cuda.Event | None = None
+
+
 class _Staging:
     """Packs a step's host arrays into one pinned buffer and moves them with a single H2D copy.
 
-    NOTE: the pinned buffer is rewritten every step; this is safe because every step ends by
-    waiting for its sampled tokens, which the device produces after this copy has completed.
+    NOTE: the runner alternates two of these. Step N+2 rewrites step N's pinned buffer only after
+    the engine has waited for step N's sampled tokens, which the device produces after step N's
+    copy has completed; device buffers are reused in stream order.
     """
 
     _ALIGN = 64
@@ -144,9 +169,12 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.is_cuda = self.device.type == "cuda"
-        self.staging = _Staging(self.device) if self.is_cuda else None
-        if self.is_cuda:
-            self._token_host = torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+        if self.is_cuda:  # two of each: step N+1 is prepared while step N runs
+            self._stagings = [_Staging(self.device), _Staging(self.device)]
+            self._token_hosts = [
+                torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
+            ]
+        self._parity = 0
         max_positions = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
         model_len = config.max_model_len or max_positions or 2048
         if max_positions is not None and model_len > max_positions:
@@ -313,19 +341,28 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch, sampling: HostSampling) -> StepResult:
-        """Run the model on `batch` (CPU tensors) and sample its `logits_indices` rows."""
+        """Run one step and wait for its result (see `launch` / `wait`)."""
+        return self.wait(self.launch(batch, sampling))
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, sampling: HostSampling, patch: InputPatch | None = None) -> StepHandle:
+        """Start the model on `batch` (CPU tensors) and the sampler on its `logits_indices` rows.
+
+        On CUDA this returns as soon as the work is queued: the host can prepare the next step
+        while the device runs this one. `patch` fills input tokens from an earlier step's output.
+        """
         if not self.is_cuda:
-            return self._execute_cpu(batch, sampling)
-        start_ev = end_ev = None
+            return self._launch_cpu(batch, sampling, patch)
+        parity, self._parity = self._parity, self._parity ^ 1
+        start_ev = None
         if self.time_device:
-            start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_ev = torch.cuda.Event(enable_timing=True)
             start_ev.record()
         attn = batch.attn
         num_reqs = attn.seq_lens.shape[0]
         bucket = self._graph_bucket(num_reqs) if attn.kind is BatchKind.DECODE else None
-        st = self.staging
+        st = self._stagings[parity]
         if bucket is not None:
             pad = bucket - num_reqs
             ids = np.pad(batch.input_ids.numpy(), (0, pad))
@@ -339,15 +376,17 @@ class ModelRunner:
                 st.add(t.numpy())
             st.add(attn.cu_seqlens_q.numpy())
             st.add(batch.logits_indices.numpy())
-        sampling_arrays = sampling.device_arrays()
-        where = {name: st.add(a) for name, a in sampling_arrays.items()}
+        where = {name: st.add(a) for name, a in sampling.device_arrays().items()}
+        if patch is not None:
+            where["patch_dst"], where["patch_src"] = st.add(patch.dst), st.add(patch.src)
         dev = st.commit()
-        md = sampling.to_metadata({name: dev[i] for name, i in where.items()})
+        md = sampling.to_metadata({name: dev[i] for name, i in where.items() if not name.startswith("patch")})
 
         if bucket is not None:
             ids, pos, slots, seq_lens, table, logits_idx = dev[:6]
             nb = table.shape[1]
             self.g_ids[:bucket].copy_(ids)
+            self._apply_patch(self.g_ids, patch, dev, where)
             self.g_pos[:bucket].copy_(pos)
             self.g_slots[:bucket].copy_(slots)
             self.g_seq_lens[:bucket].copy_(seq_lens)
@@ -359,6 +398,7 @@ class ModelRunner:
             logits = graph_logits[:num_reqs] if all_rows else graph_logits[logits_idx]
         else:
             ids, pos, slots, seq_lens, table, cu, logits_idx = dev[:7]
+            self._apply_patch(ids, patch, dev, where)
             meta = AttentionMetadata(
                 kind=attn.kind,
                 cu_seqlens_q=cu,
@@ -371,15 +411,20 @@ class ModelRunner:
             with attention_context(meta):
                 hidden = self.model(ids, pos)
             logits = self.model.compute_logits(hidden[logits_idx])
-        result = self._to_host(self.sampler(logits, md))
-        if end_ev is not None:
-            end_ev.record()
-        torch.cuda.current_stream().synchronize()
-        if end_ev is not None:
-            result.device_time_s = start_ev.elapsed_time(end_ev) / 1e3
-        return result
+        out = self.sampler(logits, md)
+        handle = self._copy_out(out, parity)
+        handle.start_event = start_ev
+        return handle
 
-    def _to_host(self, out: SamplerOutput) -> StepResult:
+    @staticmethod
+    def _apply_patch(ids: torch.Tensor, patch: InputPatch | None, dev: list, where: dict) -> None:
+        if patch is not None and len(patch.dst):
+            dst, src = dev[where["patch_dst"]], dev[where["patch_src"]]
+            ids.index_copy_(0, dst, patch.prev.tokens_dev.index_select(0, src))
+
+    def _copy_out(self, out: SamplerOutput, parity: int) -> StepHandle:
+        """Queue the D2H copies of the sampler's output into pinned memory, then an event."""
+
         def host(t: torch.Tensor | None) -> np.ndarray | None:
             if t is None:
                 return None
@@ -388,30 +433,45 @@ class ModelRunner:
             return buf.numpy()
 
         n = out.token_ids.shape[0]
-        if self._token_host.shape[0] < n:
-            self._token_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        tokens = self._token_host[:n]
+        if self._token_hosts[parity].shape[0] < n:
+            self._token_hosts[parity] = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        tokens = self._token_hosts[parity][:n]
         tokens.copy_(out.token_ids, non_blocking=True)
-        return StepResult(
-            # A copy once the stream is synchronised: the pinned buffer is reused next step.
-            token_ids=tokens.numpy(),
+        host_result = StepResult(
+            token_ids=tokens.numpy(),  # valid until this parity's buffer is reused, two steps later
             sampled_logprobs=host(out.sampled_logprobs),
             sampled_ranks=host(out.sampled_ranks),
             top_logprobs=host(out.top_logprobs),
             top_token_ids=host(out.top_token_ids),
         )
+        event = torch.cuda.Event(enable_timing=self.time_device)
+        event.record()
+        return StepHandle(tokens_dev=out.token_ids, out=out, host=host_result, event=event)
 
-    def _execute_cpu(self, batch: StepBatch, sampling: HostSampling) -> StepResult:
+    def wait(self, handle: StepHandle) -> StepResult:
+        """Block until `handle`'s step is done; its sampled tokens (and logprobs) on the host."""
+        if handle.event is not None:
+            handle.event.synchronize()
+            if handle.start_event is not None:
+                handle.host.device_time_s = handle.start_event.elapsed_time(handle.event) / 1e3
+        return handle.host
+
+    @torch.inference_mode()
+    def _launch_cpu(self, batch: StepBatch, sampling: HostSampling, patch: InputPatch | None) -> StepHandle:
         t0 = time.perf_counter()
+        ids = batch.input_ids
+        if patch is not None and len(patch.dst):
+            ids = ids.clone()
+            ids[torch.from_numpy(patch.dst)] = patch.prev.tokens_dev[torch.from_numpy(patch.src)]
         with attention_context(batch.attn):
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.model(ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         out = self.sampler(logits, sampling.to_cpu_metadata())
 
         def host(t: torch.Tensor | None) -> np.ndarray | None:
             return None if t is None else t.numpy()
 
-        return StepResult(
+        result = StepResult(
             token_ids=out.token_ids.numpy(),
             sampled_logprobs=host(out.sampled_logprobs),
             sampled_ranks=host(out.sampled_ranks),
@@ -419,3 +479,4 @@ class ModelRunner:
             top_token_ids=host(out.top_token_ids),
             device_time_s=time.perf_counter() - t0 if self.time_device else None,
         )
+        return StepHandle(tokens_dev=out.token_ids, out=out, host=result)

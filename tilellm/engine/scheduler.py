@@ -74,18 +74,18 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished sequence's blocks (it leaves `running` at the next schedule)."""
+        if seq.status is SequenceStatus.WAITING:  # preempted while its last step was in flight
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         self._running_dirty = True
 
     def abort(self, seq: Sequence) -> None:
-        if seq.status is SequenceStatus.WAITING:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass  # a sample not queued yet
         if seq.status is not SequenceStatus.FINISHED:
-            self.finish(seq)
+            self.finish(seq)  # also takes it out of `waiting` (or it is a sample not queued yet)
 
     @property
     def num_running(self) -> int:
