@@ -29,6 +29,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision: exact fp32 products for fp32 inputs (TF32 would cost ~1e-3
+    relative error in the scores, which large logits amplify); native for fp16/bf16."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30) -> TileConfig:
     """Tiles for `prefill_attention`, from H200 sweeps (benchmarks/RESULTS.md).
 

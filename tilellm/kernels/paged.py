@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import paged_config
+from tilellm.kernels.config import dot_precision, paged_config
 from tilellm.kernels.merge import merge_into
 from tilellm.kernels.schedule import SplitPlan, choose_num_splits
 
@@ -54,6 +54,7 @@ def _paged_tiles(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles [n_start, n_end) gathered through the block table."""
     for n in tl.range(n_start, n_end, BLOCK_N):
@@ -69,7 +70,9 @@ def _paged_tiles(
             k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
         else:
             k = tl.load(K_cache + row_off[None, :] + offs_d[:, None])
-        qk = tl.dot(q, k)  # K^T gathered as [D, BLOCK_N]: measured faster than tl.trans here
+        qk = tl.dot(
+            q, k, input_precision=PRECISION
+        )  # K^T gathered as [D, BLOCK_N]: measured faster than tl.trans here
         if MASKED:
             visible = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
@@ -86,7 +89,7 @@ def _paged_tiles(
         else:
             v = tl.load(V_cache + row_off[:, None] + offs_d[None, :])
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -124,6 +127,7 @@ def _paged_kernel(
     SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr,
     RECORD_STATS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
@@ -198,6 +202,7 @@ def _paged_kernel(
         PAGE,
         BLOCK_N,
         False,
+        PRECISION,
     )
     acc, l_i, m_i = _paged_tiles(
         acc,
@@ -221,6 +226,7 @@ def _paged_kernel(
         PAGE,
         BLOCK_N,
         True,
+        PRECISION,
     )
 
     if SPLIT:
@@ -445,6 +451,7 @@ def _launch(
         BLOCK_N=cfg.block_n,
         SPLIT=splits > 1,
         IS_DECODE=is_decode,
+        PRECISION=dot_precision(q.dtype),
         RECORD_STATS=record_stats,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

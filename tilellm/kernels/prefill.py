@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import prefill_config
+from tilellm.kernels.config import dot_precision, prefill_config
 
 LOG2_E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2_E)
 
@@ -32,7 +32,7 @@ LOG2_E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2_E)
 def _attend_tiles(
     acc, l_i, m_i, q, k_desc, v_desc,
     kv_row0, kv_col, offs_m, offs_n, seq_len, n_start, n_end, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles [n_start, n_end) of one request (local key positions).
 
@@ -44,7 +44,7 @@ def _attend_tiles(
     for n in tl.range(n_start, n_end, BLOCK_N):
         # -- scores: Q [BLOCK_M, D] @ K^T [D, BLOCK_N] --
         k = k_desc.load([kv_row0 + n, kv_col])
-        qk = tl.dot(q, tl.trans(k))
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             visible = ((n + offs_n) < seq_len)[None, :]
             if CAUSAL:
@@ -58,7 +58,7 @@ def _attend_tiles(
         # -- accumulate P @ V --
         v = v_desc.load([kv_row0 + n, kv_col])
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -68,7 +68,7 @@ def _prefill_kernel(
     q_desc, k_desc, v_desc, O, cu_seqlens, stats,
     qk_scale, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, RECORD_STATS: tl.constexpr,
+    CAUSAL: tl.constexpr, RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     req = tl.program_id(1)
@@ -100,11 +100,11 @@ def _prefill_kernel(
         diag_end = seq_len
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
-        0, full_end, qk_scale, BLOCK_N, False, CAUSAL,
+        0, full_end, qk_scale, BLOCK_N, False, CAUSAL, PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
-        full_end, diag_end, qk_scale, BLOCK_N, True, CAUSAL,
+        full_end, diag_end, qk_scale, BLOCK_N, True, CAUSAL, PRECISION,
     )  # fmt: skip
 
     acc = acc / l_i[:, None]
@@ -198,6 +198,6 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
         q_desc, k_desc, v_desc, o, cu_seqlens, stats if stats is not None else cu_seqlens,
         scale * LOG2_E, o.stride(0), o.stride(1),
         GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, RECORD_STATS=stats is not None,
+        CAUSAL=causal, RECORD_STATS=stats is not None, PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

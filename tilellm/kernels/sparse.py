@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import interpreting
+from tilellm.kernels.config import dot_precision, interpreting
 
 LOG2_E = 1.4426950408889634
 
@@ -47,6 +47,7 @@ def _sparse_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHECK_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -80,7 +81,7 @@ def _sparse_kernel(
         block = tl.load(bt_row + k_pos // PAGE, mask=key_ok, other=0)
         row_off = block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kv_head * stride_ch
         k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-        qk = tl.where(key_ok[None, :], tl.dot(q, k), float("-inf"))
+        qk = tl.where(key_ok[None, :], tl.dot(q, k, input_precision=PRECISION), float("-inf"))
         # -- online softmax (a chunk may hold no valid index: guard -inf - -inf) --
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -89,7 +90,7 @@ def _sparse_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_cache + row_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_ij
     # A token with no valid index outputs zeros.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -169,6 +170,7 @@ def sparse_attention(
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         CHECK_CAUSAL=seq_lens is not None,
+        PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=1 if interpreting() else 3,
     )
