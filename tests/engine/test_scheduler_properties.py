@@ -207,3 +207,20 @@ def test_async_outputs_lag_one_step_and_abort_in_flight():
     assert all(t >= 0 for t in seen["a"].outputs[0].token_ids)
     engine.step()  # the speculative step of the finished request is read back and dropped
     assert engine.block_manager.num_free_blocks == 32
+
+
+def test_requests_of_one_step_share_a_prefix():
+    """Blocks are registered when scheduled: a later admission of the same step already hits them."""
+    engine = FakeEngine(block_size=4, num_kv_blocks=64, max_model_len=64)
+    shared = list(range(200, 220))
+    for i in range(3):
+        engine.add_request(f"s{i}", shared + [i], SamplingParams(temperature=0, max_tokens=3))
+    outs = {}
+    engine.step()
+    assert engine.last_step.num_cached_tokens == [0, 20, 20]
+    assert engine.last_step.kind == "mixed"
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    for i in range(3):
+        assert outs[f"s{i}"].outputs[0].token_ids == reference_tokens(shared + [i], 3)

@@ -2,9 +2,12 @@
 
 Model: Qwen3-0.6B's architecture with random weights (`load_format="dummy"`, bf16), unless
 `--model DIR` names a real directory. Every request ignores EOS. Per workload: output tok/s,
-time to first token, and where the engine's step time goes (scheduler + input preparation +
-postprocess on the host vs the device span measured with CUDA events), including the host share
-at 256 running requests. `--hf-baseline` runs `transformers` generate on E1 (batches of 64) in
+time to first token, and where the engine's step time goes: host work (scheduler + input
+preparation + postprocess) and the device span of each step (CUDA events). With asynchronous
+scheduling (the CUDA default) host work overlaps the device, so the overhead that costs
+throughput is the device's idle share, `1 - device time / wall time`; both are reported, over
+the whole run and over the decode steps with 256 running requests. `--hf-baseline` runs
+`transformers` generate on E1 (batches of 64) in
 the same process. `--json FILE` writes every number.
 
   E1: random.seed(0); 256 prompts of randint(100, 1024) tokens (randint(0, 10000) each, the length
@@ -114,7 +117,9 @@ class Result:
     device_s: float = 0.0
     postprocess_s: float = 0.0
     host_share: float | None = None  # (schedule + prepare + postprocess) / wall time
-    host_share_256: float | None = None  # the same over decode steps with >= 250 running requests
+    device_idle_share: float | None = None  # 1 - (sum of device spans) / wall time: the real overhead
+    host_share_256: float | None = None  # host / step wall time over decode steps with >= 250 requests
+    device_idle_share_256: float | None = None  # 1 - device / step wall time over those steps
     host_us_per_step_256: float | None = None
     step_ms_256: float | None = None
     extra: dict = field(default_factory=dict)
@@ -161,8 +166,8 @@ def _needed_len(w: Workload) -> int:
     return max(len(p) for p in w.prompts) + max(w.max_tokens)
 
 
-def _free(llm: Any) -> None:
-    del llm
+def _free() -> None:
+    """Release the GPU memory of an engine the caller has already dropped (`llm = None`)."""
     gc.collect()
     try:
         import torch
@@ -217,6 +222,7 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
         device_s=tm.device_s,
         postprocess_s=tm.postprocess_s,
         host_share=tm.host_s / seconds,
+        device_idle_share=1 - tm.device_s / seconds if tm.device_s else None,
     )
     # records: (kind, num_seqs, num_tokens, schedule, prepare, execute, device, post)
     full = [x for x in tm.records if x[0] == "decode" and x[1] >= 250]
@@ -224,6 +230,9 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
         host = np.array([x[3] + x[4] + x[7] for x in full])
         step = np.array([x[3] + x[4] + x[5] + x[7] for x in full])
         r.host_share_256 = float(host.sum() / step.sum())
+        device = np.array([x[6] or 0.0 for x in full])
+        if device.any():
+            r.device_idle_share_256 = float(1 - device.sum() / step.sum())
         r.host_us_per_step_256 = float(np.median(host) * 1e6)
         r.step_ms_256 = float(np.median(step) * 1e3)
         r.extra["decode_steps_256"] = len(full)
@@ -232,6 +241,7 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
         kinds[x[0]] = kinds.get(x[0], 0) + 1
     r.extra["steps_by_kind"] = kinds
     r.extra["num_cuda_graphs"] = len(getattr(engine.runner, "graphs", {}))
+    r.extra["async_scheduling"] = engine.async_scheduling
     r.extra["num_kv_blocks"] = engine.block_manager.num_blocks
     stats = engine.get_stats()
     r.extra["prefix_cache_hit_rate"] = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
@@ -305,7 +315,8 @@ def hf_baseline(model_dir: str, w: Workload, num_requests: int, dtype: str) -> R
 def _print_table(results: list[Result]) -> None:
     head = (
         f"{'workload':8} {'variant':28} {'reqs':>5} {'out tok':>8} {'sec':>7} {'out tok/s':>10} "
-        f"{'TTFT p50':>9} {'host %':>7} {'host%@256':>9} {'host us@256':>11} {'step ms@256':>11}"
+        f"{'TTFT p50':>9} {'host %':>7} {'idle %':>7} {'host%@256':>9} {'idle%@256':>9} "
+        f"{'host us@256':>11} {'step ms@256':>11}"
     )
     print(head)
     print("-" * len(head))
@@ -318,7 +329,9 @@ def _print_table(results: list[Result]) -> None:
             f"{r.workload:8} {r.variant[:28]:28} {r.requests:>5} {r.output_tokens:>8} {r.seconds:>7.2f} "
             f"{r.output_tok_s:>10,.0f} {f(r.ttft_p50_s, '>9.3f')} "
             f"{f(None if r.steps == 0 else 100 * (r.host_share or 0), '>7.1f')} "
+            f"{f(None if r.device_idle_share is None else 100 * r.device_idle_share, '>7.1f')} "
             f"{f(None if r.host_share_256 is None else 100 * r.host_share_256, '>9.1f')} "
+            f"{f(None if r.device_idle_share_256 is None else 100 * r.device_idle_share_256, '>9.1f')} "
             f"{f(r.host_us_per_step_256, '>11.0f')} {f(r.step_ms_256, '>11.2f')}"
         )
     for r in results:
@@ -345,7 +358,8 @@ def main(args: argparse.Namespace) -> int:
                 assert sum(w.max_tokens) == E1_OUTPUT_TOKENS
             llm = _make_llm(args, model, load_format, max_model_len=_needed_len(w))
             results.append(run_workload(llm, w))
-            _free(llm)
+            llm = None
+            _free()
         if "E2" in names:
             w = e2(args.scale)
             for caching in (True, False):
@@ -353,14 +367,16 @@ def main(args: argparse.Namespace) -> int:
                     args, model, load_format, max_model_len=_needed_len(w), enable_prefix_caching=caching
                 )
                 results.append(run_workload(llm, w, "prefix caching " + ("on" if caching else "off")))
-                _free(llm)
+                llm = None
+            _free()
             on, off = results[-2], results[-1]
             on.extra["speedup_vs_off"] = off.seconds / on.seconds
         if "E3" in names:
             w = e3(args.scale)
             llm = _make_llm(args, model, load_format, max_model_len=_needed_len(w))
             results.append(run_workload(llm, w))
-            _free(llm)
+            llm = None
+            _free()
         if args.hf_baseline:
             results.append(hf_baseline(model, e1(args.scale), args.hf_requests, args.dtype))
     _print_table(results)

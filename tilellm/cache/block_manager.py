@@ -157,10 +157,17 @@ class BlockManager:
         return hits
 
     def commit(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` that became full and computed (call after the step ran)."""
+        """Register the blocks of `seq` that are full of known tokens and scheduled for computing.
+
+        Called when a step is scheduled: a sequence admitted later in the same step may then share
+        them, which is safe because every attention layer stores the step's K/V before it reads
+        the cache, and later steps run after this one on the device. Blocks holding a token still
+        being sampled (a placeholder) are registered once the token is known.
+        """
         if seq.cache_root is None:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        known = min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending)
+        num_full = min(known // self.block_size, len(seq.block_table))
         first = seq.num_hashed_blocks
         if num_full <= first:
             return

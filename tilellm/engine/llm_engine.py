@@ -327,7 +327,7 @@ class LLMEngine:
             seq.num_pending -= 1
         bm = self.block_manager
         bs = bm.block_size
-        for seq in done.sched.seqs:  # K/V of this step now exist: register newly full blocks
+        for seq in sampled:  # blocks completed by the tokens just read back
             if seq.cache_root is not None and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
                 if seq.status is not SequenceStatus.FINISHED:
                     bm.commit(seq)

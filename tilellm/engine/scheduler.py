@@ -146,6 +146,8 @@ class Scheduler:
             starts.append(start)
             samples.append(start + n == total)
             seq.num_computed_tokens = start + n
+            if seq.cache_root is not None and (start + n) // bs > seq.num_hashed_blocks:
+                bm.commit(seq)
             budget -= n
             i += 1
 
@@ -176,5 +178,7 @@ class Scheduler:
                 starts.append(num_cached)
                 samples.append(num_cached + n == total)
                 seq.num_computed_tokens = num_cached + n
+                if seq.cache_root is not None and (num_cached + n) // bs > seq.num_hashed_blocks:
+                    bm.commit(seq)  # later admissions of this step can share these blocks
                 budget -= n
         return out
