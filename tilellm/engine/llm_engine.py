@@ -6,8 +6,14 @@
         for out in engine.step():
             print(out.outputs[0].text)
 
-`step()` reads as three parts: schedule (which sequences run, how many tokens each), run
-(metadata -> model -> sampler on the device), postprocess (append tokens, stop checks, text).
+`step()` reads as three parts: schedule (which sequences run, how many tokens each), launch
+(metadata -> model -> sampler on the device), postprocess (tokens in, stop checks, text out).
+
+Asynchronous scheduling (`engine.async_scheduling`, on by default on CUDA): `step()` schedules
+and launches step N+1 before it reads back step N, so that the host's work overlaps the
+device's. A sequence sampled in step N then holds a placeholder token (-1) that step N+1 feeds
+to the model straight from the device; a sequence that step N finishes has its step N+1 token
+dropped. Outputs come one `step()` call later; nothing else changes.
 """
 
 from __future__ import annotations
@@ -211,7 +217,11 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; outputs of the requests that got new tokens or finished."""
+        """One scheduler step; outputs of the requests that got new tokens or finished.
+
+        With asynchronous scheduling these are the tokens of the step launched by the previous
+        call (the first call after an idle period returns []); keep calling while
+        `has_unfinished_requests()`."""
         return self._step(emit_partial=True)
 
     def _step(self, emit_partial: bool) -> list[RequestOutput]:
