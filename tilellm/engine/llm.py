@@ -59,6 +59,8 @@ class LLM:
             load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init,
         )
+        # Offline batches only need final outputs: overlap host and device work on CUDA.
+        self.llm_engine.async_scheduling = bool(getattr(self.llm_engine.runner, "is_cuda", False))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -9,9 +9,9 @@
 `step()` reads as three parts: schedule (which sequences run, how many tokens each), launch
 (metadata -> model -> sampler on the device), postprocess (tokens in, stop checks, text out).
 
-Asynchronous scheduling (`engine.async_scheduling`, on by default on CUDA): `step()` schedules
-and launches step N+1 before it reads back step N, so that the host's work overlaps the
-device's. A sequence sampled in step N then holds a placeholder token (-1) that step N+1 feeds
+Asynchronous scheduling (`engine.async_scheduling = True`; `LLM` sets it on CUDA): `step()`
+schedules and launches step N+1 before it reads back step N, so that the host's work overlaps
+the device's. A sequence sampled in step N then holds a placeholder token (-1) that step N+1 feeds
 to the model straight from the device; a sequence that step N finishes has its step N+1 token
 dropped. Outputs come one `step()` call later; nothing else changes.
 """
@@ -127,8 +127,9 @@ class LLMEngine:
         self.record_steps = False  # keep one StepTimings record per step (benchmarks)
         self._last_step_data: tuple | None = None
         # Asynchronous scheduling: step N+1 is scheduled and launched before step N's tokens are
-        # read, so host work overlaps device work (on by default on CUDA; outputs lag one call).
-        self.async_scheduling = bool(getattr(self.runner, "is_cuda", False))
+        # read, so host work overlaps device work; outputs (and `last_step`) lag one call. Off by
+        # default here (step-by-step callers see each step's own result); `LLM` turns it on on CUDA.
+        self.async_scheduling = False
         self._inflight: _InFlight | None = None
         self._pending_src = np.zeros(cfg.max_num_seqs, dtype=np.int64)  # row -> index in its step
         self._last_step: StepSnapshot | None = None
