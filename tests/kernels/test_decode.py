@@ -77,6 +77,16 @@ def test_matches_paged_with_one_token_per_request(device):
     )
 
 
+def test_strided_q_and_out(device):
+    b = make_paged_batch([(1, 20), (1, 7), (1, 40)], 8, 2, 32, 16, torch.float32, device, seed=7)
+    wide_q = torch.randn(3, 12, 32, device=device)
+    wide_q[:, 4:] = b.q
+    wide_o = torch.full((3, 12, 32), float("nan"), device=device)
+    o = tk.decode_attention(wide_q[:, 4:], b.k_cache, b.v_cache, b.block_table, b.seq_lens, out=wide_o[:, :8])
+    assert_close(o, ref.decode_attention(*decode_args(b)), tolerance(torch.float32, device), "strided")
+    assert torch.isnan(wide_o[:, 8:]).all(), "wrote outside out's view"
+
+
 def test_custom_scale(device):
     b = make_paged_batch([(1, 20), (1, 7)], 8, 2, 32, 16, torch.float32, device, seed=5)
     run_and_check(b, device, "scale", scale=1.7)

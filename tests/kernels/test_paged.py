@@ -111,9 +111,10 @@ def test_custom_scale(device):
     run_and_check(b, device, "scale=0.3", scale=0.3)
 
 
-def test_strided_q_and_out(device):
-    """q as a view of a fused qkv projection, out as a view of a wider buffer."""
-    b = make_paged_batch(MIXED, 8, 2, 32, 16, torch.float32, device, seed=10)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_strided_q_and_out(num_splits, device):
+    """q as a view of a fused qkv projection, out as a view of a wider buffer (also through the merge)."""
+    b = make_paged_batch([(1, 75), (5, 18), (23, 41), (0, 7)], 8, 2, 32, 16, torch.float32, device, seed=10)
     T = b.q.shape[0]
     qkv = torch.randn(T, 12, 32, device=device)
     qkv[:, :8] = b.q
@@ -123,7 +124,7 @@ def test_strided_q_and_out(device):
     strided = PagedBatch(
         q, b.k_cache, b.v_cache, b.block_table, b.cu_seqlens_q, b.seq_lens, b.max_seqlen_q, b.pairs
     )
-    o = tk.paged_attention(*strided.args(), out=out)
+    o = tk.paged_attention(*strided.args(), out=out, num_splits=num_splits)
     assert_close(o, ref.paged_attention(*b.args()), tolerance(torch.float32, device), "strided")
     assert torch.isnan(wide[:, :2]).all() and torch.isnan(wide[:, 10:]).all(), "wrote outside out's view"
 

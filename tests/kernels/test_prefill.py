@@ -71,6 +71,11 @@ def test_strided_qkv_from_fused_projection(device):
     qkv = randn((T, (Hq + 2 * Hkv) * D), torch.float32, device, gen)
     q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=1))
     run_and_check((q, k, v, cu_seqlens(lengths, device), 20), device, "fused qkv views")
+    wide = torch.full((T, Hq + 4, D), float("nan"), device=device)
+    o = tk.prefill_attention(q, k, v, cu_seqlens(lengths, device), 20, out=wide[:, 2 : Hq + 2])
+    expected = ref.prefill_attention(q, k, v, cu_seqlens(lengths, device), 20)
+    assert_close(o, expected, tolerance(torch.float32, device), "strided out")
+    assert torch.isnan(wide[:, :2]).all() and torch.isnan(wide[:, Hq + 2 :]).all(), "wrote outside out's view"
 
 
 def test_max_seqlen_larger_than_needed(device):
