@@ -374,8 +374,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs >= 0 else None
-        if md.banned is not None:
-            logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+        if md.banned is not None:  # a fill kernel, not a host scalar copied to the device
+            logits = logits.clone()
+            logits[md.banned] = float("-inf")
         if md.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

@@ -1,0 +1,66 @@
+"""The CUDA paths of the runner: CUDA graphs, pool sizing, async scheduling, the fused sampler.
+
+Skipped without a GPU. fp32 keeps the engine and the `transformers` oracle on the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.conftest import hf_greedy
+from tests.engine.test_greedy_vs_hf import MAX_TOKENS, _prompts
+from tilellm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _tokens(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(enforce_eager=True),
+        dict(),  # CUDA graphs for decode steps
+        dict(num_kv_blocks=8, max_num_seqs=8),  # preemption, with graphs and async scheduling
+        dict(max_num_batched_tokens=13),  # chunked prefill: mixed steps between graph steps
+    ],
+)
+def test_cuda_greedy_matches_hf(tiny_qwen3, kwargs):
+    want = hf_greedy(tiny_qwen3, _prompts(), MAX_TOKENS)
+    llm = LLM(tiny_qwen3, device="cuda", dtype="float32", **{"num_kv_blocks": 64, **kwargs})
+    engine = llm.llm_engine
+    assert engine.async_scheduling  # LLM turns it on on CUDA
+    if not kwargs.get("enforce_eager"):
+        assert engine.runner.graphs, "CUDA graph capture failed (see the log)"
+    assert _tokens(llm, _prompts()) == want
+    assert _tokens(llm, _prompts()) == want  # again, through the prefix cache
+
+
+def test_pool_sized_from_free_memory(tiny_qwen3):
+    free, total = torch.cuda.mem_get_info()
+    llm = LLM(tiny_qwen3, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16)
+    runner = llm.llm_engine.runner
+    pool_bytes = runner.num_kv_blocks * runner.block_bytes
+    assert runner.num_kv_blocks > 0 and pool_bytes <= 0.3 * total
+    assert llm.llm_engine.max_model_len == 512  # the model's limit, not capped by the pool
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampling_with_graphs(tiny_qwen3, dtype):
+    llm = LLM(tiny_qwen3, device="cuda", dtype=dtype, num_kv_blocks=128, max_num_seqs=32)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True, seed=3)
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    a = llm.generate(["Hello"] + ["The moon"] * 19, [params] + [others] * 19, use_tqdm=False)
+    b = llm.generate(["Hello", "Once"], [params, others], use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in a)
+    assert len({tuple(o.outputs[0].token_ids) for o in a[1:]}) > 1  # unseeded rows differ
+    if dtype == "float32":  # bf16 logits depend on the batch shape too much to compare draws
+        assert b[0].outputs[0].token_ids == a[0].outputs[0].token_ids  # seeded: batch-independent
+    assert llm.llm_engine.runner.graphs
