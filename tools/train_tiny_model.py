@@ -39,7 +39,7 @@ CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}" + PREFIX.replace("\n", "\\n") + "{{ message['content'] }}="
+    "{% if message['role'] == 'user' %}" + PREFIX + "{{ message['content'] }}="
     "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
     "{% endif %}{% endfor %}"
 )
@@ -267,6 +267,7 @@ def train(args: argparse.Namespace) -> int:
     model.generation_config.bos_token_id = None
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
+    add_legacy_config_keys(out / "config.json")
     save_tokenizer(tok, out)
 
     reloaded = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32).to(device)
@@ -308,6 +309,18 @@ def train(args: argparse.Namespace) -> int:
     out.rename(final)
     print(f"wrote {final} ({size / 1e6:.2f} MB), trained {train_s:.0f}s", flush=True)
     return 0
+
+
+def add_legacy_config_keys(path: Path) -> None:
+    """Spell rope_theta and torch_dtype the transformers-4 way too (v5 writes rope_parameters / dtype):
+    a 4.x reader would otherwise fall back to Qwen3's default rope_theta of 1e6."""
+    cfg = json.loads(path.read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        cfg.setdefault("rope_theta", theta)
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg["dtype"])
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def model_readme(config, meta: dict, args: argparse.Namespace, wrong: list) -> str:
@@ -359,8 +372,10 @@ Character level (`tokenizers` WordLevel over single characters: printable ASCII 
     {cmd}
 
 AdamW (betas 0.9/0.98, weight decay 0.1 on matrices), linear warm-up then cosine decay, loss on the
-answer and EOS only, seed {t["seed"]}; {t["steps"]} steps of {t["batch_size"]} problems took
-{t["seconds"]:.0f} s on {t["device"]}.
+answer and EOS only, seed {t["seed"]}. During the first {t.get("curriculum", 0):.0%} of the steps every \
+other batch omits the instruction: with 40 constant tokens to attend to, the loss can otherwise sit \
+on a plateau for thousands of steps before the model finds the heads that line the digits up. \
+{t["steps"]} steps of {t["batch_size"]} problems took {t["seconds"]:.0f} s on {t["device"]} (one thread).
 
 ## Accuracy
 

@@ -17,11 +17,11 @@ def test_demo_reaches_the_recorded_threshold():
     assert len(res.answers) == 24
     assert res.threshold == demo_metadata()["accuracy_threshold"]
     assert res.passed, text
-    # The first wave fills the cache; every later request finds the shared instruction there.
-    first_wave_steps = res.steps[0]
-    assert first_wave_steps.cache_hit_tokens == 0
-    assert sum(s.cache_hit_tokens for s in res.steps) == res.prefix_cache_hits > 0
-    assert res.prefix_cache_hits >= 16 * 32  # 16 later requests x 2 shared blocks of 16 tokens
+    # The first request fills the cache; every later one finds the shared instruction there
+    # (2 full blocks of 16 tokens), at the latest from the next step on.
+    assert res.steps[0].cache_hit_tokens <= 7 * 32
+    assert sum(s.cache_hit_tokens for s in res.steps) == res.prefix_cache_hits
+    assert res.prefix_cache_hits >= 16 * 32
     assert any(s.kind == "mixed" for s in res.steps)  # prefill joins running decodes
     assert all(s.kv_used <= s.kv_total for s in res.steps)
     assert "accuracy" in text and "PASS" in text and "output tok/s" in text

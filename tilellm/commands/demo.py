@@ -25,7 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size; small values preempt")
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool size (default 4 per running request); small values preempt",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=2024, help="which held-out problems are asked")

@@ -94,6 +94,8 @@ def run_demo(
         if out is not None:
             print(text, file=out, flush=True)
 
+    if num_kv_blocks is None:
+        num_kv_blocks = max(64, 4 * max_num_seqs)  # room for every running request: no preemption
     t0 = time.perf_counter()
     engine = LLMEngine(
         str(model_dir),
