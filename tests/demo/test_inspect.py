@@ -180,3 +180,24 @@ def test_cli_text_and_html(tmp_path, capsys):
     assert out.read_text().startswith("<!DOCTYPE html>")
     assert main(["inspect", "--batch", "3:1"]) == 2
     assert "q_len <= kv_len" in capsys.readouterr().err
+
+
+def test_engine_step_inspection():
+    """`tilellm inspect --demo`: the embedded model's second step, decodes next to cached prefills."""
+    from tilellm.inspect.engine import demo_inspection
+
+    insp = demo_inspection(device="cpu", num_kv_blocks=32, first_wave=2, second_wave=4)
+    assert insp.source == "engine" and insp.schedule.kernel == "paged_attention"
+    reqs = insp.requests
+    assert [r.kind for r in reqs] == ["decode"] * 2 + ["extend"] * 4
+    assert all(r.num_cached_tokens == 32 for r in reqs[2:])  # the instruction's two full blocks
+    shared = reqs[2].block_table[:2]
+    assert all(r.block_table[:2] == shared for r in reqs[2:])
+    assert all(insp.pool.blocks[b].ref_count >= 4 and insp.pool.blocks[b].cached for b in shared)
+    assert insp.pool.num_blocks == 32
+    assert sum(b.ref_count for b in insp.pool.blocks) == sum(len(r.block_table) for r in reqs)
+    el = Elements(render_html(insp))
+    assert len(el.with_class("request-row")) == 6
+    assert len(el.with_class("cached-prefix")) == sum(r.num_cached_tokens > 0 for r in reqs) >= 4
+    text = render_text(insp)
+    assert "engine" in text and "pool of 32 blocks" in text
