@@ -201,3 +201,21 @@ def test_engine_step_inspection():
     assert len(el.with_class("cached-prefix")) == sum(r.num_cached_tokens > 0 for r in reqs) >= 4
     text = render_text(insp)
     assert "engine" in text and "pool of 32 blocks" in text
+
+
+def test_visible_fraction_closed_form():
+    import random
+
+    from tilellm.inspect.model import RequestView
+
+    rng = random.Random(0)
+    for _ in range(500):
+        q = rng.randint(1, 40)
+        ctx = rng.randint(0, 60)
+        req = RequestView(0, "r", q, ctx + q, 0, ())
+        r0 = rng.randint(0, q - 1)
+        r1 = rng.randint(r0 + 1, q)
+        c0 = rng.randint(0, ctx + q - 1)
+        c1 = rng.randint(c0 + 1, ctx + q)
+        seen = sum(min(max(ctx + r + 1 - c0, 0), c1 - c0) for r in range(r0, r1))
+        assert visible_fraction(req, r0, r1, c0, c1) == pytest.approx(seen / ((r1 - r0) * (c1 - c0)))

@@ -18,10 +18,15 @@ def visible_fraction(req: RequestView, r0: int, r1: int, c0: int, c1: int) -> fl
     """Fraction of the (query rows r0..r1-1) x (keys c0..c1-1) cells that are attended."""
     if r1 <= r0 or c1 <= c0:
         return 0.0
-    seen = 0
-    for r in range(r0, r1):
-        seen += min(max(req.context_len + r + 1 - c0, 0), c1 - c0)
-    return seen / ((r1 - r0) * (c1 - c0))
+    # Row r sees clamp(a + r, 0, w) of the w columns: zero, then a linear ramp, then all of them.
+    a, w = req.context_len + 1 - c0, c1 - c0
+    full_from = max(r0, w - a)
+    ramp_lo, ramp_hi = max(r0, 1 - a), min(r1, w - a)
+    seen = max(0, r1 - full_from) * w
+    if ramp_hi > ramp_lo:
+        n = ramp_hi - ramp_lo
+        seen += n * a + (ramp_lo + ramp_hi - 1) * n // 2
+    return seen / ((r1 - r0) * w)
 
 
 def downsample(n: int, cells: int) -> list[tuple[int, int]]:

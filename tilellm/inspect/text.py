@@ -2,25 +2,41 @@
 
 from __future__ import annotations
 
-from tilellm.inspect.geometry import TILE_CLASSES, downsample, segment_text, tile_runs, visible_fraction
+from tilellm.inspect.geometry import downsample, segment_text, tile_runs, visible_fraction
 from tilellm.inspect.model import Inspection, RequestView
 
 MATRIX_COLS = 48  # characters per request row in the attention sketch
 MATRIX_ROWS = 6
+MAX_REQUESTS = 12  # per-request sections list this many, then say how many more
 TILE_CHARS = {"full": "F", "diagonal": "D", "skipped": "."}
 STATE_CHARS = {"shared": "S", "used": "U", "cached": "C", "free": "."}
 
 
-def render_text(insp: Inspection, *, width: int = MATRIX_COLS, max_rows: int = MATRIX_ROWS) -> str:
-    """A few screens of plain text: requests, attention sketch, launch grid and tiles, page map."""
+def render_text(
+    insp: Inspection,
+    *,
+    width: int = MATRIX_COLS,
+    max_rows: int = MATRIX_ROWS,
+    max_requests: int = MAX_REQUESTS,
+) -> str:
+    """A few screens of plain text: requests, attention sketch, launch grid and tiles, page map.
+
+    Per-request sections show the first `max_requests` requests (the HTML page shows all).
+    """
+    shown = insp.requests[:max_requests]
+    more = len(insp.requests) - len(shown)
     out: list[str] = []
     out += _header(insp)
-    out += _requests(insp)
-    out += _matrix(insp, width, max_rows)
+    out += _requests(shown, more)
+    out += _matrix(shown, more, width, max_rows)
     out += _grid(insp)
-    out += _tiles(insp)
-    out += _pages(insp)
+    out += _tiles(insp, shown, more)
+    out += _pages(insp, shown, more)
     return "\n".join(out) + "\n"
+
+
+def _more(more: int) -> list[str]:
+    return [f"  ... {more} more requests (the HTML page, --html FILE, shows all)"] if more > 0 else []
 
 
 def _header(insp: Inspection) -> list[str]:
@@ -36,14 +52,14 @@ def _header(insp: Inspection) -> list[str]:
     return lines + [""]
 
 
-def _requests(insp: Inspection) -> list[str]:
+def _requests(shown: tuple[RequestView, ...], more: int) -> list[str]:
     lines = ["requests", "    #  id          kind      q_len   kv_len  context  cached  blocks"]
-    for r in insp.requests:
+    for r in shown:
         lines.append(
             f"  {r.index:3d}  {r.request_id[:10]:10s}  {r.kind:8s} {r.q_len:6d} {r.seq_len:8d} "
             f"{r.context_len:8d} {r.num_cached_tokens:7d} {len(r.block_table):7d}"
         )
-    return lines + [""]
+    return lines + _more(more) + [""]
 
 
 def _sketch(req: RequestView, width: int, max_rows: int) -> list[str]:
@@ -59,17 +75,17 @@ def _sketch(req: RequestView, width: int, max_rows: int) -> list[str]:
     return lines
 
 
-def _matrix(insp: Inspection, width: int, max_rows: int) -> list[str]:
+def _matrix(shown: tuple[RequestView, ...], more: int, width: int, max_rows: int) -> list[str]:
     lines = [
         "attention matrix, one block per request (rows: new tokens, columns: keys; "
         "# attended, + partly, . masked; downsampled)"
     ]
-    for r in insp.requests:
+    for r in shown:
         sketch = _sketch(r, width, max_rows)
         label = f"  req {r.index} ({r.q_len}x{r.seq_len})"
         for i, line in enumerate(sketch):
             lines.append(f"{label if i == 0 else '':24s}|{line}|")
-    return lines + [""]
+    return lines + _more(more) + [""]
 
 
 def _grid(insp: Inspection) -> list[str]:
@@ -87,14 +103,14 @@ def _grid(insp: Inspection) -> list[str]:
     return lines + [""]
 
 
-def _tiles(insp: Inspection) -> list[str]:
+def _tiles(insp: Inspection, shown: tuple[RequestView, ...], more: int) -> list[str]:
     s = insp.schedule
     lines = [
         f"key tiles per class (all heads): full={s.num_full} "
         f"diagonal={s.num_diagonal} skipped={s.num_skipped}",
         "   req     full  diagonal  skipped   (head 0 programs: F full, D diagonal/masked, . skipped)",
     ]
-    for r in insp.requests:
+    for r in shown:
         c = insp.tile_counts(request=r.index)
         lines.append(f"  {r.index:4d} {c['full']:8d} {c['diagonal']:9d} {c['skipped']:8d}")
         runs = tile_runs(insp, r, head=0)
@@ -115,16 +131,14 @@ def _tiles(insp: Inspection) -> list[str]:
                 )
             lines.append(f"        q_tile {q_tile:3d} split {split:2d}  {bar}")
             shown += 1
-    totals = {k: sum(insp.tile_counts(request=r.index)[k] for r in insp.requests) for k in TILE_CLASSES}
-    assert totals == {"full": s.num_full, "diagonal": s.num_diagonal, "skipped": s.num_skipped}
-    return lines + [""]
+    return lines + _more(more) + [""]
 
 
 def _first(run) -> int:
     return run.first_tile
 
 
-def _pages(insp: Inspection) -> list[str]:
+def _pages(insp: Inspection, shown: tuple[RequestView, ...], more: int) -> list[str]:
     pool = insp.pool
     counts = {k: pool.count(k) for k in STATE_CHARS}
     lines = [
@@ -132,15 +146,16 @@ def _pages(insp: Inspection) -> list[str]:
         + ", ".join(f"{v} {k}" for k, v in counts.items()),
         "  block tables (logical -> physical; * = shared through the prefix cache)",
     ]
-    for r in insp.requests:
+    for r in shown:
         cells = [f"{b}{'*' if pool.blocks[b].ref_count > 1 else ''}" for b in r.block_table]
         if len(cells) > 24:
             cells = cells[:20] + [f"... ({len(cells) - 22} more)"] + cells[-2:]
         lines.append(f"  req {r.index:3d}: [{' '.join(cells)}]")
+    lines += _more(more)
     lines.append("  pool (S shared, U used, C cached, . free):")
     chars = "".join(STATE_CHARS[b.state] for b in pool.blocks)
     for i in range(0, len(chars), 64):
-        if i >= 64 * 16:
+        if i >= 64 * 8:
             lines.append(f"    ... {len(chars) - i} more blocks")
             break
         lines.append(f"    {i:6d} {chars[i : i + 64]}")
