@@ -185,9 +185,13 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
     engine = llm.llm_engine
     w = _fit_vocab(w, engine.vocab_size)
     params = [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True) for m in w.max_tokens]
-    # Warm-up (compiles the eager path's kernels for this engine), then the measured run.
-    llm.generate([w.prompts[0][:64]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    # Warm-up at the workload's shapes (token ids shifted: nothing for the prefix cache to find),
+    # so that no JIT compile lands in the measured run.
+    warm = [[(t + 1) % engine.vocab_size for t in p] for p in w.prompts[:32]]
+    llm.generate(warm, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     engine.timings.reset()
+    runner_times = engine.runner.host_times
+    runner_times.clear()
     engine.record_steps = True
     engine.runner.time_device = True
     _sync()
@@ -241,6 +245,16 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
         kinds[x[0]] = kinds.get(x[0], 0) + 1
     r.extra["steps_by_kind"] = kinds
     r.extra["num_cuda_graphs"] = len(getattr(engine.runner, "graphs", {}))
+    # Host microseconds per step inside the runner's launch, by path and phase.
+    for path in ("graph", "eager"):
+        n = runner_times.get(f"{path}.steps", 0)
+        if n:
+            r.extra[f"launch_us_{path}"] = {
+                k.split(".")[1]: round(v / n * 1e6, 1)
+                for k, v in runner_times.items()
+                if k.startswith(path + ".") and not k.endswith(".steps")
+            }
+            r.extra[f"launch_us_{path}"]["steps"] = int(n)
     r.extra["async_scheduling"] = engine.async_scheduling
     r.extra["num_kv_blocks"] = engine.block_manager.num_blocks
     stats = engine.get_stats()

@@ -194,6 +194,10 @@ class ModelRunner:
 
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.time_device = False  # CUDA-event timing of each step (benchmarks turn it on)
+        # Host seconds spent in each part of `launch`, by path ("graph" / "eager") and phase.
+        self.host_times: dict[str, float] = {}
+        if self.is_cuda:
+            self._warmup_kernels()
         if self.is_cuda and not config.enforce_eager:
             try:
                 self._capture_graphs()
@@ -290,6 +294,48 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
 
+    @torch.inference_mode()
+    def _warmup_kernels(self) -> None:
+        """Compile the kernel variants that eager steps use, so that no step pays a JIT compile.
+
+        Triton specialises the attention kernels on the query tile (from the longest new-token
+        run of a step), on split-KV or not, and the fused kernels on the token count; one small
+        step per variant (slots -1: nothing is stored) compiles them before serving starts.
+        """
+        t0 = time.perf_counter()
+        cap = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        q_lens = sorted({q for q in (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 129, 1024, cap) if 1 <= q <= cap})
+        long_ctx = min(self.max_model_len, self.num_kv_blocks * self.block_size, 4096)
+        for q in q_lens:
+            for ctx in (q + 1, long_ctx):  # short context: no split-KV; long: splits for one request
+                if ctx > long_ctx or ctx <= q:
+                    continue
+                self._warmup_step([q], [ctx], BatchKind.DECODE if q == 1 else BatchKind.MIXED)
+            self._warmup_step([q], [q], BatchKind.PREFILL)
+        self._warmup_step([1] * 8, [long_ctx] * 8, BatchKind.DECODE)
+        torch.cuda.synchronize()
+        logger.info("warmed up %d step shapes in %.1f s", 3 * len(q_lens), time.perf_counter() - t0)
+
+    def _warmup_step(self, q_lens: list[int], seq_lens: list[int], kind: BatchKind) -> None:
+        dev = self.device
+        num_blocks = -(-max(seq_lens) // self.block_size)
+        table = torch.arange(num_blocks, dtype=torch.int32, device=dev).repeat(len(q_lens), 1)
+        cu = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=dev)
+        num_tokens = sum(q_lens)
+        positions = torch.cat([torch.arange(s - q, s, device=dev) for q, s in zip(q_lens, seq_lens)])
+        meta = AttentionMetadata(
+            kind=kind,
+            cu_seqlens_q=cu,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(seq_lens),
+            block_table=table,
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+        )
+        with attention_context(meta):
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev), positions)
+        self.model.compute_logits(hidden[cu[1:] - 1])
+
     # -- CUDA graphs ----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -355,10 +401,7 @@ class ModelRunner:
         if not self.is_cuda:
             return self._launch_cpu(batch, sampling, patch)
         parity, self._parity = self._parity, self._parity ^ 1
-        start_ev = None
-        if self.time_device:
-            start_ev = torch.cuda.Event(enable_timing=True)
-            start_ev.record()
+        t0 = time.perf_counter()
         attn = batch.attn
         num_reqs = attn.seq_lens.shape[0]
         bucket = self._graph_bucket(num_reqs) if attn.kind is BatchKind.DECODE else None
@@ -379,6 +422,12 @@ class ModelRunner:
         where = {name: st.add(a) for name, a in sampling.device_arrays().items()}
         if patch is not None:
             where["patch_dst"], where["patch_src"] = st.add(patch.dst), st.add(patch.src)
+        t1 = time.perf_counter()
+        # The device span starts here: when the host is late, the idle time before it is excluded.
+        start_ev = None
+        if self.time_device:
+            start_ev = torch.cuda.Event(enable_timing=True)
+            start_ev.record()
         dev = st.commit()
         md = sampling.to_metadata({name: dev[i] for name, i in where.items() if not name.startswith("patch")})
 
@@ -391,6 +440,7 @@ class ModelRunner:
             self.g_slots[:bucket].copy_(slots)
             self.g_seq_lens[:bucket].copy_(seq_lens)
             self.g_block_table[:num_reqs, :nb].copy_(table)
+            t2 = time.perf_counter()
             graph, graph_logits = self.graphs[bucket]
             graph.replay()
             # Usually every request samples, in order: a view, not a gather.
@@ -399,6 +449,7 @@ class ModelRunner:
         else:
             ids, pos, slots, seq_lens, table, cu, logits_idx = dev[:7]
             self._apply_patch(ids, patch, dev, where)
+            t2 = time.perf_counter()
             meta = AttentionMetadata(
                 kind=attn.kind,
                 cu_seqlens_q=cu,
@@ -411,9 +462,17 @@ class ModelRunner:
             with attention_context(meta):
                 hidden = self.model(ids, pos)
             logits = self.model.compute_logits(hidden[logits_idx])
+        t3 = time.perf_counter()
         out = self.sampler(logits, md)
         handle = self._copy_out(out, parity)
         handle.start_event = start_ev
+        t4 = time.perf_counter()
+        path = "graph" if bucket is not None else "eager"
+        ht = self.host_times
+        for phase, dt in (("stage", t1 - t0), ("inputs", t2 - t1), ("forward", t3 - t2), ("sample", t4 - t3)):
+            key = f"{path}.{phase}"
+            ht[key] = ht.get(key, 0.0) + dt
+        ht[f"{path}.steps"] = ht.get(f"{path}.steps", 0.0) + 1
         return handle
 
     @staticmethod
