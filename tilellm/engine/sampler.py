@@ -107,16 +107,28 @@ try:  # The Triton kernel fuses noise, scaling and the argmax into one read of t
 
     @triton.jit
     def _gumbel_argmax_kernel(
-        logits_ptr, stride_row, inv_temp_ptr, seed_keys_ptr, steps_ptr, out_ptr, V, BLOCK: tl.constexpr
+        logits_ptr,
+        stride_row,
+        inv_temp_ptr,
+        seed_keys_ptr,
+        steps_ptr,
+        part_val_ptr,
+        part_idx_ptr,
+        V,
+        num_chunks,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
+        """Program (row, chunk): the max of logits * inv_temp + gumbel noise over one vocab chunk."""
         row = tl.program_id(0)
+        chunk = tl.program_id(1)
         inv_t = tl.load(inv_temp_ptr + row)
         # -- row key: the same as device_row_keys() --
         step = (tl.load(steps_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
         key = _mix32_tl(tl.load(seed_keys_ptr + row).to(tl.uint32) ^ _mix32_tl(step ^ 0x9E3779B9))
         best_val = tl.full([], float("-inf"), tl.float32)
         best_idx = tl.full([], 0, tl.int32)
-        for start in range(0, V, BLOCK):
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             in_vocab = idx < V
             x = tl.load(logits_ptr + row * stride_row + idx, mask=in_vocab, other=float("-inf"))
@@ -132,20 +144,39 @@ try:  # The Triton kernel fuses noise, scaling and the argmax into one read of t
             better = blk_max > best_val
             best_idx = tl.where(better, start + blk_idx, best_idx)
             best_val = tl.where(better, blk_max, best_val)
-        tl.store(out_ptr + row, best_idx.to(tl.int64))
+        tl.store(part_val_ptr + row * num_chunks + chunk, best_val)
+        tl.store(part_idx_ptr + row * num_chunks + chunk, best_idx.to(tl.int64))
+
+    _GUMBEL_BLOCK = 2048
+    _GUMBEL_CHUNK = 4 * _GUMBEL_BLOCK  # vocab entries per program: V=151936 -> 19 programs per row
 
     def gumbel_argmax_triton(
         logits: torch.Tensor, inv_temp: torch.Tensor, seed_keys: torch.Tensor, steps: torch.Tensor
     ) -> torch.Tensor:
-        """Same result as `gumbel_argmax_torch` (up to float rounding), one kernel launch."""
+        """Same result as `gumbel_argmax_torch` (up to float rounding): (rows x vocab chunks)
+        programs each find their chunk's best, then the first best chunk of each row wins."""
         n, v = logits.shape
-        out = torch.empty(n, dtype=torch.int64, device=logits.device)
-        if n:
-            logits = logits if logits.stride(1) == 1 else logits.contiguous()
-            _gumbel_argmax_kernel[(n,)](
-                logits, logits.stride(0), inv_temp, seed_keys, steps, out, v, BLOCK=2048
-            )
-        return out
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        chunks = triton.cdiv(v, _GUMBEL_CHUNK)
+        part_val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
+        part_idx = torch.empty((n, chunks), dtype=torch.int64, device=logits.device)
+        _gumbel_argmax_kernel[(n, chunks)](
+            logits,
+            logits.stride(0),
+            inv_temp,
+            seed_keys,
+            steps,
+            part_val,
+            part_idx,
+            v,
+            chunks,
+            CHUNK=_GUMBEL_CHUNK,
+            BLOCK=_GUMBEL_BLOCK,
+        )
+        best_chunk = part_val.argmax(dim=1, keepdim=True)  # first maximum: ties keep the lowest index
+        return part_idx.gather(1, best_chunk)[:, 0]
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
