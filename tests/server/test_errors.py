@@ -211,7 +211,7 @@ def one_slot_server(tiny_model_dir):
 
 
 def test_full_waiting_queue_is_429(one_slot_server):
-    long = {**COMPLETION, "prompt": [3] * 8, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    long = {**COMPLETION, "prompt": [3] * 8, "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=one_slot_server.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=long) as running:
             next(running.iter_lines())  # the first request holds the only slot
