@@ -218,7 +218,7 @@ def train(args: argparse.Namespace) -> int:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         x, y = make_batch(tok, rng, args.batch_size, eos_id, pad_id, digits)
         x, y = x.to(device), y.to(device)
-        # Curriculum: early on, every other batch drops the instruction. Without 40 constant tokens
+        # Curriculum: early on, every other batch drops the instruction. Without ~40 constant tokens
         # to attend to, the model finds the digit-alignment heads much sooner (with the prefix alone
         # the loss can sit on a plateau for thousands of steps); the circuits carry over because
         # RoPE attention depends only on relative positions.
@@ -307,6 +307,8 @@ def train(args: argparse.Namespace) -> int:
     if final.exists():
         shutil.rmtree(final)
     out.rename(final)
+    for f in final.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; the package must be readable by everyone
     print(f"wrote {final} ({size / 1e6:.2f} MB), trained {train_s:.0f}s", flush=True)
     return 0
 
@@ -336,6 +338,8 @@ def model_readme(config, meta: dict, args: argparse.Namespace, wrong: list) -> s
         f"--batch-size {t['batch_size']} --lr {t['lr']} --seed {t['seed']} "
         f"--min-digits {meta['min_digits']} --max-digits {meta['max_digits']}"
     )
+    n = meta["max_digits"]
+    ex = Problem(int("1234567890"[:n]), int("5678901234"[:n]), meta["prefix"])
     examples = "\n".join(f"    {q}{got}   (expected {want})" for q, got, want in wrong[:5]) or "    (none)"
     return f"""# tiny-arith: the embedded default model
 
@@ -350,9 +354,9 @@ tests run offline; `tilellm.assets.default_model_path()` returns this directory.
 Every prompt is the same {len(meta["prefix"])}-character instruction followed by the problem; the \
 answer is the sum and the end-of-text token:
 
-    {meta["prefix"]!r} + "123+456="  ->  "579" <|endoftext|>
+    {meta["prefix"]!r} + "{ex.question}="  ->  "{ex.answer}" <|endoftext|>
 
-The chat template wraps a user message the same way (`[{{"role": "user", "content": "123+456"}}]`).
+The chat template wraps a user message the same way (`[{{"role": "user", "content": "{ex.question}"}}]`).
 The instruction fills {len(meta["prefix"]) // 16} full KV blocks of 16 tokens, which every request \
 shares through the prefix cache.
 
@@ -372,10 +376,11 @@ Character level (`tokenizers` WordLevel over single characters: printable ASCII 
     {cmd}
 
 AdamW (betas 0.9/0.98, weight decay 0.1 on matrices), linear warm-up then cosine decay, loss on the
-answer and EOS only, seed {t["seed"]}. During the first {t.get("curriculum", 0):.0%} of the steps every \
-other batch omits the instruction: with 40 constant tokens to attend to, the loss can otherwise sit \
-on a plateau for thousands of steps before the model finds the heads that line the digits up. \
-{t["steps"]} steps of {t["batch_size"]} problems took {t["seconds"]:.0f} s on {t["device"]} (one thread).
+answer and EOS only, seed {t["seed"]}. During the first {t.get("curriculum", 0):.0%} of the steps
+every other batch omits the instruction: with {len(meta["prefix"])} constant tokens to attend to,
+the loss can otherwise sit on a plateau for thousands of steps before the model finds the heads
+that line the digits up. {t["steps"]} steps of {t["batch_size"]} problems took
+{t["seconds"]:.0f} s on {t["device"]}.
 
 ## Accuracy
 

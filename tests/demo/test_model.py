@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from tilellm.assets import default_model_path, demo_metadata
-from tilellm.demo.task import PREFIX, held_out_problems
+from tilellm.demo.task import problems_for_model
 
 MODEL = default_model_path()
 MAX_BYTES = 25 * 1024 * 1024
 
 
 def _problems(n: int, seed: int = 99):
-    meta = demo_metadata()
-    return held_out_problems(n, seed=seed, min_digits=meta["min_digits"], max_digits=meta["max_digits"])
+    return problems_for_model(demo_metadata(), n, seed)
 
 
 def test_directory_is_complete_and_small():
@@ -30,7 +29,7 @@ def test_directory_is_complete_and_small():
     assert config["architectures"] == ["Qwen3ForCausalLM"]
     assert config["num_attention_heads"] % config["num_key_value_heads"] == 0
     meta = demo_metadata()
-    assert meta["prefix"] == PREFIX
+    assert meta["prefix"].endswith("\n") and meta["min_digits"] <= meta["max_digits"]
     assert 0.0 < meta["accuracy_threshold"] <= meta["heldout_exact_match"] <= 1.0
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from tilellm.demo.task import Problem, held_out_problems
+from tilellm.demo.task import Problem, problems_for_model
 
 
 @dataclass
@@ -84,9 +84,7 @@ def run_demo(
 
     model_dir = Path(model) if model is not None else default_model_path()
     meta = demo_metadata(model_dir)
-    problems = held_out_problems(
-        num_requests, seed=seed, min_digits=meta.get("min_digits", 1), max_digits=meta.get("max_digits", 4)
-    )
+    problems = problems_for_model(meta, num_requests, seed)
     max_answer = max(len(p.answer) for p in problems)
     params = SamplingParams(temperature=0.0, max_tokens=max_answer + 2)
 

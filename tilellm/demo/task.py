@@ -3,7 +3,7 @@
 A prompt is a fixed instruction (the shared prefix of every request) followed by `a+b=`;
 the answer is the decimal sum and then the end-of-text token::
 
-    "Calculate the sum of these two numbers.\\n123+456="  ->  "579"
+    "Calculate the sum of the two numbers.\\n1234+5678="  ->  "6912"
 
 The problem space is split once and for all by a hash of `(a, b)`: training never sees a
 held-out problem, and accuracy (in `tools/train_tiny_model.py` and `tilellm demo`) is measured
@@ -15,14 +15,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-# 40 characters (one token each): two full KV blocks of 16 tokens shared by every request through the
-# prefix cache; with a 3-digit problem ("123+456=") a prompt fills exactly 3 blocks, so the first
-# generated token needs a new block (a small pool then makes the scheduler preempt).
-PREFIX = "Calculate the sum of these two numbers.\n"
-# Both operands of a problem have the same number of digits, MIN_DIGITS..MAX_DIGITS (defaults of the
-# trainer; the shipped model's own range is recorded in its tilellm_demo.json).
-MIN_DIGITS = 3
-MAX_DIGITS = 3
+# Both operands of a problem have the same number of digits, MIN_DIGITS..MAX_DIGITS (the trainer's
+# defaults; a trained model's own range and prefix are recorded in its tilellm_demo.json).
+MIN_DIGITS = 4
+MAX_DIGITS = 4
+# 38 characters (one token each): two full KV blocks of 16 tokens shared by every request through the
+# prefix cache. With a 4-digit problem ("1234+5678=") a prompt fills exactly 3 blocks, so the first
+# generated token needs a new block: a small pool then makes the scheduler preempt.
+PREFIX = "Calculate the sum of the two numbers.\n"
 HELD_OUT_MODULUS = 101  # about 1% of all problems are held out
 
 
@@ -30,6 +30,7 @@ HELD_OUT_MODULUS = 101  # about 1% of all problems are held out
 class Problem:
     a: int
     b: int
+    prefix: str = PREFIX  # the instruction the model was trained with (its tilellm_demo.json has it)
 
     @property
     def question(self) -> str:
@@ -38,7 +39,7 @@ class Problem:
 
     @property
     def prompt(self) -> str:
-        return f"{PREFIX}{self.question}="
+        return f"{self.prefix}{self.question}="
 
     @property
     def answer(self) -> str:
@@ -47,6 +48,13 @@ class Problem:
     def is_correct(self, completion: str) -> bool:
         """Exact match of the completion (surrounding whitespace ignored) with the sum."""
         return completion.strip() == self.answer
+
+
+def problems_for_model(meta: dict, n: int, seed: int) -> list[Problem]:
+    """`n` held-out problems in the form a trained model expects (its `tilellm_demo.json`)."""
+    return held_out_problems(
+        n, seed, min_digits=meta["min_digits"], max_digits=meta["max_digits"], prefix=meta["prefix"]
+    )
 
 
 def is_held_out(a: int, b: int) -> bool:
@@ -60,25 +68,35 @@ def _operand(rng: random.Random, digits: int) -> int:
 
 
 def sample_problem(
-    rng: random.Random, *, held_out: bool, min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS
+    rng: random.Random,
+    *,
+    held_out: bool,
+    min_digits: int = MIN_DIGITS,
+    max_digits: int = MAX_DIGITS,
+    prefix: str = PREFIX,
 ) -> Problem:
     """One problem from the training split (`held_out=False`) or the held-out split."""
     while True:
         digits = rng.randint(min_digits, max_digits)
         a, b = _operand(rng, digits), _operand(rng, digits)
         if is_held_out(a, b) == held_out:
-            return Problem(a, b)
+            return Problem(a, b, prefix)
 
 
 def held_out_problems(
-    n: int, seed: int = 1234, *, min_digits: int = MIN_DIGITS, max_digits: int = MAX_DIGITS
+    n: int,
+    seed: int = 1234,
+    *,
+    min_digits: int = MIN_DIGITS,
+    max_digits: int = MAX_DIGITS,
+    prefix: str = PREFIX,
 ) -> list[Problem]:
     """`n` distinct held-out problems, the same for a given seed on every machine."""
     rng = random.Random(seed)
     seen: set[Problem] = set()
     out: list[Problem] = []
     while len(out) < n:
-        p = sample_problem(rng, held_out=True, min_digits=min_digits, max_digits=max_digits)
+        p = sample_problem(rng, held_out=True, min_digits=min_digits, max_digits=max_digits, prefix=prefix)
         if p not in seen:
             seen.add(p)
             out.append(p)

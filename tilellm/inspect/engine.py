@@ -56,18 +56,12 @@ def demo_inspection(
     the shared instruction, found in the cache.
     """
     from tilellm.assets import default_model_path, demo_metadata
-    from tilellm.demo.task import held_out_problems
+    from tilellm.demo.task import problems_for_model
     from tilellm.engine.llm_engine import LLMEngine
     from tilellm.engine.sampling_params import SamplingParams
 
     model_dir = Path(model) if model is not None else default_model_path()
-    meta = demo_metadata(model_dir) if (model_dir / "tilellm_demo.json").is_file() else {}
-    problems = held_out_problems(
-        first_wave + second_wave,
-        seed=7,
-        min_digits=meta.get("min_digits", 1),
-        max_digits=meta.get("max_digits", 4),
-    )
+    problems = problems_for_model(demo_metadata(model_dir), first_wave + second_wave, seed=7)
     engine = LLMEngine(
         str(model_dir),
         device=device,
