@@ -188,7 +188,7 @@ def train(args: argparse.Namespace) -> int:
     device = args.device
     tok = build_tokenizer()
     eos_id, pad_id = tok.token_to_id(EOS), tok.token_to_id(PAD)
-    vocab_size = 128  # tokenizer has 101 entries; round up
+    vocab_size = 128  # the tokenizer has 99 entries (3 special + 96 characters); round up
     assert tok.get_vocab_size() <= vocab_size
 
     model = Qwen3ForCausalLM(model_config(vocab_size)).to(device)
