@@ -44,6 +44,9 @@ class AttentionMetadata:
     max_seqlen_k: int
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    # DECODE steps whose requests share their first blocks: the shared key count, [1] int32
+    # (cascade attention reads those keys once for the whole batch). None: plain decode.
+    cascade_prefix_len: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,26 @@ def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("attention layer called outside attention_context(): no step metadata installed")
     return _current
+
+
+CASCADE_MIN_REQUESTS = 8  # below this the prefix is re-read by few requests: plain decode is as fast
+CASCADE_MIN_PREFIX = 256  # keys; a short shared prefix saves less than the extra pass and merge cost
+
+
+def shared_prefix_len(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """Keys shared by every request of a decode batch: the leading block-table columns equal in
+    all rows (the prefix cache hands out the same physical blocks), strictly before each
+    request's last key. 0 when the batch is too small or the prefix too short to pay."""
+    num_reqs = block_table.shape[0]
+    if num_reqs < CASCADE_MIN_REQUESTS:
+        return 0
+    max_blocks = int((seq_lens.min() - 1) // block_size)
+    if max_blocks * block_size < CASCADE_MIN_PREFIX:
+        return 0
+    same = (block_table[:, :max_blocks] == block_table[:1, :max_blocks]).all(axis=0)
+    blocks = max_blocks if same.all() else int(np.argmin(same))
+    prefix = blocks * block_size
+    return prefix if prefix >= CASCADE_MIN_PREFIX else 0
 
 
 def choose_batch_kind(starts: np.ndarray, q_lens: np.ndarray) -> BatchKind:
@@ -136,14 +159,17 @@ def build_step_batch(
     slots = block_of_token * block_size + positions % block_size
 
     logits_indices = cu[1:][np.asarray(samples, dtype=bool)] - 1
+    kind = choose_batch_kind(start, q)
+    prefix = shared_prefix_len(table, seq_lens, block_size) if kind is BatchKind.DECODE else 0
     attn = AttentionMetadata(
-        kind=choose_batch_kind(start, q),
+        kind=kind,
         cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
         max_seqlen_q=int(q.max()),
         max_seqlen_k=int(seq_lens.max()),
         block_table=torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32)),
         slot_mapping=torch.from_numpy(slots),
+        cascade_prefix_len=torch.tensor([prefix], dtype=torch.int32) if prefix else None,
     )
     return StepBatch(
         input_ids=torch.from_numpy(ids),

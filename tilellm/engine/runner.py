@@ -313,10 +313,14 @@ class ModelRunner:
                 self._warmup_step([q], [ctx], BatchKind.DECODE if q == 1 else BatchKind.MIXED)
             self._warmup_step([q], [q], BatchKind.PREFILL)
         self._warmup_step([1] * 8, [long_ctx] * 8, BatchKind.DECODE)
+        if long_ctx > 256:  # cascade decode (a shared prefix): its two passes and the merge
+            self._warmup_step([1] * 8, [long_ctx] * 8, BatchKind.DECODE, cascade_prefix=256)
         torch.cuda.synchronize()
         logger.info("warmed up %d step shapes in %.1f s", 3 * len(q_lens), time.perf_counter() - t0)
 
-    def _warmup_step(self, q_lens: list[int], seq_lens: list[int], kind: BatchKind) -> None:
+    def _warmup_step(
+        self, q_lens: list[int], seq_lens: list[int], kind: BatchKind, cascade_prefix: int = 0
+    ) -> None:
         dev = self.device
         num_blocks = -(-max(seq_lens) // self.block_size)
         table = torch.arange(num_blocks, dtype=torch.int32, device=dev).repeat(len(q_lens), 1)
@@ -331,6 +335,9 @@ class ModelRunner:
             max_seqlen_k=max(seq_lens),
             block_table=table,
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            cascade_prefix_len=(
+                torch.tensor([cascade_prefix], dtype=torch.int32, device=dev) if cascade_prefix else None
+            ),
         )
         with attention_context(meta):
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev), positions)
@@ -404,7 +411,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         attn = batch.attn
         num_reqs = attn.seq_lens.shape[0]
-        bucket = self._graph_bucket(num_reqs) if attn.kind is BatchKind.DECODE else None
+        # Cascade decode steps (a shared prefix) run eagerly: the captured graphs are plain decode.
+        plain_decode = attn.kind is BatchKind.DECODE and attn.cascade_prefix_len is None
+        bucket = self._graph_bucket(num_reqs) if plain_decode else None
         st = self._stagings[parity]
         if bucket is not None:
             pad = bucket - num_reqs
@@ -419,6 +428,8 @@ class ModelRunner:
                 st.add(t.numpy())
             st.add(attn.cu_seqlens_q.numpy())
             st.add(batch.logits_indices.numpy())
+            if attn.cascade_prefix_len is not None:
+                st.add(attn.cascade_prefix_len.numpy())
         where = {name: st.add(a) for name, a in sampling.device_arrays().items()}
         if patch is not None:
             where["patch_dst"], where["patch_src"] = st.add(patch.dst), st.add(patch.src)
@@ -458,6 +469,7 @@ class ModelRunner:
                 max_seqlen_k=attn.max_seqlen_k,
                 block_table=table,
                 slot_mapping=slots,
+                cascade_prefix_len=dev[7] if attn.cascade_prefix_len is not None else None,
             )
             with attention_context(meta):
                 hidden = self.model(ids, pos)

@@ -5,6 +5,7 @@
 - `paged_attention`: any mix of prefix-cached/chunked prefill, verification and decode, K/V read
   through the block table, with split-KV segments when the batch cannot fill the GPU.
 - `decode_attention`: one query per request (the q_len = 1 case of `paged_attention`).
+- `cascade_decode_attention`: decode for requests sharing a prefix: the prefix read once for all.
 - `sparse_attention`: each query attends to its own top-k logical positions only.
 - `merge_attention_states`: combine split-KV partial outputs by their log-sum-exp.
 
@@ -13,7 +14,7 @@
 """
 
 from tilellm.kernels.merge import merge_attention_states
-from tilellm.kernels.paged import decode_attention, paged_attention
+from tilellm.kernels.paged import cascade_decode_attention, decode_attention, paged_attention
 from tilellm.kernels.prefill import prefill_attention
 from tilellm.kernels.sparse import sparse_attention
 from tilellm.kernels.store import store_kvcache
@@ -23,6 +24,7 @@ __all__ = [
     "prefill_attention",
     "paged_attention",
     "decode_attention",
+    "cascade_decode_attention",
     "sparse_attention",
     "merge_attention_states",
 ]

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import dot_precision, paged_config
+from tilellm.kernels.config import dot_precision, num_sms, paged_config
 from tilellm.kernels.merge import merge_into
 from tilellm.kernels.schedule import SplitPlan, choose_num_splits
 
@@ -49,6 +49,7 @@ def _paged_tiles(
     offs_d,
     n_start,
     n_end,
+    key_lo,
     key_end,
     qk_scale,
     PAGE: tl.constexpr,
@@ -60,7 +61,7 @@ def _paged_tiles(
     for n in tl.range(n_start, n_end, BLOCK_N):
         k_pos = n + offs_n
         if MASKED:
-            key_ok = k_pos < key_end
+            key_ok = (k_pos < key_end) & (k_pos >= key_lo)
             block = tl.load(bt_row + k_pos // PAGE, mask=key_ok, other=0)
         else:
             block = tl.load(bt_row + k_pos // PAGE)
@@ -118,6 +119,9 @@ def _paged_kernel(
     stride_cs,
     stride_ch,
     num_splits,
+    kv_lo_ptr,
+    kv_hi_ptr,
+    part_base,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -126,6 +130,8 @@ def _paged_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr,
+    HAS_KV_LO: tl.constexpr,
+    HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -165,13 +171,24 @@ def _paged_kernel(
     last_tok = tl.minimum(t0 + BLOCK_Q, q_len) - 1
     kv_end = context + last_tok + 1
     full_end = (context + t0 + 1) // BLOCK_N * BLOCK_N  # tiles visible to every row of the tile
+    # Optional key window [kv_lo, kv_hi) per request (cascade attention: a shared prefix, then
+    # each request's own suffix). A window start makes every tile masked (suffixes are short).
+    win_lo = 0
+    if HAS_KV_HI:
+        kv_end = tl.minimum(kv_end, tl.load(kv_hi_ptr + req))
+        full_end = tl.minimum(full_end, kv_end // BLOCK_N * BLOCK_N)
+    if HAS_KV_LO:
+        win_lo = tl.load(kv_lo_ptr + req)
+    base = win_lo // BLOCK_N * BLOCK_N
+    if HAS_KV_LO:
+        full_end = base
     if SPLIT:
         # This tile's keys in num_splits equal segments (whole key tiles each).
-        seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * seg
+        seg = tl.cdiv(tl.cdiv(tl.maximum(kv_end - base, 0), num_splits), BLOCK_N) * BLOCK_N
+        lo = base + split * seg
         hi = tl.minimum(lo + seg, kv_end)
     else:
-        lo = 0
+        lo = base
         hi = kv_end
     full_hi = tl.maximum(tl.minimum(full_end, hi), lo)
     masked_lo = tl.maximum(full_end, lo)
@@ -197,6 +214,7 @@ def _paged_kernel(
         offs_d,
         lo,
         full_hi,
+        win_lo,
         hi,
         qk_scale,
         PAGE,
@@ -221,6 +239,7 @@ def _paged_kernel(
         offs_d,
         masked_lo,
         hi,
+        win_lo,
         hi,
         qk_scale,
         PAGE,
@@ -236,7 +255,7 @@ def _paged_kernel(
         lse = tl.where(
             empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
         )
-        part_row = split.to(tl.int64) * num_tokens + q_row
+        part_row = (part_base + split).to(tl.int64) * num_tokens + q_row
         tl.store(
             O_parts + (part_row[:, None] * num_q_heads + head[:, None]) * HEAD_DIM + offs_d[None, :],
             o,
@@ -390,7 +409,12 @@ def _launch(
     *,
     is_decode,
     record_stats=False,
+    kv_lo=None,
+    kv_hi=None,
+    parts=None,
 ):
+    """Launch the paged kernel. `parts=(o_parts, lse_parts, part_base)` makes every program write
+    its partial (o, lse) at part index part_base + split instead of `o` (the caller merges)."""
     T, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     batch = seq_lens.numel()
@@ -415,7 +439,10 @@ def _launch(
         stats = torch.zeros(batch * Hkv * q_tiles * splits * 2, dtype=torch.int32, device=q.device)
     if T == 0 or batch == 0:
         return (stats, plan) if record_stats else None
-    if splits > 1:
+    part_base = 0
+    if parts is not None:
+        o_parts, lse_parts, part_base = parts
+    elif splits > 1:
         o_parts = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=q.device)
         lse_parts = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
     else:
@@ -443,21 +470,90 @@ def _launch(
         k_cache.stride(1),
         k_cache.stride(2),
         splits,
+        kv_lo if kv_lo is not None else seq_lens,
+        kv_hi if kv_hi is not None else seq_lens,
+        part_base,
         GROUP=group,
         HEAD_DIM=D,
         PAGE=page,
         BLOCK_M=cfg.block_m,
         BLOCK_Q=block_q,
         BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1,
+        SPLIT=splits > 1 or parts is not None,
         IS_DECODE=is_decode,
+        HAS_KV_LO=kv_lo is not None,
+        HAS_KV_HI=kv_hi is not None,
         PRECISION=dot_precision(q.dtype),
         RECORD_STATS=record_stats,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and parts is None:
         merge_into(o_parts, lse_parts, o)
     if record_stats:
         return stats.view(batch, Hkv, q_tiles * splits, 2), plan
     return None
+
+
+def cascade_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_len: torch.Tensor,
+    *,
+    scale: float | None = None,
+    prefix_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode for a batch whose requests share their first `prefix_len` keys (the same physical blocks).
+
+    Cascade attention: the shared prefix is read once for the whole batch (all B queries x the
+    query heads of a KV head form the rows of one tile, against the prefix keys), each request
+    then attends to its own suffix `[prefix_len, seq_len)`, and the partial results are merged by
+    their log-sum-exp. For E2-like batches (256 requests, a 2048-token shared prefix) this reads
+    ~1/10 of the KV bytes that plain decode reads. Same result as `decode_attention`.
+
+    Args:
+        q: [B, Hq, D] one new token per request.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+        block_table: [B, max_blocks] int32; the first ceil(prefix_len / block_size) entries are the
+            same for every row (row 0's are read for the prefix).
+        seq_lens: [B] int32, every entry >= prefix_len.
+        prefix_len: [1] int32 device tensor (so a CUDA graph can replay with another prefix); 0
+            gives plain decode.
+        prefix_splits: key segments for the prefix pass (default: enough programs to fill the GPU).
+    Returns:
+        o: [B, Hq, D] in q.dtype.
+    """
+    validation.check_decode("cascade_decode_attention", q, k_cache, v_cache, block_table, seq_lens)
+    validation.check_cascade_prefix(
+        "cascade_decode_attention", q, block_table, seq_lens, prefix_len, k_cache.shape[1]
+    )
+    o = _output(q, out, "cascade_decode_attention")
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    if B == 0:
+        return o
+    prefix_len = prefix_len.to(torch.int32)
+    # One tile shape for every batch size (padding tiles exit at once): a single compiled variant.
+    tile_tokens = max(B, 128)
+    cfg, block_q = paged_config(D, q.dtype, Hq // Hkv, tile_tokens)
+    q_tiles = triton.cdiv(B, block_q)
+    if prefix_splits is None:
+        prefix_splits = max(1, min(16, triton.cdiv(16 * num_sms(), Hkv * q_tiles)))
+    suffix_splits = 1
+    o_parts = torch.empty((prefix_splits + suffix_splits, B, Hq, D), dtype=torch.float32, device=q.device)
+    lse_parts = torch.empty((prefix_splits + suffix_splits, B, Hq), dtype=torch.float32, device=q.device)
+    # -- pass 1: all B queries as one pseudo-request over the shared prefix (keys < prefix_len) --
+    cu_all = torch.arange(0, 2 * B, B, dtype=torch.int32, device=q.device)  # [0, B]
+    pseudo_len = prefix_len + (B - 1)  # query j at position prefix_len - 1 + j sees the whole prefix
+    _launch(q, k_cache, v_cache, block_table[:1], cu_all, pseudo_len, tile_tokens, o, scale, prefix_splits, None,
+            is_decode=False, kv_hi=prefix_len, parts=(o_parts, lse_parts, 0))  # fmt: skip
+    # -- pass 2: each request over its own keys [prefix_len, seq_len) --
+    kv_lo = prefix_len.expand(B).contiguous()
+    _launch(q, k_cache, v_cache, block_table, None, seq_lens, 1, o, scale, suffix_splits, None,
+            is_decode=True, kv_lo=kv_lo, parts=(o_parts, lse_parts, prefix_splits))  # fmt: skip
+    merge_into(o_parts, lse_parts, o)
+    return o

@@ -109,6 +109,28 @@ def decode_attention(
     return o
 
 
+def cascade_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_len: torch.Tensor,
+    *,
+    scale: float | None = None,
+    prefix_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode of requests sharing their first `prefix_len` keys: mathematically plain decode."""
+    name = "cascade_decode_attention"
+    validation.check_decode(name, q, k_cache, v_cache, block_table, seq_lens)
+    validation.check_cascade_prefix(name, q, block_table, seq_lens, prefix_len, k_cache.shape[1])
+    scale = validation.resolve_scale(scale, q.shape[-1])
+    o = _output(name, q, out)
+    _paged(q, k_cache, v_cache, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)
+    return o
+
+
 def sparse_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

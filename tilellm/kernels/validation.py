@@ -488,3 +488,24 @@ def _check_block_table_values(name, block_table, kv_lens, num_blocks, block_size
             f"{name}: block_table[{i}, {j}] = {int(table[i, j])} is out of range [0, {num_blocks}) (num_blocks) "
             f"but request {i} uses it (seq_len {int(kv_lens[i])})"
         )
+
+
+def check_cascade_prefix(name, q, block_table, seq_lens, prefix_len, block_size) -> None:
+    """`prefix_len` ([1] int tensor) keys are shared: <= every seq_len, same leading blocks in every row."""
+    if not isinstance(prefix_len, torch.Tensor) or prefix_len.numel() != 1:
+        raise ValueError(f"{name}: prefix_len must be a 1-element int tensor, got {prefix_len!r}")
+    if prefix_len.dtype not in (torch.int32, torch.int64) or prefix_len.device != q.device:
+        raise ValueError(
+            f"{name}: prefix_len must be int32/int64 on {q.device}, got {prefix_len.dtype} on {prefix_len.device}"
+        )
+    if not deep_checks_enabled(seq_lens):
+        return
+    p = int(prefix_len.item())
+    shortest = int(seq_lens.min()) if seq_lens.numel() else 0
+    if p < 0 or p > shortest:
+        raise ValueError(f"{name}: prefix_len {p} must be in [0, min(seq_lens) = {shortest}]")
+    nb = -(-p // block_size)
+    if nb and not bool((block_table[:, :nb] == block_table[:1, :nb]).all()):
+        raise ValueError(
+            f"{name}: the first {nb} blocks of every block_table row must be the shared prefix's"
+        )

@@ -64,6 +64,17 @@ class Attention(nn.Module):
         ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.kind is BatchKind.PREFILL:
             return ops.prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale=self.scale)
+        if meta.kind is BatchKind.DECODE and meta.cascade_prefix_len is not None:
+            # Requests share their first blocks: read the shared keys once for the whole batch.
+            return ops.cascade_decode_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_table,
+                meta.seq_lens,
+                meta.cascade_prefix_len,
+                scale=self.scale,
+            )
         if meta.kind is BatchKind.DECODE:
             return ops.decode_attention(
                 q,
