@@ -206,6 +206,15 @@ def one_slot_server(tiny_model_dir):
     from tilellm.server import ServerConfig, create_app
 
     engine = make_engine(tiny_model_dir, max_num_seqs=1, num_kv_blocks=64, enable_prefix_caching=False)
+    real_step = engine.step
+
+    def slow_step():
+        # Pace the engine (20 ms a step) so the first request surely outlives the 429 check,
+        # however fast or loaded the machine is.
+        time.sleep(0.02)
+        return real_step()
+
+    engine.step = slow_step
     with ServerThread(create_app(engine, ServerConfig(MODEL_NAME, max_waiting=1))) as s:
         yield s
 
