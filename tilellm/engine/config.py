@@ -12,6 +12,8 @@ class EngineConfig:
     max_model_len None: the model's `max_position_embeddings` (capped by the KV pool's size).
     num_kv_blocks None: on CUDA, sized from free memory after a profiling forward times
     `gpu_memory_utilization`; on CPU, a pool of at most 2 GiB.
+    tensor_parallel_size N > 1: N processes (this one is rank 0), one GPU each on CUDA (GPUs
+    `device`'s index .. + N - 1), gloo on CPU; the model's sizes are checked when it is loaded.
     """
 
     model: str
@@ -62,7 +64,5 @@ class EngineConfig:
             )
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported by this engine yet (use 1)")
         if self.device is not None and str(self.device).split(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda', 'cpu' or None, got {self.device!r}")

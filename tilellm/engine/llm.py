@@ -66,6 +66,18 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (idempotent; also done at exit and on GC)."""
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing left to report to
+            pass
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

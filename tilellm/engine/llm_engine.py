@@ -102,7 +102,11 @@ class LLMEngine:
         if not cfg.skip_tokenizer_init:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            except BaseException:
+                self.shutdown()  # no worker processes left behind
+                raise
         self.eos_token_ids = _eos_token_ids(cfg.model, self.model_config, self.tokenizer)
         self._eos_array = np.asarray(self.eos_token_ids, dtype=np.int64)
         self.block_manager = BlockManager(
@@ -135,8 +139,26 @@ class LLMEngine:
         self._last_step: StepSnapshot | None = None
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
-        """The model runner (tests substitute one that needs no model)."""
-        return ModelRunner(config)
+        """The model runner (tests substitute one that needs no model). With tensor parallelism
+        this starts the worker ranks first (`tilellm.distributed`); this process is rank 0."""
+        if config.tensor_parallel_size == 1:
+            return ModelRunner(config)
+        from tilellm.distributed import start_tensor_parallel
+
+        driver = start_tensor_parallel(config)
+        try:
+            return ModelRunner(config, driver)
+        except BaseException as e:  # a worker's failure makes rank 0's start-up collectives fail
+            err = driver.failure(e)
+            if err is e:
+                raise
+            raise err from e
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent; also done at exit)."""
+        runner = getattr(self, "runner", None)
+        if runner is not None and hasattr(runner, "shutdown"):
+            runner.shutdown()
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -14,20 +14,38 @@ CUDA graphs: decode steps (one new token per request) replay a graph captured at
 bucketed batch size (1, 2, 4, 8, 16, 24, 32, ... up to `max_num_seqs`); padding rows store
 nothing (slot -1) and attend to one key. `enforce_eager=True`, CPU, and every other step kind
 run eagerly.
+
+Inputs: a step's model inputs travel as one flat int64 payload described by a 12-word header
+(`tilellm.distributed.message`); the model reads views into the payload's device copy.
+
+Tensor parallelism (`group`): each rank has a runner holding its shard of the model and of the
+KV pool (its KV heads; the pool size is the smallest any rank can hold). Rank 0 (`TPDriver`,
+in the engine's process) sends each step's header and payload to the other ranks before running
+it, and alone samples; the others run `execute_remote` on what it sends, replaying the same
+CUDA graph. Any failure inside a step stops every rank and raises on rank 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from tilellm.distributed.message import NUM_WORDS, StepInputs, StepMessage, decode_step, encode_step
 from tilellm.engine.config import EngineConfig
 from tilellm.engine.metadata import AttentionMetadata, BatchKind, StepBatch, attention_context
 from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
+
+if TYPE_CHECKING:
+    from tilellm.distributed import TPDriver, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -109,16 +127,23 @@ class _Staging:
 
     def add(self, a: np.ndarray) -> int:
         a = np.ascontiguousarray(a)
+        index, view = self.reserve(a.shape, a.dtype)
+        view[...] = a
+        return index
+
+    def reserve(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, np.ndarray]:
+        """Room for an array, written in place through the returned view before the next `add`."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         off = -(-self._offset // self._ALIGN) * self._ALIGN
-        end = off + a.nbytes
+        end = off + nbytes
         if end > self.host_np.nbytes:
             old, used = self.host_np, self._offset
             self._alloc(max(2 * self.host_np.nbytes, end + (1 << 20)))
             self.host_np[:used] = old[:used]
-        self.host_np[off:end] = a.reshape(-1).view(np.uint8)
-        self._items.append((off, a.nbytes, a.dtype, a.shape))
+        self._items.append((off, nbytes, dtype, tuple(shape)))
         self._offset = end
-        return len(self._items) - 1
+        return len(self._items) - 1, self.host_np[off:end].view(dtype).reshape(shape)
 
     def commit(self) -> list[torch.Tensor]:
         """Copy everything added since the last commit; returns the device views, in order."""
@@ -142,11 +167,16 @@ _TORCH_DTYPES = {
 class ModelRunner:
     """Runs one step on the device: see the module docstring."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, group: TPGroup | None = None):
+        """`group`: this rank's tensor-parallel group; None for one device (no collectives)."""
         from tilellm.models.loader import load_model, model_kv_spec
 
         self.config = config
-        self.device = resolve_device(config.device)
+        self.group = group
+        # Rank 0's handle on the workers (it alone launches steps); None on one device and on workers.
+        self.driver: TPDriver | None = group if group is not None and group.is_driver else None  # type: ignore[assignment]
+        tp_rank, tp_size = (group.rank, group.world_size) if group is not None else (0, 1)
+        self.device = group.device if group is not None else resolve_device(config.device)
         dtype = config.dtype
         if dtype == "auto" and self.device.type == "cpu":
             dtype = "float32"  # CPU: the fp32 oracle's precision (and no bf16 interpreter trap)
@@ -157,12 +187,14 @@ class ModelRunner:
             device=self.device,
             attention_backend=config.attention_backend,
             load_format=config.load_format,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             seed=config.seed,
         )
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
-        self.num_layers, self.num_kv_heads, self.head_dim = model_kv_spec(self.hf_config)
+        self.num_layers, self.num_kv_heads, self.head_dim = model_kv_spec(self.hf_config, tp_size)
         self.block_size = config.block_size
         self.block_bytes = (
             2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
@@ -175,6 +207,8 @@ class ModelRunner:
                 torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
             ]
         self._parity = 0
+        self._step_id = 0
+        self._recv_payload: torch.Tensor | None = None  # workers: where each step's payload lands
         max_positions = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
         model_len = config.max_model_len or max_positions or 2048
         if max_positions is not None and model_len > max_positions:
@@ -183,7 +217,10 @@ class ModelRunner:
                 f"max_position_embeddings ({max_positions})"
             )
 
-        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(model_len)
+        num_blocks = config.num_kv_blocks or self._auto_num_blocks(model_len)
+        if group is not None:  # the same block ids on every rank: the pool any rank can hold
+            num_blocks = group.agree_min(num_blocks)
+        self.num_kv_blocks = num_blocks
         pool_tokens = self.num_kv_blocks * self.block_size
         if model_len > pool_tokens:
             logger.warning("max_model_len %d capped at the KV pool's %d tokens", model_len, pool_tokens)
@@ -205,6 +242,10 @@ class ModelRunner:
                 logger.exception("CUDA graph capture failed: decode steps run eagerly")
                 self.graphs = {}
                 torch.cuda.synchronize()
+            if group is not None and not group.agree_min(int(bool(self.graphs))):
+                self.graphs = {}  # every rank replays the graph rank 0 picks, or none does
+        if self.driver is not None:  # the workers stop when this runner goes (or at exit)
+            weakref.finalize(self, self.driver.shutdown)
 
     # -- KV pool --------------------------------------------------------------------------------
 
@@ -404,32 +445,43 @@ class ModelRunner:
 
         On CUDA this returns as soon as the work is queued: the host can prepare the next step
         while the device runs this one. `patch` fills input tokens from an earlier step's output.
+        With tensor parallelism the step goes to every rank first (see the module docstring).
         """
-        if not self.is_cuda:
-            return self._launch_cpu(batch, sampling, patch)
-        parity, self._parity = self._parity, self._parity ^ 1
         t0 = time.perf_counter()
         attn = batch.attn
-        num_reqs = attn.seq_lens.shape[0]
         # Cascade decode steps (a shared prefix) run eagerly: the captured graphs are plain decode.
         plain_decode = attn.kind is BatchKind.DECODE and attn.cascade_prefix_len is None
-        bucket = self._graph_bucket(num_reqs) if plain_decode else None
+        bucket = self._graph_bucket(attn.seq_lens.shape[0]) if plain_decode else None
+        self._step_id += 1
+        msg = encode_step(batch, bucket, self._step_id)
+        if self.driver is None:
+            return self._launch(msg, sampling, patch, t0)
+        self.driver.check_workers()
+        with self._all_ranks():
+            self.driver.send_header(msg.header)
+            return self._launch(msg, sampling, patch, t0)
+
+    @contextlib.contextmanager
+    def _all_ranks(self) -> Iterator[None]:
+        """Rank 0's part of a step all ranks take part in: a failure stops every rank (the others
+        may be waiting in one of its collectives) and raises the first failed rank's error."""
+        assert self.driver is not None
+        try:
+            yield
+        except BaseException as e:
+            err = self.driver.failure(e)
+            if err is e:
+                raise
+            raise err from e
+
+    def _launch(
+        self, msg: StepMessage, sampling: HostSampling, patch: InputPatch | None, t0: float
+    ) -> StepHandle:
+        if not self.is_cuda:
+            return self._launch_cpu(msg, sampling, patch)
+        parity, self._parity = self._parity, self._parity ^ 1
         st = self._stagings[parity]
-        if bucket is not None:
-            pad = bucket - num_reqs
-            ids = np.pad(batch.input_ids.numpy(), (0, pad))
-            pos = np.pad(batch.positions.numpy(), (0, pad))
-            slots = np.pad(attn.slot_mapping.numpy(), (0, pad), constant_values=-1)
-            seq_lens = np.pad(attn.seq_lens.numpy(), (0, pad), constant_values=1)
-            for a in (ids, pos, slots, seq_lens, attn.block_table.numpy(), batch.logits_indices.numpy()):
-                st.add(a)
-        else:
-            for t in (batch.input_ids, batch.positions, attn.slot_mapping, attn.seq_lens, attn.block_table):
-                st.add(t.numpy())
-            st.add(attn.cu_seqlens_q.numpy())
-            st.add(batch.logits_indices.numpy())
-            if attn.cascade_prefix_len is not None:
-                st.add(attn.cascade_prefix_len.numpy())
+        msg.write(st.reserve((msg.num_words,), np.int64)[1])  # item 0: the payload
         where = {name: st.add(a) for name, a in sampling.device_arrays().items()}
         if patch is not None:
             where["patch_dst"], where["patch_src"] = st.add(patch.dst), st.add(patch.src)
@@ -441,51 +493,74 @@ class ModelRunner:
             start_ev.record()
         dev = st.commit()
         md = sampling.to_metadata({name: dev[i] for name, i in where.items() if not name.startswith("patch")})
-
-        if bucket is not None:
-            ids, pos, slots, seq_lens, table, logits_idx = dev[:6]
-            nb = table.shape[1]
-            self.g_ids[:bucket].copy_(ids)
-            self._apply_patch(self.g_ids, patch, dev, where)
-            self.g_pos[:bucket].copy_(pos)
-            self.g_slots[:bucket].copy_(slots)
-            self.g_seq_lens[:bucket].copy_(seq_lens)
-            self.g_block_table[:num_reqs, :nb].copy_(table)
-            t2 = time.perf_counter()
-            graph, graph_logits = self.graphs[bucket]
-            graph.replay()
-            # Usually every request samples, in order: a view, not a gather.
-            all_rows = batch.logits_indices.shape[0] == num_reqs
-            logits = graph_logits[:num_reqs] if all_rows else graph_logits[logits_idx]
-        else:
-            ids, pos, slots, seq_lens, table, cu, logits_idx = dev[:7]
-            self._apply_patch(ids, patch, dev, where)
-            t2 = time.perf_counter()
-            meta = AttentionMetadata(
-                kind=attn.kind,
-                cu_seqlens_q=cu,
-                seq_lens=seq_lens,
-                max_seqlen_q=attn.max_seqlen_q,
-                max_seqlen_k=attn.max_seqlen_k,
-                block_table=table,
-                slot_mapping=slots,
-                cascade_prefix_len=dev[7] if attn.cascade_prefix_len is not None else None,
-            )
-            with attention_context(meta):
-                hidden = self.model(ids, pos)
-            logits = self.model.compute_logits(hidden[logits_idx])
+        payload = dev[0]
+        inputs = decode_step(msg.header, payload)
+        self._apply_patch(inputs.input_ids, patch, dev, where)
+        if self.driver is not None:  # patched first: the workers get the tokens of the step before
+            self.driver.broadcast_payload(payload)
+        t2 = time.perf_counter()
+        logits = self._forward(inputs)
         t3 = time.perf_counter()
         out = self.sampler(logits, md)
         handle = self._copy_out(out, parity)
         handle.start_event = start_ev
         t4 = time.perf_counter()
-        path = "graph" if bucket is not None else "eager"
+        path = "graph" if inputs.graph else "eager"
         ht = self.host_times
         for phase, dt in (("stage", t1 - t0), ("inputs", t2 - t1), ("forward", t3 - t2), ("sample", t4 - t3)):
             key = f"{path}.{phase}"
             ht[key] = ht.get(key, 0.0) + dt
         ht[f"{path}.steps"] = ht.get(f"{path}.steps", 0.0) + 1
         return handle
+
+    def _forward(self, x: StepInputs) -> torch.Tensor:
+        """Logits [N, V] of the step's sampled rows; every rank runs this on the same inputs."""
+        if x.graph:
+            bucket = x.input_ids.shape[0]
+            nb = x.block_table.shape[1]
+            self.g_ids[:bucket].copy_(x.input_ids)
+            self.g_pos[:bucket].copy_(x.positions)
+            self.g_slots[:bucket].copy_(x.slot_mapping)
+            self.g_seq_lens[:bucket].copy_(x.seq_lens)
+            self.g_block_table[: x.num_reqs, :nb].copy_(x.block_table)
+            graph, graph_logits = self.graphs[bucket]
+            graph.replay()
+            # Usually every request samples, in order: a view, not a gather.
+            if x.logits_indices.shape[0] == x.num_reqs:
+                return graph_logits[: x.num_reqs]
+            return graph_logits[x.logits_indices]
+        meta = AttentionMetadata(
+            kind=x.kind,
+            cu_seqlens_q=x.cu_seqlens_q,
+            seq_lens=x.seq_lens,
+            max_seqlen_q=x.max_seqlen_q,
+            max_seqlen_k=x.max_seqlen_k,
+            block_table=x.block_table,
+            slot_mapping=x.slot_mapping,
+            cascade_prefix_len=x.cascade_prefix_len,
+        )
+        with attention_context(meta):
+            hidden = self.model(x.input_ids, x.positions)
+        return self.model.compute_logits(hidden[x.logits_indices])
+
+    @torch.inference_mode()
+    def execute_remote(self, header: np.ndarray) -> None:
+        """A worker rank's step: receive the payload `header` announces from rank 0 and run the
+        forward on it (the logits are dropped: rank 0 samples)."""
+        assert self.group is not None and self.driver is None, "only tensor-parallel workers receive steps"
+        num_words = int(header[NUM_WORDS])
+        buf = self._recv_payload
+        if buf is None or buf.shape[0] < num_words:  # reused in stream order, like the staging
+            size = max(num_words, 2 * buf.shape[0] if buf is not None else 1 << 14)
+            buf = self._recv_payload = torch.empty(size, dtype=torch.int64, device=self.device)
+        payload = buf[:num_words]
+        self.group.broadcast_payload(payload)
+        self._forward(decode_step(header, payload))
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; idempotent); nothing on one device."""
+        if self.driver is not None:
+            self.driver.shutdown()
 
     @staticmethod
     def _apply_patch(ids: torch.Tensor, patch: InputPatch | None, dev: list, where: dict) -> None:
@@ -522,21 +597,25 @@ class ModelRunner:
     def wait(self, handle: StepHandle) -> StepResult:
         """Block until `handle`'s step is done; its sampled tokens (and logprobs) on the host."""
         if handle.event is not None:
-            handle.event.synchronize()
+            if self.driver is None:
+                handle.event.synchronize()
+            else:  # a dead worker would leave NCCL waiting: watch the workers meanwhile
+                with self._all_ranks():
+                    self.driver.wait_event(handle.event)
             if handle.start_event is not None:
                 handle.host.device_time_s = handle.start_event.elapsed_time(handle.event) / 1e3
         return handle.host
 
-    @torch.inference_mode()
-    def _launch_cpu(self, batch: StepBatch, sampling: HostSampling, patch: InputPatch | None) -> StepHandle:
+    def _launch_cpu(self, msg: StepMessage, sampling: HostSampling, patch: InputPatch | None) -> StepHandle:
         t0 = time.perf_counter()
-        ids = batch.input_ids
+        payload = torch.from_numpy(msg.to_words())
+        inputs = decode_step(msg.header, payload)
         if patch is not None and len(patch.dst):
-            ids = ids.clone()
+            ids = inputs.input_ids
             ids[torch.from_numpy(patch.dst)] = patch.prev.tokens_dev[torch.from_numpy(patch.src)]
-        with attention_context(batch.attn):
-            hidden = self.model(ids, batch.positions)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if self.driver is not None:
+            self.driver.broadcast_payload(payload)
+        logits = self._forward(inputs)
         out = self.sampler(logits, sampling.to_cpu_metadata())
 
         def host(t: torch.Tensor | None) -> np.ndarray | None:
