@@ -1,13 +1,18 @@
 """Drive a running server with a request rate and report latencies.
 
-Workload (E1-like, SPEC section 5): `random.seed(seed)`; first every prompt, `randint(100, 1024)`
-random token ids each in `[0, --token-id-max]` (length drawn before its tokens); then every
-`max_tokens`, `randint(100, 1024)`. `--input-len` / `--output-len` fix the lengths instead.
-Requests go to `/v1/completions` as token ids, streamed, with `ignore_eos`, either all at once
-(`--request-rate inf`), as a Poisson process, and/or capped at `--max-concurrency` in flight.
+Workload (E1, SPEC section 5, with the defaults): `random.seed(seed)`; first every prompt,
+`randint(100, 1024)` random token ids each in `[0, --token-id-max]` (length drawn before its
+tokens); then every `max_tokens`, `randint(100, 1024)`. `--input-len` / `--output-len` fix the
+lengths instead; `--scale` shrinks lengths and count as `tilellm bench throughput --scale` does
+(the same prompts). `--prompt-id-offset K` adds K to every prompt token id (modulo
+`--token-id-max + 1`): the same lengths and work, but nothing for the prefix cache to find from
+an earlier run over the same workload.
+Requests go to `/v1/completions` as token ids, streamed, with `ignore_eos` and `return_token_ids`,
+either all at once (`--request-rate inf`), as a Poisson process, and/or capped at
+`--max-concurrency` in flight.
 
-Per request: TTFT (send -> first text chunk), inter-token latencies (gaps between text chunks;
-a chunk may carry several tokens when the client falls behind), TPOT
+Per request: TTFT (send -> first chunk with tokens), inter-token latencies (gaps between such
+chunks; a chunk may carry several tokens when the client falls behind), TPOT
 ((last - first chunk) / (output tokens - 1)) and end-to-end latency; output tokens come from
 the server's `usage`.
 """
@@ -34,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key", default=os.environ.get("TILELLM_API_KEY"), help="default: $TILELLM_API_KEY"
     )
-    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: 256 (times --scale)")
     parser.add_argument(
         "--input-len", type=int, default=None, help="fixed prompt length (default: randint(100, 1024))"
     )
@@ -42,6 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-len", type=int, default=None, help="fixed max_tokens (default: randint(100, 1024))"
     )
     parser.add_argument("--token-id-max", type=int, default=10000, help="prompt token ids in [0, this]")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="shrink the default lengths and prompt count as `bench throughput --scale` does; 1 = E1",
+    )
+    parser.add_argument(
+        "--prompt-id-offset",
+        type=int,
+        default=0,
+        help="add this to every prompt token id (mod token-id-max + 1): no prefix-cache hits across runs",
+    )
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument(
         "--request-rate",
@@ -64,17 +81,30 @@ class Workload:
 
 
 def make_workload(
-    num_prompts: int, input_len: int | None, output_len: int | None, token_id_max: int, seed: int
+    num_prompts: int,
+    input_len: int | None,
+    output_len: int | None,
+    token_id_max: int,
+    seed: int,
+    scale: float = 1.0,
+    prompt_id_offset: int = 0,
 ) -> Workload:
-    """E1's draw order: all prompts (length, then tokens), then all output lengths."""
+    """E1's draw order: all prompts (length, then tokens), then all output lengths.
+
+    Lengths are `randint(lo, hi)` with lo, hi = 100, 1024 scaled as `bench throughput` scales E1.
+    """
     random.seed(seed)
+    lo, hi = max(1, round(100 * scale)), max(2, round(1024 * scale))
     prompts = []
     for _ in range(num_prompts):
-        n = input_len if input_len is not None else random.randint(100, 1024)
+        n = input_len if input_len is not None else random.randint(lo, hi)
         prompts.append([random.randint(0, token_id_max) for _ in range(n)])
     max_tokens = [
-        output_len if output_len is not None else random.randint(100, 1024) for _ in range(num_prompts)
+        output_len if output_len is not None else random.randint(lo, hi) for _ in range(num_prompts)
     ]
+    if prompt_id_offset:
+        mod = token_id_max + 1
+        prompts = [[(t + prompt_id_offset) % mod for t in p] for p in prompts]
     return Workload(prompts, max_tokens)
 
 
@@ -107,6 +137,7 @@ async def _one_request(
         "max_tokens": max_tokens,
         "temperature": temperature,
         "ignore_eos": True,
+        "return_token_ids": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -133,7 +164,7 @@ async def _one_request(
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices", [])):
                     if last is None:
                         result.ttft = now - start
                     else:
@@ -156,7 +187,15 @@ async def _arrivals(n: int, rate: float, rng: random.Random):
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict:
-    work = make_workload(args.num_prompts, args.input_len, args.output_len, args.token_id_max, args.seed)
+    work = make_workload(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.token_id_max,
+        args.seed,
+        args.scale,
+        args.prompt_id_offset,
+    )
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     in_flight = args.max_concurrency or args.num_prompts
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
@@ -209,6 +248,8 @@ def summarize(results: list[RequestResult], duration: float, model: str, args: a
         "model": model,
         "base_url": args.base_url,
         "num_prompts": len(results),
+        "scale": getattr(args, "scale", 1.0),
+        "prompt_id_offset": getattr(args, "prompt_id_offset", 0),
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency,
         "completed": len(ok),
@@ -262,6 +303,8 @@ def format_table(s: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.num_prompts is None:
+        args.num_prompts = max(1, round(256 * args.scale))
     if args.num_prompts < 1:
         print("tilellm bench serve: --num-prompts must be >= 1", file=sys.stderr)
         return 2

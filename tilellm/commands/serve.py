@@ -38,6 +38,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--load-format",
+        default="safetensors",
+        choices=["safetensors", "dummy"],
+        help="dummy: random weights, only config.json needed (benchmarks on a model's shapes)",
+    )
+    parser.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts must be token ids, responses carry `token_ids` and empty "
+        "text; no chat, echo or stop strings (as vLLM's flag)",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap the host work of step N+1 with the device work of step N (default: on CUDA)",
+    )
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _resolve_model(model: str | None) -> tuple[str, str]:
@@ -60,12 +81,29 @@ def main(args: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(model, "config.json")):
         print(f"tilellm serve: {model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
+    if not args.skip_tokenizer_init and not any(
+        os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES
+    ):
+        print(
+            f"tilellm serve: {model} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
+            "add one or pass --skip-tokenizer-init",
+            file=sys.stderr,
+        )
+        return 2
 
     from tilellm.engine.llm_engine import LLMEngine
     from tilellm.server.app import ServerConfig, create_app
     from tilellm.server.launcher import make_server
 
-    engine = LLMEngine(model, **engine_kwargs(args))
+    engine = LLMEngine(
+        model,
+        **engine_kwargs(args),
+        load_format=args.load_format,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
+    # As `LLM` does on CUDA: outputs lag one step, nothing else changes (see LLMEngine).
+    is_cuda = bool(getattr(engine.runner, "is_cuda", False))
+    engine.async_scheduling = is_cuda if args.async_scheduling is None else args.async_scheduling
     config = ServerConfig(
         served_model_name=args.served_model_name or default_name,
         api_key=args.api_key or None,

@@ -62,6 +62,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM extra: each choice (and each streamed chunk's choice) also carries its `token_ids`;
+    # always on when the server runs without a tokenizer
+    return_token_ids: bool = False
 
 
 class ContentPart(_Request):

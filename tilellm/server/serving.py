@@ -128,7 +128,9 @@ class OpenAIServing:
     def _token_str(self, tid: int) -> str:
         s = self._token_str_cache.get(tid)
         if s is None:
-            s = self.tokenizer.decode([tid])
+            # Without a tokenizer (--skip-tokenizer-init) a token is named by its id, as vLLM's
+            # `return_tokens_as_token_ids` does.
+            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
             self._token_str_cache[tid] = s
         return s
 
@@ -137,6 +139,14 @@ class OpenAIServing:
         if bad is not None:
             raise APIError.invalid(
                 f"{param}: token id {bad} is out of range (vocabulary size {self.vocab_size})", param
+            )
+
+    def _need_tokenizer(self, param: str, what: str) -> None:
+        if self.tokenizer is None:
+            raise APIError.invalid(
+                f"{param}: {what} needs a tokenizer, and this server runs without one "
+                "(--skip-tokenizer-init); send token ids",
+                param,
             )
 
     @staticmethod
@@ -195,6 +205,8 @@ class OpenAIServing:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         if req.stop_token_ids:
             self._check_token_ids(req.stop_token_ids, "stop_token_ids")
+        if optional["stop"]:
+            self._need_tokenizer("stop", "a stop string")
         for text in optional["stop"] or []:
             self._check_text(text, "stop")
         try:
@@ -275,6 +287,7 @@ class OpenAIServing:
         out = []
         for p in prompt:
             if isinstance(p, str):
+                self._need_tokenizer("prompt", "a text prompt")
                 self._check_text(p, "prompt")
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             self._check_token_ids(ids, "prompt")
@@ -284,6 +297,8 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
         check_unsupported(req)
+        if req.echo:
+            self._need_tokenizer("echo", "echo")
         prompts = self._completion_prompts(req)
         max_tokens = min(
             self._max_tokens(req.max_tokens, len(ids), "max_tokens", "prompt") for ids in prompts
@@ -312,6 +327,8 @@ class OpenAIServing:
                     "stop_reason": c.stop_reason,
                 }
             )
+            if self._return_token_ids(req):
+                out[-1].update(prompt_token_ids=prompts[tag], token_ids=c.token_ids)
         body = {
             "id": base_id,
             "object": "text_completion",
@@ -321,6 +338,10 @@ class OpenAIServing:
             "usage": self._usage(prompts, choices),
         }
         return JSONResponse(body)
+
+    def _return_token_ids(self, req: CompletionRequest) -> bool:
+        """Choices carry `token_ids` when asked (vLLM's `return_token_ids`) or when there is no text."""
+        return req.return_token_ids or self.tokenizer is None
 
     def _completion_logprobs(
         self, entries: list[Any], token_ids: list[int], k: int, c: _Choice
@@ -347,6 +368,7 @@ class OpenAIServing:
         request_ids: list[str],
     ) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return_ids = self._return_token_ids(req)
         state: dict[tuple[int, int], _Choice] = {}
         finished = False
 
@@ -392,6 +414,8 @@ class OpenAIServing:
                             "finish_reason": d.finish_reason,
                         }
                     )
+                    if return_ids:
+                        out[-1]["token_ids"] = d.token_ids
                     if d.finish_reason is not None:
                         out[-1]["stop_reason"] = d.stop_reason
                 if out:
@@ -435,6 +459,7 @@ class OpenAIServing:
                 content = "".join(parts)
             self._check_text(content, f"messages[{i}].content")
             messages.append({"role": m.role, "content": content})
+        self._need_tokenizer("messages", "a chat request")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.invalid("this model has no chat template; use /v1/completions", "messages")
         try:
