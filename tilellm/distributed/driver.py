@@ -16,8 +16,11 @@ need be kills) the workers, it runs at exit, and workers watch their parent.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import sys
 import time
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
@@ -145,7 +148,10 @@ class TPDriver(TPGroup):
             wait_any(handles, timeout=remaining)
 
     def _closed_error(self) -> RuntimeError:
-        why = f": {self._reason.splitlines()[0]}" if self._reason else ""
+        lines = [line.strip() for line in self._reason.strip().splitlines()]
+        why = ""
+        if lines:  # the failure's first line and, for a traceback, the exception itself
+            why = f": {lines[0].rstrip(':')}" + (f" ({lines[-1]})" if len(lines) > 1 else "")
         return RuntimeError(f"the tensor-parallel workers have shut down{why}; create a new engine")
 
     def check_workers(self) -> None:
@@ -225,6 +231,25 @@ class TPDriver(TPGroup):
         destroy_group(broken)
 
 
+@contextlib.contextmanager
+def _spawn_without_user_main() -> Iterator[None]:
+    """Keep "spawn" from re-running the user's script in the workers (it does so to rebuild
+    `__main__`), so that a script without an `if __name__ == "__main__":` guard works: a worker
+    needs nothing from it, its target and arguments all live in tilellm and torch."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: vars(main)[name] for name in ("__spec__", "__file__") if name in vars(main)}
+    main.__spec__ = None
+    vars(main).pop("__file__", None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
+
+
 def start_tensor_parallel(config: Any) -> TPDriver:
     """Validate `config.tensor_parallel_size`, start the workers, join the group as rank 0.
 
@@ -257,7 +282,8 @@ def start_tensor_parallel(config: Any) -> TPDriver:
             reader, writer = ctx.Pipe(duplex=False)
             args = (rank, tp_size, config, devices[rank], store.port, writer, torch.get_num_threads())
             p = ctx.Process(target=run_worker, args=args, name=f"tilellm-tp-rank{rank}", daemon=True)
-            p.start()
+            with _spawn_without_user_main():
+                p.start()
             writer.close()
             procs.append(p)
             conns.append(reader)
