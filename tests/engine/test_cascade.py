@@ -44,3 +44,19 @@ def test_cascade_decode_tokens_match_transformers(tiny_qwen3, backend, monkeypat
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert calls, "no decode step used cascade attention"
     assert got == hf_greedy(tiny_qwen3, prompts, 3)
+
+
+@pytest.mark.gpu
+def test_cascade_graphs_match_eager_and_transformers(tiny_qwen3):
+    rng = np.random.default_rng(4)
+    shared = rng.integers(0, 380, 17 * 16).tolist()
+    prompts = [shared + rng.integers(0, 380, 2).tolist() for _ in range(metadata.CASCADE_MIN_REQUESTS + 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    graphs = LLM(tiny_qwen3, num_kv_blocks=256)
+    assert graphs.llm_engine.runner.cascade_graphs, "no cascade decode graphs were captured"
+    with_graphs = [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    assert graphs.llm_engine.runner.host_times.get("graph.steps", 0) > 0
+    del graphs
+    eager = LLM(tiny_qwen3, num_kv_blocks=256, enforce_eager=True)
+    without = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert with_graphs == without == hf_greedy(tiny_qwen3, prompts, 4)

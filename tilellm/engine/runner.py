@@ -41,7 +41,13 @@ import torch
 
 from tilellm.distributed.message import NUM_WORDS, StepInputs, StepMessage, decode_step, encode_step
 from tilellm.engine.config import EngineConfig
-from tilellm.engine.metadata import AttentionMetadata, BatchKind, StepBatch, attention_context
+from tilellm.engine.metadata import (
+    CASCADE_MIN_REQUESTS,
+    AttentionMetadata,
+    BatchKind,
+    StepBatch,
+    attention_context,
+)
 from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
 
 if TYPE_CHECKING:
@@ -230,6 +236,9 @@ class ModelRunner:
         self._allocate_kv_cache()
 
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # The same buckets with cascade decode (requests sharing a cached prefix), from the
+        # smallest batch that `shared_prefix_len` ever reports; only with prefix caching on.
+        self.cascade_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.time_device = False  # CUDA-event timing of each step (benchmarks turn it on)
         # Host seconds spent in each part of `launch`, by path ("graph" / "eager") and phase.
         self.host_times: dict[str, float] = {}
@@ -240,10 +249,10 @@ class ModelRunner:
                 self._capture_graphs()
             except Exception:  # a kernel that syncs with the host cannot be captured
                 logger.exception("CUDA graph capture failed: decode steps run eagerly")
-                self.graphs = {}
+                self.graphs, self.cascade_graphs = {}, {}
                 torch.cuda.synchronize()
             if group is not None and not group.agree_min(int(bool(self.graphs))):
-                self.graphs = {}  # every rank replays the graph rank 0 picks, or none does
+                self.graphs, self.cascade_graphs = {}, {}  # every rank replays the same graph, or none
         if self.driver is not None:  # the workers stop when this runner goes (or at exit)
             weakref.finalize(self, self.driver.shutdown)
 
@@ -398,28 +407,39 @@ class ModelRunner:
         self.g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.g_block_table = torch.zeros((max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.g_prefix_len = torch.zeros(1, dtype=torch.int32, device=dev)
         pool = None
-        for bs in reversed(self.graph_sizes):
-            meta = AttentionMetadata(
-                kind=BatchKind.DECODE,
-                cu_seqlens_q=self.g_cu[: bs + 1],
-                seq_lens=self.g_seq_lens[:bs],
-                max_seqlen_q=1,
-                max_seqlen_k=self.max_model_len,
-                block_table=self.g_block_table[:bs],
-                slot_mapping=self.g_slots[:bs],
-            )
-            with attention_context(meta):
-                self._graph_body(bs)  # warm-up: compiles the kernels outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._graph_body(bs)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+        variants = [(False, self.graph_sizes)]
+        if self.config.enable_prefix_caching:
+            variants.append((True, [bs for bs in self.graph_sizes if bs >= CASCADE_MIN_REQUESTS]))
+        for cascade, sizes in variants:
+            for bs in reversed(sizes):
+                meta = AttentionMetadata(
+                    kind=BatchKind.DECODE,
+                    cu_seqlens_q=self.g_cu[: bs + 1],
+                    seq_lens=self.g_seq_lens[:bs],
+                    max_seqlen_q=1,
+                    max_seqlen_k=self.max_model_len,
+                    block_table=self.g_block_table[:bs],
+                    slot_mapping=self.g_slots[:bs],
+                    cascade_prefix_len=self.g_prefix_len if cascade else None,
+                )
+                with attention_context(meta):
+                    self._graph_body(bs)  # warm-up: compiles the kernels outside the capture
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = self._graph_body(bs)
+                if pool is None:
+                    pool = graph.pool()
+                (self.cascade_graphs if cascade else self.graphs)[bs] = (graph, logits)
         torch.cuda.synchronize()
-        logger.info("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
+        logger.info(
+            "captured %d decode graphs (+%d cascade) in %.1f s",
+            len(self.graphs),
+            len(self.cascade_graphs),
+            time.perf_counter() - t0,
+        )
 
     def _graph_body(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.g_ids[:bs], self.g_pos[:bs])
@@ -449,9 +469,9 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         attn = batch.attn
-        # Cascade decode steps (a shared prefix) run eagerly: the captured graphs are plain decode.
-        plain_decode = attn.kind is BatchKind.DECODE and attn.cascade_prefix_len is None
-        bucket = self._graph_bucket(attn.seq_lens.shape[0]) if plain_decode else None
+        # Decode steps replay a captured graph: plain decode, or cascade when requests share a prefix.
+        graphable = attn.kind is BatchKind.DECODE and (attn.cascade_prefix_len is None or self.cascade_graphs)
+        bucket = self._graph_bucket(attn.seq_lens.shape[0]) if graphable else None
         self._step_id += 1
         msg = encode_step(batch, bucket, self._step_id)
         if self.driver is None:
@@ -523,7 +543,11 @@ class ModelRunner:
             self.g_slots[:bucket].copy_(x.slot_mapping)
             self.g_seq_lens[:bucket].copy_(x.seq_lens)
             self.g_block_table[: x.num_reqs, :nb].copy_(x.block_table)
-            graph, graph_logits = self.graphs[bucket]
+            if x.cascade_prefix_len is not None:
+                self.g_prefix_len.copy_(x.cascade_prefix_len)
+                graph, graph_logits = self.cascade_graphs[bucket]
+            else:
+                graph, graph_logits = self.graphs[bucket]
             graph.replay()
             # Usually every request samples, in order: a view, not a gather.
             if x.logits_indices.shape[0] == x.num_reqs:
