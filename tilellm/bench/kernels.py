@@ -39,7 +39,9 @@ CHUNK_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write results to this file")
-    p.add_argument("--workloads", default="P1,P2,P3,D1,D2,D3,D4,V1,C1,S1", help="comma-separated subset")
+    p.add_argument(
+        "--workloads", default="P1,P2,P3,D1,D2,D3,D4,V1,C1,S1,X1", help="comma-separated subset (X1: cascade)"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA baselines")
     p.add_argument("--flex", action="store_true", help="also time FlexAttention (slow to compile)")
@@ -312,6 +314,29 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
     return ms
 
 
+def bench_cascade(rows, ceilings, dtype):
+    """X1 (not in SPEC; E2's decode): 256 requests sharing a 2048-key cached prefix, + 128..256 own keys."""
+    import tilellm.kernels as tk
+
+    B, P = 256, 2048
+    own = _lengths(128, 256, B, 7)
+    kv = [P + n for n in own]
+    q, kc, vc, bt, cu, seq = _paged_inputs([1] * B, kv, dtype)
+    n_prefix = P // PAGE
+    bt[:, :n_prefix] = bt[0, :n_prefix]  # the prefix cache hands every request the same blocks
+    prefix_len = torch.tensor([P], dtype=torch.int32, device="cuda")
+    dense = tk.decode_attention(q, kc, vc, bt, seq, max_seqlen_k=max(kv))
+    err = _check("X1", tk.cascade_decode_attention(q, kc, vc, bt, seq, prefix_len), dense)
+    ms_c = _bench(lambda: tk.cascade_decode_attention(q, kc, vc, bt, seq, prefix_len))
+    ms_d = _bench(lambda: tk.decode_attention(q, kc, vc, bt, seq, max_seqlen_k=max(kv)))
+    unique = _kv_bytes([P] + own)  # bytes cascade must read: the prefix once, each suffix once
+    rows.append(Row("X1", "tilellm cascade decode", ms_c, None, unique / ms_c / 1e6,
+                    unique / (ceilings["copy_gbps"] * 1e9) * 1e3, extra={"max_rel_err": err}))  # fmt: skip
+    rows.append(Row("X1", "tilellm plain decode (same batch)", ms_d, None, _kv_bytes(kv) / ms_d / 1e6,
+                    _kv_bytes(kv) / (ceilings["copy_gbps"] * 1e9) * 1e3,
+                    note=f"cascade speedup {ms_d / ms_c:.1f}x"))  # fmt: skip
+
+
 def bench_sparse(rows, ceilings, dtype):
     import tilellm.kernels as tk
 
@@ -438,6 +463,8 @@ def main(args: argparse.Namespace) -> int:
     torch.cuda.empty_cache()
     if "S1" in want:
         _guard("S1", rows, bench_sparse, rows, ceilings, dtype)
+    if "X1" in want:
+        _guard("X1", rows, bench_cascade, rows, ceilings, dtype)
     print(f"{'workload':8} {'variant':44} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'floor ms':>9}  note")
     for r in rows:
         tf = f"{r.tflops:8.1f}" if r.tflops is not None else " " * 8
