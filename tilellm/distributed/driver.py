@@ -158,6 +158,9 @@ class TPDriver(TPGroup):
         """Raise (after stopping every rank) if the group was shut down or a worker failed."""
         if self._closed:
             raise self._closed_error()
+        handles = [c for c in self.conns if not c.closed] + [p.sentinel for p in self.procs]
+        if not wait_any(handles, timeout=0):  # one poll(2): no message, no exit (every step)
+            return
         self._drain()
         message = self._failure_message()
         if message is not None:

@@ -482,13 +482,13 @@ class ModelRunner:
             return self._launch(msg, sampling, patch, t0)
 
     @contextlib.contextmanager
-    def _all_ranks(self) -> Iterator[None]:
+    def _all_ranks(self, catch: type[BaseException] = BaseException) -> Iterator[None]:
         """Rank 0's part of a step all ranks take part in: a failure stops every rank (the others
         may be waiting in one of its collectives) and raises the first failed rank's error."""
         assert self.driver is not None
         try:
             yield
-        except BaseException as e:
+        except catch as e:
             err = self.driver.failure(e)
             if err is e:
                 raise
@@ -624,7 +624,8 @@ class ModelRunner:
             if self.driver is None:
                 handle.event.synchronize()
             else:  # a dead worker would leave NCCL waiting: watch the workers meanwhile
-                with self._all_ranks():
+                # (an interrupt here leaves the group intact: the whole step is queued on every rank)
+                with self._all_ranks(catch=Exception):
                     self.driver.wait_event(handle.event)
             if handle.start_event is not None:
                 handle.host.device_time_s = handle.start_event.elapsed_time(handle.event) / 1e3
