@@ -21,8 +21,9 @@ N sampled rows:
   logits_indices      [N] int64
   cascade_prefix_len  [1] int32    only when the step shares a prefix (cascade decode)
 
-Size: 256 decode requests of up to 2048 tokens (block 16, C = 128) take 5 x 256 + 128 x 128 =
-17,664 words (138 KiB); the block table is most of it.
+Size of a graph step of 256 decode requests of up to 2048 tokens (block 16, so C = 128):
+4 x 256 words (tokens, positions, slots, logits rows) + 128 (seq_lens) + 16,384 (the block
+table) = 17,536 words, 137 KiB, and the 96-byte header.
 """
 
 from __future__ import annotations

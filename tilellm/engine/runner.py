@@ -409,6 +409,9 @@ class ModelRunner:
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_prefix_len = torch.zeros(1, dtype=torch.int32, device=dev)
         pool = None
+        # Under tensor parallelism NCCL's watchdog thread queries events while this thread
+        # captures: only this thread's own calls need to be capture-safe.
+        capture_mode = "thread_local" if self.group is not None else "global"
         variants = [(False, self.graph_sizes)]
         if self.config.enable_prefix_caching:
             variants.append((True, [bs for bs in self.graph_sizes if bs >= CASCADE_MIN_REQUESTS]))
@@ -428,7 +431,7 @@ class ModelRunner:
                     self._graph_body(bs)  # warm-up: compiles the kernels outside the capture
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode):
                         logits = self._graph_body(bs)
                 if pool is None:
                     pool = graph.pool()
