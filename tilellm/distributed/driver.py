@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -103,6 +104,9 @@ class TPDriver(TPGroup):
         self._started: set[int] = set()
         self._closed = False
         self._reason = ""
+        # Held by the runner while it sends a step: a shutdown from another thread (at exit)
+        # must not put its stop order between a step's header and that step's payload.
+        self.step_lock = threading.RLock()
         _live.add(self)
 
     @property
@@ -212,11 +216,16 @@ class TPDriver(TPGroup):
         self._closed = True
         _live.discard(self)
         broken = broken or self.control is None  # not joined yet: nothing to tell them
-        if not broken:
-            try:
+        locked = self.step_lock.acquire(timeout=0 if broken else _STOP_TIMEOUT_S)
+        try:
+            if not broken and locked:
                 self.send_header(stop_header())
-            except Exception:
-                broken = True
+        except Exception:
+            broken = True
+        finally:
+            if locked:
+                self.step_lock.release()
+        broken = broken or not locked  # a step is stuck mid-way: the workers cannot be told
         deadline = time.monotonic() + (0.0 if broken else _STOP_TIMEOUT_S)
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -479,10 +479,11 @@ class ModelRunner:
         msg = encode_step(batch, bucket, self._step_id)
         if self.driver is None:
             return self._launch(msg, sampling, patch, t0)
-        self.driver.check_workers()
-        with self._all_ranks():
-            self.driver.send_header(msg.header)
-            return self._launch(msg, sampling, patch, t0)
+        with self.driver.step_lock:
+            self.driver.check_workers()
+            with self._all_ranks():
+                self.driver.send_header(msg.header)
+                return self._launch(msg, sampling, patch, t0)
 
     @contextlib.contextmanager
     def _all_ranks(self, catch: type[BaseException] = BaseException) -> Iterator[None]:
