@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -213,6 +214,8 @@ def test_workers_end_with_the_driver_process(tiny_qwen3_kv2, tmp_path):
         )
         for mode in ("exit", "hang")
     }
+    watchdog = threading.Timer(180, lambda: [p.kill() for p in procs.values()])  # never hang the suite
+    watchdog.start()
     try:
         hang = procs["hang"]
         line = hang.stdout.readline()
@@ -228,6 +231,7 @@ def test_workers_end_with_the_driver_process(tiny_qwen3_kv2, tmp_path):
         assert _wait_gone(exit_workers, timeout=2.0) == []
         assert _wait_gone(hang_workers) == []
     finally:
+        watchdog.cancel()
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
