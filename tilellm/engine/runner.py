@@ -408,34 +408,15 @@ class ModelRunner:
         self.g_block_table = torch.zeros((max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_prefix_len = torch.zeros(1, dtype=torch.int32, device=dev)
-        pool = None
-        # Under tensor parallelism NCCL's watchdog thread queries events while this thread
-        # captures: only this thread's own calls need to be capture-safe.
-        capture_mode = "thread_local" if self.group is not None else "global"
-        variants = [(False, self.graph_sizes)]
+        pool = self._capture_variant(self.graphs, self.graph_sizes, None, None)
         if self.config.enable_prefix_caching:
-            variants.append((True, [bs for bs in self.graph_sizes if bs >= CASCADE_MIN_REQUESTS]))
-        for cascade, sizes in variants:
-            for bs in reversed(sizes):
-                meta = AttentionMetadata(
-                    kind=BatchKind.DECODE,
-                    cu_seqlens_q=self.g_cu[: bs + 1],
-                    seq_lens=self.g_seq_lens[:bs],
-                    max_seqlen_q=1,
-                    max_seqlen_k=self.max_model_len,
-                    block_table=self.g_block_table[:bs],
-                    slot_mapping=self.g_slots[:bs],
-                    cascade_prefix_len=self.g_prefix_len if cascade else None,
-                )
-                with attention_context(meta):
-                    self._graph_body(bs)  # warm-up: compiles the kernels outside the capture
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode):
-                        logits = self._graph_body(bs)
-                if pool is None:
-                    pool = graph.pool()
-                (self.cascade_graphs if cascade else self.graphs)[bs] = (graph, logits)
+            sizes = [bs for bs in self.graph_sizes if bs >= CASCADE_MIN_REQUESTS]
+            try:
+                self._capture_variant(self.cascade_graphs, sizes, self.g_prefix_len, pool)
+            except Exception:  # keep the plain graphs: cascade steps then run eagerly
+                logger.exception("cascade graph capture failed: cascade decode steps run eagerly")
+                self.cascade_graphs = {}
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
         logger.info(
             "captured %d decode graphs (+%d cascade) in %.1f s",
@@ -443,6 +424,33 @@ class ModelRunner:
             len(self.cascade_graphs),
             time.perf_counter() - t0,
         )
+
+    def _capture_variant(self, graphs: dict, sizes: list[int], prefix_len: torch.Tensor | None, pool):
+        """Capture one decode graph per batch size into `graphs`; returns the shared memory pool."""
+        # Under tensor parallelism NCCL's watchdog thread queries events while this thread
+        # captures: only this thread's own calls need to be capture-safe.
+        capture_mode = "thread_local" if self.group is not None else "global"
+        for bs in reversed(sizes):
+            meta = AttentionMetadata(
+                kind=BatchKind.DECODE,
+                cu_seqlens_q=self.g_cu[: bs + 1],
+                seq_lens=self.g_seq_lens[:bs],
+                max_seqlen_q=1,
+                max_seqlen_k=self.max_model_len,
+                block_table=self.g_block_table[:bs],
+                slot_mapping=self.g_slots[:bs],
+                cascade_prefix_len=prefix_len,
+            )
+            with attention_context(meta):
+                self._graph_body(bs)  # warm-up: compiles the kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode):
+                    logits = self._graph_body(bs)
+            if pool is None:
+                pool = graph.pool()
+            graphs[bs] = (graph, logits)
+        return pool
 
     def _graph_body(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.g_ids[:bs], self.g_pos[:bs])

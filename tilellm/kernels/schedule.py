@@ -112,18 +112,15 @@ def choose_num_splits(
     """
     sms = num_sms or device_num_sms()
     base = num_requests * num_kv_heads * q_tiles
-    if max_seqlen_k is None:
-        if seq_lens is None or len(seq_lens) == 0:
-            max_seqlen_k = 0
-        elif isinstance(seq_lens, torch.Tensor):
-            max_seqlen_k = int(seq_lens.max().item())
-        else:
-            max_seqlen_k = max(seq_lens)
     if num_splits is not None:
         if int(num_splits) < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         n = int(num_splits)
-        return SplitPlan(n, f"forced: num_splits={n}", sms, base, _cdiv(max_seqlen_k, n))
+        # A forced count never reads seq_lens: no host sync (CUDA-graph capture is legal).
+        known = max_seqlen_k if max_seqlen_k is not None else _host_max(seq_lens, allow_device=False)
+        return SplitPlan(n, f"forced: num_splits={n}", sms, base, _cdiv(known, n) if known else 0)
+    if max_seqlen_k is None:
+        max_seqlen_k = _host_max(seq_lens, allow_device=True)
     if max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
         return SplitPlan(
             1,
@@ -142,6 +139,17 @@ def choose_num_splits(
         f"cap {MAX_SPLITS})"
     )
     return SplitPlan(n, reason, sms, base, _cdiv(max_seqlen_k, n))
+
+
+def _host_max(seq_lens: torch.Tensor | Sequence[int] | None, *, allow_device: bool) -> int:
+    """Longest context; reads a CUDA tensor (a host sync) only when `allow_device`, else 0."""
+    if seq_lens is None or len(seq_lens) == 0:
+        return 0
+    if isinstance(seq_lens, torch.Tensor):
+        if seq_lens.device.type != "cpu" and not allow_device:
+            return 0
+        return int(seq_lens.max().item())
+    return max(seq_lens)
 
 
 def plan_split_kv(
