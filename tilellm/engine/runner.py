@@ -28,6 +28,7 @@ CUDA graph. Any failure inside a step stops every rank and raises on rank 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -480,6 +481,11 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         attn = batch.attn
+        if attn.cascade_prefix_len is not None and self.graphs and not self.cascade_graphs:
+            # Eager steps cost far more host time than the prefix re-read that cascade saves:
+            # with plain graphs only, shared-prefix decode steps replay the plain graph.
+            attn = dataclasses.replace(attn, cascade_prefix_len=None)
+            batch = dataclasses.replace(batch, attn=attn)
         # Decode steps replay a captured graph: plain decode, or cascade when requests share a prefix.
         graphable = attn.kind is BatchKind.DECODE and (attn.cascade_prefix_len is None or self.cascade_graphs)
         bucket = self._graph_bucket(attn.seq_lens.shape[0]) if graphable else None
