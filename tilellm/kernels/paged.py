@@ -33,30 +33,11 @@ LN_2 = 0.6931471805599453
 
 @triton.jit
 def _paged_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    q_pos,
-    K_cache,
-    V_cache,
-    bt_row,
-    kv_head,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    offs_n,
-    offs_d,
-    n_start,
-    n_end,
-    key_lo,
-    key_end,
-    qk_scale,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    acc, l_i, m_i, q, q_pos,
+    K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
+    n_start, n_end, key_lo, key_end, qk_scale,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """Online softmax over key tiles [n_start, n_end) gathered through the block table."""
     for n in tl.range(n_start, n_end, BLOCK_N):
         k_pos = n + offs_n
@@ -97,44 +78,16 @@ def _paged_tiles(
 
 @triton.jit
 def _paged_kernel(
-    Q,
-    K_cache,
-    V_cache,
-    O,
-    O_parts,
-    LSE_parts,
-    stats,
-    block_table,
-    cu_seqlens_q,
-    seq_lens,
-    qk_scale,
-    num_tokens,
-    num_q_heads,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    num_splits,
-    kv_lo_ptr,
-    kv_hi_ptr,
-    part_base,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    IS_DECODE: tl.constexpr,
-    HAS_KV_LO: tl.constexpr,
-    HAS_KV_HI: tl.constexpr,
-    RECORD_STATS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K_cache, V_cache, O, O_parts, LSE_parts, stats,  # tensors
+    block_table, cu_seqlens_q, seq_lens,  # batch description
+    qk_scale, num_tokens, num_q_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
+    num_splits, kv_lo_ptr, kv_hi_ptr, part_base,  # split-KV and key windows (cascade)
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
+    RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
     q_tile = tl.program_id(2) // num_splits
@@ -198,55 +151,17 @@ def _paged_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = block_table + req.to(tl.int64) * stride_bt
     acc, l_i, m_i = _paged_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        K_cache,
-        V_cache,
-        bt_row,
-        kv_head,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        offs_n,
-        offs_d,
-        lo,
-        full_hi,
-        win_lo,
-        hi,
-        qk_scale,
-        PAGE,
-        BLOCK_N,
-        False,
-        PRECISION,
-    )
+        acc, l_i, m_i, q, q_pos,
+        K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
+        lo, full_hi, win_lo, hi, qk_scale,
+        PAGE, BLOCK_N, False, PRECISION,
+    )  # fmt: skip
     acc, l_i, m_i = _paged_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        K_cache,
-        V_cache,
-        bt_row,
-        kv_head,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        offs_n,
-        offs_d,
-        masked_lo,
-        hi,
-        win_lo,
-        hi,
-        qk_scale,
-        PAGE,
-        BLOCK_N,
-        True,
-        PRECISION,
-    )
+        acc, l_i, m_i, q, q_pos,
+        K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
+        masked_lo, hi, win_lo, hi, qk_scale,
+        PAGE, BLOCK_N, True, PRECISION,
+    )  # fmt: skip
 
     if SPLIT:
         # Partial result of this segment: normalised output and natural-log lse (-inf if empty).
@@ -448,46 +363,22 @@ def _launch(
     else:
         o_parts = lse_parts = o  # unused
     _paged_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        o,
-        o_parts,
-        lse_parts,
-        stats if stats is not None else seq_lens,
-        block_table,
-        cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
-        seq_lens,
-        validation.resolve_scale(scale, D) * LOG2_E,
-        T,
-        Hq,
-        q.stride(0),
-        q.stride(1),
-        o.stride(0),
-        o.stride(1),
-        block_table.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
+        block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
+        validation.resolve_scale(scale, D) * LOG2_E, T, Hq,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         splits,
-        kv_lo if kv_lo is not None else seq_lens,
-        kv_hi if kv_hi is not None else seq_lens,
+        kv_lo if kv_lo is not None else seq_lens,  # unread unless HAS_KV_LO
+        kv_hi if kv_hi is not None else seq_lens,  # unread unless HAS_KV_HI
         part_base,
-        GROUP=group,
-        HEAD_DIM=D,
-        PAGE=page,
-        BLOCK_M=cfg.block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1 or parts is not None,
-        IS_DECODE=is_decode,
-        HAS_KV_LO=kv_lo is not None,
-        HAS_KV_HI=kv_hi is not None,
-        PRECISION=dot_precision(q.dtype),
-        RECORD_STATS=record_stats,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        GROUP=group, HEAD_DIM=D, PAGE=page,
+        BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+        SPLIT=splits > 1 or parts is not None, IS_DECODE=is_decode,
+        HAS_KV_LO=kv_lo is not None, HAS_KV_HI=kv_hi is not None,
+        RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if splits > 1 and parts is None:
         merge_into(o_parts, lse_parts, o)
     if record_stats:
