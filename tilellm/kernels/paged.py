@@ -28,7 +28,7 @@ from tilellm.kernels.merge import merge_into
 from tilellm.kernels.schedule import SplitPlan, choose_num_splits
 
 LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
+LN_2 = tl.constexpr(0.6931471805599453)  # ln 2: converts the base-2 log-sum-exp to natural log
 
 
 @triton.jit
@@ -167,9 +167,7 @@ def _paged_kernel(
         # Partial result of this segment: normalised output and natural-log lse (-inf if empty).
         empty = l_i == 0.0
         o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(
-            empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
-        )
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN_2)
         part_row = (part_base + split).to(tl.int64) * num_tokens + q_row
         tl.store(
             O_parts + (part_row[:, None] * num_q_heads + head[:, None]) * HEAD_DIM + offs_d[None, :],
