@@ -88,3 +88,50 @@ def test_invalid_prefix_raises(module):
         module.cascade_decode_attention(q, kc, vc, bad, seq_lens, prefix_len)
     with pytest.raises(ValueError, match="prefix_len must be a 1-element int tensor"):
         module.cascade_decode_attention(q, kc, vc, table, seq_lens, 32)
+
+
+def test_zero_dim_prefix_len_raises():
+    q, kc, vc, table, seq_lens, _ = make_batch([1, 5, 9], 32, 4, 2, 16, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"shape \[1\]"):
+        tk.cascade_decode_attention(q, kc, vc, table, seq_lens, torch.tensor(32, dtype=torch.int32))
+
+
+def test_graph_padding_rows(device):
+    """A CUDA-graph bucket pads the batch with rows of seq_len 1 and stale block-table rows: the
+    real rows must be exact and the padding rows finite (their outputs are discarded)."""
+    q, kc, vc, table, seq_lens, prefix_len = make_batch(
+        [3, 9, 1, 20], 48, 8, 2, 32, 16, torch.float32, device
+    )
+    pad = 5
+    gen = torch.Generator().manual_seed(9)
+    stale = torch.randint(0, kc.shape[0], (pad, table.shape[1]), generator=gen, dtype=torch.int32).to(device)
+    q_all = torch.cat([q, torch.randn(pad, *q.shape[1:], generator=gen).to(device)])
+    table_all = torch.cat([table, stale])
+    seq_all = torch.cat([seq_lens, torch.ones(pad, dtype=torch.int32, device=device)])
+    # validation would (rightly) reject seq_len 1 < prefix_len on CPU: call the kernel path directly
+    import tilellm.kernels.paged as paged
+
+    out = torch.full_like(q_all, float("nan"))
+    real_check = paged.validation.check_cascade_prefix
+    try:
+        paged.validation.check_cascade_prefix = lambda *a, **k: None
+        tk.cascade_decode_attention(q_all, kc, vc, table_all, seq_all, prefix_len, out=out)
+    finally:
+        paged.validation.check_cascade_prefix = real_check
+    assert_close(
+        out[: q.shape[0]], ref.decode_attention(q, kc, vc, table, seq_lens), tolerance(q.dtype, device)
+    )
+    assert bool(torch.isfinite(out[q.shape[0] :]).all())
+
+
+@pytest.mark.parametrize("rows,block_n", [(128, 64), (64, 128), (128, 32)])
+def test_gpu_tile_shapes(rows, block_n, device):
+    """The tile shapes the GPU uses (forced here, so the interpreter runs them too)."""
+    from tilellm.kernels import config
+
+    q, kc, vc, table, seq_lens, prefix_len = make_batch(
+        [1, 7, 30, 2] * 10, 200, 8, 2, 16, 16, torch.float32, device
+    )  # fmt: skip
+    with config.override(paged=config.TileConfig(rows, block_n, 4, 1)):
+        got = tk.cascade_decode_attention(q, kc, vc, table, seq_lens, prefix_len, prefix_splits=3)
+    assert_close(got, ref.decode_attention(q, kc, vc, table, seq_lens), tolerance(q.dtype, device), "tiles")

@@ -254,6 +254,8 @@ class ModelRunner:
                 torch.cuda.synchronize()
             if group is not None and not group.agree_min(int(bool(self.graphs))):
                 self.graphs, self.cascade_graphs = {}, {}  # every rank replays the same graph, or none
+            if group is not None and not group.agree_min(int(bool(self.cascade_graphs))):
+                self.cascade_graphs = {}  # likewise for the cascade variant
         if self.driver is not None:  # the workers stop when this runner goes (or at exit)
             weakref.finalize(self, self.driver.shutdown)
 
@@ -272,7 +274,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used = total - free  # weights, CUDA context, other processes
-        budget = total * self.config.gpu_memory_utilization - used - (peak - current) - _GRAPH_RESERVE_BYTES
+        reserve = _GRAPH_RESERVE_BYTES
+        if self.config.enable_prefix_caching and not self.config.enforce_eager:
+            # The cascade graphs keep their own fp32 logits outputs alive: [sum of buckets >= 8, V].
+            rows = sum(bs for bs in graph_batch_sizes(self.config.max_num_seqs) if bs >= CASCADE_MIN_REQUESTS)
+            reserve += rows * self.vocab_size * 4
+        budget = total * self.config.gpu_memory_utilization - used - (peak - current) - reserve
         num_blocks = int(budget // self.block_bytes)
         if num_blocks < 1:
             raise RuntimeError(
@@ -481,14 +488,13 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         attn = batch.attn
-        if attn.cascade_prefix_len is not None and self.graphs and not self.cascade_graphs:
-            # Eager steps cost far more host time than the prefix re-read that cascade saves:
-            # with plain graphs only, shared-prefix decode steps replay the plain graph.
+        # Decode steps replay a captured graph: plain decode, or cascade when requests share a prefix.
+        bucket = self._graph_bucket(attn.seq_lens.shape[0]) if attn.kind is BatchKind.DECODE else None
+        if attn.cascade_prefix_len is not None and self.is_cuda and bucket not in self.cascade_graphs:
+            # On the GPU, cascade pays only inside a graph: eagerly its extra launches cost more
+            # host time than the prefix re-read it saves. Then the step is plain decode.
             attn = dataclasses.replace(attn, cascade_prefix_len=None)
             batch = dataclasses.replace(batch, attn=attn)
-        # Decode steps replay a captured graph: plain decode, or cascade when requests share a prefix.
-        graphable = attn.kind is BatchKind.DECODE and (attn.cascade_prefix_len is None or self.cascade_graphs)
-        bucket = self._graph_bucket(attn.seq_lens.shape[0]) if graphable else None
         self._step_id += 1
         msg = encode_step(batch, bucket, self._step_id)
         if self.driver is None:
