@@ -493,7 +493,9 @@ def _check_block_table_values(name, block_table, kv_lens, num_blocks, block_size
 def check_cascade_prefix(name, q, block_table, seq_lens, prefix_len, block_size) -> None:
     """`prefix_len` ([1] int tensor) keys are shared: <= every seq_len, same leading blocks in every row."""
     if not isinstance(prefix_len, torch.Tensor) or tuple(prefix_len.shape) != (1,):
-        raise ValueError(f"{name}: prefix_len must be a 1-element int tensor of shape [1], got {prefix_len!r}")
+        raise ValueError(
+            f"{name}: prefix_len must be a 1-element int tensor of shape [1], got {prefix_len!r}"
+        )
     if prefix_len.dtype not in (torch.int32, torch.int64) or prefix_len.device != q.device:
         raise ValueError(
             f"{name}: prefix_len must be int32/int64 on {q.device}, got {prefix_len.dtype} on {prefix_len.device}"
