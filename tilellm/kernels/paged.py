@@ -224,21 +224,9 @@ def paged_attention(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
     )
     validation.check_split_hints("paged_attention", num_splits, max_seqlen_k, seq_lens)
-    o = _output(q, out, "paged_attention")
-    _launch(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        cu_seqlens_q,
-        seq_lens,
-        max_seqlen_q,
-        o,
-        scale,
-        num_splits,
-        max_seqlen_k,
-        is_decode=False,
-    )
+    o = validation.output_like("paged_attention", q, out)
+    _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
+            is_decode=False)  # fmt: skip
     return o
 
 
@@ -257,21 +245,9 @@ def decode_attention(
     """One new token per request: q [B, Hq, D] -> o [B, Hq, D]; the q_len = 1 case of paged attention."""
     validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
     validation.check_split_hints("decode_attention", num_splits, max_seqlen_k, seq_lens)
-    o = _output(q, out, "decode_attention")
-    _launch(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        None,
-        seq_lens,
-        1,
-        o,
-        scale,
-        num_splits,
-        max_seqlen_k,
-        is_decode=True,
-    )
+    o = validation.output_like("decode_attention", q, out)
+    _launch(q, k_cache, v_cache, block_table, None, seq_lens, 1, o, scale, num_splits, max_seqlen_k,
+            is_decode=True)  # fmt: skip
     return o
 
 
@@ -300,32 +276,10 @@ def paged_tile_stats(
     )
 
 
-def _output(q: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q)
-    validation.check_out(name, out, q.shape, q.dtype, q.device)
-    return out
-
-
 def _launch(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    cu_seqlens_q,
-    seq_lens,
-    max_seqlen_q,
-    o,
-    scale,
-    num_splits,
-    max_seqlen_k,
-    *,
-    is_decode,
-    record_stats=False,
-    kv_lo=None,
-    kv_hi=None,
-    parts=None,
-):
+    q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
+    *, is_decode, record_stats=False, kv_lo=None, kv_hi=None, parts=None,
+):  # fmt: skip
     """Launch the paged kernel. `parts=(o_parts, lse_parts, part_base)` makes every program write
     its partial (o, lse) at part index part_base + split instead of `o` (the caller merges)."""
     T, Hq, D = q.shape
@@ -420,7 +374,7 @@ def cascade_decode_attention(
     validation.check_cascade_prefix(
         "cascade_decode_attention", q, block_table, seq_lens, prefix_len, k_cache.shape[1]
     )
-    o = _output(q, out, "cascade_decode_attention")
+    o = validation.output_like("cascade_decode_attention", q, out)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     if B == 0:

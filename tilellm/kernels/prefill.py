@@ -143,7 +143,7 @@ def prefill_attention(
         o: [T, Hq, D] in q.dtype.
     """
     validation.check_prefill("prefill_attention", q, k, v, cu_seqlens, max_seqlen)
-    o = _output(q, out, "prefill_attention")
+    o = validation.output_like("prefill_attention", q, out)
     _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(scale, q.shape[-1]))
     return o
 
@@ -168,13 +168,6 @@ def prefill_tile_stats(
     stats = torch.zeros((cu_seqlens.numel() - 1) * q.shape[1] * num_m * 2, dtype=torch.int32, device=q.device)
     _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(None, q.shape[-1]), stats)
     return stats.view(cu_seqlens.numel() - 1, q.shape[1], num_m, 2)
-
-
-def _output(q: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q)
-    validation.check_out(name, out, q.shape, q.dtype, q.device)
-    return out
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ def prefill_attention(
     name = "prefill_attention"
     validation.check_prefill(name, q, k, v, cu_seqlens, max_seqlen)
     scale = validation.resolve_scale(scale, q.shape[-1])
-    o = _output(name, q, out)
+    o = validation.output_like(name, q, out)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -82,7 +82,7 @@ def paged_attention(
     validation.check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
     validation.check_split_hints(name, num_splits, max_seqlen_k, seq_lens)
     scale = validation.resolve_scale(scale, q.shape[-1])
-    o = _output(name, q, out)
+    o = validation.output_like(name, q, out)
     _paged(q, k_cache, v_cache, block_table, cu_seqlens_q.tolist(), seq_lens.tolist(), scale, o)
     return o
 
@@ -104,7 +104,7 @@ def decode_attention(
     validation.check_decode(name, q, k_cache, v_cache, block_table, seq_lens)
     validation.check_split_hints(name, num_splits, max_seqlen_k, seq_lens)
     scale = validation.resolve_scale(scale, q.shape[-1])
-    o = _output(name, q, out)
+    o = validation.output_like(name, q, out)
     _paged(q, k_cache, v_cache, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)
     return o
 
@@ -126,7 +126,7 @@ def cascade_decode_attention(
     validation.check_decode(name, q, k_cache, v_cache, block_table, seq_lens)
     validation.check_cascade_prefix(name, q, block_table, seq_lens, prefix_len, k_cache.shape[1])
     scale = validation.resolve_scale(scale, q.shape[-1])
-    o = _output(name, q, out)
+    o = validation.output_like(name, q, out)
     _paged(q, k_cache, v_cache, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)
     return o
 
@@ -151,7 +151,7 @@ def sparse_attention(
     name = "sparse_attention"
     validation.check_sparse(name, q, k_cache, v_cache, block_table, cu_seqlens_q, topk_indices, seq_lens)
     scale = validation.resolve_scale(scale, q.shape[-1])
-    o = _output(name, q, out)
+    o = validation.output_like(name, q, out)
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -196,13 +196,6 @@ def merge_attention_states(
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _output(name: str, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q)
-    validation.check_out(name, out, q.shape, q.dtype, q.device)
-    return out
 
 
 def _paged(q, k_cache, v_cache, block_table, bounds, kv_lens, scale, o) -> None:

@@ -131,11 +131,7 @@ def sparse_attention(
     )
     T, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
-    if out is None:
-        o = torch.empty_like(q)
-    else:
-        validation.check_out("sparse_attention", out, q.shape, q.dtype, q.device)
-        o = out
+    o = validation.output_like("sparse_attention", q, out)
     if T == 0:
         return o
     group = Hq // Hkv

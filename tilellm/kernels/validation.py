@@ -511,3 +511,11 @@ def check_cascade_prefix(name, q, block_table, seq_lens, prefix_len, block_size)
         raise ValueError(
             f"{name}: the first {nb} blocks of every block_table row must be the shared prefix's"
         )
+
+
+def output_like(name, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The output buffer of an attention call: `out` once checked against q, else a new one."""
+    if out is None:
+        return torch.empty_like(q)
+    check_out(name, out, q.shape, q.dtype, q.device)
+    return out
