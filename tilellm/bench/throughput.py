@@ -241,10 +241,15 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
         r.step_ms_256 = float(np.median(step) * 1e3)
         r.extra["decode_steps_256"] = len(full)
     kinds: dict[str, int] = {}
+    device_by_kind: dict[str, float] = {}
     for x in tm.records:
         kinds[x[0]] = kinds.get(x[0], 0) + 1
+        device_by_kind[x[0]] = device_by_kind.get(x[0], 0.0) + (x[6] or 0.0)
     r.extra["steps_by_kind"] = kinds
+    # Device seconds by step kind: how much of the run is prefill work vs decode.
+    r.extra["device_s_by_kind"] = {k: round(v, 3) for k, v in device_by_kind.items()}
     r.extra["num_cuda_graphs"] = len(getattr(engine.runner, "graphs", {}))
+    r.extra["num_cascade_graphs"] = len(getattr(engine.runner, "cascade_graphs", {}))
     # Host microseconds per step inside the runner's launch, by path and phase.
     for path in ("graph", "eager"):
         n = runner_times.get(f"{path}.steps", 0)
@@ -382,7 +387,7 @@ def main(args: argparse.Namespace) -> int:
                 )
                 results.append(run_workload(llm, w, "prefix caching " + ("on" if caching else "off")))
                 llm = None
-            _free()
+                _free()  # before the next engine sizes its KV pool from free memory
             on, off = results[-2], results[-1]
             on.extra["speedup_vs_off"] = off.seconds / on.seconds
         if "E3" in names:
