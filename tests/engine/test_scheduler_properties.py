@@ -109,6 +109,10 @@ def test_engine_random_workloads(
             if out.finished:
                 finished[out.request_id] = out
         check_pool(engine)
+        if engine.last_step is not None:  # one-token entries lead each step (the decode kernel's part)
+            q = engine.last_step.query_lens
+            ones = [n == 1 for n in q]
+            assert ones == sorted(ones, reverse=True), q
         step += 1
     assert not engine.has_unfinished_requests(), "engine did not drain"
     for _, rid, _, params, _ in pending:
@@ -217,7 +221,10 @@ def test_requests_of_one_step_share_a_prefix():
         engine.add_request(f"s{i}", shared + [i], SamplingParams(temperature=0, max_tokens=3))
     outs = {}
     engine.step()
-    assert engine.last_step.num_cached_tokens == [0, 20, 20]
+    step = engine.last_step
+    # (s1 and s2 compute one token each: the scheduler lists them before s0's whole prompt)
+    assert dict(zip(step.request_ids, step.num_cached_tokens)) == {"s0": 0, "s1": 20, "s2": 20}
+    assert step.request_ids == ["s1", "s2", "s0"] and step.query_lens == [1, 1, 21]
     assert engine.last_step.kind == "mixed"
     while engine.has_unfinished_requests():
         for o in engine.step():

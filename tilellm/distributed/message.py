@@ -23,7 +23,7 @@ N sampled rows:
 
 Size of a graph step of 256 decode requests of up to 2048 tokens (block 16, so C = 128):
 4 x 256 words (tokens, positions, slots, logits rows) + 128 (seq_lens) + 16,384 (the block
-table) = 17,536 words, 137 KiB, and the 96-byte header.
+table) = 17,536 words, 137 KiB, and the 104-byte header.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import torch
 from tilellm.engine.metadata import BatchKind, StepBatch
 
 # -- header: HEADER_WORDS int64 ------------------------------------------------------------------
-HEADER_WORDS = 12
+HEADER_WORDS = 13
 OP, KIND, NUM_TOKENS, NUM_REQS, TABLE_COLS, NUM_LOGITS, MAX_SEQLEN_Q, MAX_SEQLEN_K, GRAPH, CASCADE = range(10)
-NUM_WORDS, STEP_ID = 10, 11
+NUM_WORDS, STEP_ID, NUM_DECODES = 10, 11, 12
 OP_STEP, OP_STOP = 1, 2
 
 _KINDS = (BatchKind.PREFILL, BatchKind.DECODE, BatchKind.MIXED)
@@ -67,6 +67,7 @@ class StepInputs:
     cu_seqlens_q: torch.Tensor | None
     logits_indices: torch.Tensor
     cascade_prefix_len: torch.Tensor | None
+    num_decodes: int = 0  # MIXED steps: leading one-token requests (see AttentionMetadata)
 
 
 def payload_layout(header: np.ndarray) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int]:
@@ -161,6 +162,7 @@ def encode_step(batch: StepBatch, graph_size: int | None = None, step_id: int = 
     header[GRAPH] = graph_size is not None
     header[CASCADE] = cascade is not None
     header[STEP_ID] = step_id
+    header[NUM_DECODES] = attn.num_decodes
     header[NUM_WORDS] = payload_layout(header)[1]
     return StepMessage(header, arrays)
 
@@ -195,6 +197,7 @@ def decode_step(header: np.ndarray, payload: torch.Tensor) -> StepInputs:
         cu_seqlens_q=views.get("cu_seqlens_q"),
         logits_indices=views["logits_indices"],
         cascade_prefix_len=views.get("cascade_prefix_len"),
+        num_decodes=int(header[NUM_DECODES]),
     )
 
 

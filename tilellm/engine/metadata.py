@@ -47,6 +47,21 @@ class AttentionMetadata:
     # DECODE steps whose requests share their first blocks: the shared key count, [1] int32
     # (cascade attention reads those keys once for the whole batch). None: plain decode.
     cascade_prefix_len: torch.Tensor | None = None
+    # MIXED steps: the leading requests with exactly one new token (the scheduler lists them
+    # first). The attention layer runs them through the decode kernel and the others through
+    # the paged kernel, whose query tiles would be mostly empty rows for one-token requests.
+    num_decodes: int = 0
+    # cu_seqlens_q of the requests after the decodes, counted from their first token: [B - num_decodes + 1]
+    # (made once per step by the runner; derived from cu_seqlens_q when absent).
+    rest_cu_seqlens_q: torch.Tensor | None = None
+
+    def split_decodes(self) -> tuple[int, torch.Tensor]:
+        """(num_decodes, cu_seqlens_q of the other requests relative to their first token)."""
+        nd = self.num_decodes
+        rest = self.rest_cu_seqlens_q
+        if rest is None:
+            rest = self.cu_seqlens_q[nd:] - nd
+        return nd, rest
 
 
 @dataclass(frozen=True)
@@ -161,6 +176,8 @@ def build_step_batch(
     logits_indices = cu[1:][np.asarray(samples, dtype=bool)] - 1
     kind = choose_batch_kind(start, q)
     prefix = shared_prefix_len(table, seq_lens, block_size) if kind is BatchKind.DECODE else 0
+    single = q == 1
+    num_decodes = num_reqs if single.all() else int(np.argmin(single))
     attn = AttentionMetadata(
         kind=kind,
         cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
@@ -170,6 +187,7 @@ def build_step_batch(
         block_table=torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32)),
         slot_mapping=torch.from_numpy(slots),
         cascade_prefix_len=torch.tensor([prefix], dtype=torch.int32) if prefix else None,
+        num_decodes=num_decodes if kind is BatchKind.MIXED else 0,
     )
     return StepBatch(
         input_ids=torch.from_numpy(ids),

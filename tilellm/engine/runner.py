@@ -15,7 +15,7 @@ bucketed batch size (1, 2, 4, 8, 16, 24, 32, ... up to `max_num_seqs`); padding 
 nothing (slot -1) and attend to one key. `enforce_eager=True`, CPU, and every other step kind
 run eagerly.
 
-Inputs: a step's model inputs travel as one flat int64 payload described by a 12-word header
+Inputs: a step's model inputs travel as one flat int64 payload described by a 13-word header
 (`tilellm.distributed.message`); the model reads views into the payload's device copy.
 
 Tensor parallelism (`group`): each rank has a runner holding its shard of the model and of the
@@ -586,6 +586,8 @@ class ModelRunner:
             block_table=x.block_table,
             slot_mapping=x.slot_mapping,
             cascade_prefix_len=x.cascade_prefix_len,
+            num_decodes=x.num_decodes,
+            rest_cu_seqlens_q=x.cu_seqlens_q[x.num_decodes :] - x.num_decodes if x.num_decodes else None,
         )
         with attention_context(meta):
             hidden = self.model(x.input_ids, x.positions)

@@ -4,7 +4,8 @@ Each step spends at most `max_num_batched_tokens` tokens. Running sequences come
 order they were admitted: a decoding sequence takes 1 token, a sequence still in its prompt takes
 the next chunk of it (any prompt can be prefilled in chunks). What is left of the budget admits
 waiting sequences first-come first-served (their cached prefix blocks cost nothing), up to
-`max_num_seqs` running.
+`max_num_seqs` running. Sequences computing a single token (decodes) are listed first in each
+step's output, the rest after them (see `_single_tokens_first`).
 
 When the pool has no block for a running sequence, the most recently admitted running sequence
 is preempted: its blocks are freed, its progress reset (recompute) and it goes back to the front
@@ -181,4 +182,22 @@ class Scheduler:
                 if seq.cache_root is not None and (num_cached + n) // bs > seq.num_hashed_blocks:
                     bm.commit(seq)  # later admissions of this step can share these blocks
                 budget -= n
+        _single_tokens_first(out)
         return out
+
+
+def _single_tokens_first(out: SchedulerOutput) -> None:
+    """Reorder `out` (stably) so that sequences computing one token come first.
+
+    The attention layer then runs that leading run through the decode kernel (small tiles, one
+    query each) and only the rest through the paged kernel's larger query tiles, where one-token
+    rows would leave most of each tile's matrix work empty.
+    """
+    q = out.num_new_tokens
+    first_multi = next((i for i, n in enumerate(q) if n != 1), len(q))
+    if all(n != 1 for n in q[first_multi:]):
+        return  # already partitioned (the usual case: decodes, then the prompts being prefilled)
+    order = [i for i, n in enumerate(q) if n == 1] + [i for i, n in enumerate(q) if n != 1]
+    for name in ("seqs", "num_new_tokens", "starts", "samples"):
+        values = getattr(out, name)
+        setattr(out, name, [values[i] for i in order])

@@ -85,14 +85,43 @@ class Attention(nn.Module):
                 scale=self.scale,
                 max_seqlen_k=meta.max_seqlen_k,  # lets the split-KV plan skip reading seq_lens
             )
-        return ops.paged_attention(
-            q,
+        if meta.num_decodes == 0:
+            return ops.paged_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_table,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                meta.max_seqlen_q,
+                scale=self.scale,
+                max_seqlen_k=meta.max_seqlen_k,
+            )
+        # A mixed step: its leading one-token requests through the decode kernel (a query tile of
+        # one token's heads), the others (prompt chunks, verification) through the paged kernel.
+        nd, rest_cu = meta.split_decodes()
+        out = torch.empty_like(q)
+        ops.decode_attention(
+            q[:nd],
             self.k_cache,
             self.v_cache,
-            meta.block_table,
-            meta.cu_seqlens_q,
-            meta.seq_lens,
-            meta.max_seqlen_q,
+            meta.block_table[:nd],
+            meta.seq_lens[:nd],
             scale=self.scale,
             max_seqlen_k=meta.max_seqlen_k,
+            out=out[:nd],
         )
+        if nd < meta.seq_lens.shape[0]:
+            ops.paged_attention(
+                q[nd:],
+                self.k_cache,
+                self.v_cache,
+                meta.block_table[nd:],
+                rest_cu,
+                meta.seq_lens[nd:],
+                meta.max_seqlen_q,
+                scale=self.scale,
+                max_seqlen_k=meta.max_seqlen_k,
+                out=out[nd:],
+            )
+        return out
