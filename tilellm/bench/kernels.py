@@ -9,10 +9,11 @@ writes everything. Every timed tilellm kernel is first checked against torch SDP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -40,7 +41,9 @@ CHUNK_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write results to this file")
     p.add_argument(
-        "--workloads", default="P1,P2,P3,D1,D2,D3,D4,V1,C1,S1,X1", help="comma-separated subset (X1: cascade)"
+        "--workloads",
+        default="P1,P2,P3,D1,D2,D3,D4,V1,C1,S1,X1,E1D",
+        help="comma-separated subset (X1: cascade decode; E1D: E1's decode step at 256 requests, 16/8 heads)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA baselines")
@@ -394,6 +397,17 @@ def _guard(name: str, rows: list[Row], fn: Callable, *args, **kwargs) -> None:
     torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def _query_heads(hq: int) -> Iterator[None]:
+    """Run a workload with another query-head count (the module's HQ, read by every helper)."""
+    global HQ
+    saved, HQ = HQ, hq
+    try:
+        yield
+    finally:
+        HQ = saved
+
+
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("tilellm bench kernels needs a CUDA GPU")
@@ -430,6 +444,13 @@ def main(args: argparse.Namespace) -> int:
                 peers=peers,
             )
             torch.cuda.empty_cache()
+    if "E1D" in want:
+        # E1's decode steps at 256 running requests as the engine runs them: Qwen3-0.6B's heads
+        # (16 query, 8 KV: group 2) and E1's contexts (prompt 100..1024 plus a few outputs).
+        with _query_heads(16):
+            kv = _lengths(100, 1100, 256, 9)
+            _guard("E1D", rows, bench_paged, "E1D", [1] * len(kv), kv, dtype, rows, ceilings,
+                   decode=True, sweep=True, peers=False)  # fmt: skip
     if "V1" in want:
         _guard(
             "V1",
