@@ -227,6 +227,15 @@ def test_paged_report_matches_kernel(num_splits, device):
     assert plan.num_splits == sched.split_plan.num_splits, (plan, sched.split_plan)
     if num_splits is None:
         assert plan.num_splits > 1, plan.reason
+        # A chosen plan keeps segments >= MIN_KEYS_PER_SPLIT keys: short requests are not cut.
+        assert plan.min_keys_per_split == schedule.MIN_KEYS_PER_SPLIT
+        for p in sched.programs:
+            if pairs[p.request][1] <= schedule.MIN_KEYS_PER_SPLIT and p.split > 0:
+                assert p.full + p.diagonal == 0, p
+        long_segments = [p for p in sched.programs if p.request == len(pairs) - 1 and p.full + p.diagonal]
+        assert len(long_segments) > 1
+        for p in long_segments[:-1]:  # every segment but the last holds at least the minimum
+            assert (p.full + p.diagonal) * sched.block_n >= schedule.MIN_KEYS_PER_SPLIT, long_segments
     stats = stats.cpu()
     assert stats.shape == (len(pairs), 1, sched.grid[2], 2)
     splits = plan.num_splits

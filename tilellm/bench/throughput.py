@@ -179,6 +179,24 @@ def _free() -> None:
         pass
 
 
+def compiled_kernel_variants() -> int:
+    """Triton kernel variants compiled so far in this process (tilellm's kernels, every device).
+
+    A run that compiles (a step shape the engine's warm-up did not cover) pays ~1 s per variant;
+    the benchmark reports the count so that such stalls are seen, not guessed."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    total = 0
+    for name in ("paged", "merge", "store", "prefill", "sparse", "fused"):
+        module = importlib.import_module(f"tilellm.kernels.{name}")
+        for obj in vars(module).values():
+            if isinstance(obj, JITFunction):
+                total += sum(len(cache[0]) for cache in getattr(obj, "device_caches", {}).values())
+    return total
+
+
 def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
     from tilellm import SamplingParams
 
@@ -194,6 +212,7 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
     runner_times.clear()
     engine.record_steps = True
     engine.runner.time_device = True
+    compiled_before = compiled_kernel_variants()
     _sync()
     t0 = time.perf_counter()
     outs = llm.generate(w.prompts, params, use_tqdm=True)
@@ -261,6 +280,7 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
             }
             r.extra[f"launch_us_{path}"]["steps"] = int(n)
     r.extra["async_scheduling"] = engine.async_scheduling
+    r.extra["kernel_compiles_in_run"] = compiled_kernel_variants() - compiled_before
     r.extra["num_kv_blocks"] = engine.block_manager.num_blocks
     stats = engine.get_stats()
     r.extra["prefix_cache_hit_rate"] = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)

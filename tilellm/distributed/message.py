@@ -9,7 +9,8 @@ header can receive the payload straight into device memory and view its arrays i
 host copy, no sync). The runner uses the same layout with one rank too: every rank runs the same
 code on the same bytes.
 
-Payload sections, in order; each starts on a word, int32 arrays hold two values per word.
+Payload sections, in order; each starts on an even word (16-byte aligned, so that kernels see
+the same pointer alignment every step), int32 arrays hold two values per word.
 T packed tokens (the graph's batch size for graph steps), B requests, C block-table columns,
 N sampled rows:
   input_ids           [T] int64
@@ -88,6 +89,7 @@ def payload_layout(header: np.ndarray) -> tuple[list[tuple[str, np.dtype, tuple[
         sections.append(("cascade_prefix_len", _I32, (1,)))
     layout, offset = [], 0
     for name, dtype, shape in sections:
+        offset += offset % 2  # every section 16-byte aligned, whatever the counts before it
         layout.append((name, dtype, shape, offset))
         count = math.prod(shape)
         offset += count if dtype == _I64 else (count + 1) // 2

@@ -371,10 +371,15 @@ class ModelRunner:
                 self._warmup_step([q], [ctx], BatchKind.DECODE if q == 1 else BatchKind.MIXED)
             self._warmup_step([q], [q], BatchKind.PREFILL)
         self._warmup_step([1] * 8, [long_ctx] * 8, BatchKind.DECODE)
+        # Mixed steps: decodes (the decode kernel, split and not) beside a prompt chunk.
+        for q in (2, 129, cap):
+            if q < long_ctx:
+                self._warmup_step([1] * 8 + [q], [long_ctx] * 8 + [q], BatchKind.MIXED)
+                self._warmup_step([1, q], [q + 1, long_ctx], BatchKind.MIXED)
         if long_ctx > 256:  # cascade decode (a shared prefix): its two passes and the merge
             self._warmup_step([1] * 8, [long_ctx] * 8, BatchKind.DECODE, cascade_prefix=256)
         torch.cuda.synchronize()
-        logger.info("warmed up %d step shapes in %.1f s", 3 * len(q_lens), time.perf_counter() - t0)
+        logger.info("warmed up the kernels in %.1f s", time.perf_counter() - t0)
 
     def _warmup_step(
         self, q_lens: list[int], seq_lens: list[int], kind: BatchKind, cascade_prefix: int = 0
@@ -385,6 +390,9 @@ class ModelRunner:
         cu = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=dev)
         num_tokens = sum(q_lens)
         positions = torch.cat([torch.arange(s - q, s, device=dev) for q, s in zip(q_lens, seq_lens)])
+        num_decodes = 0
+        if kind is BatchKind.MIXED:
+            num_decodes = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
         meta = AttentionMetadata(
             kind=kind,
             cu_seqlens_q=cu,
@@ -396,6 +404,7 @@ class ModelRunner:
             cascade_prefix_len=(
                 torch.tensor([cascade_prefix], dtype=torch.int32, device=dev) if cascade_prefix else None
             ),
+            num_decodes=num_decodes,
         )
         with attention_context(meta):
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev), positions)

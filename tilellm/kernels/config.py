@@ -68,7 +68,8 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     elif interpreting():
         rows, block_n, warps, stages = 16, 16, 4, 1
     elif max_seqlen_q * group <= 16:
-        rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 4, 3
+        # Decode: 2 warps per 16-row tile (E1D sweep, RESULTS.md run 8: 18% over 4 warps).
+        rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 2, 3
     elif max_seqlen_q * group <= 64:
         rows, block_n, warps, stages = 64, 64 if head_dim <= 128 else 32, 4, 3
     else:

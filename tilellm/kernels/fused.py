@@ -29,7 +29,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # the token count changes every step
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
     stride_x, stride_res, stride_y, stride_res_out,
@@ -92,7 +92,7 @@ def rms_norm(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, N, I,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -166,7 +166,7 @@ def _rotate_rows(
     tl.store(dst + half, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["pos_ptr"])
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh,

@@ -19,7 +19,15 @@ from tilellm.kernels import validation
 LOG2_E = tl.constexpr(1.4426950408889634)  # 1/ln 2, usable inside @jit
 
 
-@triton.jit
+def _splits_pad(num_splits: int) -> int:
+    """The kernel's split lanes: few variants (8 or 64 lanes up to the planner's 64 splits), so
+    that a new split count in the middle of serving does not compile a new kernel."""
+    if num_splits <= 8:
+        return 8
+    return max(64, triton.next_power_of_2(num_splits))
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_pt", "stride_ls", "stride_lt"])
 def _merge_kernel(
     O_parts,
     LSE_parts,
@@ -109,7 +117,7 @@ def merge_into(
         out.stride(0),
         out.stride(1),
         HEAD_DIM=D,
-        SPLITS_PAD=max(2, triton.next_power_of_2(S)),
+        SPLITS_PAD=_splits_pad(S),
         WRITE_LSE=lse_out is not None,
         num_warps=4 if D >= 128 else 2,
     )

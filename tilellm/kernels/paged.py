@@ -76,13 +76,27 @@ def _paged_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Per-step values (token counts, table widths, split counts) and index-array pointers (views
+# into the step's payload, or slices of it) are not specialised on: Triton would otherwise
+# compile a new variant whenever one of them changes divisibility by 16 or alignment, in the
+# middle of serving. K/V/Q/O keep their alignment specialisation (vectorised loads).
+@triton.jit(
+    do_not_specialize=["num_tokens", "stride_bt", "num_splits", "min_split_keys", "part_base"],
+    do_not_specialize_on_alignment=[
+        "stats",
+        "block_table",
+        "cu_seqlens_q",
+        "seq_lens",
+        "kv_lo_ptr",
+        "kv_hi_ptr",
+    ],
+)
 def _paged_kernel(
     Q, K_cache, V_cache, O, O_parts, LSE_parts, stats,  # tensors
     block_table, cu_seqlens_q, seq_lens,  # batch description
     qk_scale, num_tokens, num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    num_splits, kv_lo_ptr, kv_hi_ptr, part_base,  # split-KV and key windows (cascade)
+    num_splits, min_split_keys, kv_lo_ptr, kv_hi_ptr, part_base,  # split-KV, key windows (cascade)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
@@ -138,6 +152,7 @@ def _paged_kernel(
     if SPLIT:
         # This tile's keys in num_splits equal segments (whole key tiles each).
         seg = tl.cdiv(tl.cdiv(tl.maximum(kv_end - base, 0), num_splits), BLOCK_N) * BLOCK_N
+        seg = tl.maximum(seg, tl.cdiv(min_split_keys, BLOCK_N) * BLOCK_N)  # short requests: fewer segments
         lo = base + split * seg
         hi = tl.minimum(lo + seg, kv_end)
     else:
@@ -320,7 +335,7 @@ def _launch(
         validation.resolve_scale(scale, D) * LOG2_E, T, Hq,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        splits,
+        splits, plan.min_keys_per_split,
         kv_lo if kv_lo is not None else seq_lens,  # unread unless HAS_KV_LO
         kv_hi if kv_hi is not None else seq_lens,  # unread unless HAS_KV_HI
         part_base,

@@ -31,7 +31,8 @@ class SplitPlan:
     """Into how many key segments each (request, KV head, query tile) program is cut, and why.
 
     Each program's causal key range is divided into `num_splits` equal segments (multiples of
-    the key tile); a segment with no key for a row records an empty partial result (lse = -inf).
+    the key tile, at least `min_keys_per_split` keys); a segment with no key for a row records an
+    empty partial result (lse = -inf).
     """
 
     num_splits: int
@@ -39,6 +40,9 @@ class SplitPlan:
     num_sms: int
     base_programs: int  # programs without splitting: requests x KV heads x query tiles
     kv_len_per_split: int  # keys per segment of the longest context
+    # A chosen plan never cuts segments shorter than this: a shorter request gets fewer
+    # (non-empty) segments, the others record empty partials. 0 for a forced count.
+    min_keys_per_split: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,14 @@ def choose_num_splits(
         f"(target {PROGRAMS_PER_SM} per SM, >= {MIN_KEYS_PER_SPLIT} keys per segment of the longest context, "
         f"cap {MAX_SPLITS})"
     )
-    return SplitPlan(n, reason, sms, base, _cdiv(max_seqlen_k, n))
+    return SplitPlan(n, reason, sms, base, _cdiv(max_seqlen_k, n), MIN_KEYS_PER_SPLIT)
+
+
+def split_segment(num_keys: int, num_splits: int, block_n: int, min_keys: int) -> int:
+    """Keys per segment of a program's key range (the kernel computes the same): equal parts in
+    whole key tiles, but at least `min_keys` (rounded up to whole tiles)."""
+    seg = _cdiv(_cdiv(num_keys, num_splits), block_n) * block_n
+    return max(seg, _cdiv(min_keys, block_n) * block_n)
 
 
 def _host_max(seq_lens: torch.Tensor | Sequence[int] | None, *, allow_device: bool) -> int:
@@ -264,7 +275,7 @@ def paged_schedule(
                     kv_end = context + min(t0 + block_q, q_len)
                     full_end = (context + t0 + 1) // bn * bn
                     if splits > 1:
-                        seg = _cdiv(_cdiv(kv_end, splits), bn) * bn
+                        seg = split_segment(kv_end, splits, bn, plan.min_keys_per_split)
                         lo = split * seg
                         hi = max(lo, min(lo + seg, kv_end))
                     else:

@@ -14,7 +14,7 @@ import triton.language as tl
 from tilellm.kernels import validation
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping"])
 def _store_kernel(
     K,
     V,
