@@ -21,7 +21,7 @@ import torch
 from tilellm.kernels.config import num_sms as device_num_sms
 from tilellm.kernels.config import paged_config, prefill_config
 
-MIN_KEYS_PER_SPLIT = 512  # below this a segment's fixed costs (Q load, partial write, merge) dominate
+MIN_KEYS_PER_SPLIT = 1024  # shorter segments cost more in per-program work than they spread (E1D, RESULTS.md)
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 16  # measured on an H200 (benchmarks/RESULTS.md): decode wants many short programs
 
