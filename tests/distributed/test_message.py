@@ -16,6 +16,7 @@ from tilellm.distributed.message import (
     OP_STOP,
     decode_step,
     encode_step,
+    payload_layout,
     stop_header,
 )
 from tilellm.engine.metadata import BatchKind, build_step_batch
@@ -42,6 +43,7 @@ def _batch(starts: list[int], q_lens: list[int], samples: list[bool] | None = No
     [
         ([0, 0, 0], [5, 1, 9], None),  # prefill, odd int32 counts
         ([7, 0, 12], [1, 6, 3], [True, False, True]),  # mixed: chunked prefill next to a decode
+        ([7, 3, 12, 0], [1, 1, 3, 5], None),  # mixed with two leading decodes (num_decodes = 2)
         ([9, 30, 4, 17], [1, 1, 1, 1], None),  # decode
         ([0], [1], [False]),  # no sampled row
     ],
@@ -56,6 +58,10 @@ def test_eager_step_round_trip(starts, q_lens, samples):
     a = batch.attn
     assert (x.kind, x.graph, x.num_reqs) == (a.kind, False, len(q_lens))
     assert (x.max_seqlen_q, x.max_seqlen_k) == (a.max_seqlen_q, a.max_seqlen_k)
+    leading = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    assert x.num_decodes == a.num_decodes == (leading if a.kind is BatchKind.MIXED else 0)
+    layout, _ = payload_layout(msg.header)
+    assert all(offset % 2 == 0 for *_, offset in layout), "a payload section is not 16-byte aligned"
     pairs = [
         (x.input_ids, batch.input_ids),
         (x.positions, batch.positions),

@@ -67,6 +67,10 @@ class FakeRunner:
             assert a.kind is BatchKind.DECODE
         else:
             assert a.kind is BatchKind.MIXED
+            leading = int(np.argmin(q == 1)) if not (q == 1).all() else len(q)
+            assert a.num_decodes == leading, (a.num_decodes, q)
+        if a.kind is not BatchKind.MIXED:
+            assert a.num_decodes == 0
         self.kinds.append(a.kind)
         for i in range(len(q)):
             nb = -(-seq_lens[i] // bs)

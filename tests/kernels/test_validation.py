@@ -776,7 +776,8 @@ def test_value_checks_on_gpu_follow_tilellm_debug(monkeypatch, debug):
     a = paged_args()
     a = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
     bad_table = dict(a, seq_lens=a["seq_lens"].clone())
-    bad_table["seq_lens"][1] = 40  # block table too short
+    # one key more than the table's columns x block_size can hold: block table too short
+    bad_table["seq_lens"][1] = a["block_table"].shape[1] * a["k_cache"].shape[1] + 1
     if debug:
         with pytest.raises(ValueError, match="block_table too short"):
             validation.check_paged(

@@ -9,6 +9,7 @@ import torch
 
 from tests.conftest import DEVICE
 from tilellm.engine.metadata import AttentionMetadata, BatchKind, build_step_batch
+from tilellm.kernels import schedule
 from tilellm.models.layers.attention import Attention, resolve_attention_ops
 
 
@@ -49,6 +50,8 @@ def _mixed_step(q_lens, seq_lens, hq, hkv, d, block_size, dtype, seed):
         ([1, 1, 1, 7, 16], [5, 17, 33, 7, 40]),  # decodes, then a first chunk and a later chunk
         ([1, 1], [9, 30]),  # decodes only, in a MIXED step (they have cached prefixes)
         ([1, 5], [1, 12]),  # a one-token prompt at position 0 counts as a decode
+        # contexts long enough for split-KV in both launches (max_seqlen_k >= 2 x MIN_KEYS_PER_SPLIT)
+        ([1, 1, 4], [2100, 700, 2110]),
     ],
 )
 @pytest.mark.parametrize("hq, hkv", [(4, 2), (3, 1)])
@@ -70,6 +73,13 @@ def test_mixed_step_split_equals_one_paged_call(backend, q_lens, seq_lens, hq, h
     split_meta = AttentionMetadata(**{**meta.__dict__, "num_decodes": num_decodes})
     with attention_context(split_meta):
         split = layer(q, k, v)
+    if max(seq_lens) >= 2 * schedule.MIN_KEYS_PER_SPLIT:  # the case meant to exercise split-KV
+        plan = schedule.choose_num_splits(num_decodes, hkv, 1, None, max_seqlen_k=max(seq_lens))
+        assert plan.num_splits > 1, plan.reason
+    # The runner's precomputed cu_seqlens of the non-decode requests gives the same result.
+    rest = meta.cu_seqlens_q[num_decodes:] - num_decodes
+    with attention_context(AttentionMetadata(**{**split_meta.__dict__, "rest_cu_seqlens_q": rest})):
+        torch.testing.assert_close(layer(q, k, v), split, rtol=0, atol=0)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     reference = resolve_attention_ops("reference", "cpu")
     q, k_cache, v_cache, meta = q.cpu(), k_cache.cpu(), v_cache.cpu(), _to_cpu(meta)

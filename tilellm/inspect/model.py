@@ -150,8 +150,11 @@ def schedule_for(
     kernel: str = "auto",
     num_splits: int | None = None,
 ) -> TileSchedule:
-    """The schedule of the kernel the engine would launch: `prefill_attention` when every request
-    starts at position 0, else `paged_attention` (decode is its one-token case)."""
+    """The schedule of the attention kernel for this batch: `prefill_attention` when every request
+    starts at position 0, else `paged_attention` (decode is its one-token case) over the whole
+    batch. (The engine splits a mixed step in two launches: its leading one-token requests go
+    through the decode form with their own split plan, the rest through paged attention; this
+    shows the single paged launch that computes the same result.)"""
     if kernel == "auto":
         kernel = "prefill" if all(q == s for q, s in zip(q_lens, seq_lens)) else "paged"
     cu = [0]
