@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "text; no chat, echo or stop strings (as vLLM's flag)",
     )
     parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process, so that HTTP streaming and the engine's Python "
+        "do not share one GIL (default); --no-engine-process runs it in a thread of the server",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -91,19 +98,27 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from tilellm.engine.llm_engine import LLMEngine
     from tilellm.server.app import ServerConfig, create_app
     from tilellm.server.launcher import make_server
 
-    engine = LLMEngine(
-        model,
-        **engine_kwargs(args),
-        load_format=args.load_format,
-        skip_tokenizer_init=args.skip_tokenizer_init,
+    kwargs = dict(
+        engine_kwargs(args), load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init
     )
-    # As `LLM` does on CUDA: outputs lag one step, nothing else changes (see LLMEngine).
-    is_cuda = bool(getattr(engine.runner, "is_cuda", False))
-    engine.async_scheduling = is_cuda if args.async_scheduling is None else args.async_scheduling
+    if args.engine_process:
+        from tilellm.server.engine_process import EngineProcess
+
+        try:
+            engine = EngineProcess(model, kwargs, async_scheduling=args.async_scheduling)
+        except RuntimeError as exc:
+            print(f"tilellm serve: {exc}", file=sys.stderr)
+            return 1
+    else:
+        from tilellm.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(model, **kwargs)
+        # As `LLM` does on CUDA: outputs lag one step, nothing else changes (see LLMEngine).
+        is_cuda = bool(getattr(engine.runner, "is_cuda", False))
+        engine.async_scheduling = is_cuda if args.async_scheduling is None else args.async_scheduling
     config = ServerConfig(
         served_model_name=args.served_model_name or default_name,
         api_key=args.api_key or None,

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tilellm.server.async_engine import AsyncEngine
+from tilellm.server.engine_process import EngineProcess
 from tilellm.server.errors import APIError, error_body, install_error_handlers
 from tilellm.server.metrics import ServerMetrics
 from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -115,9 +116,14 @@ def _vocab_size(engine: Any) -> int:
 
 
 def create_app(engine: Any, config: ServerConfig) -> FastAPI:
-    """An app serving `engine` (an `LLMEngine`); the engine thread runs while the app's lifespan does."""
+    """An app serving `engine`: an `LLMEngine` (run by a thread of this process while the app's
+    lifespan does) or an `EngineProcess` (the engine in its own process; `tilellm serve`'s default)."""
     metrics = ServerMetrics(config.served_model_name)
-    async_engine = AsyncEngine(engine, max_waiting=config.max_waiting, observer=metrics)
+    if isinstance(engine, EngineProcess):
+        engine.configure(max_waiting=config.max_waiting, observer=metrics)
+        async_engine: AsyncEngine | EngineProcess = engine
+    else:
+        async_engine = AsyncEngine(engine, max_waiting=config.max_waiting, observer=metrics)
     metrics.bind(lambda: async_engine.stats)
     serving = OpenAIServing(
         async_engine,
@@ -200,7 +206,7 @@ async def _guarded(handler: Awaitable[Any]) -> Any:
         raise APIError(500, "internal server error; see the server log", code="internal_error") from None
 
 
-def _mount_inspect(app: FastAPI, async_engine: AsyncEngine) -> None:
+def _mount_inspect(app: FastAPI, async_engine: AsyncEngine | EngineProcess) -> None:
     """GET /inspect: the last engine step and the KV pool as HTML, when `tilellm.inspect` is there."""
     try:
         from tilellm.inspect import inspect_engine, render_html

@@ -1,0 +1,165 @@
+"""The server with its engine in a separate process (`EngineProcess`, `tilellm serve`'s default):
+the same answers as the in-process engine, errors and disconnects handled across the pipe, and a
+dead engine process turns /health red and fails the requests in flight instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, assert_error
+from tests.server.helpers import ServerThread
+
+KEY = "process-key"
+NAME = "tiny-process"
+ENGINE_KWARGS = dict(
+    device="cpu",
+    dtype="float32",
+    block_size=16,
+    num_kv_blocks=512,
+    max_num_seqs=64,
+    max_model_len=MAX_MODEL_LEN,
+    seed=0,
+)
+
+
+def _start(model_dir: str):
+    from tilellm.server import ServerConfig, create_app
+    from tilellm.server.engine_process import EngineProcess
+
+    engine = EngineProcess(model_dir, dict(ENGINE_KWARGS))
+    config = ServerConfig(NAME, api_key=KEY, max_waiting=128)
+    return engine, ServerThread(create_app(engine, config))
+
+
+@pytest.fixture(scope="module")
+def proc_server(tiny_model_dir):
+    engine, thread = _start(tiny_model_dir)
+    with thread as s:
+        s.engine = engine
+        yield s
+    assert not engine._proc.is_alive(), "the engine process outlived the server"
+
+
+@pytest.fixture
+def http(proc_server):
+    with httpx.Client(base_url=proc_server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+def _metrics(http) -> dict[str, float]:
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("tilellm:") and "_bucket{" not in line:
+            name = line[len("tilellm:") :].split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_answers_equal_the_in_process_engine(proc_server, server):
+    """Greedy completions, streamed and not, and chat, as the thread-backed server gives them."""
+    import openai
+
+    here = openai.OpenAI(base_url=proc_server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    there = openai.OpenAI(base_url=server.url + "/v1", api_key="test-key", max_retries=0, timeout=60)
+    for prompt in ["Hello there", "1 2 3 4", "z"]:
+        kw = dict(prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+        a = here.completions.create(model=NAME, **kw)
+        b = there.completions.create(model="tiny", **kw)
+        assert a.choices[0].text == b.choices[0].text
+        assert a.choices[0].logprobs.tokens == b.choices[0].logprobs.tokens
+        assert a.usage == b.usage
+        streamed = "".join(
+            c.choices[0].text for c in here.completions.create(model=NAME, stream=True, **kw) if c.choices
+        )
+        assert streamed == a.choices[0].text
+    msgs = [{"role": "user", "content": "Say something"}]
+    a = here.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0, n=2)
+    b = there.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, n=2)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+def test_concurrent_streams_each_equal_alone(proc_server):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=proc_server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompts = [[5 + i, 9, 11 + i % 7, 3] for i in range(24)]
+
+    async def one(p, stream):
+        kw = dict(model=NAME, prompt=p, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+        if not stream:
+            r = await client.completions.create(**kw)
+            return r.choices[0].text
+        parts = []
+        async for c in await client.completions.create(stream=True, **kw):
+            parts += [ch.text for ch in c.choices]
+        return "".join(parts)
+
+    async def run():
+        together = await asyncio.gather(*(one(p, True) for p in prompts))
+        alone = [await one(p, False) for p in prompts[:6]]
+        return together, alone
+
+    together, alone = asyncio.run(run())
+    assert together[:6] == alone
+    assert all(together)
+
+
+def test_errors_cross_the_pipe_and_serving_goes_on(proc_server, http):
+    r = http.post(
+        "/v1/completions", json={"model": NAME, "prompt": [7] * (MAX_MODEL_LEN + 1), "max_tokens": 1}
+    )
+    assert_error(r, 400)
+    r = http.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_disconnect_frees_blocks_and_inspect_works(proc_server, http):
+    body = {"model": NAME, "prompt": [4] * 40, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        next(ln for ln in lines if ln.startswith("data: "))
+        assert _metrics(http)["kv_blocks_used"] > 0
+    deadline = time.monotonic() + 20
+    while _metrics(http)["kv_blocks_used"] > 0:  # the abort travels to the engine process
+        assert time.monotonic() < deadline, "blocks of the disconnected request were not freed"
+        time.sleep(0.05)
+    m = _metrics(http)
+    assert m["num_requests_running"] == 0 and m["request_success_total"] >= 1
+    page = http.get("/inspect")  # a function call run in the engine process
+    assert page.status_code == 200 and "<html" in page.text.lower()
+
+
+def test_dead_engine_process_fails_requests_and_health(tiny_model_dir):
+    engine, thread = _start(tiny_model_dir)
+    with thread as s:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.get(s.url + "/health").status_code == 200
+        body = {"model": NAME, "prompt": [4] * 8, "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, headers=headers, timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(ln for ln in lines if ln.startswith("data: "))
+            os.kill(engine._proc.pid, signal.SIGKILL)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        errors = [json.loads(ln[6:]) for ln in rest if ln != "data: [DONE]" and "error" in ln]
+        assert errors and errors[0]["error"]["code"] == "engine_error", rest[-3:]
+        deadline = time.monotonic() + 10
+        while httpx.get(s.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "x"}, headers=headers)
+        assert r.status_code >= 500 and "error" in r.json()
+
+
+def test_engine_that_cannot_start_names_the_problem(tmp_path):
+    from tilellm.server.engine_process import EngineProcess
+
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    with pytest.raises(RuntimeError, match="NoSuchForCausalLM"):
+        EngineProcess(str(tmp_path), {"device": "cpu", "skip_tokenizer_init": True})

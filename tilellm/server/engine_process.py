@@ -1,0 +1,416 @@
+"""The engine in its own process, so that the HTTP side and the engine do not share one GIL.
+
+Why: at 20k+ output tokens/s the engine thread needs most of a step's time in Python (scheduling,
+input preparation, stop checks, one output per request per step), and the event loop needs ~20 us
+of Python for every streamed chunk: in one process they take turns on the GIL, the engine thread
+falls behind the GPU, and the server delivered half of what the same engine does offline
+(benchmarks/RESULTS.md, run 10). In its own process the engine keeps a whole GIL.
+
+    engine = EngineProcess("path/to/model", {"max_num_seqs": 256, ...})   # returns once built
+    app = create_app(engine, config)                                      # as with an LLMEngine
+
+The engine process runs the same loop as the in-process `AsyncEngine` (commands in, one step,
+per-request deltas out); only the transport differs: one multiprocessing pipe each way, carrying
+compact tuples instead of `call_soon_threadsafe` callbacks. This side keeps, per HTTP request, its
+asyncio queue and the engine request ids that feed it; a reader thread turns the engine's
+messages into queue items on the event loop.
+
+Messages, this process -> engine: ("add", [(EngineRequest, tag)], qid, fid, arrival),
+("abort", [request_id]), ("call", fn, fid), ("stop",).
+Engine -> this process: ("ready", info) | ("failed", text) once at start, then ("updates",
+[(qid, update tuple)]), ("resolve", fid, error, value), ("stats", StatsSnapshot), ("obs", method,
+args) for the metrics observer, ("exit", error or None) last.
+
+The engine process ignores SIGINT/SIGTERM (a Ctrl-C reaches the whole process group): the server
+process decides when it stops; if the server process dies, the pipe closes and the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import pickle
+import signal
+import threading
+import weakref
+from typing import Any
+
+from tilellm.server.async_engine import (
+    AsyncEngine,
+    EngineRequest,
+    QueueFullError,
+    RequestUpdate,
+    SeqDelta,
+    StatsSnapshot,
+    _deliver,
+    _resolve,
+)
+
+logger = logging.getLogger("tilellm.server")
+
+
+# -- update tuples: pickled in the engine's hot loop, so plain tuples, not dataclasses -----------
+
+
+def _pack(update: RequestUpdate) -> tuple:
+    deltas = [
+        (d.index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.final_text)
+        for d in update.deltas
+    ]
+    return (update.tag, deltas, update.finished, update.num_cached_tokens, update.error)
+
+
+def _unpack(packed: tuple) -> RequestUpdate:
+    tag, deltas, finished, num_cached, error = packed
+    return RequestUpdate(tag, [SeqDelta(*d) for d in deltas], finished, num_cached, error)
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """`error` if it survives pickling, else a RuntimeError with its text."""
+    if error is None:
+        return None
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+# -- engine process ------------------------------------------------------------------------------
+
+
+class _PipeObserver:
+    """The metrics observer's calls, forwarded to the server process."""
+
+    def __init__(self, send):
+        self._send = send
+
+    def on_first_token(self, ttft: float) -> None:
+        self._send(("obs", "on_first_token", (ttft,)))
+
+    def on_finished(self, e2e: float, tpot: float | None, reason: str) -> None:
+        self._send(("obs", "on_finished", (e2e, tpot, reason)))
+
+    def on_aborted(self) -> None:
+        self._send(("obs", "on_aborted", ()))
+
+
+class _EngineLoop(AsyncEngine):
+    """`AsyncEngine`'s engine-thread half inside the engine process: what it would hand to the
+    event loop goes down the pipe. Its `queue` handles are the server's queue ids (ints) and its
+    futures are the server's future ids."""
+
+    def __init__(self, engine: Any, conn: Any):
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        super().__init__(engine, max_waiting=1 << 62, observer=_PipeObserver(self._send))
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _call_in_loop(self, fn, *args) -> None:
+        if fn is _deliver:
+            (routed,) = args
+            self._send(("updates", [(qid, _pack(update)) for qid, update in routed]))
+        elif fn is _resolve:
+            fid, error, *value = args
+            self._send(("resolve", fid, _portable(error), value[0] if value else None))
+        else:  # pragma: no cover - AsyncEngine hands nothing else to the loop
+            raise RuntimeError(f"unexpected loop callback {fn!r}")
+
+    def _publish_stats(self) -> None:
+        super()._publish_stats()
+        self._send(("stats", self.stats))
+
+    def read_commands(self) -> None:
+        """Pipe -> inbox, in a thread of the engine process (the main thread runs `_run`)."""
+        from tilellm.server.async_engine import _AddBatch, _Call
+
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):  # the server process is gone
+                message = ("stop",)
+            kind = message[0]
+            with self._cv:
+                if kind == "add":
+                    _, requests, qid, fid, arrival = message
+                    self._pending_adds += len(requests)
+                    self._inbox.append(_AddBatch(requests, qid, fid, arrival))
+                elif kind == "abort":
+                    self._inbox.append(list(message[1]))
+                elif kind == "call":
+                    self._inbox.append(_Call(message[1], message[2]))
+                else:
+                    self._stopping = True
+                self._cv.notify()
+            if kind == "stop":
+                return
+
+
+def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: bool | None) -> None:
+    """Entry point of the engine process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        from tilellm.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(model, **engine_kwargs)
+        is_cuda = bool(getattr(engine.runner, "is_cuda", False))
+        engine.async_scheduling = is_cuda if async_scheduling is None else async_scheduling
+    except BaseException as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.close()
+        return
+    info = {"max_model_len": int(engine.max_model_len), "vocab_size": int(engine.vocab_size)}
+    conn.send(("ready", info))
+    loop = _EngineLoop(engine, conn)
+    loop._publish_stats()
+    reader = threading.Thread(target=loop.read_commands, name="tilellm-engine-commands", daemon=True)
+    reader.start()
+    try:
+        loop._run()
+        conn.send(("exit", loop.error))
+    except (BrokenPipeError, OSError):  # the server process is gone
+        pass
+    finally:
+        engine.shutdown()
+        conn.close()
+
+
+# -- server process ------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """An `LLMEngine` in a child process, with `AsyncEngine`'s interface for the HTTP side.
+
+    Construction starts the process and returns once the engine is built (model loaded, KV pool
+    sized, CUDA graphs captured), raising RuntimeError with the engine's error if that fails.
+    `tokenizer`, `max_model_len` and `vocab_size` are what `create_app` needs; the tokenizer is
+    loaded here too (chat templates and logprob token strings are rendered on the HTTP side).
+    """
+
+    def __init__(self, model: str, engine_kwargs: dict, *, async_scheduling: bool | None = None):
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_engine_main,
+            args=(child_conn, model, engine_kwargs, async_scheduling),
+            name="tilellm-engine",
+        )
+        self._proc.start()
+        child_conn.close()
+        self._finalizer = weakref.finalize(self, _terminate, self._proc)
+        try:
+            kind, info = self._conn.recv()
+        except EOFError:
+            kind, info = "failed", f"the engine process exited with status {self._proc.exitcode}"
+        if kind != "ready":
+            self._proc.join(10)
+            raise RuntimeError(f"the engine failed to start: {info}")
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self.tokenizer = None
+        if not engine_kwargs.get("skip_tokenizer_init", False):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.max_waiting = 1024
+        self.observer: Any = None
+        self.stats = StatsSnapshot()
+        self.error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._next_id = 0
+        self._queues: dict[int, tuple[asyncio.Queue, dict[int, str]]] = {}  # qid -> (queue, tag -> id)
+        self._qid_of: dict[str, int] = {}  # engine request id -> qid
+        self._futures: dict[int, tuple[asyncio.Future, int, int | None]] = {}  # fid -> (future, adds, qid)
+        self._stopping = False
+        self._reader: threading.Thread | None = None
+
+    def configure(self, *, max_waiting: int, observer: Any) -> None:
+        """The server's queue bound and metrics observer (`create_app` calls this)."""
+        self.max_waiting = max_waiting
+        self.observer = observer
+
+    # ---- lifecycle ----
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read, name="tilellm-engine-reader", daemon=True)
+        self._reader.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is still in flight and wait for the engine process to exit."""
+        with self._lock:
+            self._stopping = True
+        try:
+            self._conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            logger.warning("engine process still running %.0f s after stop: terminating it", timeout)
+            self._proc.kill()
+            self._proc.join(5)
+        if self._reader is not None:
+            self._reader.join(5)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._proc.is_alive() and self.error is None
+
+    # ---- requests (event loop side) ----
+
+    async def add_requests(self, requests: list[EngineRequest], queue: asyncio.Queue) -> None:
+        """As `AsyncEngine.add_requests`: QueueFullError, or the engine's ValueError; then none runs."""
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._stopping or self.error is not None:
+                raise RuntimeError("the server is shutting down" if self._stopping else self.error)
+            if self._pending_adds + self.stats.num_waiting + len(requests) > self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+            qid, fid = self._new_id(), self._new_id()
+            self._pending_adds += len(requests)
+            self._queues[qid] = (queue, {tag: r.request_id for tag, r in enumerate(requests)})
+            for r in requests:
+                self._qid_of[r.request_id] = qid
+            self._futures[fid] = (fut, len(requests), qid)
+        self._send(("add", list(zip(requests, range(len(requests)))), qid, fid, _monotonic()))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.abort([r.request_id for r in requests])
+            raise
+
+    def abort(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        with self._lock:
+            for rid in request_ids:
+                self._forget(rid)
+        self._send(("abort", list(request_ids)))
+
+    async def call(self, fn) -> Any:
+        """Run `fn(engine)` in the engine process between two steps; `fn` and its result must pickle."""
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            fid = self._new_id()
+            self._futures[fid] = (fut, 0, None)
+        self._send(("call", fn, fid))
+        return await fut
+
+    # ---- internals ----
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _forget(self, rid: str) -> None:
+        """Drop an engine request from the routing tables (caller holds the lock)."""
+        qid = self._qid_of.pop(rid, None)
+        if qid is None:
+            return
+        queue, tags = self._queues[qid]
+        for tag, r in list(tags.items()):
+            if r == rid:
+                del tags[tag]
+        if not tags:
+            del self._queues[qid]
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError) as exc:
+            raise RuntimeError("the engine process is not running") from exc
+
+    def _read(self) -> None:
+        """Engine messages -> event loop, until the engine process exits."""
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "updates":
+                    self._route(message[1])
+                elif kind == "resolve":
+                    self._resolved(*message[1:])
+                elif kind == "stats":
+                    self.stats = message[1]
+                elif kind == "obs":
+                    if self.observer is not None:
+                        getattr(self.observer, message[1])(*message[2])
+                elif kind == "exit":
+                    if message[1] is not None:
+                        self.error = message[1]
+                    break
+        except (EOFError, OSError):
+            if not self._stopping:
+                self.error = f"the engine process exited unexpectedly (status {self._proc.exitcode})"
+                logger.error(self.error)
+        if self.error is not None:
+            self._fail_all(self.error)
+
+    def _route(self, packed: list[tuple[int, tuple]]) -> None:
+        routed = []
+        with self._lock:
+            for qid, item in packed:
+                entry = self._queues.get(qid)
+                if entry is None:  # aborted here meanwhile
+                    continue
+                update = _unpack(item)
+                if update.finished:
+                    rid = entry[1].get(update.tag)
+                    if rid is not None:
+                        self._forget(rid)
+                routed.append((entry[0], update))
+        if routed:
+            self._call_in_loop(_deliver, routed)
+
+    def _resolved(self, fid: int, error: BaseException | None, value: Any) -> None:
+        with self._lock:
+            fut, adds, qid = self._futures.pop(fid, (None, 0, None))
+            self._pending_adds -= adds
+            if error is not None and qid is not None:  # rejected: none of its requests runs
+                for rid in list(self._queues.get(qid, (None, {}))[1].values()):
+                    self._forget(rid)
+        if fut is not None:
+            self._call_in_loop(_resolve, fut, error, value)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            queues, self._queues, self._qid_of = self._queues, {}, {}
+            futures, self._futures = self._futures, {}
+        routed = [
+            (queue, RequestUpdate(tag, [], True, error=message))
+            for queue, tags in queues.values()
+            for tag in tags
+        ]
+        if routed:
+            self._call_in_loop(_deliver, routed)
+        for fut, _, _ in futures.values():
+            self._call_in_loop(_resolve, fut, RuntimeError(message))
+
+    def _call_in_loop(self, fn, *args) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed
+            pass
+
+
+def _monotonic() -> float:
+    import time
+
+    return time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC is system-wide)
+
+
+def _terminate(proc: Any) -> None:
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
