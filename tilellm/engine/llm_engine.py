@@ -134,6 +134,10 @@ class LLMEngine:
         # read, so host work overlaps device work; outputs (and `last_step`) lag one call. Off by
         # default here (step-by-step callers see each step's own result); `LLM` turns it on on CUDA.
         self.async_scheduling = False
+        # Delta outputs (the server's streaming): each RequestOutput's samples carry only what is
+        # new since that request's previous output (token ids, text, logprobs), so a step costs
+        # O(new tokens) per request instead of copying every output so far. Off: cumulative.
+        self.output_deltas = False
         self._inflight: _InFlight | None = None
         self._pending_src = np.zeros(cfg.max_num_seqs, dtype=np.int64)  # row -> index in its step
         self._last_step: StepSnapshot | None = None
@@ -499,6 +503,17 @@ class LLMEngine:
         seq.cumulative_logprob += lp
 
     def _make_output(self, req: Request) -> RequestOutput:
+        if self.output_deltas:
+            outs = [self._delta_output(s) for s in req.seqs]
+            return RequestOutput(
+                request_id=req.request_id,
+                prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids,
+                outputs=outs,
+                finished=req.is_finished,
+                num_cached_tokens=req.seqs[0].num_cached_tokens,
+                metrics=req.metrics,
+            )
         outs = [
             CompletionOutput(
                 index=s.index,
@@ -519,6 +534,30 @@ class LLMEngine:
             finished=req.is_finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             metrics=req.metrics,
+        )
+
+    @staticmethod
+    def _delta_output(s: Sequence) -> CompletionOutput:
+        """What sequence `s` produced since its previous delta output. A trailing U+FFFD (an
+        incomplete UTF-8 character) is held back until the sequence finishes."""
+        first = s.num_emitted_tokens
+        end = len(s.token_ids) - s.num_pending - s.num_prompt_tokens
+        p = s.num_prompt_tokens
+        token_ids = s.token_ids[p + first : p + end] if end > first else []
+        s.num_emitted_tokens = max(first, end)
+        finished = s.finish_reason is not None
+        text = s.text
+        visible = len(text) if finished else len(text.rstrip("\ufffd"))
+        new_text = text[s.num_emitted_chars : visible] if visible > s.num_emitted_chars else ""
+        s.num_emitted_chars = max(s.num_emitted_chars, visible)
+        return CompletionOutput(
+            index=s.index,
+            text=new_text,
+            token_ids=token_ids,
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=s.logprobs[first : first + len(token_ids)] if s.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
         )
 
     # -- introspection --------------------------------------------------------------------------

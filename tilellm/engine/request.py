@@ -45,6 +45,8 @@ class Sequence:
         "num_prompt_tokens",
         "num_computed_tokens",
         "num_cached_tokens",
+        "num_emitted_tokens",
+        "num_emitted_chars",
         "status",
         "block_table",
         "block_hashes",
@@ -70,6 +72,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit (tokens) at first admission
+        # What delta outputs (`LLMEngine.output_deltas`) have already handed out.
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hash of each full block, computed lazily

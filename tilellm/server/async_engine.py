@@ -111,6 +111,8 @@ class AsyncEngine:
 
     def __init__(self, engine: Any, *, max_waiting: int = 1024, observer: Any = None):
         self.engine = engine
+        if hasattr(engine, "output_deltas"):  # an LLMEngine: outputs carry only what is new
+            engine.output_deltas = True
         self.max_waiting = max_waiting
         self.observer = observer
         self._cv = threading.Condition()
@@ -273,32 +275,40 @@ class AsyncEngine:
     def _make_update(self, tracked: _Tracked, out: Any, now: float) -> RequestUpdate:
         deltas = []
         max_tokens = 0
+        # An engine with `output_deltas` hands out only what is new (and holds back incomplete
+        # characters itself); otherwise outputs are cumulative and the new part is cut here.
+        engine_deltas = bool(getattr(self.engine, "output_deltas", False))
         for comp in out.outputs:
             idx = comp.index
             if idx in tracked.done:
                 continue
             n_sent = tracked.sent_tokens.get(idx, 0)
-            token_ids = list(comp.token_ids[n_sent:])
-            max_tokens = max(max_tokens, len(comp.token_ids))
             finished = comp.finish_reason is not None or out.finished
-            text = comp.text
-            # Hold back a trailing replacement character: the next token may complete the UTF-8 sequence.
-            visible = len(text) if finished else len(text.rstrip("\ufffd"))
-            t_sent = tracked.sent_text.get(idx, 0)
-            new_text = text[t_sent:visible] if visible > t_sent else ""
+            if engine_deltas:
+                token_ids, new_text, text = comp.token_ids, comp.text, None
+                logprobs = comp.logprobs
+                max_tokens = max(max_tokens, n_sent + len(token_ids))
+            else:
+                token_ids = list(comp.token_ids[n_sent:])
+                max_tokens = max(max_tokens, len(comp.token_ids))
+                text = comp.text
+                # Hold back a trailing replacement character: the next token may complete the UTF-8 sequence.
+                visible = len(text) if finished else len(text.rstrip("\ufffd"))
+                t_sent = tracked.sent_text.get(idx, 0)
+                new_text = text[t_sent:visible] if visible > t_sent else ""
+                tracked.sent_text[idx] = max(t_sent, visible)
+                logprobs = None
+                if comp.logprobs is not None:
+                    logprobs = list(comp.logprobs[n_sent : n_sent + len(token_ids)])
             if not token_ids and not new_text and not finished:
                 continue
-            logprobs = None
-            if comp.logprobs is not None:
-                logprobs = list(comp.logprobs[n_sent : n_sent + len(token_ids)])
             tracked.sent_tokens[idx] = n_sent + len(token_ids)
-            tracked.sent_text[idx] = max(t_sent, visible)
             delta = SeqDelta(idx, new_text, token_ids, logprobs)
             if finished:
                 tracked.done.add(idx)
                 delta.finish_reason = comp.finish_reason or "abort"
                 delta.stop_reason = comp.stop_reason
-                delta.final_text = text
+                delta.final_text = text  # None with engine deltas: the handler joins the deltas
             deltas.append(delta)
         if tracked.first_token_time is None and max_tokens > 0:
             tracked.first_token_time = now

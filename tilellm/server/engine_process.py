@@ -154,6 +154,7 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
     """Entry point of the engine process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         from tilellm.engine.llm_engine import LLMEngine
 
@@ -172,12 +173,31 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
     reader.start()
     try:
         loop._run()
+        _log_step_times(engine)
         conn.send(("exit", loop.error))
     except (BrokenPipeError, OSError):  # the server process is gone
         pass
     finally:
         engine.shutdown()
         conn.close()
+
+
+def _log_step_times(engine: Any) -> None:
+    """One line at exit: where the engine thread's time went (host work vs waiting for the
+    device). Waiting near zero per step means the engine was host-bound."""
+    tm = getattr(engine, "timings", None)
+    if tm is None or not tm.num_steps:
+        return
+    n = tm.num_steps
+    logger.warning(
+        "engine process: %d steps; per step: schedule %.2f ms, prepare+launch %.2f ms, "
+        "waiting for the device %.2f ms, postprocess %.2f ms",
+        n,
+        tm.schedule_s / n * 1e3,
+        tm.prepare_s / n * 1e3,
+        tm.execute_s / n * 1e3,
+        tm.postprocess_s / n * 1e3,
+    )
 
 
 # -- server process ------------------------------------------------------------------------------
