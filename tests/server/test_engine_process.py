@@ -163,3 +163,27 @@ def test_engine_that_cannot_start_names_the_problem(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
     with pytest.raises(RuntimeError, match="NoSuchForCausalLM"):
         EngineProcess(str(tmp_path), {"device": "cpu", "skip_tokenizer_init": True})
+
+
+def test_tensor_parallel_engine_process(tiny_model_dir, proc_server):
+    """The engine process can itself start tensor-parallel workers (gloo on CPU): same greedy text
+    as one rank, and no process left behind after stop."""
+    import multiprocessing
+
+    from tilellm.server import ServerConfig, create_app
+    from tilellm.server.engine_process import EngineProcess
+
+    engine = EngineProcess(tiny_model_dir, dict(ENGINE_KWARGS, tensor_parallel_size=2))
+    body = {"model": NAME, "prompt": "Hello there", "max_tokens": 8, "temperature": 0}
+    with ServerThread(create_app(engine, ServerConfig(NAME, api_key=KEY))) as s:
+        r = httpx.post(
+            s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+    one = httpx.post(
+        proc_server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    )
+    assert r.json()["choices"][0]["text"] == one.json()["choices"][0]["text"]
+    assert not engine._proc.is_alive()
+    others = [c for c in multiprocessing.active_children() if c.pid != proc_server.engine._proc.pid]
+    assert not others, others
