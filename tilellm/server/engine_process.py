@@ -28,6 +28,7 @@ process decides when it stops; if the server process dies, the pipe closes and t
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing as mp
 import pickle
@@ -166,6 +167,11 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
         conn.close()
         return
     info = {"max_model_len": int(engine.max_model_len), "vocab_size": int(engine.vocab_size)}
+    # Everything built so far (model modules, tokenizer, graphs) lives as long as the process:
+    # out of the cyclic collector's sight, so that its full collections during serving scan only
+    # the requests' objects (a CPU model of a step with a large start-up heap: 3.3 -> 2.2 ms).
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", info))
     loop = _EngineLoop(engine, conn)
     loop._publish_stats()
