@@ -152,3 +152,45 @@ def test_serve_rejects_a_directory_without_a_model(tmp_path, capsys):
 
     assert main(["serve", str(tmp_path)]) == 2
     assert "not a model directory" in capsys.readouterr().err
+
+
+def test_engine_process_goes_when_serve_is_killed_during_start(tiny_model_dir):
+    """SIGTERM before the server is up kills `tilellm serve` at once (no handler yet); its engine
+    process, which ignores signals, must notice and exit by itself."""
+    proc = _start_serve(tiny_model_dir, _free_port())
+    children: list[int] = []
+    deadline = time.monotonic() + 60
+    while not children and time.monotonic() < deadline and proc.poll() is None:
+        out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+        children = [
+            int(p) for p in out.split() if "spawn_main" in _cmdline(int(p))
+        ]  # not the resource tracker
+        time.sleep(0.05)
+    assert children, "no engine process was started"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "the engine process outlived `tilellm serve`"
+        time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its new parent) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -29,13 +29,26 @@ ENGINE_KWARGS = dict(
 )
 
 
-def _start(model_dir: str):
+def _start(model_dir: str, max_waiting: int = 128, **overrides):
     from tilellm.server import ServerConfig, create_app
     from tilellm.server.engine_process import EngineProcess
 
-    engine = EngineProcess(model_dir, dict(ENGINE_KWARGS))
-    config = ServerConfig(NAME, api_key=KEY, max_waiting=128)
+    engine = EngineProcess(model_dir, dict(ENGINE_KWARGS, **overrides))
+    config = ServerConfig(NAME, api_key=KEY, max_waiting=max_waiting)
     return engine, ServerThread(create_app(engine, config))
+
+
+def _assert_drained(engine) -> None:
+    """Nothing in flight: the server side's routing tables and queue count are back to empty."""
+    deadline = time.monotonic() + 20
+    while engine._queues or engine._qid_of or engine._futures or engine._pending_adds:
+        assert time.monotonic() < deadline, (
+            engine._queues,
+            engine._qid_of,
+            engine._futures,
+            engine._pending_adds,
+        )
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +57,18 @@ def proc_server(tiny_model_dir):
     with thread as s:
         s.engine = engine
         yield s
+        _assert_drained(engine)  # after every test of the module
     assert not engine._proc.is_alive(), "the engine process outlived the server"
+
+
+def _returns_a_lock(engine):  # a call() result that cannot be pickled
+    import threading
+
+    return threading.Lock()
+
+
+def _num_waiting(engine):
+    return engine.scheduler.num_waiting
 
 
 @pytest.fixture
@@ -134,6 +158,39 @@ def test_disconnect_frees_blocks_and_inspect_works(proc_server, http):
     assert m["num_requests_running"] == 0 and m["request_success_total"] >= 1
     page = http.get("/inspect")  # a function call run in the engine process
     assert page.status_code == 200 and "<html" in page.text.lower()
+
+
+def test_calls_whose_function_or_result_cannot_cross(proc_server, http):
+    engine = proc_server.engine
+    with pytest.raises(RuntimeError, match="cannot send"):
+        asyncio.run_coroutine_threadsafe(engine.call(lambda e: 1), engine._loop).result(20)
+    with pytest.raises(RuntimeError, match="cannot cross"):
+        asyncio.run_coroutine_threadsafe(engine.call(_returns_a_lock), engine._loop).result(20)
+    assert asyncio.run_coroutine_threadsafe(engine.call(_num_waiting), engine._loop).result(20) == 0
+    _assert_drained(engine)
+    r = http.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_queue_full_across_the_pipe(tiny_model_dir):
+    """429 once the waiting queue is full, then every table drains and the server still serves."""
+    engine, thread = _start(tiny_model_dir, max_waiting=3, max_num_seqs=2)
+    with thread as s:
+
+        async def burst():
+            headers = {"Authorization": f"Bearer {KEY}"}
+            body = {"model": NAME, "prompt": [5, 6, 7], "max_tokens": 60, "ignore_eos": True}
+            async with httpx.AsyncClient(base_url=s.url, headers=headers, timeout=60) as c:
+                rs = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(12)))
+            return [r.status_code for r in rs], rs
+
+        codes, rs = asyncio.run(burst())
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        assert_error(next(r for r in rs if r.status_code == 429), 429)
+        _assert_drained(engine)
+        r = httpx.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)  # fmt: skip
+        assert r.status_code == 200
 
 
 def test_dead_engine_process_fails_requests_and_health(tiny_model_dir):

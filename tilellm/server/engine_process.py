@@ -31,6 +31,7 @@ import asyncio
 import gc
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import threading
@@ -67,15 +68,16 @@ def _unpack(packed: tuple) -> RequestUpdate:
     return RequestUpdate(tag, [SeqDelta(*d) for d in deltas], finished, num_cached, error)
 
 
-def _portable(error: BaseException | None) -> BaseException | None:
-    """`error` if it survives pickling, else a RuntimeError with its text."""
-    if error is None:
-        return None
+def _portable(fid: int, error: BaseException | None, value: Any) -> tuple:
+    """A ("resolve", ...) message the server process can surely unpickle: an error or value
+    that does not survive the round trip becomes a RuntimeError with its text."""
+    message = ("resolve", fid, error, value)
     try:
-        pickle.dumps(error)
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        pickle.loads(pickle.dumps(message))
+        return message
+    except Exception as exc:
+        what = f"{type(error).__name__}: {error}" if error is not None else f"a {type(value).__name__} result"
+        return ("resolve", fid, RuntimeError(f"{what} cannot cross to the server process ({exc})"), None)
 
 
 # -- engine process ------------------------------------------------------------------------------
@@ -105,11 +107,21 @@ class _EngineLoop(AsyncEngine):
     def __init__(self, engine: Any, conn: Any):
         self._conn = conn
         self._send_lock = threading.Lock()
+        self.parent_gone = False
         super().__init__(engine, max_waiting=1 << 62, observer=_PipeObserver(self._send))
 
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+        if self.parent_gone:
+            return
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            # The server process is gone: stop at the loop's next turn, without a traceback.
+            self.parent_gone = True
+            with self._cv:
+                self._stopping = True
+                self._cv.notify()
 
     def _call_in_loop(self, fn, *args) -> None:
         if fn is _deliver:
@@ -117,7 +129,7 @@ class _EngineLoop(AsyncEngine):
             self._send(("updates", [(qid, _pack(update)) for qid, update in routed]))
         elif fn is _resolve:
             fid, error, *value = args
-            self._send(("resolve", fid, _portable(error), value[0] if value else None))
+            self._send(_portable(fid, error, value[0] if value else None))
         else:  # pragma: no cover - AsyncEngine hands nothing else to the loop
             raise RuntimeError(f"unexpected loop callback {fn!r}")
 
@@ -134,6 +146,9 @@ class _EngineLoop(AsyncEngine):
                 message = self._conn.recv()
             except (EOFError, OSError):  # the server process is gone
                 message = ("stop",)
+            except Exception:  # one command that cannot be unpickled here: drop it, keep serving
+                logger.exception("engine process: a command from the server could not be read")
+                continue
             kind = message[0]
             with self._cv:
                 if kind == "add":
@@ -156,6 +171,7 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     try:
         from tilellm.engine.llm_engine import LLMEngine
 
@@ -172,7 +188,11 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
     # the requests' objects (a CPU model of a step with a large start-up heap: 3.3 -> 2.2 ms).
     gc.collect()
     gc.freeze()
-    conn.send(("ready", info))
+    try:
+        conn.send(("ready", info))
+    except (BrokenPipeError, OSError):  # the server process died while the engine was built
+        engine.shutdown()
+        return
     loop = _EngineLoop(engine, conn)
     loop._publish_stats()
     reader = threading.Thread(target=loop.read_commands, name="tilellm-engine-commands", daemon=True)
@@ -186,6 +206,17 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
     finally:
         engine.shutdown()
         conn.close()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """The engine process ignores signals, so it must notice on its own when the server process
+    is gone (killed before it could stop the engine, e.g. by a SIGTERM during start-up)."""
+    import time
+
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:  # re-parented: the server process is gone
+            os._exit(1)
 
 
 def _log_step_times(engine: Any) -> None:
@@ -249,6 +280,7 @@ class EngineProcess:
         self.error: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # sends come from the event loop and from stop()
         self._pending_adds = 0
         self._next_id = 0
         self._queues: dict[int, tuple[asyncio.Queue, dict[int, str]]] = {}  # qid -> (queue, tag -> id)
@@ -305,7 +337,15 @@ class EngineProcess:
             for r in requests:
                 self._qid_of[r.request_id] = qid
             self._futures[fid] = (fut, len(requests), qid)
-        self._send(("add", list(zip(requests, range(len(requests)))), qid, fid, _monotonic()))
+        try:
+            self._send(("add", list(zip(requests, range(len(requests)))), qid, fid, _monotonic()))
+        except RuntimeError:
+            with self._lock:  # never reached the engine: undo the bookkeeping
+                self._futures.pop(fid, None)
+                self._pending_adds -= len(requests)
+                for r in requests:
+                    self._forget(r.request_id)
+            raise
         try:
             await fut
         except asyncio.CancelledError:
@@ -313,12 +353,16 @@ class EngineProcess:
             raise
 
     def abort(self, request_ids: list[str]) -> None:
+        """Abort these requests; never raises (with the engine process gone there is nothing to abort)."""
         if not request_ids:
             return
         with self._lock:
             for rid in request_ids:
                 self._forget(rid)
-        self._send(("abort", list(request_ids)))
+        try:
+            self._send(("abort", list(request_ids)))
+        except RuntimeError:
+            pass
 
     async def call(self, fn) -> Any:
         """Run `fn(engine)` in the engine process between two steps; `fn` and its result must pickle."""
@@ -328,7 +372,12 @@ class EngineProcess:
                 raise RuntimeError("the server is shutting down")
             fid = self._new_id()
             self._futures[fid] = (fut, 0, None)
-        self._send(("call", fn, fid))
+        try:
+            self._send(("call", fn, fid))
+        except RuntimeError:
+            with self._lock:
+                self._futures.pop(fid, None)
+            raise
         return await fut
 
     # ---- internals ----
@@ -350,16 +399,30 @@ class EngineProcess:
             del self._queues[qid]
 
     def _send(self, message: tuple) -> None:
+        """RuntimeError when the message cannot go (engine process gone, or it does not pickle)."""
         try:
-            self._conn.send(message)
+            with self._send_lock:
+                self._conn.send(message)
         except (BrokenPipeError, OSError) as exc:
             raise RuntimeError("the engine process is not running") from exc
+        except Exception as exc:  # pickling
+            raise RuntimeError(f"cannot send to the engine process: {type(exc).__name__}: {exc}") from exc
 
     def _read(self) -> None:
         """Engine messages -> event loop, until the engine process exits."""
-        try:
-            while True:
+        while True:
+            try:
                 message = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    self._proc.join(5)
+                    self.error = f"the engine process exited unexpectedly (status {self._proc.exitcode})"
+                    logger.error(self.error)
+                break
+            except Exception:  # one message that cannot be unpickled here: drop it, keep serving
+                logger.exception("a message from the engine process could not be read")
+                continue
+            try:
                 kind = message[0]
                 if kind == "updates":
                     self._route(message[1])
@@ -374,10 +437,8 @@ class EngineProcess:
                     if message[1] is not None:
                         self.error = message[1]
                     break
-        except (EOFError, OSError):
-            if not self._stopping:
-                self.error = f"the engine process exited unexpectedly (status {self._proc.exitcode})"
-                logger.error(self.error)
+            except Exception:  # e.g. a metrics observer that raised: the reader must live on
+                logger.exception("handling a message from the engine process failed")
         if self.error is not None:
             self._fail_all(self.error)
 

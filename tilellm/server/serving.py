@@ -256,14 +256,16 @@ class OpenAIServing:
 
         consumer = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        gone = False
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not consumer.done():  # client gone (or we were cancelled): free its KV blocks now
-                consumer.cancel()
+                gone = True
+                consumer.cancel()  # (takes effect at its next await: not `cancelled()` yet)
                 self.engine.abort(request_ids)
-        if consumer.cancelled():
+        if gone:
             raise APIError(499, "client disconnected")
         consumer.result()  # re-raise an engine error
         return choices, cached
