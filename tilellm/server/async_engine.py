@@ -107,6 +107,9 @@ class AsyncEngine:
 
     `observer` (optional) receives `on_first_token(ttft)`, `on_finished(e2e, tpot, finish_reason)`
     and `on_aborted()` from the engine thread, for metrics.
+
+    The engine becomes this object's: it is switched to delta outputs (`output_deltas`), so it
+    should not also be used for offline `generate`-style calls.
     """
 
     def __init__(self, engine: Any, *, max_waiting: int = 1024, observer: Any = None):
