@@ -46,15 +46,25 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> Non
 
 
 @pytest.mark.parametrize(
-    "sig, grace, max_tokens",
-    [(signal.SIGTERM, "30", 40), (signal.SIGINT, "0.2", 240)],
-    ids=["sigterm-finishes-in-flight", "sigint-aborts-after-grace"],
+    "sig, grace, max_tokens, engine_flag",
+    [
+        (signal.SIGTERM, "30", 40, "--engine-process"),
+        (signal.SIGINT, "0.2", 240, "--engine-process"),
+        (signal.SIGTERM, "30", 40, "--no-engine-process"),
+    ],
+    ids=["sigterm-finishes-in-flight", "sigint-aborts-after-grace", "sigterm-engine-thread"],
 )
-def test_serve_shuts_down_gracefully_on_signal(tiny_model_dir, sig, grace, max_tokens):
+def test_serve_shuts_down_gracefully_on_signal(tiny_model_dir, sig, grace, max_tokens, engine_flag):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _start_serve(
-        tiny_model_dir, port, "--served-model-name", MODEL_NAME, "--graceful-shutdown-timeout", grace
+        tiny_model_dir,
+        port,
+        "--served-model-name",
+        MODEL_NAME,
+        "--graceful-shutdown-timeout",
+        grace,
+        engine_flag,
     )
     try:
         _wait_healthy(proc, url)
@@ -135,6 +145,7 @@ def test_serve_help_lists_the_flags(capsys):
         "--no-enable-prefix-caching",
     ]
     flags += ["--max-waiting", "--max-request-bytes", "--device", "--num-kv-blocks"]
+    flags += ["--engine-process", "--no-engine-process", "--tensor-parallel-size"]
     assert all(f in out for f in flags), [f for f in flags if f not in out]
 
 
