@@ -3,6 +3,8 @@
 #   1. offline: `tilellm bench throughput --workloads E1` (random Qwen3-0.6B weights, bf16, ignore EOS);
 #   2. `tilellm serve` on the same config-only model directory with the same engine flags
 #      (`--load-format dummy --skip-tokenizer-init`, so no detokenization, as offline), on 127.0.0.1;
+#      the engine runs in its own process (the default; SERVE_ARGS=--no-engine-process for the
+#      thread), which logs its per-step host and device-wait times to server.log when it stops;
 #   3. `tilellm bench serve` over the same 256 E1 requests (token-id prompts, streamed, ignore_eos,
 #      temperature 0.6) at each rate of $RATES (default: inf 64 16 requests/s; inf sends them all at
 #      once: the saturation figure). Each run shifts the prompt ids (--prompt-id-offset) so that no
