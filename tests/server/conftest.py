@@ -28,21 +28,33 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+# The test engine: CPU, fp32, a small KV pool.
+ENGINE_KWARGS = dict(
+    device="cpu",
+    dtype="float32",
+    block_size=16,
+    num_kv_blocks=512,
+    max_num_seqs=96,
+    max_model_len=MAX_MODEL_LEN,
+    enable_prefix_caching=True,
+    seed=0,
+)
+
+
 def make_engine(model_dir: str, **overrides):
     from tilellm.engine.llm_engine import LLMEngine
 
-    kwargs = dict(
-        device="cpu",
-        dtype="float32",
-        block_size=16,
-        num_kv_blocks=512,
-        max_num_seqs=96,
-        max_model_len=MAX_MODEL_LEN,
-        enable_prefix_caching=True,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return LLMEngine(model_dir, **kwargs)
+    return LLMEngine(model_dir, **{**ENGINE_KWARGS, **overrides})
+
+
+def read_metrics(http: httpx.Client) -> dict[str, float]:
+    """The server's `tilellm:` metrics, summed over labels (histogram buckets left out)."""
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("tilellm:") and "_bucket{" not in line:
+            name = line[len("tilellm:") :].split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import MODEL_NAME, read_metrics
 
 METRICS = [
     "num_requests_running",
@@ -25,29 +25,20 @@ METRICS = [
 ]
 
 
-def _metrics(http) -> dict[str, float]:
-    out = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith("tilellm:") and "_bucket{" not in line:
-            name = line[len("tilellm:") :].split("{", 1)[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def test_health(server):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200
 
 
 def test_metrics_count_tokens_and_latencies_exactly(http):
-    before = _metrics(http)
+    before = read_metrics(http)
     assert set(METRICS) <= set(before), set(METRICS) - set(before)
     assert before["kv_blocks_total"] == 512
     body = {"model": MODEL_NAME, "prompt": [9] * 37, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
     assert http.post("/v1/completions", json=body).status_code == 200
     body["prompt"] = [9] * 37 + [10]  # shares the first two full blocks
     assert http.post("/v1/completions", json=body).status_code == 200
-    after = _metrics(http)
+    after = read_metrics(http)
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 75
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 12
     for name in (

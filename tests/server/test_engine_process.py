@@ -13,20 +13,13 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, assert_error
+from tests.server import conftest
+from tests.server.conftest import MAX_MODEL_LEN, assert_error, read_metrics
 from tests.server.helpers import ServerThread
 
 KEY = "process-key"
 NAME = "tiny-process"
-ENGINE_KWARGS = dict(
-    device="cpu",
-    dtype="float32",
-    block_size=16,
-    num_kv_blocks=512,
-    max_num_seqs=64,
-    max_model_len=MAX_MODEL_LEN,
-    seed=0,
-)
+ENGINE_KWARGS = dict(conftest.ENGINE_KWARGS, max_num_seqs=64)
 
 
 def _start(model_dir: str, max_waiting: int = 128, **overrides):
@@ -75,15 +68,6 @@ def _num_waiting(engine):
 def http(proc_server):
     with httpx.Client(base_url=proc_server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
         yield c
-
-
-def _metrics(http) -> dict[str, float]:
-    out = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith("tilellm:") and "_bucket{" not in line:
-            name = line[len("tilellm:") :].split("{", 1)[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def test_answers_equal_the_in_process_engine(proc_server, server):
@@ -149,12 +133,12 @@ def test_disconnect_frees_blocks_and_inspect_works(proc_server, http):
     with http.stream("POST", "/v1/completions", json=body) as resp:
         lines = resp.iter_lines()
         next(ln for ln in lines if ln.startswith("data: "))
-        assert _metrics(http)["kv_blocks_used"] > 0
+        assert read_metrics(http)["kv_blocks_used"] > 0
     deadline = time.monotonic() + 20
-    while _metrics(http)["kv_blocks_used"] > 0:  # the abort travels to the engine process
+    while read_metrics(http)["kv_blocks_used"] > 0:  # the abort travels to the engine process
         assert time.monotonic() < deadline, "blocks of the disconnected request were not freed"
         time.sleep(0.05)
-    m = _metrics(http)
+    m = read_metrics(http)
     assert m["num_requests_running"] == 0 and m["request_success_total"] >= 1
     page = http.get("/inspect")  # a function call run in the engine process
     assert page.status_code == 200 and "<html" in page.text.lower()

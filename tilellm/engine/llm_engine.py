@@ -503,37 +503,28 @@ class LLMEngine:
         seq.cumulative_logprob += lp
 
     def _make_output(self, req: Request) -> RequestOutput:
-        if self.output_deltas:
-            outs = [self._delta_output(s) for s in req.seqs]
-            return RequestOutput(
-                request_id=req.request_id,
-                prompt=req.prompt,
-                prompt_token_ids=req.prompt_token_ids,
-                outputs=outs,
-                finished=req.is_finished,
-                num_cached_tokens=req.seqs[0].num_cached_tokens,
-                metrics=req.metrics,
-            )
-        outs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.text,
-                token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in req.seqs
-        ]
+        sample = self._delta_output if self.output_deltas else self._cumulative_output
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=outs,
+            outputs=[sample(s) for s in req.seqs],
             finished=req.is_finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             metrics=req.metrics,
+        )
+
+    @staticmethod
+    def _cumulative_output(s: Sequence) -> CompletionOutput:
+        """Everything sequence `s` has produced so far."""
+        return CompletionOutput(
+            index=s.index,
+            text=s.text,
+            token_ids=s.output_token_ids,
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
         )
 
     @staticmethod

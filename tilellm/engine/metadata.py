@@ -120,6 +120,14 @@ def shared_prefix_len(block_table: np.ndarray, seq_lens: np.ndarray, block_size:
     return prefix if prefix >= CASCADE_MIN_PREFIX else 0
 
 
+def num_leading_decodes(q_lens) -> int:
+    """How many requests at the front of a batch compute exactly one token (`q_lens`: [B] ints)."""
+    for i, n in enumerate(q_lens):
+        if n != 1:
+            return i
+    return len(q_lens)
+
+
 def choose_batch_kind(starts: np.ndarray, q_lens: np.ndarray) -> BatchKind:
     """PREFILL when every request starts at position 0 (no cached prefix), DECODE when every
     request has exactly one new token, MIXED otherwise."""
@@ -176,8 +184,7 @@ def build_step_batch(
     logits_indices = cu[1:][np.asarray(samples, dtype=bool)] - 1
     kind = choose_batch_kind(start, q)
     prefix = shared_prefix_len(table, seq_lens, block_size) if kind is BatchKind.DECODE else 0
-    single = q == 1
-    num_decodes = num_reqs if single.all() else int(np.argmin(single))
+    num_decodes = num_leading_decodes(q.tolist())
     attn = AttentionMetadata(
         kind=kind,
         cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),

@@ -48,6 +48,7 @@ from tilellm.engine.metadata import (
     BatchKind,
     StepBatch,
     attention_context,
+    num_leading_decodes,
 )
 from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
 
@@ -390,9 +391,7 @@ class ModelRunner:
         cu = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=dev)
         num_tokens = sum(q_lens)
         positions = torch.cat([torch.arange(s - q, s, device=dev) for q, s in zip(q_lens, seq_lens)])
-        num_decodes = 0
-        if kind is BatchKind.MIXED:
-            num_decodes = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
+        num_decodes = num_leading_decodes(q_lens) if kind is BatchKind.MIXED else 0
         meta = AttentionMetadata(
             kind=kind,
             cu_seqlens_q=cu,

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from tilellm.cache.block_manager import BlockManager
+from tilellm.engine.metadata import num_leading_decodes
 from tilellm.engine.request import Sequence, SequenceStatus
 
 
@@ -194,8 +195,7 @@ def _single_tokens_first(out: SchedulerOutput) -> None:
     rows would leave most of each tile's matrix work empty.
     """
     q = out.num_new_tokens
-    first_multi = next((i for i, n in enumerate(q) if n != 1), len(q))
-    if all(n != 1 for n in q[first_multi:]):
+    if 1 not in q[num_leading_decodes(q) :]:
         return  # already partitioned (the usual case: decodes, then the prompts being prefilled)
     order = [i for i, n in enumerate(q) if n == 1] + [i for i, n in enumerate(q) if n != 1]
     for name in ("seqs", "num_new_tokens", "starts", "samples"):

@@ -239,8 +239,6 @@ class OpenAIServing:
         async def consume() -> None:
             async for batch in _updates(queue, num_prompts):
                 for u in batch:
-                    if u.error is not None:
-                        raise APIError(500, u.error, code="engine_error")
                     cached[u.tag] = u.num_cached_tokens
                 for key, d in _merge(batch).items():
                     c = choices.setdefault(key, _Choice())
@@ -312,7 +310,7 @@ class OpenAIServing:
         echo = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         if req.stream:
             gen = self._completion_stream(req, base_id, created, prompts, echo, queue, request_ids)
-            return _sse_response(gen)
+            return _sse_response(self._guarded_stream(gen, base_id, request_ids))
         choices, _ = await self._collect(queue, len(prompts), request_ids, raw)
         out = []
         for (tag, idx), c in sorted(choices.items()):
@@ -359,6 +357,33 @@ class OpenAIServing:
             c.text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    async def _guarded_stream(
+        self, events: AsyncIterator[str], base_id: str, request_ids: list[str]
+    ) -> AsyncIterator[str]:
+        """`events`, then `[DONE]`. The engine's error and any unexpected error become an error
+        event; a stream that does not run to its end (the client went away, or an unexpected
+        error) aborts its engine requests, which frees their KV blocks at once."""
+        finished = False
+        try:
+            async for event in events:
+                yield event
+            yield _sse("[DONE]")
+            finished = True
+        except APIError as exc:  # the engine failed these requests (they are gone from it already)
+            yield _sse(exc.body())
+            yield _sse("[DONE]")
+            finished = True
+        except Exception:
+            logger.exception("internal error while streaming %s", base_id)
+            yield _sse(
+                APIError(500, "internal server error; see the server log", code="internal_error").body()
+            )
+            yield _sse("[DONE]")
+        finally:
+            if not finished:
+                self.engine.abort(request_ids)
+            await events.aclose()
+
     async def _completion_stream(
         self,
         req: CompletionRequest,
@@ -372,7 +397,6 @@ class OpenAIServing:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return_ids = self._return_token_ids(req)
         state: dict[tuple[int, int], _Choice] = {}
-        finished = False
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             body = {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name}
@@ -381,68 +405,52 @@ class OpenAIServing:
                 body["usage"] = None
             return _sse(body)
 
-        try:
-            if req.echo:
-                for tag, text in enumerate(echo):
-                    for idx in range(req.n):
-                        state[(tag, idx)] = _Choice(text_offset=len(text))
-                        yield chunk(
-                            [
-                                {
-                                    "index": tag * req.n + idx,
-                                    "text": text,
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-            async for batch in _updates(queue, len(prompts)):
-                err = next((u.error for u in batch if u.error is not None), None)
-                if err is not None:
-                    yield _sse(APIError(500, err, code="engine_error").body())
-                    break
-                out = []
-                for (tag, idx), d in _merge(batch).items():
-                    c = state.setdefault((tag, idx), _Choice())
-                    c.token_ids.extend(d.token_ids)
-                    lp = None
-                    if req.logprobs is not None and d.logprobs is not None:
-                        lp = self._completion_logprobs(d.logprobs, d.token_ids, req.logprobs, c)
-                    out.append(
-                        {
-                            "index": tag * req.n + idx,
-                            "text": d.text,
-                            "logprobs": lp,
-                            "finish_reason": d.finish_reason,
-                        }
+        if req.echo:
+            for tag, text in enumerate(echo):
+                for idx in range(req.n):
+                    state[(tag, idx)] = _Choice(text_offset=len(text))
+                    yield chunk(
+                        [
+                            {
+                                "index": tag * req.n + idx,
+                                "text": text,
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
                     )
-                    if return_ids:
-                        out[-1]["token_ids"] = d.token_ids
-                    if d.finish_reason is not None:
-                        out[-1]["stop_reason"] = d.stop_reason
-                if out:
-                    yield chunk(out)
-            else:
-                if include_usage:
-                    body = {
-                        "id": base_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.model_name,
+        async for batch in _updates(queue, len(prompts)):
+            out = []
+            for (tag, idx), d in _merge(batch).items():
+                c = state.setdefault((tag, idx), _Choice())
+                c.token_ids.extend(d.token_ids)
+                lp = None
+                if req.logprobs is not None and d.logprobs is not None:
+                    lp = self._completion_logprobs(d.logprobs, d.token_ids, req.logprobs, c)
+                out.append(
+                    {
+                        "index": tag * req.n + idx,
+                        "text": d.text,
+                        "logprobs": lp,
+                        "finish_reason": d.finish_reason,
                     }
-                    body.update(choices=[], usage=self._usage(prompts, state))
-                    yield _sse(body)
-            yield _sse("[DONE]")
-            finished = True
-        except Exception:
-            logger.exception("internal error while streaming %s", base_id)
-            yield _sse(
-                APIError(500, "internal server error; see the server log", code="internal_error").body()
-            )
-            yield _sse("[DONE]")
-        finally:
-            if not finished:  # client gone mid-stream (or an error): free its KV blocks now
-                self.engine.abort(request_ids)
+                )
+                if return_ids:
+                    out[-1]["token_ids"] = d.token_ids
+                if d.finish_reason is not None:
+                    out[-1]["stop_reason"] = d.stop_reason
+            if out:
+                yield chunk(out)
+        else:
+            if include_usage:
+                body = {
+                    "id": base_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                }
+                body.update(choices=[], usage=self._usage(prompts, state))
+                yield _sse(body)
 
     # ---- /v1/chat/completions ----
 
@@ -486,7 +494,8 @@ class OpenAIServing:
         queue, request_ids = await self._submit(base_id, [prompt], params, renames)
         created = int(time.time())
         if req.stream:
-            return _sse_response(self._chat_stream(req, base_id, created, prompt, queue, request_ids))
+            gen = self._chat_stream(req, base_id, created, prompt, queue, request_ids)
+            return _sse_response(self._guarded_stream(gen, base_id, request_ids))
         choices, _ = await self._collect(queue, 1, request_ids, raw)
         out = []
         for (_, idx), c in sorted(choices.items()):
@@ -545,7 +554,6 @@ class OpenAIServing:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         top = (req.top_logprobs or 0) if req.logprobs else None
         state: dict[tuple[int, int], _Choice] = {}
-        finished = False
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             body = {
@@ -559,62 +567,48 @@ class OpenAIServing:
                 body["usage"] = None
             return _sse(body)
 
-        try:
-            first = [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(req.n)
-            ]
-            yield chunk(first)
-            async for batch in _updates(queue, 1):
-                err = next((u.error for u in batch if u.error is not None), None)
-                if err is not None:
-                    yield _sse(APIError(500, err, code="engine_error").body())
-                    break
-                out = []
-                for (tag, idx), d in _merge(batch).items():
-                    c = state.setdefault((tag, idx), _Choice())
-                    c.token_ids.extend(d.token_ids)
-                    lp = None
-                    if top is not None and d.logprobs is not None:
-                        lp = self._chat_logprobs(d.logprobs, d.token_ids, top)
-                    delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                    out.append(
-                        {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-                    )
-                    if d.finish_reason is not None:
-                        out[-1]["stop_reason"] = d.stop_reason
-                if out:
-                    yield chunk(out)
-            else:
-                if include_usage:
-                    body = {"id": base_id, "object": "chat.completion.chunk", "created": created}
-                    body.update(model=self.model_name, choices=[], usage=self._usage([prompt], state))
-                    yield _sse(body)
-            yield _sse("[DONE]")
-            finished = True
-        except Exception:
-            logger.exception("internal error while streaming %s", base_id)
-            yield _sse(
-                APIError(500, "internal server error; see the server log", code="internal_error").body()
-            )
-            yield _sse("[DONE]")
-        finally:
-            if not finished:
-                self.engine.abort(request_ids)
+        first = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(req.n)
+        ]
+        yield chunk(first)
+        async for batch in _updates(queue, 1):
+            out = []
+            for (tag, idx), d in _merge(batch).items():
+                c = state.setdefault((tag, idx), _Choice())
+                c.token_ids.extend(d.token_ids)
+                lp = None
+                if top is not None and d.logprobs is not None:
+                    lp = self._chat_logprobs(d.logprobs, d.token_ids, top)
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                out.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
+                if d.finish_reason is not None:
+                    out[-1]["stop_reason"] = d.stop_reason
+            if out:
+                yield chunk(out)
+        else:
+            if include_usage:
+                body = {"id": base_id, "object": "chat.completion.chunk", "created": created}
+                body.update(model=self.model_name, choices=[], usage=self._usage([prompt], state))
+                yield _sse(body)
 
 
 async def _updates(queue: asyncio.Queue, num_requests: int) -> AsyncIterator[list[RequestUpdate]]:
-    """Batches of whatever is queued, until all `num_requests` engine requests finished."""
+    """Batches of whatever is queued, until all `num_requests` engine requests finished.
+    An update carrying the engine's error raises it as a 500 `APIError` (code engine_error)."""
     remaining = num_requests
     while remaining:
         batch = [await queue.get()]
         while not queue.empty():
             batch.append(queue.get_nowait())
+        err = next((u.error for u in batch if u.error is not None), None)
+        if err is not None:
+            raise APIError(500, err, code="engine_error")
         remaining -= sum(u.finished for u in batch)
         yield batch
 
