@@ -28,8 +28,9 @@
 # CPU dry run (no wheels needed where fastapi imports): SCALE=0.02 DEVICE=cpu bash benchmarks/gpu_serve.sh
 #
 # Knobs: SCALE (1 = E1; shrinks lengths and count as `bench throughput --scale`), DEVICE, DTYPE
-# (bfloat16), RATES, PORT (8011), BUDGET_S (470: the whole script; each step gets at most what is
-# left), OUT, SERVE_ARGS / THROUGHPUT_ARGS / BENCH_ARGS (extra flags), SKIP_OFFLINE=1.
+# (bfloat16), RATES, CLIENTS (client process counts run at each rate, `--num-clients`; default 1),
+# PORT (8011), BUDGET_S (470: the whole script; each step gets at most what is left), OUT,
+# SERVE_ARGS / THROUGHPUT_ARGS / BENCH_ARGS (extra flags), SKIP_OFFLINE=1.
 set -uo pipefail
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-470}
@@ -38,6 +39,7 @@ SCALE=${SCALE:-1}
 DEVICE=${DEVICE:-}
 DTYPE=${DTYPE:-bfloat16}
 RATES=${RATES:-inf 64 16}
+CLIENTS=${CLIENTS:-1}
 PORT=${PORT:-8011}
 URL=http://127.0.0.1:$PORT
 WORK=$(mktemp -d /tmp/tilellm-serve.XXXXXX)
@@ -146,9 +148,12 @@ if [ $healthy = 1 ]; then
   bench 120 --num-prompts 32 --output-len 4 --prompt-id-offset 5000 >/dev/null
   i=0
   for rate in $RATES; do
-    i=$((i + 1))
-    step "bench serve: rate $rate req/s, E1 workload (prompt ids +$i)"
-    bench 150 --request-rate "$rate" --prompt-id-offset "$i" --json "$WORK/serve_${i}_rate_${rate}.json"
+    for clients in $CLIENTS; do
+      i=$((i + 1))
+      step "bench serve: rate $rate req/s, $clients client process(es), E1 workload (prompt ids +$i)"
+      bench 150 --request-rate "$rate" --num-clients "$clients" --prompt-id-offset "$i" \
+        --json "$WORK/serve_${i}_rate_${rate}.json"
+    done
   done
   timeout 10 python3 -c "
 import urllib.request
@@ -176,19 +181,19 @@ def num(v, fmt):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
 base = offline["output_tok_s"] if offline else None
-head = (f"{'run':16} {'reqs':>5} {'failed':>6} {'out tokens':>10} {'sec':>7} {'out tok/s':>10} "
+head = (f"{'run':16} {'cl':>2} {'reqs':>5} {'failed':>6} {'out tokens':>10} {'sec':>7} {'out tok/s':>10} "
         f"{'% offline':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p99':>8}")
 print(head)
 print("-" * len(head))
 if offline:
-    print(f"{'offline E1':16} {offline['requests']:>5} {'-':>6} {offline['output_tokens']:>10} "
+    print(f"{'offline E1':16} {'-':>2} {offline['requests']:>5} {'-':>6} {offline['output_tokens']:>10} "
           f"{offline['seconds']:>7.2f} {base:>10,.0f} {100.0:>8.1f}% "
           f"{num(offline['ttft_p50_s'] and 1000 * offline['ttft_p50_s'], '>9.0f')} "
           f"{num(offline['ttft_p99_s'] and 1000 * offline['ttft_p99_s'], '>9.0f')} {'-':>9} {'-':>8}")
 for r in runs:
     share = f"{100 * r['output_throughput'] / base:>8.1f}%" if base else f"{'-':>9}"
     rate = r["request_rate"] if r["request_rate"] == "inf" else format(r["request_rate"], "g")
-    print(f"{'serve rate=' + rate:16} {r['completed']:>5} {r['failed']:>6} "
+    print(f"{'serve rate=' + rate:16} {r.get('num_clients', 1):>2} {r['completed']:>5} {r['failed']:>6} "
           f"{r['total_output_tokens']:>10} {r['duration_s']:>7.2f} {r['output_throughput']:>10,.0f} "
           f"{share} {num(r['p50_ttft_ms'], '>9.0f')} {num(r['p99_ttft_ms'], '>9.0f')} "
           f"{num(r['p50_tpot_ms'], '>9.2f')} {num(r['p99_itl_ms'], '>8.1f')}")

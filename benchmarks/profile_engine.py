@@ -6,14 +6,20 @@ Runs the random Qwen3-0.6B engine of `tilellm bench throughput` on the first `--
 of E1 under torch.profiler, in two phases: prefill (until every request has its first token) and
 then `--decode-steps` decode steps with all requests running. For each it prints the kernels by
 device time and the host calls by host time (synchronisations and allocator calls show up there).
-Writes `profile_engine.json` (the tables) under `--out`.
+Then the prefill phase once more (prompt ids shifted: no prefix-cache hits) under cProfile
+instead: the Python functions by own and cumulative host time, and the runner's per-phase host
+times of its eager steps (`host_times`), which show whether a mixed step's launch is bound by
+the host. Writes `profile_engine.json` (the tables) and `cprofile_prefill.txt` under `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import pathlib
+import pstats
 import tempfile
 import time
 
@@ -101,6 +107,44 @@ def main() -> None:
             report[phase] = {"wall_s": wall, "by_device": by_device, "by_cpu": by_cpu}
         for i in range(len(prompts)):
             engine.abort_request(f"r{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+
+        runner = engine.runner if hasattr(engine, "runner") else None
+        host_before = dict(getattr(runner, "host_times", {}) or {})
+        started.clear()
+
+        def prefill_again() -> None:
+            for i, p in enumerate(prompts):
+                engine.add_request(f"c{i}", [(t + 2) % 10000 for t in p], params)
+            while len(started) < len(prompts):
+                started.update(o.request_id for o in engine.step())
+
+        _sync()
+        t0 = time.perf_counter()
+        pr = cProfile.Profile()
+        pr.enable()
+        prefill_again()
+        _sync()
+        pr.disable()
+        wall = time.perf_counter() - t0
+        text = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(pr, stream=text).sort_stats(key).print_stats(35)
+        host_after = dict(getattr(runner, "host_times", {}) or {})
+        delta = {k: host_after.get(k, 0.0) - host_before.get(k, 0.0) for k in host_after}
+        steps = delta.get("eager.steps", 0.0)
+        per_step = {
+            k: round(v / steps * 1e3, 3) for k, v in delta.items() if k.startswith("eager.") and steps
+        }
+        head = f"prefill under cProfile: {wall * 1e3:.1f} ms; eager steps {steps:.0f}; "
+        head += f"host ms per eager step {per_step}"
+        print("\n" + head)
+        print("\n".join(text.getvalue().splitlines()[:140]))
+        (pathlib.Path(args.out) / "cprofile_prefill.txt").write_text(head + "\n" + text.getvalue())
+        report["prefill_cprofile"] = {"wall_s": wall, "eager_host_ms_per_step": per_step}
+        for i in range(len(prompts)):
+            engine.abort_request(f"c{i}")
     out = pathlib.Path(args.out) / "profile_engine.json"
     out.write_text(json.dumps(report, indent=1))
 

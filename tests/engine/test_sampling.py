@@ -190,3 +190,22 @@ def test_triton_gumbel_kernel_matches_torch():
     ).cpu()
     assert got.tolist() == want.tolist()
     assert got[1].item() < 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "use_triton", [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton"))]
+)
+def test_half_logits_sample_as_their_float32_copy(dtype, use_triton):
+    """Greedy and temperature rows read half-precision logits directly; the tokens are those of
+    the same logits widened to float32 (the widening is exact), with ties kept on the first index."""
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(6, 700, generator=g) * 4).to(dtype)
+    logits[2, 10] = logits[2, 20] = logits[2].max() + 1  # a tie: the first index wins
+    params = [SamplingParams(temperature=t, seed=11 * i) for i, t in enumerate([0, 0.6, 0, 1.0, 1.7, 0.3])]
+    steps = [0, 5, 9, 2, 8, 1]
+    half = run_sampler(logits, params, steps=steps, use_triton=use_triton).token_ids
+    wide = run_sampler(logits.float(), params, steps=steps, use_triton=use_triton).token_ids
+    assert half.tolist() == wide.tolist()
+    assert half[2].item() == 10
+    assert half[0].item() == logits[0].float().argmax().item()

@@ -54,7 +54,8 @@ def _run_step(model, kv: PagedKV, kind: BatchKind, chunks, rows: list):
     ids, positions, meta = kv.step(kind, chunks)
     with torch.no_grad(), attention_context(meta):
         logits = model.compute_logits(model(ids, positions))
-    assert logits.dtype == torch.float32 and logits.shape == (ids.numel(), model.config.vocab_size)
+    assert logits.dtype == next(model.parameters()).dtype
+    assert logits.shape == (ids.numel(), model.config.vocab_size)
     row_requests = [req for req, toks in chunks for _ in toks]
     rows += [(req, pos, logits[row]) for row, (req, pos) in enumerate(zip(row_requests, positions.tolist()))]
 

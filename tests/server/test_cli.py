@@ -130,6 +130,24 @@ def test_bench_serve_against_the_server(server, tmp_path):
         assert result[key] is not None and result[key] >= 0
 
 
+def test_bench_serve_with_several_client_processes(server, tmp_path):
+    """--num-clients 3: every request is sent once, by one of three processes, and the summary
+    counts them all (7 requests: the processes get 3, 2 and 2)."""
+    from tests.server.conftest import API_KEY
+    from tilellm.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "7"]
+    argv += ["--input-len", "9", "--output-len", "4", "--token-id-max", "300", "--num-clients", "3"]
+    argv += ["--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["num_clients"] == 3
+    assert result["completed"] == 7 and result["failed"] == 0
+    assert result["total_output_tokens"] == 28 and result["total_input_tokens"] == 63
+    assert result["duration_s"] > 0 and result["p50_ttft_ms"] >= 0
+
+
 def test_serve_help_lists_the_flags(capsys):
     from tilellm.cli import main
 

@@ -69,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-concurrency", type=int, default=None, help="at most this many requests in flight"
     )
+    parser.add_argument(
+        "--num-clients",
+        type=int,
+        default=1,
+        help="client processes sharing the requests (one Python event loop parses ~10-20k "
+        "streamed chunks/s: use more at high token rates so the client does not bound the result)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -186,27 +193,24 @@ async def _arrivals(n: int, rate: float, rng: random.Random):
             await asyncio.sleep(rng.expovariate(rate))
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict:
-    work = make_workload(
-        args.num_prompts,
-        args.input_len,
-        args.output_len,
-        args.token_id_max,
-        args.seed,
-        args.scale,
-        args.prompt_id_offset,
-    )
+async def _drive(
+    args: argparse.Namespace,
+    model: str,
+    work: Workload,
+    indices: list[int],
+    rate: float,
+    in_flight: int,
+    arrival_seed: int,
+    go=None,
+) -> tuple[list[RequestResult], float, float]:
+    """Send the requests `indices` of `work` (arrivals at `rate`, at most `in_flight` at once);
+    their results, and the perf_counter times of the first send and of the last completion.
+    `go` (a multiprocessing Event) holds the first send until every client process is ready."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    in_flight = args.max_concurrency or args.num_prompts
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     async with httpx.AsyncClient(
         base_url=args.base_url, headers=headers, limits=limits, timeout=60
     ) as client:
-        model = args.model
-        if model is None:
-            resp = await client.get("/v1/models")
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
         sem = asyncio.Semaphore(in_flight)
 
         async def limited(i: int) -> RequestResult:
@@ -215,13 +219,102 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
                     client, model, work.prompts[i], work.max_tokens[i], args.temperature, args.timeout
                 )
 
+        if go is not None:
+            await asyncio.to_thread(go.wait)
         start = time.perf_counter()
         tasks = []
-        async for i in _arrivals(args.num_prompts, args.request_rate, random.Random(args.seed + 1)):
-            tasks.append(asyncio.create_task(limited(i)))
+        async for j in _arrivals(len(indices), rate, random.Random(arrival_seed)):
+            tasks.append(asyncio.create_task(limited(indices[j])))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(results, duration, model, args)
+        return list(results), start, time.perf_counter()
+
+
+def _client_process(args: argparse.Namespace, model: str, k: int, go, queue) -> None:
+    """Client process k of --num-clients: every K-th request, at 1/K of the rate (the sum of K
+    independent Poisson processes is the Poisson process of the whole rate)."""
+    try:
+        work = _workload(args)
+        clients = args.num_clients
+        indices = list(range(k, args.num_prompts, clients))
+        in_flight = -(-(args.max_concurrency or args.num_prompts) // clients)
+        out = asyncio.run(
+            _drive(args, model, work, indices, args.request_rate / clients, in_flight, args.seed + 1 + k, go)
+        )
+        queue.put((k, indices, out, None))
+    except BaseException as exc:  # reported by the parent, which must not wait forever
+        queue.put((k, [], None, f"{type(exc).__name__}: {exc}"))
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    return make_workload(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.token_id_max,
+        args.seed,
+        args.scale,
+        args.prompt_id_offset,
+    )
+
+
+async def _model_name(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return args.model
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=60) as client:
+        resp = await client.get("/v1/models")
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict:
+    """One client process: every request from this event loop."""
+    model = await _model_name(args)
+    in_flight = args.max_concurrency or args.num_prompts
+    results, start, end = await _drive(
+        args,
+        model,
+        _workload(args),
+        list(range(args.num_prompts)),
+        args.request_rate,
+        in_flight,
+        args.seed + 1,
+    )
+    return summarize(results, end - start, model, args)
+
+
+def run_benchmark_processes(args: argparse.Namespace) -> dict:
+    """`--num-clients K` > 1: K client processes, so that parsing the streamed chunks (one Python
+    event loop handles ~10-20k server-sent events/s) does not bound what is measured. Each sends
+    every K-th request; the duration runs from the first send of any to the last completion."""
+    import multiprocessing as mp
+
+    model = asyncio.run(_model_name(args))
+    ctx = mp.get_context("spawn")
+    go, queue = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_client_process, args=(args, model, k, go, queue)) for k in range(args.num_clients)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)  # let each client build its workload and client before the common start
+    go.set()
+    results: list[RequestResult | None] = [None] * args.num_prompts
+    starts, ends, errors = [], [], []
+    for _ in procs:
+        k, indices, out, err = queue.get()
+        if err is not None:
+            errors.append(f"client {k}: {err}")
+            continue
+        for i, r in zip(indices, out[0]):
+            results[i] = r
+        starts.append(out[1])
+        ends.append(out[2])
+    for p in procs:
+        p.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return summarize([r for r in results if r is not None], max(ends) - min(starts), model, args)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -252,6 +345,7 @@ def summarize(results: list[RequestResult], duration: float, model: str, args: a
         "prompt_id_offset": getattr(args, "prompt_id_offset", 0),
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency,
+        "num_clients": getattr(args, "num_clients", 1),
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": duration,
@@ -314,8 +408,15 @@ def main(args: argparse.Namespace) -> int:
     if not args.request_rate > 0:
         print("tilellm bench serve: --request-rate must be > 0 (inf for all at once)", file=sys.stderr)
         return 2
+    if args.num_clients < 1:
+        print("tilellm bench serve: --num-clients must be >= 1", file=sys.stderr)
+        return 2
+    args.num_clients = min(args.num_clients, args.num_prompts)
     try:
-        summary = asyncio.run(run_benchmark(args))
+        if args.num_clients > 1:
+            summary = run_benchmark_processes(args)
+        else:
+            summary = asyncio.run(run_benchmark(args))
     except httpx.HTTPError as exc:
         print(f"tilellm bench serve: cannot reach {args.base_url}: {exc}", file=sys.stderr)
         return 1

@@ -1,10 +1,10 @@
 """The Llama-family decoder shared by Llama, Qwen2 and Qwen3 (they differ only in flags).
 
 A step's tokens are packed along dim 0 with no batch dim: `model(input_ids [T], positions [T])`
-returns hidden states [T, hidden]; `compute_logits(hidden [N, hidden])` gives fp32 logits
-[N, vocab]. Attention reads the step's `AttentionMetadata` from the context installed by the
-runner (see `tilellm.engine.metadata`); the runner binds each layer's KV cache through
-`attention_layers()`.
+returns hidden states [T, hidden]; `compute_logits(hidden [N, hidden])` gives logits [N, vocab]
+in the model's dtype (the sampler widens them to float32 only where it needs to). Attention
+reads the step's `AttentionMetadata` from the context installed by the runner (see
+`tilellm.engine.metadata`); the runner binds each layer's KV cache through `attention_layers()`.
 
 Checkpoint q/k/v and gate/up matrices are loaded into one `qkv_proj` and one `gate_up_proj`
 per layer (`packed_modules_mapping`, used by `tilellm.models.loader`).
@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama 2/3 (and, through the flags, Qwen2 and Qwen3) for packed-token inference.
 
     forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden_size]
-    compute_logits(hidden [N, hidden_size]) -> logits [N, vocab_size] float32
+    compute_logits(hidden [N, hidden_size]) -> logits [N, vocab_size] in the model's dtype
     """
 
     # checkpoint sub-name -> (parameter sub-name, shard id) for the merged projections
@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
