@@ -133,12 +133,24 @@ else
   echo "FAIL: the server did not become healthy"; tail -n 30 "$OUT/server.log"
 fi
 
+cpu_ticks() {  # cpu_ticks PID: user + system clock ticks of that process so far (0 if gone)
+  [ -n "$1" ] && [ -r "/proc/$1/stat" ] && awk '{print $14 + $15}' "/proc/$1/stat" || echo 0
+}
 bench() {  # bench LIMIT_S ARGS...: one `tilellm bench serve` run, output appended to bench_serve.log
   local lim; lim=$(limit "$1"); shift
   if [ "$lim" -lt 10 ]; then echo "SKIPPED: no time left in the budget"; return 1; fi
+  # The HTTP process (child of `timeout`) and the engine process (its spawned child): how busy
+  # each was during the run says which one bounds the served throughput.
+  local http eng h0 e0 t0 hz; http=$(pgrep -P "$SERVER_PID" | head -1); eng=$(pgrep -P "$http" -f spawn_main | head -1)
+  h0=$(cpu_ticks "$http"); e0=$(cpu_ticks "$eng"); t0=$(date +%s.%N); hz=$(getconf CLK_TCK)
   timeout -k 5 "$lim" python3 -m tilellm.cli bench serve --base-url "$URL" --scale "$SCALE" \
     ${BENCH_ARGS:-} "$@" 2>&1 | tee -a "$OUT/bench_serve.log"
-  local rc=$?
+  local rc=${PIPESTATUS[0]}
+  python3 -c "
+w = $(date +%s.%N) - $t0
+h, e = ($(cpu_ticks "$http") - $h0) / $hz, ($(cpu_ticks "$eng") - $e0) / $hz
+print(f'process CPU over {w:.1f} s: HTTP process (pid $http) {h:.1f} s = {100 * h / w:.0f}% of a core; '
+      f'engine process (pid $eng) {e:.1f} s = {100 * e / w:.0f}%')" | tee -a "$OUT/bench_serve.log"
   echo "exit status: $rc"
   return $rc
 }

@@ -64,3 +64,32 @@ def test_sampling_with_graphs(tiny_qwen3, dtype):
     if dtype == "float32":  # bf16 logits depend on the batch shape too much to compare draws
         assert b[0].outputs[0].token_ids == a[0].outputs[0].token_ids  # seeded: batch-independent
     assert llm.llm_engine.runner.graphs
+
+
+def test_short_and_long_context_graphs_match_eager(tmp_path):
+    """With max_model_len >= 2 * MIN_KEYS_PER_SPLIT the decode graphs split the KV range, and a
+    second graph per bucket without split-KV runs while contexts are short. Both give the eager
+    engine's greedy tokens: short prompts replay the short graphs, a prompt past the split
+    threshold replays the splitting ones (its batch's longest context decides)."""
+    from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT
+    from tilellm.testing import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "m", seed=4, max_position_embeddings=4 * MIN_CONTEXT_TO_SPLIT))
+    g = torch.Generator().manual_seed(0)
+    short = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 40, 200)]
+    long = [torch.randint(0, 300, (MIN_CONTEXT_TO_SPLIT + 7,), generator=g).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(llm: LLM, prompts) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    eager = LLM(model, device="cuda", dtype="float32", num_kv_blocks=1024, enforce_eager=True)
+    want_short, want_long = run(eager, short), run(eager, short + long)
+    del eager
+    llm = LLM(model, device="cuda", dtype="float32", num_kv_blocks=1024, enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    assert runner.short_graphs and set(runner.short_graphs) <= set(runner.graphs)
+    assert run(llm, short) == want_short
+    assert runner.graph_replays["short"] > 0 and runner.graph_replays["plain"] == 0
+    assert run(llm, short + long) == want_long
+    assert runner.graph_replays["plain"] > 0

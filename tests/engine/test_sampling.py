@@ -199,13 +199,26 @@ def test_triton_gumbel_kernel_matches_torch():
 def test_half_logits_sample_as_their_float32_copy(dtype, use_triton):
     """Greedy and temperature rows read half-precision logits directly; the tokens are those of
     the same logits widened to float32 (the widening is exact), with ties kept on the first index."""
+    import dataclasses
+
+    device = "cuda" if use_triton and torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(7)
     logits = (torch.randn(6, 700, generator=g) * 4).to(dtype)
     logits[2, 10] = logits[2, 20] = logits[2].max() + 1  # a tie: the first index wins
     params = [SamplingParams(temperature=t, seed=11 * i) for i, t in enumerate([0, 0.6, 0, 1.0, 1.7, 0.3])]
-    steps = [0, 5, 9, 2, 8, 1]
-    half = run_sampler(logits, params, steps=steps, use_triton=use_triton).token_ids
-    wide = run_sampler(logits.float(), params, steps=steps, use_triton=use_triton).token_ids
+    table = SamplingTable(6, logits.shape[1])
+    for i, p in enumerate(params):
+        table.set_row(i, p, p.seed, 10, [], 10**6)
+    md = table.gather(np.arange(6), np.array([0, 5, 9, 2, 8, 1]) + 10).to_cpu_metadata()
+    on_device = {
+        f.name: getattr(md, f.name).to(device)
+        for f in dataclasses.fields(md)
+        if isinstance(getattr(md, f.name), torch.Tensor)
+    }
+    md = dataclasses.replace(md, **on_device)
+    sampler = Sampler(use_triton=use_triton)
+    half = sampler(logits.to(device), md).token_ids.cpu()
+    wide = sampler(logits.float().to(device), md).token_ids.cpu()
     assert half.tolist() == wide.tolist()
     assert half[2].item() == 10
     assert half[0].item() == logits[0].float().argmax().item()

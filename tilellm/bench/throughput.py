@@ -210,6 +210,9 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
     engine.timings.reset()
     runner_times = engine.runner.host_times
     runner_times.clear()
+    replays = getattr(engine.runner, "graph_replays", {})
+    for k in replays:  # count this run's replays only
+        replays[k] = 0
     engine.record_steps = True
     engine.runner.time_device = True
     compiled_before = compiled_kernel_variants()
@@ -269,6 +272,8 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
     r.extra["device_s_by_kind"] = {k: round(v, 3) for k, v in device_by_kind.items()}
     r.extra["num_cuda_graphs"] = len(getattr(engine.runner, "graphs", {}))
     r.extra["num_cascade_graphs"] = len(getattr(engine.runner, "cascade_graphs", {}))
+    r.extra["num_short_graphs"] = len(getattr(engine.runner, "short_graphs", {}))
+    r.extra["graph_replays"] = dict(getattr(engine.runner, "graph_replays", {}))
     # Host microseconds per step inside the runner's launch, by path and phase.
     for path in ("graph", "eager"):
         n = runner_times.get(f"{path}.steps", 0)

@@ -12,8 +12,11 @@ largest step (`max_num_batched_tokens` tokens, `max_num_seqs` sampled rows), tim
 
 CUDA graphs: decode steps (one new token per request) replay a graph captured at the next
 bucketed batch size (1, 2, 4, 8, 16, 24, 32, ... up to `max_num_seqs`); padding rows store
-nothing (slot -1) and attend to one key. `enforce_eager=True`, CPU, and every other step kind
-run eagerly.
+nothing (slot -1) and attend to one key. A graph fixes its split-KV plan at capture, made for
+`max_model_len`-long contexts; where that plan splits, a second graph without split-KV is
+captured for the bucket and replayed while the batch's longest context is too short to split
+(the plan's own rule), which saves the merge kernel and the partial outputs on most steps.
+`enforce_eager=True`, CPU, and every other step kind run eagerly.
 
 Inputs: a step's model inputs travel as one flat int64 payload described by a 13-word header
 (`tilellm.distributed.message`); the model reads views into the payload's device copy.
@@ -51,6 +54,7 @@ from tilellm.engine.metadata import (
     num_leading_decodes,
 )
 from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
+from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT, choose_num_splits
 
 if TYPE_CHECKING:
     from tilellm.distributed import TPDriver, TPGroup
@@ -238,9 +242,13 @@ class ModelRunner:
         self._allocate_kv_cache()
 
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Buckets whose graph splits the KV range: the same batch without split-KV, replayed
+        # while every context is shorter than MIN_CONTEXT_TO_SPLIT.
+        self.short_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # The same buckets with cascade decode (requests sharing a cached prefix), from the
         # smallest batch that `shared_prefix_len` ever reports; only with prefix caching on.
         self.cascade_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_replays = {"plain": 0, "short": 0, "cascade": 0}  # decode steps by graph variant
         self.time_device = False  # CUDA-event timing of each step (benchmarks turn it on)
         # Host seconds spent in each part of `launch`, by path ("graph" / "eager") and phase.
         self.host_times: dict[str, float] = {}
@@ -251,10 +259,10 @@ class ModelRunner:
                 self._capture_graphs()
             except Exception:  # a kernel that syncs with the host cannot be captured
                 logger.exception("CUDA graph capture failed: decode steps run eagerly")
-                self.graphs, self.cascade_graphs = {}, {}
+                self.graphs, self.short_graphs, self.cascade_graphs = {}, {}, {}
                 torch.cuda.synchronize()
             if group is not None and not group.agree_min(int(bool(self.graphs))):
-                self.graphs, self.cascade_graphs = {}, {}  # every rank replays the same graph, or none
+                self.graphs, self.short_graphs, self.cascade_graphs = {}, {}, {}  # all ranks, or none
             if group is not None and not group.agree_min(int(bool(self.cascade_graphs))):
                 self.cascade_graphs = {}  # likewise for the cascade variant
         if self.driver is not None:  # the workers stop when this runner goes (or at exit)
@@ -425,6 +433,15 @@ class ModelRunner:
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_prefix_len = torch.zeros(1, dtype=torch.int32, device=dev)
         pool = self._capture_variant(self.graphs, self.graph_sizes, None, None)
+        kv_heads = self.num_kv_heads
+        splitting = [
+            bs
+            for bs in self.graph_sizes
+            if choose_num_splits(bs, kv_heads, 1, None, max_seqlen_k=self.max_model_len).num_splits > 1
+        ]
+        if splitting:
+            short = MIN_CONTEXT_TO_SPLIT - 1
+            self._capture_variant(self.short_graphs, splitting, None, pool, max_seqlen_k=short)
         if self.config.enable_prefix_caching:
             sizes = [bs for bs in self.graph_sizes if bs >= CASCADE_MIN_REQUESTS]
             try:
@@ -435,14 +452,24 @@ class ModelRunner:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode graphs (+%d cascade) in %.1f s",
+            "captured %d decode graphs (+%d without split-KV, +%d cascade) in %.1f s",
             len(self.graphs),
+            len(self.short_graphs),
             len(self.cascade_graphs),
             time.perf_counter() - t0,
         )
 
-    def _capture_variant(self, graphs: dict, sizes: list[int], prefix_len: torch.Tensor | None, pool):
-        """Capture one decode graph per batch size into `graphs`; returns the shared memory pool."""
+    def _capture_variant(
+        self,
+        graphs: dict,
+        sizes: list[int],
+        prefix_len: torch.Tensor | None,
+        pool,
+        max_seqlen_k: int | None = None,
+    ):
+        """Capture one decode graph per batch size into `graphs`; returns the shared memory pool.
+        `max_seqlen_k` is the longest context the split-KV plan is made for (default
+        `max_model_len`); the graph stays correct for any length, only the plan is fixed."""
         # Under tensor parallelism NCCL's watchdog thread queries events while this thread
         # captures: only this thread's own calls need to be capture-safe.
         capture_mode = "thread_local" if self.group is not None else "global"
@@ -452,7 +479,7 @@ class ModelRunner:
                 cu_seqlens_q=self.g_cu[: bs + 1],
                 seq_lens=self.g_seq_lens[:bs],
                 max_seqlen_q=1,
-                max_seqlen_k=self.max_model_len,
+                max_seqlen_k=max_seqlen_k or self.max_model_len,
                 block_table=self.g_block_table[:bs],
                 slot_mapping=self.g_slots[:bs],
                 cascade_prefix_len=prefix_len,
@@ -577,9 +604,13 @@ class ModelRunner:
             self.g_block_table[: x.num_reqs, :nb].copy_(x.block_table)
             if x.cascade_prefix_len is not None:
                 self.g_prefix_len.copy_(x.cascade_prefix_len)
-                graph, graph_logits = self.cascade_graphs[bucket]
+                variant, graphs = "cascade", self.cascade_graphs
+            elif x.max_seqlen_k < MIN_CONTEXT_TO_SPLIT and bucket in self.short_graphs:
+                variant, graphs = "short", self.short_graphs
             else:
-                graph, graph_logits = self.graphs[bucket]
+                variant, graphs = "plain", self.graphs
+            self.graph_replays[variant] += 1
+            graph, graph_logits = graphs[bucket]
             graph.replay()
             # Usually every request samples, in order: a view, not a gather.
             if x.logits_indices.shape[0] == x.num_reqs:

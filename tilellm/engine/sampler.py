@@ -126,8 +126,9 @@ try:  # The Triton kernel fuses noise, scaling and the argmax into one read of t
         # -- row key: the same as device_row_keys() --
         step = (tl.load(steps_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
         key = _mix32_tl(tl.load(seed_keys_ptr + row).to(tl.uint32) ^ _mix32_tl(step ^ 0x9E3779B9))
-        best_val = tl.full([], float("-inf"), tl.float32)
-        best_idx = tl.full([], 0, tl.int32)
+        # Per-lane running best: elementwise selects in the loop, one reduction at the end.
+        lane_val = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_idx = tl.zeros([BLOCK], tl.int32)
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             in_vocab = idx < V
@@ -138,12 +139,12 @@ try:  # The Triton kernel fuses noise, scaling and the argmax into one read of t
             u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             v = x.to(tl.float32) * inv_t - tl.log(-tl.log(u))
             v = tl.where(in_vocab, v, float("-inf"))
-            # -- running argmax; strict > keeps the first index on ties --
-            blk_max = tl.max(v, axis=0)
-            blk_idx = tl.argmax(v, axis=0)
-            better = blk_max > best_val
-            best_idx = tl.where(better, start + blk_idx, best_idx)
-            best_val = tl.where(better, blk_max, best_val)
+            better = v > lane_val  # strict: a lane keeps its first index on ties
+            lane_idx = tl.where(better, idx, lane_idx)
+            lane_val = tl.where(better, v, lane_val)
+        best_val = tl.max(lane_val, axis=0)
+        # The smallest index among the lanes holding the maximum: the chunk's first best.
+        best_idx = tl.min(tl.where(lane_val == best_val, lane_idx, 2147483647), axis=0)
         tl.store(part_val_ptr + row * num_chunks + chunk, best_val)
         tl.store(part_idx_ptr + row * num_chunks + chunk, best_idx.to(tl.int64))
 

@@ -22,6 +22,8 @@ from tilellm.kernels.config import num_sms as device_num_sms
 from tilellm.kernels.config import paged_config, prefill_config
 
 MIN_KEYS_PER_SPLIT = 1024  # shorter segments cost more in per-program work than they spread (E1D, RESULTS.md)
+# No split below this many keys in the batch's longest context (two segments of the minimum).
+MIN_CONTEXT_TO_SPLIT = 2 * MIN_KEYS_PER_SPLIT
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 16  # measured on an H200 (benchmarks/RESULTS.md): decode wants many short programs
 
@@ -125,10 +127,10 @@ def choose_num_splits(
         return SplitPlan(n, f"forced: num_splits={n}", sms, base, _cdiv(known, n) if known else 0)
     if max_seqlen_k is None:
         max_seqlen_k = _host_max(seq_lens, allow_device=True)
-    if max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
+    if max_seqlen_k < MIN_CONTEXT_TO_SPLIT:
         return SplitPlan(
             1,
-            f"no split: longest context {max_seqlen_k} < {2 * MIN_KEYS_PER_SPLIT} keys",
+            f"no split: longest context {max_seqlen_k} < {MIN_CONTEXT_TO_SPLIT} keys",
             sms,
             base,
             max_seqlen_k,

@@ -35,6 +35,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -108,14 +109,25 @@ class _EngineLoop(AsyncEngine):
         self._conn = conn
         self._send_lock = threading.Lock()
         self.parent_gone = False
+        self.send_s = 0.0  # time in pipe sends (pickling included)
+        self.loop_step_s = 0.0  # time in `_step`: the engine step, building updates, sending them
+        self.loop_steps = 0
         super().__init__(engine, max_waiting=1 << 62, observer=_PipeObserver(self._send))
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        super()._step()
+        self.loop_step_s += time.perf_counter() - t0
+        self.loop_steps += 1
 
     def _send(self, message: tuple) -> None:
         if self.parent_gone:
             return
+        t0 = time.perf_counter()
         try:
             with self._send_lock:
                 self._conn.send(message)
+            self.send_s += time.perf_counter() - t0  # a full pipe (a slow reader) blocks here
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             # The server process is gone: stop at the loop's next turn, without a traceback.
             self.parent_gone = True
@@ -199,7 +211,7 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
     reader.start()
     try:
         loop._run()
-        _log_step_times(engine)
+        _log_step_times(engine, loop)
         conn.send(("exit", loop.error))
     except (BrokenPipeError, OSError):  # the server process is gone
         pass
@@ -211,29 +223,33 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
 def _exit_with_parent(parent_pid: int) -> None:
     """The engine process ignores signals, so it must notice on its own when the server process
     is gone (killed before it could stop the engine, e.g. by a SIGTERM during start-up)."""
-    import time
-
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:  # re-parented: the server process is gone
             os._exit(1)
 
 
-def _log_step_times(engine: Any) -> None:
-    """One line at exit: where the engine thread's time went (host work vs waiting for the
-    device). Waiting near zero per step means the engine was host-bound."""
+def _log_step_times(engine: Any, loop: _EngineLoop) -> None:
+    """One line at exit: where the engine process's time went per step: the engine's host work,
+    waiting for the device (near zero: host-bound), and the loop around it (turning outputs
+    into updates and sending them; the send blocks when the server process reads too slowly)."""
     tm = getattr(engine, "timings", None)
-    if tm is None or not tm.num_steps:
+    if tm is None or not tm.num_steps or not loop.loop_steps:
         return
-    n = tm.num_steps
+    n, m = tm.num_steps, loop.loop_steps
+    engine_s = tm.schedule_s + tm.prepare_s + tm.execute_s + tm.postprocess_s
     logger.warning(
         "engine process: %d steps; per step: schedule %.2f ms, prepare+launch %.2f ms, "
-        "waiting for the device %.2f ms, postprocess %.2f ms",
+        "waiting for the device %.2f ms, postprocess %.2f ms; loop %.2f ms per step, of which "
+        "updates and sends %.2f ms (pipe sends %.2f ms)",
         n,
         tm.schedule_s / n * 1e3,
         tm.prepare_s / n * 1e3,
         tm.execute_s / n * 1e3,
         tm.postprocess_s / n * 1e3,
+        loop.loop_step_s / m * 1e3,
+        (loop.loop_step_s - engine_s) / m * 1e3,
+        loop.send_s / m * 1e3,
     )
 
 
@@ -492,8 +508,6 @@ class EngineProcess:
 
 
 def _monotonic() -> float:
-    import time
-
     return time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC is system-wide)
 
 
