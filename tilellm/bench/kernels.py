@@ -31,10 +31,14 @@ DECODE_SWEEP = [
     (16, 64, 4, 3),
     (16, 64, 2, 3),
     (16, 64, 2, 4),
+    (16, 64, 2, 2),
+    (16, 64, 1, 3),
     (16, 128, 4, 3),
     (16, 128, 2, 3),
+    (16, 128, 2, 2),
     (16, 64, 4, 4),
     (16, 32, 2, 4),
+    (16, 32, 1, 4),
 ]
 CHUNK_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)]
 
@@ -452,6 +456,11 @@ def main(args: argparse.Namespace) -> int:
             kv = _lengths(100, 1100, 256, 9)
             _guard("E1D", rows, bench_paged, "E1D", [1] * len(kv), kv, dtype, rows, ceilings,
                    decode=True, sweep=True, peers=False)  # fmt: skip
+            # The same batch with the longest contexts first: programs launch in request order,
+            # so this is longest-processing-time-first scheduling (a shorter tail of the grid).
+            lpt = sorted(kv, reverse=True)
+            _guard("E1D-longest-first", rows, bench_paged, "E1D-longest-first", [1] * len(kv), lpt, dtype,
+                   rows, ceilings, decode=True, sweep=False, peers=False)  # fmt: skip
     if "V1" in want:
         _guard(
             "V1",
