@@ -109,10 +109,12 @@ def test_engine_random_workloads(
             if out.finished:
                 finished[out.request_id] = out
         check_pool(engine)
-        if engine.last_step is not None:  # one-token entries lead each step (the decode kernel's part)
-            q = engine.last_step.query_lens
+        if engine.last_step is not None:  # one-token entries lead each step (the decode kernel's
+            q = engine.last_step.query_lens  # part), longest context first
             ones = [n == 1 for n in q]
             assert ones == sorted(ones, reverse=True), q
+            decode_lens = engine.last_step.seq_lens[: sum(ones)]
+            assert list(decode_lens) == sorted(decode_lens, reverse=True), decode_lens
         step += 1
     assert not engine.has_unfinished_requests(), "engine did not drain"
     for _, rid, _, params, _ in pending:

@@ -282,3 +282,18 @@ def test_longer_context_never_gets_fewer_segments():
         plan_split_kv([0, 1], [n], 32, 8, num_sms=132).num_splits for n in (256, 1024, 8192, 65536, 131072)
     ]
     assert counts == sorted(counts), counts
+
+
+def test_larger_query_tiles_need_fewer_programs_to_fill_the_gpu():
+    """C1's shape (16 requests x 512 new tokens over 4096 cached keys) runs 128-row tiles, each
+    eight times a decode tile's work per key: its 1024 programs fill 132 SMs without split-KV,
+    while 16 one-token requests over the same contexts split."""
+    cu = [512 * i for i in range(17)]
+    chunk = plan_split_kv(cu, [4096 + 512] * 16, 16, 8, head_dim=128, num_sms=132)
+    assert chunk.num_splits == 1, chunk.reason
+    decode = plan_split_kv(list(range(17)), [4096 + 512] * 16, 16, 8, head_dim=128, num_sms=132)
+    assert decode.num_splits > 1, decode.reason
+    # The same rule by hand: 16 programs of 16 rows per SM, or 2 of 128 rows.
+    few = schedule.choose_num_splits(1, 8, 1, None, max_seqlen_k=131072, num_sms=132, rows_per_program=128)
+    many = schedule.choose_num_splits(1, 8, 1, None, max_seqlen_k=131072, num_sms=132)
+    assert few.num_splits < many.num_splits

@@ -313,6 +313,7 @@ def _launch(
             seq_lens,
             num_splits=num_splits,
             max_seqlen_k=max_seqlen_k,
+            rows_per_program=cfg.block_m,
         )
     splits = plan.num_splits
     grid = (Hkv, batch, q_tiles * splits)

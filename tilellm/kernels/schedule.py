@@ -26,6 +26,9 @@ MIN_KEYS_PER_SPLIT = 1024  # shorter segments cost more in per-program work than
 MIN_CONTEXT_TO_SPLIT = 2 * MIN_KEYS_PER_SPLIT
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 16  # measured on an H200 (benchmarks/RESULTS.md): decode wants many short programs
+# ... of DECODE_ROWS query rows: a program with more rows does that many times the work per key,
+# so fewer of them fill the GPU (C1's 128-row chunk tiles: 1 segment 309, 2 segments 253 TFLOP/s).
+DECODE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,14 @@ def choose_num_splits(
     num_splits: int | None = None,
     max_seqlen_k: int | None = None,
     num_sms: int | None = None,
+    rows_per_program: int = DECODE_ROWS,
 ) -> SplitPlan:
     """The split-KV decision from the SM count, the batch and its longest context.
 
     No split when the programs already fill the GPU or contexts are short; otherwise enough
-    segments for about PROGRAMS_PER_SM programs per SM, each of at least MIN_KEYS_PER_SPLIT keys
-    of the longest context, at most MAX_SPLITS. `num_splits` forces the count. The longest
+    segments for about PROGRAMS_PER_SM programs of DECODE_ROWS query rows per SM (proportionally
+    fewer of `rows_per_program` rows), each of at least MIN_KEYS_PER_SPLIT keys of the longest
+    context, at most MAX_SPLITS. `num_splits` forces the count. The longest
     context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
     host sync: the engine plans on the host instead and passes the plan).
     """
@@ -135,13 +140,14 @@ def choose_num_splits(
             base,
             max_seqlen_k,
         )
-    want = _cdiv(PROGRAMS_PER_SM * sms, base)
+    per_sm = max(1, PROGRAMS_PER_SM * DECODE_ROWS // max(rows_per_program, DECODE_ROWS))
+    want = _cdiv(per_sm * sms, base)
     n = max(1, min(want, MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
     if n == 1:
         return SplitPlan(1, f"no split: {base} programs already fill {sms} SMs", sms, base, max_seqlen_k)
     reason = (
         f"split {n}: {base} programs for {sms} SMs; {n} segments per query tile give {base * n} programs "
-        f"(target {PROGRAMS_PER_SM} per SM, >= {MIN_KEYS_PER_SPLIT} keys per segment of the longest context, "
+        f"(target {per_sm} per SM, >= {MIN_KEYS_PER_SPLIT} keys per segment of the longest context, "
         f"cap {MAX_SPLITS})"
     )
     return SplitPlan(n, reason, sms, base, _cdiv(max_seqlen_k, n), MIN_KEYS_PER_SPLIT)
@@ -181,7 +187,7 @@ def plan_split_kv(
     lens = _as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
-    _, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
+    cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
     return choose_num_splits(
         len(lens),
         num_kv_heads,
@@ -189,6 +195,7 @@ def plan_split_kv(
         lens,
         num_splits=num_splits,
         num_sms=num_sms,
+        rows_per_program=cfg.block_m,
     )
 
 
@@ -254,7 +261,15 @@ def paged_schedule(
     cfg, block_q = paged_config(head_dim, dtype, group, max_q)
     bn = cfg.block_n
     q_tiles = _cdiv(max(max_q, 1), block_q)
-    plan = choose_num_splits(len(lens), num_kv_heads, q_tiles, lens, num_splits=num_splits, num_sms=num_sms)
+    plan = choose_num_splits(
+        len(lens),
+        num_kv_heads,
+        q_tiles,
+        lens,
+        num_splits=num_splits,
+        num_sms=num_sms,
+        rows_per_program=cfg.block_m,
+    )
     splits = plan.num_splits
     sched = TileSchedule(
         "paged_attention",
