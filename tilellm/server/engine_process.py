@@ -112,13 +112,9 @@ class _EngineLoop(AsyncEngine):
         self.send_s = 0.0  # time in pipe sends (pickling included)
         self.loop_step_s = 0.0  # time in `_step`: the engine step, building updates, sending them
         self.loop_steps = 0
+        self._in_step = False
+        self._stats_unsent = False
         super().__init__(engine, max_waiting=1 << 62, observer=_PipeObserver(self._send))
-
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        super()._step()
-        self.loop_step_s += time.perf_counter() - t0
-        self.loop_steps += 1
 
     def _send(self, message: tuple) -> None:
         if self.parent_gone:
@@ -135,10 +131,25 @@ class _EngineLoop(AsyncEngine):
                 self._stopping = True
                 self._cv.notify()
 
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        self._in_step = True
+        try:
+            super()._step()
+        finally:
+            self._in_step = False
+        if self._stats_unsent:  # a step that produced no update still reports its stats
+            self._send(("stats", self.stats))
+            self._stats_unsent = False
+        self.loop_step_s += time.perf_counter() - t0
+        self.loop_steps += 1
+
     def _call_in_loop(self, fn, *args) -> None:
         if fn is _deliver:
             (routed,) = args
-            self._send(("updates", [(qid, _pack(update)) for qid, update in routed]))
+            # The stats of this step travel with its updates: one message per step.
+            self._send(("updates", [(qid, _pack(update)) for qid, update in routed], self.stats))
+            self._stats_unsent = False
         elif fn is _resolve:
             fid, error, *value = args
             self._send(_portable(fid, error, value[0] if value else None))
@@ -147,7 +158,10 @@ class _EngineLoop(AsyncEngine):
 
     def _publish_stats(self) -> None:
         super()._publish_stats()
-        self._send(("stats", self.stats))
+        if self._in_step:
+            self._stats_unsent = True  # sent with the step's updates (or after the step)
+        else:
+            self._send(("stats", self.stats))
 
     def read_commands(self) -> None:
         """Pipe -> inbox, in a thread of the engine process (the main thread runs `_run`)."""
@@ -441,6 +455,7 @@ class EngineProcess:
             try:
                 kind = message[0]
                 if kind == "updates":
+                    self.stats = message[2]
                     self._route(message[1])
                 elif kind == "resolve":
                     self._resolved(*message[1:])
@@ -460,12 +475,12 @@ class EngineProcess:
 
     def _route(self, packed: list[tuple[int, tuple]]) -> None:
         routed = []
+        updates = [(qid, _unpack(item)) for qid, item in packed]  # outside the lock the event loop takes
         with self._lock:
-            for qid, item in packed:
+            for qid, update in updates:
                 entry = self._queues.get(qid)
                 if entry is None:  # aborted here meanwhile
                     continue
-                update = _unpack(item)
                 if update.finished:
                     rid = entry[1].get(update.tag)
                     if rid is not None:
