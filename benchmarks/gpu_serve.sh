@@ -29,7 +29,8 @@
 #
 # Knobs: SCALE (1 = E1; shrinks lengths and count as `bench throughput --scale`), DEVICE, DTYPE
 # (bfloat16), RATES, CLIENTS (client process counts run at each rate, `--num-clients`; default 1),
-# PORT (8011), BUDGET_S (470: the whole script; each step gets at most what is left), OUT,
+# MAX_BATCHED (16384: --max-num-batched-tokens of both), PORT (8011), BUDGET_S (470: the whole
+# script; each step gets at most what is left), OUT,
 # SERVE_ARGS / THROUGHPUT_ARGS / BENCH_ARGS (extra flags), SKIP_OFFLINE=1.
 set -uo pipefail
 START=$SECONDS
@@ -40,6 +41,7 @@ DEVICE=${DEVICE:-}
 DTYPE=${DTYPE:-bfloat16}
 RATES=${RATES:-inf 64 16}
 CLIENTS=${CLIENTS:-1}
+MAX_BATCHED=${MAX_BATCHED:-16384}  # the same token budget offline and served
 PORT=${PORT:-8011}
 URL=http://127.0.0.1:$PORT
 WORK=$(mktemp -d /tmp/tilellm-serve.XXXXXX)
@@ -100,7 +102,7 @@ echo "model: $MODEL; max_model_len: $MAX_MODEL_LEN"
 if [ "${SKIP_OFFLINE:-0}" != 1 ]; then
   step "offline E1: tilellm bench throughput --workloads E1 (limit $(limit 240) s)"
   timeout -k 10 "$(limit 240)" python3 -m tilellm.cli bench throughput --workloads E1 --scale "$SCALE" \
-    --dtype "$DTYPE" "${DEV_ARGS[@]}" ${THROUGHPUT_ARGS:-} --json "$OUT/offline_e1.json" \
+    --max-num-batched-tokens "$MAX_BATCHED" --dtype "$DTYPE" "${DEV_ARGS[@]}" ${THROUGHPUT_ARGS:-} --json "$OUT/offline_e1.json" \
     >"$OUT/offline_e1.log" 2>&1
   echo "exit status: $?"
   tr '\r' '\n' <"$OUT/offline_e1.log" | grep -v -e "Processed prompts" -e '^\s*$' | tail -n 12 | cut -c1-400
@@ -109,7 +111,7 @@ fi
 step "starting tilellm serve on $URL"
 timeout -k 10 "$(limit 400)" python3 -m tilellm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --load-format dummy --skip-tokenizer-init --served-model-name qwen3-0.6b-dummy --dtype "$DTYPE" \
-  --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192 \
+  --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tokens "$MAX_BATCHED" \
   --uvicorn-log-level warning --disable-uvicorn-access-log "${DEV_ARGS[@]}" ${SERVE_ARGS:-} \
   >"$OUT/server.log" 2>&1 &
 SERVER_PID=$!
