@@ -376,18 +376,25 @@ class LLMEngine:
         rows = sampling.rows
         length_done = sampling.steps + 1 >= table.max_outputs[rows]
         eos_done = np.isin(result.token_ids, self._eos_array) & table.eos_stops[rows]
+        special = table.python_checks[rows] | (sampling.steps == 0)
+        check = length_done | eos_done | special  # rows with Python work: stops, logprobs, n > 1
         if emit_partial:
+            # Every live row gets an output; with a tokenizer each also extends its text.
             visit = np.flatnonzero(alive).tolist()
+            if self.tokenizer is not None:
+                check = alive
         else:
-            special = table.python_checks[rows] | (sampling.steps == 0)
-            visit = np.flatnonzero((length_done | eos_done | special) & alive).tolist()
+            visit = np.flatnonzero(check & alive).tolist()
         positions = done.positions
         touched: dict[str, Request] = {}
         for k in visit:
             seq = sampled[k]
             req = seq.request
+            touched[req.request_id] = req
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            if not check[k]:  # a plain token of a streamed sequence: nothing to check
+                continue
             self._check_stop(
                 seq,
                 tokens[k],
@@ -398,7 +405,6 @@ class LLMEngine:
                 result,
                 emit_partial,
             )
-            touched[req.request_id] = req
         if emit_partial:
             for req in touched.values():
                 req.metrics.last_token_time = now

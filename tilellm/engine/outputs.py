@@ -14,7 +14,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request. `text` is the whole text so far (not a delta).
 
@@ -53,7 +53,7 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """State of one request after a step; `outputs` has one entry per sample (`n`)."""
 
