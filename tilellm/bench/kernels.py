@@ -40,6 +40,15 @@ DECODE_SWEEP = [
     (16, 32, 2, 4),
     (16, 32, 1, 4),
 ]
+# Verification (a few new tokens per request): 32-row tiles (V1: 6 tokens x 4 heads).
+VERIFY_SWEEP = [
+    (32, 64, 4, 3),
+    (32, 64, 2, 3),
+    (32, 64, 4, 4),
+    (32, 64, 2, 4),
+    (32, 128, 4, 3),
+    (32, 32, 2, 4),
+]
 CHUNK_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)]
 
 
@@ -283,7 +292,8 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
     if sweep:
         from tilellm.kernels import config
 
-        for rows_, bn, w, st in CHUNK_SWEEP if max_q > 1 else DECODE_SWEEP:
+        sweep_configs = DECODE_SWEEP if max_q == 1 else VERIFY_SWEEP if max_q <= 16 else CHUNK_SWEEP
+        for rows_, bn, w, st in sweep_configs:
             cfg = config.TileConfig(rows_, bn, w, st)
             label = f"tilellm rows{rows_} bn{bn} w{w} s{st}"
             try:
