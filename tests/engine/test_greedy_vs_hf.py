@@ -94,3 +94,20 @@ def test_triton_backend_greedy_matches_hf(tiny_qwen3):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == [w[:4] for w in want]
     assert llm.llm_engine.get_stats().prefix_cache_hits > 0
+
+
+def test_unfused_ops_beside_triton_attention_match_hf(tiny_qwen3):
+    """`fused_ops_backend="reference"`: Triton attention with the unfused PyTorch RMSNorm, SiLU-and-mul
+    and rotary (what `bench throughput --compare-fused` times) gives the same greedy tokens."""
+    import tilellm.kernels.fused_reference as unfused
+
+    prompts = _prompts()[:3]
+    want = expected(tiny_qwen3)[:3]
+    llm = LLM(tiny_qwen3, num_kv_blocks=32, attention_backend="triton", fused_ops_backend="reference")
+    model = llm.llm_engine.runner.model
+    assert model.model.layers[0].mlp.act_fn.ops is unfused
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [w[:4] for w in want]
+    with pytest.raises(ValueError, match="fused_ops_backend"):
+        LLM(tiny_qwen3, fused_ops_backend="cuda-graphs")

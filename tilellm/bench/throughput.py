@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
+    p.add_argument(
+        "--compare-fused",
+        action="store_true",
+        help="also run E1 with the unfused PyTorch RMSNorm / SiLU-and-mul / rotary (what fusion gains)",
+    )
     p.add_argument("--hf-baseline", action="store_true", help="also run transformers generate on E1")
     p.add_argument(
         "--hf-requests", type=int, default=256, help="E1 requests for the HF baseline (batches of 64)"
@@ -423,6 +428,14 @@ def main(args: argparse.Namespace) -> int:
                 )
             llm = None
             _free()
+            if args.compare_fused:
+                llm = _make_llm(
+                    args, model, load_format, max_model_len=_needed_len(w), fused_ops_backend="reference"
+                )
+                results.append(run_workload(llm, w, "unfused RMSNorm/SiLU/rotary"))
+                results[-1].extra["fused_speedup"] = results[-1].seconds / results[0].seconds
+                llm = None
+                _free()
         if "E2" in names:
             w = e2(args.scale)
             for caching in (True, False):

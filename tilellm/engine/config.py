@@ -29,6 +29,9 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None
     attention_backend: str = "auto"
+    # RMSNorm / SiLU-and-mul / rotary: None follows attention_backend ("reference" = unfused
+    # PyTorch, to measure what the fused Triton kernels gain).
+    fused_ops_backend: str | None = None
     num_kv_blocks: int | None = None
     load_format: str = "safetensors"
     skip_tokenizer_init: bool = False
@@ -61,6 +64,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "triton", "reference"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'triton' or 'reference', got {self.attention_backend!r}"
+            )
+        if self.fused_ops_backend not in (None, "auto", "triton", "reference"):
+            raise ValueError(
+                "fused_ops_backend must be None, 'auto', 'triton' or 'reference', "
+                f"got {self.fused_ops_backend!r}"
             )
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")

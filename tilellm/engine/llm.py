@@ -40,7 +40,10 @@ class LLM:
         num_kv_blocks: int | None = None,
         load_format: str = "safetensors",
         skip_tokenizer_init: bool = False,
+        fused_ops_backend: str | None = None,
     ):
+        """`fused_ops_backend` (not in SPEC): RMSNorm / SiLU-and-mul / rotary through the Triton
+        kernels ("triton") or unfused PyTorch ("reference"); None follows `attention_backend`."""
         self.llm_engine = LLMEngine(
             model,
             dtype=dtype,
@@ -58,6 +61,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init,
+            fused_ops_backend=fused_ops_backend,
         )
         # Offline batches only need final outputs: overlap host and device work on CUDA.
         self.llm_engine.async_scheduling = bool(getattr(self.llm_engine.runner, "is_cuda", False))

@@ -198,6 +198,7 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
             attention_backend=config.attention_backend,
+            fused_ops_backend=config.fused_ops_backend,
             load_format=config.load_format,
             tp_rank=tp_rank,
             tp_size=tp_size,

@@ -187,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
         config: Any,
         *,
         attention_backend: str = "auto",
+        fused_ops_backend: str | None = None,
         device: torch.device | str = "cpu",
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -198,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         attn_ops = resolve_attention_ops(attention_backend, device)
-        fused_ops = resolve_fused_ops(attention_backend, device)
+        fused_ops = resolve_fused_ops(fused_ops_backend or attention_backend, device)
         flags = self.decoder_flags(config)
         self.model = LlamaModel(config, flags, attn_ops, fused_ops, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)

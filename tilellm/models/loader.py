@@ -213,6 +213,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str | None = None,
     attention_backend: str = "auto",
+    fused_ops_backend: str | None = None,
     load_format: str = "safetensors",
     tp_rank: int = 0,
     tp_size: int = 1,
@@ -223,6 +224,7 @@ def load_model(
     dtype: "auto" (config.json's torch_dtype, float32 when absent), "float32", "float16", "bfloat16".
     device: None = "cuda" when available, else "cpu".
     load_format: "safetensors", or "dummy" for random weights (only config.json needed).
+    fused_ops_backend: RMSNorm / SiLU-and-mul / rotary implementation; None follows attention_backend.
     tp_rank, tp_size: this rank's shard of every tensor-parallel layer.
     """
     if load_format not in ("safetensors", "dummy"):
@@ -237,7 +239,12 @@ def load_model(
     cls = get_model_class(raw["architectures"][0])
     with torch.device("meta"):
         model = cls(
-            config, attention_backend=attention_backend, device=device, tp_rank=tp_rank, tp_size=tp_size
+            config,
+            attention_backend=attention_backend,
+            fused_ops_backend=fused_ops_backend,
+            device=device,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
         )
     _materialize(model, device, torch_dtype)
     if load_format == "dummy":
