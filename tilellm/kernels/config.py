@@ -71,7 +71,8 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
         # Decode: 2 warps per 16-row tile (E1D sweep, RESULTS.md run 8: 18% over 4 warps).
         rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 2, 3
     elif max_seqlen_q * group <= 64:
-        rows, block_n, warps, stages = 64, 64 if head_dim <= 128 else 32, 4, 3
+        # Verification-sized tiles: 128-key tiles (V1 sweep, RESULTS.md run 18: 3657 vs 3089 GB/s).
+        rows, block_n, warps, stages = 64, 128 if head_dim <= 128 else 32, 4, 3
     else:
         rows, block_n, warps, stages = (128, 128, 8, 3) if head_dim <= 128 else (64, 32, 4, 2)
     if dtype == torch.float32 and not interpreting():
