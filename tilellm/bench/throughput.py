@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeat",
         type=int,
         default=1,
-        help="run E1 this many times on one engine (run k > 1 adds k - 1 to every prompt token id: "
-        "the same work, no prefix-cache hits); each run is reported",
+        help="run E1 this many times on one engine (run k > 1 adds 2(k - 1) to every prompt token id: "
+        "the same work, no prefix-cache hits; warm-ups use odd shifts); each run is reported",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -228,6 +228,7 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
     warm = [[(t + 1) % engine.vocab_size for t in p] for p in w.prompts[:32]]
     llm.generate(warm, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     engine.timings.reset()
+    stats0 = engine.get_stats()
     runner_times = engine.runner.host_times
     runner_times.clear()
     replays = getattr(engine.runner, "graph_replays", {})
@@ -308,8 +309,10 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
     r.extra["kernel_compiles_in_run"] = compiled_kernel_variants() - compiled_before
     r.extra["num_kv_blocks"] = engine.block_manager.num_blocks
     stats = engine.get_stats()
-    r.extra["prefix_cache_hit_rate"] = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
-    r.extra["preemptions"] = stats.num_preemptions
+    # This run's lookups only (the engine's counters also hold the warm-up's and earlier runs').
+    hits = stats.prefix_cache_hits - stats0.prefix_cache_hits
+    r.extra["prefix_cache_hit_rate"] = hits / max(stats.prefix_cache_queries - stats0.prefix_cache_queries, 1)
+    r.extra["preemptions"] = stats.num_preemptions - stats0.num_preemptions
     return r
 
 
@@ -422,7 +425,13 @@ def main(args: argparse.Namespace) -> int:
                 assert sum(w.max_tokens) == E1_OUTPUT_TOKENS
             llm = _make_llm(args, model, load_format, max_model_len=_needed_len(w))
             for k in range(max(1, args.repeat)):
-                run = w if k == 0 else dataclasses.replace(w, prompts=[[t + k for t in p] for p in w.prompts])
+                # Even shifts: each run's warm-up shifts its prompts by 1 more (odd), so no run
+                # finds another run's or warm-up's blocks in the prefix cache.
+                run = (
+                    w
+                    if k == 0
+                    else dataclasses.replace(w, prompts=[[t + 2 * k for t in p] for p in w.prompts])
+                )
                 results.append(
                     run_workload(llm, run, f"run {k + 1}/{args.repeat}" if args.repeat > 1 else "")
                 )
