@@ -222,3 +222,30 @@ def test_half_logits_sample_as_their_float32_copy(dtype, use_triton):
     assert half.tolist() == wide.tolist()
     assert half[2].item() == 10
     assert half[0].item() == logits[0].float().argmax().item()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_gumbel_kernel_breaks_ties_like_torch():
+    """Tied maxima (+inf logits: the noise cannot separate them) in different lanes, loop
+    iterations and vocab chunks of the kernel: the first index wins, as in the torch path."""
+    from tilellm.engine.sampler import _GUMBEL_BLOCK, _GUMBEL_CHUNK, gumbel_argmax_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    v = 2 * _GUMBEL_CHUNK + 500
+    logits = torch.randn(5, v, generator=torch.Generator().manual_seed(9))
+    logits[0, [3 * _GUMBEL_BLOCK // 2, _GUMBEL_BLOCK + 1]] = float("inf")  # other lanes, other iterations
+    logits[1, [_GUMBEL_CHUNK + 7, 2 * _GUMBEL_CHUNK + 3, 100]] = float("inf")  # across chunks
+    logits[2, [_GUMBEL_BLOCK + 3, 3]] = float("inf")  # one lane, two iterations
+    logits[3] = float("-inf")
+    logits[3, [_GUMBEL_CHUNK, _GUMBEL_CHUNK - 1]] = float("inf")  # the last index of chunk 0 first
+    logits[4] = float("-inf")
+    logits[4, v - 1] = 0.0  # the only finite entry, in the last, partial block
+    inv_temp = torch.ones(5)
+    keys = torch.from_numpy(seed_keys(np.arange(5, dtype=np.uint64) * 31).astype(np.int64))
+    steps = torch.arange(5)
+    want = gumbel_argmax_torch(logits, inv_temp, keys, steps)
+    got = gumbel_argmax_triton(
+        logits.to(device), inv_temp.to(device), keys.to(device), steps.to(device)
+    ).cpu()
+    assert want.tolist() == [_GUMBEL_BLOCK + 1, 100, 3, _GUMBEL_CHUNK - 1, v - 1]
+    assert got.tolist() == want.tolist()

@@ -132,7 +132,8 @@ def test_bench_serve_against_the_server(server, tmp_path):
 
 def test_bench_serve_with_several_client_processes(server, tmp_path):
     """--num-clients 3: every request is sent once, by one of three processes, and the summary
-    counts them all (7 requests: the processes get 3, 2 and 2)."""
+    counts them all (7 requests: the processes get 3, 2 and 2). With --max-concurrency 2 only
+    two clients run (one request in flight each)."""
     from tests.server.conftest import API_KEY
     from tilellm.cli import main
 
@@ -146,6 +147,10 @@ def test_bench_serve_with_several_client_processes(server, tmp_path):
     assert result["completed"] == 7 and result["failed"] == 0
     assert result["total_output_tokens"] == 28 and result["total_input_tokens"] == 63
     assert result["duration_s"] > 0 and result["p50_ttft_ms"] >= 0
+    argv += ["--max-concurrency", "2"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["num_clients"] == 2 and result["completed"] == 7 and result["failed"] == 0
 
 
 def test_serve_help_lists_the_flags(capsys):

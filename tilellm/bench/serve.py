@@ -201,11 +201,12 @@ async def _drive(
     rate: float,
     in_flight: int,
     arrival_seed: int,
-    go=None,
+    ready=None,
 ) -> tuple[list[RequestResult], float, float]:
     """Send the requests `indices` of `work` (arrivals at `rate`, at most `in_flight` at once);
     their results, and the perf_counter times of the first send and of the last completion.
-    `go` (a multiprocessing Event) holds the first send until every client process is ready."""
+    `ready` (a multiprocessing Barrier of all client processes) holds the first send until every
+    client process has its workload and HTTP client."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     async with httpx.AsyncClient(
@@ -219,8 +220,8 @@ async def _drive(
                     client, model, work.prompts[i], work.max_tokens[i], args.temperature, args.timeout
                 )
 
-        if go is not None:
-            await asyncio.to_thread(go.wait)
+        if ready is not None:  # BrokenBarrierError when another client died or timed out
+            await asyncio.to_thread(ready.wait, _READY_TIMEOUT_S)
         start = time.perf_counter()
         tasks = []
         async for j in _arrivals(len(indices), rate, random.Random(arrival_seed)):
@@ -229,16 +230,27 @@ async def _drive(
         return list(results), start, time.perf_counter()
 
 
-def _client_process(args: argparse.Namespace, model: str, k: int, go, queue) -> None:
+_READY_TIMEOUT_S = 120.0  # client processes waiting for each other at the start
+
+
+def _client_share(total: int, clients: int, k: int) -> int:
+    """Client k's part of `total` split over `clients` as evenly as integers allow (sums to total)."""
+    return total // clients + (1 if k < total % clients else 0)
+
+
+def _client_process(args: argparse.Namespace, model: str, k: int, ready, queue) -> None:
     """Client process k of --num-clients: every K-th request, at 1/K of the rate (the sum of K
-    independent Poisson processes is the Poisson process of the whole rate)."""
+    independent Poisson processes is the Poisson process of the whole rate), and its share of
+    --max-concurrency (the shares sum to it)."""
     try:
         work = _workload(args)
         clients = args.num_clients
         indices = list(range(k, args.num_prompts, clients))
-        in_flight = -(-(args.max_concurrency or args.num_prompts) // clients)
+        in_flight = _client_share(args.max_concurrency or args.num_prompts, clients, k)
         out = asyncio.run(
-            _drive(args, model, work, indices, args.request_rate / clients, in_flight, args.seed + 1 + k, go)
+            _drive(
+                args, model, work, indices, args.request_rate / clients, in_flight, args.seed + 1 + k, ready
+            )
         )
         queue.put((k, indices, out, None))
     except BaseException as exc:  # reported by the parent, which must not wait forever
@@ -288,21 +300,33 @@ def run_benchmark_processes(args: argparse.Namespace) -> dict:
     event loop handles ~10-20k server-sent events/s) does not bound what is measured. Each sends
     every K-th request; the duration runs from the first send of any to the last completion."""
     import multiprocessing as mp
+    import queue as queue_mod
 
     model = asyncio.run(_model_name(args))
     ctx = mp.get_context("spawn")
-    go, queue = ctx.Event(), ctx.Queue()
+    ready, queue = ctx.Barrier(args.num_clients), ctx.Queue()
     procs = [
-        ctx.Process(target=_client_process, args=(args, model, k, go, queue)) for k in range(args.num_clients)
+        ctx.Process(target=_client_process, args=(args, model, k, ready, queue), daemon=True)
+        for k in range(args.num_clients)
     ]
     for p in procs:
         p.start()
-    time.sleep(0.5)  # let each client build its workload and client before the common start
-    go.set()
     results: list[RequestResult | None] = [None] * args.num_prompts
     starts, ends, errors = [], [], []
-    for _ in procs:
-        k, indices, out, err = queue.get()
+    pending = set(range(args.num_clients))
+    while pending:
+        try:
+            k, indices, out, err = queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            # A client that died without reporting (killed, out of memory) must not hang this loop.
+            dead = [k for k in pending if not procs[k].is_alive() and queue.empty()]
+            for k in dead:
+                pending.discard(k)
+                errors.append(f"client {k}: exited with status {procs[k].exitcode} without a result")
+            if dead:
+                ready.abort()  # the others stop waiting for it at the start
+            continue
+        pending.discard(k)
         if err is not None:
             errors.append(f"client {k}: {err}")
             continue
@@ -311,7 +335,7 @@ def run_benchmark_processes(args: argparse.Namespace) -> dict:
         starts.append(out[1])
         ends.append(out[2])
     for p in procs:
-        p.join()
+        p.join(10)
     if errors:
         raise RuntimeError("; ".join(errors))
     return summarize([r for r in results if r is not None], max(ends) - min(starts), model, args)
@@ -411,7 +435,7 @@ def main(args: argparse.Namespace) -> int:
     if args.num_clients < 1:
         print("tilellm bench serve: --num-clients must be >= 1", file=sys.stderr)
         return 2
-    args.num_clients = min(args.num_clients, args.num_prompts)
+    args.num_clients = min(args.num_clients, args.num_prompts, args.max_concurrency or args.num_prompts)
     try:
         if args.num_clients > 1:
             summary = run_benchmark_processes(args)

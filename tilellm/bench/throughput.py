@@ -64,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compare-fused",
         action="store_true",
-        help="also run E1 with the unfused PyTorch RMSNorm / SiLU-and-mul / rotary (what fusion gains)",
+        help="also run E1 with the unfused PyTorch RMSNorm / SiLU-and-mul / rotary (what fusion gains; "
+        "extra.fused_speedup is that run's time over E1 run 1's). Meaningful with the Triton attention "
+        "backend (the GPU default): with --attention-backend reference both runs are unfused",
     )
     p.add_argument("--hf-baseline", action="store_true", help="also run transformers generate on E1")
     p.add_argument(

@@ -54,6 +54,7 @@ from tilellm.engine.metadata import (
     num_leading_decodes,
 )
 from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
+from tilellm.kernels.config import paged_config
 from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT, choose_num_splits
 
 if TYPE_CHECKING:
@@ -285,10 +286,15 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info()
         used = total - free  # weights, CUDA context, other processes
         reserve = _GRAPH_RESERVE_BYTES
-        if self.config.enable_prefix_caching and not self.config.enforce_eager:
-            # The cascade graphs keep their own fp32 logits outputs alive: [sum of buckets >= 8, V].
-            rows = sum(bs for bs in graph_batch_sizes(self.config.max_num_seqs) if bs >= CASCADE_MIN_REQUESTS)
-            reserve += rows * self.vocab_size * 4
+        if not self.config.enforce_eager:
+            # Each captured graph keeps its logits output alive, [bucket, V] in the model dtype:
+            # the plain and the no-split graph of every bucket (at most), and the cascade graph of
+            # every bucket from CASCADE_MIN_REQUESTS when prefix caching is on.
+            sizes = graph_batch_sizes(self.config.max_num_seqs)
+            rows = 2 * sum(sizes)
+            if self.config.enable_prefix_caching:
+                rows += sum(bs for bs in sizes if bs >= CASCADE_MIN_REQUESTS)
+            reserve += rows * self.vocab_size * self.dtype.itemsize
         budget = total * self.config.gpu_memory_utilization - used - (peak - current) - reserve
         num_blocks = int(budget // self.block_bytes)
         if num_blocks < 1:
@@ -434,12 +440,7 @@ class ModelRunner:
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_prefix_len = torch.zeros(1, dtype=torch.int32, device=dev)
         pool = self._capture_variant(self.graphs, self.graph_sizes, None, None)
-        kv_heads = self.num_kv_heads
-        splitting = [
-            bs
-            for bs in self.graph_sizes
-            if choose_num_splits(bs, kv_heads, 1, None, max_seqlen_k=self.max_model_len).num_splits > 1
-        ]
+        splitting = [bs for bs in self.graph_sizes if self._decode_graph_splits(bs) > 1]
         if splitting:
             short = MIN_CONTEXT_TO_SPLIT - 1
             self._capture_variant(self.short_graphs, splitting, None, pool, max_seqlen_k=short)
@@ -459,6 +460,16 @@ class ModelRunner:
             len(self.cascade_graphs),
             time.perf_counter() - t0,
         )
+
+    def _decode_graph_splits(self, bs: int) -> int:
+        """Segments the decode kernel plans for `bs` requests of `max_model_len`-long contexts
+        (what a graph captured with `max_seqlen_k = max_model_len` runs)."""
+        attn = self.model.attention_layers()[0]
+        cfg, _ = paged_config(self.head_dim, self.dtype, attn.num_heads // attn.num_kv_heads, 1)
+        plan = choose_num_splits(
+            bs, attn.num_kv_heads, 1, None, max_seqlen_k=self.max_model_len, rows_per_program=cfg.block_m
+        )
+        return plan.num_splits
 
     def _capture_variant(
         self,

@@ -18,8 +18,9 @@ messages into queue items on the event loop.
 Messages, this process -> engine: ("add", [(EngineRequest, tag)], qid, fid, arrival),
 ("abort", [request_id]), ("call", fn, fid), ("stop",).
 Engine -> this process: ("ready", info) | ("failed", text) once at start, then ("updates",
-[(qid, update tuple)]), ("resolve", fid, error, value), ("stats", StatsSnapshot), ("obs", method,
-args) for the metrics observer, ("exit", error or None) last.
+[(qid, update tuple)], StatsSnapshot) once per step that produced updates (the step's stats ride
+along), ("stats", StatsSnapshot) when stats changed without updates, ("resolve", fid, error,
+value), ("obs", method, args) for the metrics observer, ("exit", error or None) last.
 
 The engine process ignores SIGINT/SIGTERM (a Ctrl-C reaches the whole process group): the server
 process decides when it stops; if the server process dies, the pipe closes and the engine stops.
