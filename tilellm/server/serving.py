@@ -56,13 +56,45 @@ class _Choice:
     started: bool = False  # chat streaming: role chunk sent
 
 
+def _json(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def _sse(obj: dict[str, Any] | str) -> str:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    data = obj if isinstance(obj, str) else _json(obj)
     return f"data: {data}\n\n"
 
 
+class _ChunkWriter:
+    """The server-sent events of one stream: `head` (id, object, created, model), then the
+    choices, then `"usage":null` when the client asked for usage. The fields every chunk repeats
+    are serialised once; a choice may come as a dict or already serialised (`plain_choice`).
+    The bytes are those of `_sse(head | {"choices": ..., "usage": None})`."""
+
+    def __init__(self, head: dict[str, Any], include_usage: bool):
+        self._prefix = "data: " + _json(head)[:-1] + ',"choices":['
+        self._suffix = '],"usage":null}\n\n' if include_usage else "]}\n\n"
+
+    def __call__(self, choices: list[dict[str, Any] | str]) -> str:
+        return self._prefix + ",".join(c if isinstance(c, str) else _json(c) for c in choices) + self._suffix
+
+
+def plain_choice(index: int, key: str, text: str, token_ids: list[int] | None = None) -> str:
+    """A streamed choice with new text and nothing else (no logprobs, not finished), serialised:
+    `{"index":i,"text":...,"logprobs":null,"finish_reason":null[,"token_ids":[...]]}` for
+    completions (`key` "text"), `{"index":i,"delta":{"content":...},...}` for chat (`key`
+    "delta"). The per-token hot path of a stream: one small string, no dict, no full dump."""
+    body = _json(text) if key == "text" else '{"content":' + _json(text) + "}"
+    ids = "" if token_ids is None else ',"token_ids":[' + ",".join(map(str, token_ids)) + "]"
+    return f'{{"index":{index},"{key}":{body},"logprobs":null,"finish_reason":null{ids}}}'
+
+
 def _merge(batch: list[RequestUpdate]) -> dict[tuple[int, int], SeqDelta]:
-    """Coalesce queued updates per (tag, index), in order: the client gets one chunk per choice."""
+    """Coalesce queued updates per (tag, index), in order: the client gets one chunk per choice.
+    The deltas are read, never changed: one update (the usual case) is handed out as it is."""
+    if len(batch) == 1:
+        update = batch[0]
+        return {(update.tag, d.index): d for d in update.deltas}
     merged: dict[tuple[int, int], SeqDelta] = {}
     for update in batch:
         for d in update.deltas:
@@ -398,12 +430,10 @@ class OpenAIServing:
         return_ids = self._return_token_ids(req)
         state: dict[tuple[int, int], _Choice] = {}
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            body = {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name}
-            body["choices"] = choices
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+        chunk = _ChunkWriter(
+            {"id": base_id, "object": "text_completion", "created": created, "model": self.model_name},
+            include_usage,
+        )
 
         if req.echo:
             for tag, text in enumerate(echo):
@@ -427,6 +457,11 @@ class OpenAIServing:
                 lp = None
                 if req.logprobs is not None and d.logprobs is not None:
                     lp = self._completion_logprobs(d.logprobs, d.token_ids, req.logprobs, c)
+                if lp is None and d.finish_reason is None:
+                    out.append(
+                        plain_choice(tag * req.n + idx, "text", d.text, d.token_ids if return_ids else None)
+                    )
+                    continue
                 out.append(
                     {
                         "index": tag * req.n + idx,
@@ -555,17 +590,10 @@ class OpenAIServing:
         top = (req.top_logprobs or 0) if req.logprobs else None
         state: dict[tuple[int, int], _Choice] = {}
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            body = {
-                "id": base_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-            }
-            body["choices"] = choices
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+        chunk = _ChunkWriter(
+            {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name},
+            include_usage,
+        )
 
         first = [
             {
@@ -585,6 +613,9 @@ class OpenAIServing:
                 lp = None
                 if top is not None and d.logprobs is not None:
                     lp = self._chat_logprobs(d.logprobs, d.token_ids, top)
+                if lp is None and d.finish_reason is None:
+                    out.append(plain_choice(idx, "delta", d.text))
+                    continue
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 out.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
                 if d.finish_reason is not None:
