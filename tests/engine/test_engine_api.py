@@ -39,8 +39,16 @@ def test_invalid_requests_are_rejected_and_others_served(engine):
         engine.add_request("empty", [], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty2", "", GREEDY)
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(ValueError, match="token id 1000000 is outside the vocabulary"):
         engine.add_request("oov", [1, 2, 10**6], GREEDY)
+    with pytest.raises(ValueError, match="token id -3 is outside the vocabulary"):
+        engine.add_request("negative", [1, -3, 2], GREEDY)
+    with pytest.raises(ValueError, match="must be integers"):
+        engine.add_request("bool", [1, True, 2], GREEDY)
+    with pytest.raises(ValueError, match="must be integers"):
+        engine.add_request("float", [1, 2.5], GREEDY)
+    with pytest.raises(ValueError, match="list of token ids"):
+        engine.add_request("junk", [1, "x"], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", "again", GREEDY)
     assert engine.get_stats().num_kv_blocks_used == used and engine.get_stats().num_waiting == 1

@@ -205,17 +205,20 @@ class LLMEngine:
                     "a text prompt needs the tokenizer (skip_tokenizer_init=True): pass token ids"
                 )
             return prompt, list(self.tokenizer.encode(prompt))
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            ) from None
-        if any(isinstance(t, bool) or int(t) != t for t in prompt):
-            raise ValueError("prompt token ids must be integers")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            ids = list(prompt)  # the usual case: plain ints (not bool), one cheap pass
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+                ) from None
+            if any(isinstance(t, bool) or int(t) != t for t in prompt):
+                raise ValueError("prompt token ids must be integers")
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return getattr(prompt, "text", None), ids
 
     def abort_request(self, request_id: str) -> bool:
