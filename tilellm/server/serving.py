@@ -167,6 +167,8 @@ class OpenAIServing:
         return s
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
+        if not ids or max(ids) < self.vocab_size:  # (negative ids fail the request schema)
+            return
         bad = next((t for t in ids if t >= self.vocab_size), None)
         if bad is not None:
             raise APIError.invalid(
