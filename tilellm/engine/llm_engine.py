@@ -513,14 +513,15 @@ class LLMEngine:
 
     def _make_output(self, req: Request) -> RequestOutput:
         sample = self._delta_output if self.output_deltas else self._cumulative_output
+        seqs = req.seqs
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[sample(s) for s in req.seqs],
-            finished=req.is_finished,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-            metrics=req.metrics,
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [sample(seqs[0])] if len(seqs) == 1 else [sample(s) for s in seqs],
+            req.is_finished,
+            seqs[0].num_cached_tokens,
+            req.metrics,
         )
 
     @staticmethod
@@ -541,23 +542,27 @@ class LLMEngine:
         """What sequence `s` produced since its previous delta output. A trailing U+FFFD (an
         incomplete UTF-8 character) is held back until the sequence finishes."""
         first = s.num_emitted_tokens
-        end = len(s.token_ids) - s.num_pending - s.num_prompt_tokens
         p = s.num_prompt_tokens
+        end = len(s.token_ids) - s.num_pending - p
         token_ids = s.token_ids[p + first : p + end] if end > first else []
-        s.num_emitted_tokens = max(first, end)
-        finished = s.finish_reason is not None
+        if end > first:
+            s.num_emitted_tokens = end
         text = s.text
-        visible = len(text) if finished else len(text.rstrip("\ufffd"))
-        new_text = text[s.num_emitted_chars : visible] if visible > s.num_emitted_chars else ""
-        s.num_emitted_chars = max(s.num_emitted_chars, visible)
+        new_text = ""
+        if text:  # (no tokenizer: no text at all)
+            visible = len(text) if s.finish_reason is not None else len(text.rstrip("\ufffd"))
+            if visible > s.num_emitted_chars:
+                new_text = text[s.num_emitted_chars : visible]
+                s.num_emitted_chars = visible
+        logprobs = s.logprobs
         return CompletionOutput(
-            index=s.index,
-            text=new_text,
-            token_ids=token_ids,
-            cumulative_logprob=s.cumulative_logprob,
-            logprobs=s.logprobs[first : first + len(token_ids)] if s.logprobs is not None else None,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
+            s.index,
+            new_text,
+            token_ids,
+            s.cumulative_logprob,
+            logprobs[first : first + len(token_ids)] if logprobs is not None else None,
+            s.finish_reason,
+            s.stop_reason,
         )
 
     # -- introspection --------------------------------------------------------------------------

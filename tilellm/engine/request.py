@@ -142,4 +142,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:  # (a loop, not all(genexpr): streaming asks this of every request each step)
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
