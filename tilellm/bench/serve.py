@@ -207,10 +207,9 @@ async def _drive(
     their results, and the perf_counter times of the first send and of the last completion.
     `ready` (a multiprocessing Barrier of all client processes) holds the first send until every
     client process has its workload and HTTP client."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, limits=limits, timeout=60
+        base_url=args.base_url, headers=_headers(args), limits=limits, timeout=60
     ) as client:
         sem = asyncio.Semaphore(in_flight)
 
@@ -269,11 +268,14 @@ def _workload(args: argparse.Namespace) -> Workload:
     )
 
 
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 async def _model_name(args: argparse.Namespace) -> str:
     if args.model is not None:
         return args.model
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=args.base_url, headers=_headers(args), timeout=60) as client:
         resp = await client.get("/v1/models")
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]

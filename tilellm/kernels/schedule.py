@@ -101,6 +101,12 @@ def _as_list(x: torch.Tensor | Sequence[int]) -> list[int]:
     return [int(v) for v in x]
 
 
+def programs_per_sm(rows_per_program: int = DECODE_ROWS) -> int:
+    """How many programs of `rows_per_program` query rows the split rule wants per SM:
+    PROGRAMS_PER_SM decode-sized programs, proportionally fewer of larger ones (at least 1)."""
+    return max(1, PROGRAMS_PER_SM * DECODE_ROWS // max(rows_per_program, DECODE_ROWS))
+
+
 def choose_num_splits(
     num_requests: int,
     num_kv_heads: int,
@@ -140,7 +146,7 @@ def choose_num_splits(
             base,
             max_seqlen_k,
         )
-    per_sm = max(1, PROGRAMS_PER_SM * DECODE_ROWS // max(rows_per_program, DECODE_ROWS))
+    per_sm = programs_per_sm(rows_per_program)
     want = _cdiv(per_sm * sms, base)
     n = max(1, min(want, MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
     if n == 1:
