@@ -23,6 +23,8 @@ PREFILL_SWEEP = [
     (128, 64, 8, 3),
     (128, 64, 8, 4),
     (128, 128, 8, 3),
+    (128, 64, 4, 2),
+    (128, 64, 4, 3),
     (64, 64, 4, 3),
     (64, 64, 4, 4),
     (64, 128, 4, 3),
@@ -47,9 +49,25 @@ VERIFY_SWEEP = [
     (32, 64, 4, 4),
     (32, 64, 2, 4),
     (32, 128, 4, 3),
+    (32, 128, 2, 3),
+    (32, 128, 4, 4),
+    (32, 128, 2, 4),
+    (32, 256, 4, 3),
     (32, 32, 2, 4),
 ]
-CHUNK_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)]
+# Chunks and cached prefill: 128-row tiles of 8 warps, or of 4 warps (two programs per SM).
+CHUNK_SWEEP = [
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (64, 64, 4, 3),
+    (128, 128, 8, 3),
+    (128, 128, 8, 2),
+    (128, 128, 8, 4),
+    (128, 64, 4, 2),
+    (128, 64, 4, 3),
+    (128, 32, 4, 3),
+    (64, 64, 4, 4),
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -302,7 +320,7 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
                 rows.append(Row(name, label, ms_c, flops / ms_c / 1e9, byts / ms_c / 1e6, floor))
             except Exception as e:
                 rows.append(Row(name, label, float("nan"), note=type(e).__name__))
-        for s in [1, 2, 4, 8, 16, 32, 64]:
+        for s in [1, 2, 4, 8, 16, 32, 64] + ([96, 128] if max_k >= 65536 else []):
             if s == plan.num_splits:
                 continue
             ms_s = _bench(lambda s=s: fn(s))
