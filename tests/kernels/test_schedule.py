@@ -37,10 +37,11 @@ def visited(p):
 # ----------------------------------------------------------------------------------------------
 
 
-def check_prefill_schedule(sched, lengths, num_heads, causal=True):
+def check_prefill_schedule(sched, lengths, num_heads, causal=True, num_kv_heads=None):
     bm, bn = sched.block_m, sched.block_n
     num_m = cdiv(max(max(lengths, default=0), 1), bm)
-    assert sched.grid == (num_heads, len(lengths), num_m)
+    kv_heads = num_kv_heads or num_heads
+    assert sched.grid == (num_m * (num_heads // kv_heads), kv_heads, len(lengths))
     assert len(sched.programs) == num_heads * len(lengths) * num_m
     seen = set()
     for p in sched.programs:
@@ -207,8 +208,11 @@ def test_prefill_report_matches_kernel(causal, device):
     k = randn((T, Hkv, D), torch.float32, device, gen)
     v = randn((T, Hkv, D), torch.float32, device, gen)
     stats = prefill_tile_stats(q, k, v, cu_seqlens(lengths, device), 70, causal=causal).cpu()
-    sched = prefill_schedule(cu_seqlens(lengths, "cpu"), 70, Hq, D, torch.float32, causal=causal)
-    assert stats.shape == (len(lengths), Hq, sched.grid[2], 2)
+    sched = prefill_schedule(
+        cu_seqlens(lengths, "cpu"), 70, Hq, D, torch.float32, causal=causal, num_kv_heads=Hkv
+    )
+    check_prefill_schedule(sched, lengths, Hq, causal, num_kv_heads=Hkv)
+    assert stats.shape == (len(lengths), Hq, cdiv(70, sched.block_m), 2)
     for p in sched.programs:
         got = tuple(stats[p.request, p.head, p.q_tile].tolist())
         assert got == (p.full, p.diagonal), f"kernel counted {got} (full, diagonal), report says {p}"
@@ -284,6 +288,18 @@ def test_longer_context_never_gets_fewer_segments():
     assert counts == sorted(counts), counts
 
 
+def test_verification_batch_that_fills_one_wave_is_not_split():
+    """V1 (32 requests x 6 new tokens over 8192 keys, 32-row tiles): its 256 programs are almost
+    two waves on 132 SMs; measured on an H200, 1 segment beat 2 and 5 (RESULTS.md)."""
+    # (The GPU's verification tile; the interpreter's tiles are smaller, so the rule is called directly.)
+    plan = schedule.choose_num_splits(32, 8, 1, None, max_seqlen_k=8198, num_sms=132, rows_per_program=32)
+    assert plan.num_splits == 1, plan.reason
+    # Half the requests: 128 programs are under one wave, so the rule splits them.
+    half = schedule.choose_num_splits(16, 8, 1, None, max_seqlen_k=8198, num_sms=132, rows_per_program=32)
+    assert half.num_splits == 2, half.reason
+    assert schedule.target_programs(32, 132) == 198 and schedule.target_programs(16, 132) == 16 * 132
+
+
 def test_larger_query_tiles_need_fewer_programs_to_fill_the_gpu():
     """C1's shape (16 requests x 512 new tokens over 4096 cached keys) runs 128-row tiles, each
     eight times a decode tile's work per key: its 1024 programs fill 132 SMs without split-KV,
@@ -293,7 +309,7 @@ def test_larger_query_tiles_need_fewer_programs_to_fill_the_gpu():
     assert chunk.num_splits == 1, chunk.reason
     decode = plan_split_kv(list(range(17)), [4096 + 512] * 16, 16, 8, head_dim=128, num_sms=132)
     assert decode.num_splits > 1, decode.reason
-    # The same rule by hand: 16 programs of 16 rows per SM, or 2 of 128 rows.
+    # The same rule by hand: 16 programs of 16 rows per SM, or 1.5 of larger tiles.
     few = schedule.choose_num_splits(1, 8, 1, None, max_seqlen_k=131072, num_sms=132, rows_per_program=128)
     many = schedule.choose_num_splits(1, 8, 1, None, max_seqlen_k=131072, num_sms=132)
     assert few.num_splits < many.num_splits

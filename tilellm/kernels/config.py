@@ -38,8 +38,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30) -> TileConfig:
     """Tiles for `prefill_attention`, from H200 sweeps (benchmarks/RESULTS.md).
 
-    Long requests: 128x128 tiles, 8 warps, 3 stages. Batches of short requests (<= 1024 tokens):
-    64x64 tiles, so fewer rows of the last query tile of each request are wasted.
+    Head dims up to 128 in half precision: 128x64 tiles, 4 warps, 2 stages. One program then
+    needs little enough shared memory and registers for two to share an SM, and one's softmax
+    runs while the other's matmuls do (fourth session: P1 458 vs 416 TFLOP/s for 128x128 tiles of
+    8 warps and 3 stages, one program per SM; the same pick as the Triton tutorial's autotuner).
     """
     if "prefill" in _overrides:
         return _overrides["prefill"]
@@ -49,11 +51,9 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim > 128:
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if max_seqlen <= 1024:
-        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     if head_dim <= 64:
         return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
 
 
 def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: int) -> tuple[TileConfig, int]:
@@ -68,13 +68,16 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     elif interpreting():
         rows, block_n, warps, stages = 16, 16, 4, 1
     elif max_seqlen_q * group <= 16:
-        # Decode: 2 warps per 16-row tile (E1D sweep, RESULTS.md run 8: 18% over 4 warps).
-        rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 2, 3
+        # Decode: 2 warps per 16-row tile (E1D sweep, RESULTS.md run 8: 18% over 4 warps), four
+        # stages (fourth session: D3 3850 vs 2625 GB/s for three; E1D the same).
+        rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 2, 4
     elif max_seqlen_q * group <= 64:
         # Verification-sized tiles: 128-key tiles (V1 sweep, RESULTS.md run 18: 3657 vs 3089 GB/s).
         rows, block_n, warps, stages = 64, 128 if head_dim <= 128 else 32, 4, 3
     else:
-        rows, block_n, warps, stages = (128, 128, 8, 3) if head_dim <= 128 else (64, 32, 4, 2)
+        # Chunks: 128 rows of 4 warps, two programs per SM as in prefill (C1: 330 vs 311 TFLOP/s
+        # for 128-key tiles of 8 warps).
+        rows, block_n, warps, stages = (128, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
     if dtype == torch.float32 and not interpreting():
         rows, block_n = min(rows, 64), min(block_n, 32)
     block_q = max(1, rows // group)

@@ -25,7 +25,7 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.config import dot_precision, num_sms, paged_config
 from tilellm.kernels.merge import merge_into
-from tilellm.kernels.schedule import SplitPlan, choose_num_splits, programs_per_sm
+from tilellm.kernels.schedule import SplitPlan, choose_num_splits, target_programs
 
 LOG2_E = 1.4426950408889634
 LN_2 = tl.constexpr(0.6931471805599453)  # ln 2: converts the base-2 log-sum-exp to natural log
@@ -404,7 +404,7 @@ def cascade_decode_attention(
         # The split-KV rule for programs of cfg.block_m rows (see choose_num_splits), at most 7
         # segments: with the suffix's partial that keeps the merge at 8 partials, its narrow
         # variant. X1 in a CUDA graph (RESULTS.md): 16 segments 205 us, 7: 136 us, 4: 126 us.
-        prefix_splits = max(1, min(7, triton.cdiv(programs_per_sm(cfg.block_m) * num_sms(), Hkv * q_tiles)))
+        prefix_splits = max(1, min(7, triton.cdiv(target_programs(cfg.block_m, num_sms()), Hkv * q_tiles)))
     suffix_splits = 1
     o_parts = torch.empty((prefix_splits + suffix_splits, B, Hq, D), dtype=torch.float32, device=q.device)
     lse_parts = torch.empty((prefix_splits + suffix_splits, B, Hq), dtype=torch.float32, device=q.device)

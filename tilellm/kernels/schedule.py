@@ -13,6 +13,7 @@ Tile classes, per program (one query tile of one request, one head or KV-head gr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,10 +26,15 @@ MIN_KEYS_PER_SPLIT = 1024  # shorter segments cost more in per-program work than
 # No split below this many keys in the batch's longest context (two segments of the minimum).
 MIN_CONTEXT_TO_SPLIT = 2 * MIN_KEYS_PER_SPLIT
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 16  # measured on an H200 (benchmarks/RESULTS.md): decode wants many short programs
-# ... of DECODE_ROWS query rows: a program with more rows does that many times the work per key,
-# so fewer of them fill the GPU (C1's 128-row chunk tiles: 1 segment 309, 2 segments 253 TFLOP/s).
+# Decode tiles (at most DECODE_ROWS query rows) want many short programs: PROGRAMS_PER_SM per SM.
+PROGRAMS_PER_SM = 16
 DECODE_ROWS = 16
+# Larger tiles (verification, chunks, the cascade prefix pass) do that many times the work per key
+# and stream 128-key tiles: about 1.5 waves of them fill the GPU, and every extra segment costs a
+# partial write and the merge. Measured on an H200 (RESULTS.md, fourth session): V1 (256 programs of
+# 32 rows) 1 segment 4066 GB/s, 2: 3872, 5: 3704; C1 1 segment 311, 2: 254 TFLOP/s; X1's prefix
+# pass 4 segments 126 us, 7: 136, 16: 205.
+LARGE_TILE_PROGRAMS_PER_SM = 1.5
 
 
 @dataclass(frozen=True)
@@ -101,10 +107,14 @@ def _as_list(x: torch.Tensor | Sequence[int]) -> list[int]:
     return [int(v) for v in x]
 
 
-def programs_per_sm(rows_per_program: int = DECODE_ROWS) -> int:
-    """How many programs of `rows_per_program` query rows the split rule wants per SM:
-    PROGRAMS_PER_SM decode-sized programs, proportionally fewer of larger ones (at least 1)."""
-    return max(1, PROGRAMS_PER_SM * DECODE_ROWS // max(rows_per_program, DECODE_ROWS))
+def programs_per_sm(rows_per_program: int = DECODE_ROWS) -> float:
+    """How many programs of `rows_per_program` query rows the split rule wants per SM."""
+    return PROGRAMS_PER_SM if rows_per_program <= DECODE_ROWS else LARGE_TILE_PROGRAMS_PER_SM
+
+
+def target_programs(rows_per_program: int, num_sms: int) -> int:
+    """Programs that fill `num_sms` SMs with tiles of `rows_per_program` rows (see programs_per_sm)."""
+    return math.ceil(programs_per_sm(rows_per_program) * num_sms)
 
 
 def choose_num_splits(
@@ -121,9 +131,9 @@ def choose_num_splits(
     """The split-KV decision from the SM count, the batch and its longest context.
 
     No split when the programs already fill the GPU or contexts are short; otherwise enough
-    segments for about PROGRAMS_PER_SM programs of DECODE_ROWS query rows per SM (proportionally
-    fewer of `rows_per_program` rows), each of at least MIN_KEYS_PER_SPLIT keys of the longest
-    context, at most MAX_SPLITS. `num_splits` forces the count. The longest
+    segments for `target_programs` (PROGRAMS_PER_SM decode tiles per SM, LARGE_TILE_PROGRAMS_PER_SM
+    of larger ones), each of at least MIN_KEYS_PER_SPLIT keys of the longest context, at most
+    MAX_SPLITS. `num_splits` forces the count. The longest
     context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
     host sync: the engine plans on the host instead and passes the plan).
     """
@@ -147,7 +157,7 @@ def choose_num_splits(
             max_seqlen_k,
         )
     per_sm = programs_per_sm(rows_per_program)
-    want = _cdiv(per_sm * sms, base)
+    want = _cdiv(target_programs(rows_per_program, sms), base)
     n = max(1, min(want, MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
     if n == 1:
         return SplitPlan(1, f"no split: {base} programs already fill {sms} SMs", sms, base, max_seqlen_k)
@@ -213,13 +223,20 @@ def prefill_schedule(
     dtype: torch.dtype = torch.bfloat16,
     *,
     causal: bool = True,
+    num_kv_heads: int | None = None,
 ) -> TileSchedule:
-    """Tiles of `prefill_attention`: grid (heads, requests, query tiles), issued longest-first."""
+    """Tiles of `prefill_attention`, one program per (request, query head, query tile).
+
+    The launch grid is (query tiles x group, KV heads, requests) (`num_kv_heads` defaults to
+    `num_heads`): a KV head's query heads run side by side, query tiles longest-first.
+    """
     cu = _as_list(cu_seqlens)
     cfg = prefill_config(head_dim, dtype, max_seqlen)
     bm, bn = cfg.block_m, cfg.block_n
     num_m = _cdiv(max(max_seqlen, 1), bm)
-    sched = TileSchedule("prefill_attention", (num_heads, len(cu) - 1, num_m), bm, bn)
+    kv_heads = num_kv_heads or num_heads
+    grid = (num_m * (num_heads // kv_heads), kv_heads, len(cu) - 1)
+    sched = TileSchedule("prefill_attention", grid, bm, bn)
     for req, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         length = end - start
         total = _cdiv(length, bn)
