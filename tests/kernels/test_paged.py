@@ -58,6 +58,17 @@ def test_block_sizes_around_boundaries(block_size, device):
     run_and_check(b, device, f"block_size={bs}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_k_gathered_as_rows(num_splits, dtype, device):
+    """The K-as-rows gather (`TileConfig.k_rows`, a tile-table option) gives the same answer."""
+    from tilellm.kernels import config
+
+    b = make_paged_batch(MIXED, 8, 2, 32, 16, dtype, device, seed=11)
+    with config.override(paged=config.TileConfig(32, 16, 4, 1, k_rows=True)):
+        run_and_check(b, device, f"k_rows splits={num_splits}", num_splits=num_splits)
+
+
 def test_prime_lengths(device):
     b = make_paged_batch([(3, 37), (1, 101), (7, 53), (2, 2)], 10, 2, 32, 16, torch.float16, device, seed=5)
     run_and_check(b, device, "primes")

@@ -37,11 +37,10 @@ def visited(p):
 # ----------------------------------------------------------------------------------------------
 
 
-def check_prefill_schedule(sched, lengths, num_heads, causal=True, num_kv_heads=None):
+def check_prefill_schedule(sched, lengths, num_heads, causal=True):
     bm, bn = sched.block_m, sched.block_n
     num_m = cdiv(max(max(lengths, default=0), 1), bm)
-    kv_heads = num_kv_heads or num_heads
-    assert sched.grid == (num_m * (num_heads // kv_heads), kv_heads, len(lengths))
+    assert sched.grid == (num_m, num_heads, len(lengths))
     assert len(sched.programs) == num_heads * len(lengths) * num_m
     seen = set()
     for p in sched.programs:
@@ -208,11 +207,9 @@ def test_prefill_report_matches_kernel(causal, device):
     k = randn((T, Hkv, D), torch.float32, device, gen)
     v = randn((T, Hkv, D), torch.float32, device, gen)
     stats = prefill_tile_stats(q, k, v, cu_seqlens(lengths, device), 70, causal=causal).cpu()
-    sched = prefill_schedule(
-        cu_seqlens(lengths, "cpu"), 70, Hq, D, torch.float32, causal=causal, num_kv_heads=Hkv
-    )
-    check_prefill_schedule(sched, lengths, Hq, causal, num_kv_heads=Hkv)
-    assert stats.shape == (len(lengths), Hq, cdiv(70, sched.block_m), 2)
+    sched = prefill_schedule(cu_seqlens(lengths, "cpu"), 70, Hq, D, torch.float32, causal=causal)
+    check_prefill_schedule(sched, lengths, Hq, causal)
+    assert stats.shape == (len(lengths), Hq, sched.grid[0], 2)
     for p in sched.programs:
         got = tuple(stats[p.request, p.head, p.q_tile].tolist())
         assert got == (p.full, p.diagonal), f"kernel counted {got} (full, diagonal), report says {p}"

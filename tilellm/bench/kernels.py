@@ -41,6 +41,9 @@ DECODE_SWEEP = [
     (16, 64, 4, 4),
     (16, 32, 2, 4),
     (16, 32, 1, 4),
+    (16, 64, 2, 5),
+    (16, 32, 2, 6),
+    (16, 32, 1, 6),
 ]
 # Verification (a few new tokens per request): 32-row tiles (V1: 6 tokens x 4 heads).
 VERIFY_SWEEP = [
@@ -67,6 +70,11 @@ CHUNK_SWEEP = [
     (128, 64, 4, 3),
     (128, 32, 4, 3),
     (64, 64, 4, 4),
+    (128, 64, 4, 4),
+    (128, 32, 4, 4),
+    (128, 32, 4, 5),
+    (128, 64, 4, 3, True),
+    (128, 32, 4, 4, True),
 ]
 
 
@@ -311,9 +319,9 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
         from tilellm.kernels import config
 
         sweep_configs = DECODE_SWEEP if max_q == 1 else VERIFY_SWEEP if max_q <= 16 else CHUNK_SWEEP
-        for rows_, bn, w, st in sweep_configs:
-            cfg = config.TileConfig(rows_, bn, w, st)
-            label = f"tilellm rows{rows_} bn{bn} w{w} s{st}"
+        for rows_, bn, w, st, *k_rows in sweep_configs:
+            cfg = config.TileConfig(rows_, bn, w, st, k_rows=bool(k_rows and k_rows[0]))
+            label = f"tilellm rows{rows_} bn{bn} w{w} s{st}" + (" k-rows" if cfg.k_rows else "")
             try:
                 with config.override(paged=cfg):
                     ms_c = _bench(fn)

@@ -22,6 +22,8 @@ class TileConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+    # paged: gather K as [block_n, D] rows and transpose in the dot (else gathered as [D, block_n])
+    k_rows: bool = False
 
 
 def interpreting() -> bool:
@@ -62,9 +64,10 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     The query heads that share a KV head are packed into the rows of one tile, so a tile holds
     `block_q` tokens x `group` heads; decode (one token) still gives the tensor cores >= 16 rows.
     """
+    k_rows = False
     if "paged" in _overrides:
         o = _overrides["paged"]
-        rows, block_n, warps, stages = o.block_m, o.block_n, o.num_warps, o.num_stages
+        rows, block_n, warps, stages, k_rows = o.block_m, o.block_n, o.num_warps, o.num_stages, o.k_rows
     elif interpreting():
         rows, block_n, warps, stages = 16, 16, 4, 1
     elif max_seqlen_q * group <= 16:
@@ -84,7 +87,8 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     block_q = 1 << (block_q.bit_length() - 1)  # power of two tokens per tile
     block_q = min(block_q, _next_pow2(max(1, max_seqlen_q)))
     block_m = max(16, _next_pow2(block_q * group))
-    return TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages), block_q
+    cfg = TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, k_rows=k_rows)
+    return cfg, block_q
 
 
 def _next_pow2(x: int) -> int:

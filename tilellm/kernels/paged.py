@@ -37,6 +37,7 @@ def _paged_tiles(
     K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
     n_start, n_end, key_lo, key_end, qk_scale,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles [n_start, n_end) gathered through the block table."""
     for n in tl.range(n_start, n_end, BLOCK_N):
@@ -48,13 +49,18 @@ def _paged_tiles(
             block = tl.load(bt_row + k_pos // PAGE)
         # int64: block * stride overflows int32 in large pools.
         row_off = block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kv_head * stride_ch
-        if MASKED:
-            k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-        else:
-            k = tl.load(K_cache + row_off[None, :] + offs_d[:, None])
-        qk = tl.dot(
-            q, k, input_precision=PRECISION
-        )  # K^T gathered as [D, BLOCK_N]: measured faster than tl.trans here
+        if K_ROWS:  # K gathered as [BLOCK_N, D], transposed in the dot
+            if MASKED:
+                k = tl.load(K_cache + row_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+            else:
+                k = tl.load(K_cache + row_off[:, None] + offs_d[None, :])
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        else:  # K^T gathered as [D, BLOCK_N] (measured faster for decode tiles)
+            if MASKED:
+                k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+            else:
+                k = tl.load(K_cache + row_off[None, :] + offs_d[:, None])
+            qk = tl.dot(q, k, input_precision=PRECISION)
         if MASKED:
             visible = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
@@ -100,7 +106,7 @@ def _paged_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
-    RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr,
+    RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
@@ -169,13 +175,13 @@ def _paged_kernel(
         acc, l_i, m_i, q, q_pos,
         K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
         lo, full_hi, win_lo, hi, qk_scale,
-        PAGE, BLOCK_N, False, PRECISION,
+        PAGE, BLOCK_N, False, PRECISION, K_ROWS,
     )  # fmt: skip
     acc, l_i, m_i = _paged_tiles(
         acc, l_i, m_i, q, q_pos,
         K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
         masked_lo, hi, win_lo, hi, qk_scale,
-        PAGE, BLOCK_N, True, PRECISION,
+        PAGE, BLOCK_N, True, PRECISION, K_ROWS,
     )  # fmt: skip
 
     if SPLIT:
@@ -344,7 +350,7 @@ def _launch(
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
         SPLIT=splits > 1 or parts is not None, IS_DECODE=is_decode,
         HAS_KV_LO=kv_lo is not None, HAS_KV_HI=kv_hi is not None,
-        RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype),
+        RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype), K_ROWS=cfg.k_rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1 and parts is None:

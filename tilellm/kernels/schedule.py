@@ -223,20 +223,14 @@ def prefill_schedule(
     dtype: torch.dtype = torch.bfloat16,
     *,
     causal: bool = True,
-    num_kv_heads: int | None = None,
 ) -> TileSchedule:
-    """Tiles of `prefill_attention`, one program per (request, query head, query tile).
-
-    The launch grid is (query tiles x group, KV heads, requests) (`num_kv_heads` defaults to
-    `num_heads`): a KV head's query heads run side by side, query tiles longest-first.
-    """
+    """Tiles of `prefill_attention`: grid (query tiles, heads, requests), query tiles issued
+    longest-first."""
     cu = _as_list(cu_seqlens)
     cfg = prefill_config(head_dim, dtype, max_seqlen)
     bm, bn = cfg.block_m, cfg.block_n
     num_m = _cdiv(max(max_seqlen, 1), bm)
-    kv_heads = num_kv_heads or num_heads
-    grid = (num_m * (num_heads // kv_heads), kv_heads, len(cu) - 1)
-    sched = TileSchedule("prefill_attention", grid, bm, bn)
+    sched = TileSchedule("prefill_attention", (num_m, num_heads, len(cu) - 1), bm, bn)
     for req, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         length = end - start
         total = _cdiv(length, bn)
