@@ -42,8 +42,10 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
 
     Head dims up to 128 in half precision: 128x64 tiles, 4 warps, 2 stages. One program then
     needs little enough shared memory and registers for two to share an SM, and one's softmax
-    runs while the other's matmuls do (fourth session: P1 458 vs 416 TFLOP/s for 128x128 tiles of
+    runs while the other's matmuls do (fourth session: P1 456 vs 424 TFLOP/s for 128x128 tiles of
     8 warps and 3 stages, one program per SM; the same pick as the Triton tutorial's autotuner).
+    Batches of short requests (<= 1024 tokens): 64x64 tiles, so fewer rows of each request's last
+    query tile are wasted (P3 284 vs 277 TFLOP/s).
     """
     if "prefill" in _overrides:
         return _overrides["prefill"]
@@ -53,6 +55,8 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim > 128:
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if max_seqlen <= 1024:
+        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     if head_dim <= 64:
         return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
@@ -71,16 +75,15 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     elif interpreting():
         rows, block_n, warps, stages = 16, 16, 4, 1
     elif max_seqlen_q * group <= 16:
-        # Decode: 2 warps per 16-row tile (E1D sweep, RESULTS.md run 8: 18% over 4 warps), four
-        # stages (fourth session: D3 3850 vs 2625 GB/s for three; E1D the same).
-        rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 2, 4
+        # Decode: 2 warps per 16-row tile (E1D sweep, RESULTS.md run 8: 18% over 4 warps).
+        rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 2, 3
     elif max_seqlen_q * group <= 64:
         # Verification-sized tiles: 128-key tiles (V1 sweep, RESULTS.md run 18: 3657 vs 3089 GB/s).
         rows, block_n, warps, stages = 64, 128 if head_dim <= 128 else 32, 4, 3
     else:
-        # Chunks: 128 rows of 4 warps, two programs per SM as in prefill (C1: 330 vs 311 TFLOP/s
-        # for 128-key tiles of 8 warps).
-        rows, block_n, warps, stages = (128, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
+        # Chunks: 128 rows of 4 warps and 32-key tiles four deep, two programs per SM as in
+        # prefill (C1, fourth session: 335 vs 311 TFLOP/s for 128-key tiles of 8 warps).
+        rows, block_n, warps, stages = (128, 32, 4, 4) if head_dim <= 128 else (64, 32, 4, 2)
     if dtype == torch.float32 and not interpreting():
         rows, block_n = min(rows, 64), min(block_n, 32)
     block_q = max(1, rows // group)

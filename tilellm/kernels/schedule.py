@@ -35,6 +35,10 @@ DECODE_ROWS = 16
 # 32 rows) 1 segment 4066 GB/s, 2: 3872, 5: 3704; C1 1 segment 311, 2: 254 TFLOP/s; X1's prefix
 # pass 4 segments 126 us, 7: 136, 16: 205.
 LARGE_TILE_PROGRAMS_PER_SM = 1.5
+# No split when the unsplit programs already reach this share of the target (FlashAttention-2
+# uses 0.8 too): D1's 2048 decode programs against a target of 2112 ran 4319 GB/s unsplit and
+# 4142 in 2 segments (fourth session).
+FILL_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ def choose_num_splits(
 ) -> SplitPlan:
     """The split-KV decision from the SM count, the batch and its longest context.
 
-    No split when the programs already fill the GPU or contexts are short; otherwise enough
+    No split when the programs already (nearly: FILL_SHARE) fill the GPU or contexts are short; otherwise enough
     segments for `target_programs` (PROGRAMS_PER_SM decode tiles per SM, LARGE_TILE_PROGRAMS_PER_SM
     of larger ones), each of at least MIN_KEYS_PER_SPLIT keys of the longest context, at most
     MAX_SPLITS. `num_splits` forces the count. The longest
@@ -157,7 +161,16 @@ def choose_num_splits(
             max_seqlen_k,
         )
     per_sm = programs_per_sm(rows_per_program)
-    want = _cdiv(target_programs(rows_per_program, sms), base)
+    target = target_programs(rows_per_program, sms)
+    if base >= FILL_SHARE * target:
+        return SplitPlan(
+            1,
+            f"no split: {base} programs reach {FILL_SHARE:.0%} of the {target} that fill {sms} SMs",
+            sms,
+            base,
+            max_seqlen_k,
+        )
+    want = _cdiv(target, base)
     n = max(1, min(want, MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
     if n == 1:
         return SplitPlan(1, f"no split: {base} programs already fill {sms} SMs", sms, base, max_seqlen_k)
