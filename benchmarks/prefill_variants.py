@@ -10,6 +10,7 @@ Loop variants of the unmasked key tiles:
   plain     the package's loop
   ws        `tl.range(..., warp_specialize=True)` (Triton's automatic warp specialisation)
   prefetch  software-pipelined by hand: the next tile's Q K^T is issued before this tile's softmax
+  lazy      the accumulator is rescaled only when a row's running max grows by more than 2^8
 Grid orders: "hm" = (heads, requests, m tiles), the package's order before the fourth session;
 "mh" = m tiles fastest. The package's order now ("package" rows) is the heads of a KV group
 fastest, then m tiles, then KV heads, then requests.
@@ -32,7 +33,8 @@ import tilellm.kernels as tk
 from tilellm.bench import kernels as kb
 from tilellm.kernels.prefill import LOG2_E, _rows_view
 
-MODES = {"plain": 0, "ws": 1, "prefetch": 2}
+MODES = {"plain": 0, "ws": 1, "prefetch": 2, "lazy": 3}
+LAZY_THRESHOLD = 8.0  # log2 units: rescale only when some row's max grew by more than 2^8
 
 
 @triton.jit
@@ -44,6 +46,9 @@ def _softmax_step(acc, l_i, m_i, qk, v, qk_scale):
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_ij
+
+
+LAZY = tl.constexpr(LAZY_THRESHOLD)
 
 
 @triton.jit
@@ -61,6 +66,23 @@ def _full_tiles(acc, l_i, m_i, q, k_desc, v_desc, kv_row0, kv_col, n_end, qk_sca
             qk = tl.dot(q, tl.trans(k))
             v = v_desc.load([kv_row0 + n, kv_col])
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+    elif MODE == 3:
+        # Lazy rescaling (FlashAttention-4's trick): keep the running max until some row's grows by
+        # more than 2^8; until then P may reach 256 (fine in fp32 sums and a bf16 P), and the
+        # [BLOCK_M, D] rescale of acc, a third of the softmax's ALU work, is skipped.
+        for n in tl.range(0, n_end, BLOCK_N):
+            k = k_desc.load([kv_row0 + n, kv_col])
+            qk = tl.dot(q, tl.trans(k))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            if tl.max(m_ij - m_i, 0) > LAZY:
+                alpha = tl.math.exp2(m_i - m_ij)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_ij
+            p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            v = v_desc.load([kv_row0 + n, kv_col])
+            acc = tl.dot(p.to(v.dtype), v, acc)
     else:
         if n_end > 0:
             k = k_desc.load([kv_row0, kv_col])
@@ -149,6 +171,12 @@ ROUND_1 = [
     ]],
     *[(bm, bn, w, st, "ws", "hm") for bm, bn, w, st in [(128, 128, 8, 3), (128, 64, 4, 2), (128, 64, 8, 2)]],
 ]  # fmt: skip
+ROUND_3 = [
+    (128, 64, 4, 2, "plain", "mh"),
+    (128, 64, 4, 2, "lazy", "mh"),
+    (64, 64, 4, 3, "plain", "mh"),
+    (64, 64, 4, 3, "lazy", "mh"),
+]
 ROUND_2 = [
     (128, 64, 4, 2, "plain", "hm"),
     (128, 64, 4, 2, "plain", "mh"),
@@ -157,7 +185,7 @@ ROUND_2 = [
     (64, 64, 4, 3, "plain", "mh"),
     (128, 64, 4, 3, "plain", "mh"),
 ]
-VARIANTS = {"1": ROUND_1, "2": ROUND_2}
+VARIANTS = {"1": ROUND_1, "2": ROUND_2, "3": ROUND_3}
 
 
 def _time(fn) -> float:
@@ -204,7 +232,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--workloads", default="P1,P2,P3")
-    ap.add_argument("--modes", default="plain,prefetch,ws")
+    ap.add_argument("--modes", default="plain,prefetch,ws,lazy")
     ap.add_argument("--round", default="2", choices=sorted(VARIANTS))
     args = ap.parse_args()
     torch.manual_seed(0)
