@@ -12,8 +12,8 @@ Loop variants of the unmasked key tiles:
   prefetch  software-pipelined by hand: the next tile's Q K^T is issued before this tile's softmax
   lazy      the accumulator is rescaled only when a row's running max grows by more than 2^8
 Grid orders: "hm" = (heads, requests, m tiles), the package's order before the fourth session;
-"mh" = m tiles fastest. The package's order now ("package" rows) is the heads of a KV group
-fastest, then m tiles, then KV heads, then requests.
+"mh" = m tiles fastest, the package's order since (the "package" rows of round 2 ran an interim
+order: the heads of a KV group fastest, then m tiles, then KV heads, then requests).
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ VERIFY_SWEEP = [
     (32, 256, 4, 3),
     (32, 32, 2, 4),
 ]
-# Chunks and cached prefill: 128-row tiles of 8 warps, or of 4 warps (two programs per SM).
+# Chunks and cached prefill: 128-row tiles of 8 warps, or of 4 warps (two programs per SM);
+# a fifth field True gathers K as [block_n, D] rows (TileConfig.k_rows).
 CHUNK_SWEEP = [
     (128, 64, 8, 3),
     (128, 64, 8, 4),
