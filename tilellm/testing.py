@@ -267,3 +267,16 @@ QWEN3_0_6B_CONFIG = {
     "bos_token_id": 151643,
     "eos_token_id": 151645,
 }
+
+
+# Qwen3-8B's architecture (issue 6's tensor-parallel benchmark), for random weights: untied
+# embeddings, 36 layers, 32 query / 8 KV heads of 128, 8.2 B parameters (16.4 GB in bf16).
+QWEN3_8B_CONFIG = {
+    **QWEN3_0_6B_CONFIG,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}

@@ -25,3 +25,33 @@ def test_e1_repeats_and_unfused_variant(tmp_path):
         assert r["workload"] == "E1" and r["output_tokens"] == want and r["output_tok_s"] > 0
     # Each run's prompts are shifted away from the other runs' and the warm-ups': no cache hits.
     assert [r["extra"]["prefix_cache_hit_rate"] for r in results] == [0.0, 0.0, 0.0]
+
+
+def test_tensor_parallel_run_reports_its_size(tmp_path):
+    """`--tensor-parallel-size 2` (gloo on CPU): the same E1 tokens, and the size in the JSON."""
+    from tilellm.cli import main
+    from tilellm.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", max_position_embeddings=256)
+    out = tmp_path / "tp2.json"
+    argv = ["bench", "throughput", "--workloads", "E1", "--scale", "0.05", "--model", str(model)]
+    argv += ["--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2", "--json", str(out)]
+    assert main(argv) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["extra"]["tensor_parallel_size"] == 2
+    assert result["output_tokens"] == sum(e1(0.05).max_tokens)
+
+
+def test_qwen3_8b_shape_has_qwen3_8b_parameter_count():
+    """`--model-shape qwen3-8b` is Qwen3-8B's architecture: 8.19 B parameters (counted on the meta
+    device by transformers' own Qwen3 class)."""
+    import torch
+    import transformers
+
+    from tilellm.testing import QWEN3_8B_CONFIG
+
+    cfg = {k: v for k, v in QWEN3_8B_CONFIG.items() if k not in ("architectures", "model_type")}
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+    n = sum(p.numel() for p in model.parameters())
+    assert 8.18e9 < n < 8.20e9, n

@@ -34,10 +34,23 @@ import numpy as np
 E1_OUTPUT_TOKENS = 133966
 
 
+MODEL_SHAPES = ["qwen3-0.6b", "qwen3-8b"]  # random-weight architectures (tilellm.testing)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="E1,E2,E3", help="comma-separated subset of E1,E2,E3")
     p.add_argument("--json", default=None, help="write results to this file")
     p.add_argument("--model", default=None, help="a model directory instead of the random Qwen3-0.6B")
+    p.add_argument(
+        "--model-shape",
+        default="qwen3-0.6b",
+        choices=MODEL_SHAPES,
+        help="the architecture of the random-weight model (without --model): SPEC's Qwen3-0.6B, or "
+        "Qwen3-8B for the tensor-parallel benchmark",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) per engine"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -150,9 +163,10 @@ class Result:
 def _model_dir(args: argparse.Namespace, tmp: str) -> tuple[str, str]:
     if args.model:
         return args.model, "safetensors"
-    from tilellm.testing import QWEN3_0_6B_CONFIG, make_random_model_dir
+    from tilellm.testing import QWEN3_0_6B_CONFIG, QWEN3_8B_CONFIG, make_random_model_dir
 
-    return str(make_random_model_dir(tmp, QWEN3_0_6B_CONFIG)), "dummy"
+    shape = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}[args.model_shape]
+    return str(make_random_model_dir(tmp, shape)), "dummy"
 
 
 def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_len: int, **over):
@@ -171,6 +185,7 @@ def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_
         attention_backend=args.attention_backend,
         load_format=load_format,
         skip_tokenizer_init=load_format == "dummy",
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     kwargs.update(over)
     return LLM(model, **kwargs)
@@ -308,6 +323,7 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
             }
             r.extra[f"launch_us_{path}"]["steps"] = int(n)
     r.extra["async_scheduling"] = engine.async_scheduling
+    r.extra["tensor_parallel_size"] = engine.config.tensor_parallel_size
     r.extra["kernel_compiles_in_run"] = compiled_kernel_variants() - compiled_before
     r.extra["num_kv_blocks"] = engine.block_manager.num_blocks
     stats = engine.get_stats()
