@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 
 import torch
 import triton
@@ -216,7 +215,7 @@ def bench_workload(name: str, lens: list[int], modes: list[str], variants: list,
             call()
             torch.cuda.synchronize()
             err = ((o.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            if not err < 2e-2 or math.isnan(err):
+            if not err < 2e-2:  # NaN fails this too
                 raise AssertionError(f"err {err}")
             ms = _time(call)
             tf = flops / ms / 1e9

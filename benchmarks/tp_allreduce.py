@@ -9,11 +9,12 @@ GPUs, gloo on CPU) times one all-reduce of each size eagerly, and, on GPUs, the 
 2 x layers all-reduces replayed from a CUDA graph, as the engine's decode graphs run them (median of
 repeated replays, after warm-up; random data).
 
-`--e1 tp1.json tp2.json` (from `tilellm bench throughput --workloads E1 --model-shape qwen3-8b -tp N
---json ...`) adds the summary: output tok/s at 1 and 2 GPUs, scaling efficiency (speedup / 2), and
-the all-reduce share of a decode step at 256 running requests (the graph-replayed all-reduces of 256
-tokens over the step time that E1 measured at TP 2). The all-reduces run between dependent matmuls,
-so they do not overlap compute: their time is the step's communication share.
+`--e1 tp1.json tpN.json` (from `tilellm bench throughput --workloads E1 --model-shape qwen3-8b -tp N
+--json ...`, N = the world size) adds the summary: output tok/s at 1 and N GPUs, scaling efficiency
+(speedup / N), and the all-reduce share of a decode step at 256 running requests (the
+graph-replayed all-reduces of 256 tokens over the step time that E1 measured at TP N). The
+all-reduces run between dependent matmuls, so they do not overlap compute: their time is the
+step's communication share.
 """
 
 from __future__ import annotations
@@ -58,6 +59,32 @@ def _time_cpu(fn, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def _time_step_graph(x: torch.Tensor, num_allreduces: int) -> float:
+    """Median ms of one CUDA-graph replay of `num_allreduces` all-reduces of x's shape."""
+    bufs = [torch.randn_like(x) * 1e-3 for _ in range(2)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # NCCL's first calls on a side stream, before any capture
+        for b in bufs:
+            dist.all_reduce(b)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local, as the engine captures under tensor parallelism: NCCL's watchdog thread may
+    # still query the events of the eager calls above while this thread captures.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for i in range(num_allreduces):
+            dist.all_reduce(bufs[i % 2])
+    for _ in range(3):
+        graph.replay()
+    ms = _time_cuda(graph.replay, iters=20)
+    # A live graph that holds NCCL work keeps its communicator from being destroyed (NCCL >= 2.26
+    # waits for such graphs): free it before the process group goes.
+    del graph
+    torch.cuda.synchronize()
+    return ms
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -69,27 +96,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     gen = torch.Generator(device=device).manual_seed(rank)
     rows = []
     for tokens in args.tokens:
-        x = torch.randn(tokens, args.hidden, device=device, dtype=dtype, generator=gen)
+        # Scaled so that repeated in-place sums stay finite (the values do not change the timing).
+        x = torch.randn(tokens, args.hidden, device=device, dtype=dtype, generator=gen) * 1e-3
         for _ in range(5):
             dist.all_reduce(x)
         timer = _time_cuda if cuda else _time_cpu
         one_ms = timer(lambda x=x: dist.all_reduce(x))
         row = {"tokens": tokens, "bytes": x.numel() * x.element_size(), "eager_ms": one_ms}
         if cuda:
-            bufs = [torch.randn_like(x) for _ in range(2)]
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # NCCL's first calls on the capture stream, outside it
-                for b in bufs:
-                    dist.all_reduce(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for i in range(2 * args.layers):
-                    dist.all_reduce(bufs[i % 2])
-            for _ in range(3):
-                graph.replay()
-            row["step_graph_ms"] = _time_cuda(graph.replay, iters=20)
+            row["step_graph_ms"] = _time_step_graph(x, 2 * args.layers)
         row["step_eager_ms"] = 2 * args.layers * one_ms
         rows.append(row)
     if rank == 0:
@@ -99,20 +114,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     dist.destroy_process_group()
 
 
-def _e1_summary(tp1_path: str, tp2_path: str, rows: list[dict]) -> dict:
+def _e1_summary(tp1_path: str, tpn_path: str, world: int, rows: list[dict]) -> dict:
     def e1(path: str) -> dict:
         results = json.loads(open(path).read())["results"]
         return next(r for r in results if r["workload"] == "E1")
 
-    r1, r2 = e1(tp1_path), e1(tp2_path)
+    r1, r2 = e1(tp1_path), e1(tpn_path)
     speedup = r2["output_tok_s"] / r1["output_tok_s"]
     summary = {
         "tp1_tok_s": r1["output_tok_s"],
-        "tp2_tok_s": r2["output_tok_s"],
+        f"tp{world}_tok_s": r2["output_tok_s"],
         "speedup": speedup,
-        "scaling_efficiency": speedup / 2,
+        "scaling_efficiency": speedup / world,
         "tp1_step_ms_256": r1.get("step_ms_256"),
-        "tp2_step_ms_256": r2.get("step_ms_256"),
+        f"tp{world}_step_ms_256": r2.get("step_ms_256"),
     }
     at_256 = next((r for r in rows if r["tokens"] == 256), None)
     if at_256 and r2.get("step_ms_256"):
@@ -128,7 +143,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096, help="Qwen3-8B: 4096")
     ap.add_argument("--layers", type=int, default=36, help="Qwen3-8B: 36")
     ap.add_argument("--tokens", default="1,64,256,16384", help="comma-separated token counts per step")
-    ap.add_argument("--e1", nargs=2, metavar=("TP1_JSON", "TP2_JSON"), default=None)
+    ap.add_argument(
+        "--e1", nargs=2, metavar=("TP1_JSON", "TPN_JSON"), default=None, help="E1 at TP 1 and TP world-size"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -143,7 +160,7 @@ def main() -> None:
         mb = r["bytes"] / 1e6
         print(f"{r['tokens']:7d} {mb:8.2f} {r['eager_ms']:9.4f} {r['step_eager_ms']:22.3f} {graph:>20}")
     if args.e1:
-        result["e1"] = _e1_summary(*args.e1, result["rows"])
+        result["e1"] = _e1_summary(*args.e1, args.world_size, result["rows"])
         print(json.dumps(result["e1"], indent=1))
     if args.json:
         with open(args.json, "w") as f:

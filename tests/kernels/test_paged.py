@@ -66,6 +66,7 @@ def test_k_gathered_as_rows(num_splits, dtype, device):
 
     b = make_paged_batch(MIXED, 8, 2, 32, 16, dtype, device, seed=11)
     with config.override(paged=config.TileConfig(32, 16, 4, 1, k_rows=True)):
+        assert config.paged_config(32, dtype, 4, 23)[0].k_rows  # the option reaches the launch
         run_and_check(b, device, f"k_rows splits={num_splits}", num_splits=num_splits)
 
 

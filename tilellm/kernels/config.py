@@ -40,7 +40,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30) -> TileConfig:
     """Tiles for `prefill_attention`, from H200 sweeps (benchmarks/RESULTS.md).
 
-    Head dims up to 128 in half precision: 128x64 tiles, 4 warps, 2 stages. One program then
+    Head dims 65-128 in half precision: 128x64 tiles, 4 warps, 2 stages. One program then
     needs little enough shared memory and registers for two to share an SM, and one's softmax
     runs while the other's matmuls do (fourth session: P1 456 vs 424 TFLOP/s for 128x128 tiles of
     8 warps and 3 stages, one program per SM; the same pick as the Triton tutorial's autotuner).

@@ -1,7 +1,8 @@
 """Packed varlen causal prefill: one launch for every request of a step.
 
-Grid = (query tiles, query heads, requests). A program loads its request's start and length from `cu_seqlens`, exits at once when its
-query tile lies past the request's end, and walks the request's key tiles only up to the diagonal:
+Grid = (query tiles, query heads, requests). A program loads its request's start and length
+from `cu_seqlens`, exits at once when its query tile lies past the request's end, and walks the
+request's key tiles only up to the diagonal:
 
     key tiles:   0 .. full_end          full_end .. diag_end         diag_end ..
                  wholly below diagonal  crossing the diagonal        future

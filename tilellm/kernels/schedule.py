@@ -134,10 +134,10 @@ def choose_num_splits(
 ) -> SplitPlan:
     """The split-KV decision from the SM count, the batch and its longest context.
 
-    No split when the programs already (nearly: FILL_SHARE) fill the GPU or contexts are short; otherwise enough
-    segments for `target_programs` (PROGRAMS_PER_SM decode tiles per SM, LARGE_TILE_PROGRAMS_PER_SM
-    of larger ones), each of at least MIN_KEYS_PER_SPLIT keys of the longest context, at most
-    MAX_SPLITS. `num_splits` forces the count. The longest
+    No split when contexts are short or the programs already reach FILL_SHARE of
+    `target_programs` (PROGRAMS_PER_SM decode tiles per SM, LARGE_TILE_PROGRAMS_PER_SM of larger
+    ones); otherwise enough segments for the target, each of at least MIN_KEYS_PER_SPLIT keys of
+    the longest context, at most MAX_SPLITS. `num_splits` forces the count. The longest
     context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
     host sync: the engine plans on the host instead and passes the plan).
     """
@@ -172,8 +172,7 @@ def choose_num_splits(
         )
     want = _cdiv(target, base)
     n = max(1, min(want, MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
-    if n == 1:
-        return SplitPlan(1, f"no split: {base} programs already fill {sms} SMs", sms, base, max_seqlen_k)
+    # n >= 2 here: base < FILL_SHARE * target makes want >= 2, and the context holds >= 2 segments.
     reason = (
         f"split {n}: {base} programs for {sms} SMs; {n} segments per query tile give {base * n} programs "
         f"(target {per_sm} per SM, >= {MIN_KEYS_PER_SPLIT} keys per segment of the longest context, "
