@@ -131,14 +131,18 @@ def _causal_flops(lens: list[int]) -> float:
     return sum(4 * D * HQ * L * (L + 1) / 2 for L in lens)
 
 
-def _paged_inputs(q_lens: list[int], kv_lens: list[int], dtype, *, seed: int = 0):
-    """Random q and a paged cache holding each request's context, with a permuted block table."""
+def _paged_inputs(q_lens: list[int], kv_lens: list[int], dtype, *, seed: int = 0, permute: bool = True):
+    """Random q and a paged cache holding each request's context, with a permuted block table
+    (`permute=False`: each request's pages in physical order, a locality probe)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     blocks_per = [math.ceil(kv / PAGE) for kv in kv_lens]
     num_blocks = sum(blocks_per)
     k_cache = torch.randn(num_blocks, PAGE, HKV, D, device="cuda", dtype=dtype, generator=g)
     v_cache = torch.randn(num_blocks, PAGE, HKV, D, device="cuda", dtype=dtype, generator=g)
-    perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    if permute:
+        perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    else:
+        perm = torch.arange(num_blocks, device="cuda", dtype=torch.int32)
     block_table = torch.zeros(len(kv_lens), max(blocks_per), dtype=torch.int32, device="cuda")
     start = 0
     for i, nb in enumerate(blocks_per):
@@ -334,6 +338,17 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
                 continue
             ms_s = _bench(lambda s=s: fn(s))
             rows.append(Row(name, f"tilellm splits={s}", ms_s, flops / ms_s / 1e9, byts / ms_s / 1e6, floor))
+        if max_k >= 65536:
+            # Locality probe: the same batch with each request's pages in physical order. A large
+            # gap to the permuted table points at page-translation (TLB) or DRAM-page locality.
+            del q, kc, vc, bt
+            q, kc, vc, bt, cu, seq = _paged_inputs(q_lens, kv_lens, dtype, permute=False)
+            ref, n = _sdpa_ref_paged(q, kc, vc, bt, q_lens, kv_lens)
+            _check(f"{name} in-order pages", fn()[:n], ref)
+            ms_o = _bench(fn)
+            rows.append(
+                Row(name, "tilellm pages in order", ms_o, flops / ms_o / 1e9, byts / ms_o / 1e6, floor)
+            )
     if peers and decode and len(set(kv_lens)) == 1 and len(kv_lens) * kv_lens[0] <= 1 << 20:
         # SDPA on contiguous (not paged) K/V, all requests in one batched call
         B, L = len(kv_lens), kv_lens[0]
