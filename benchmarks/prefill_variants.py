@@ -30,7 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tilellm.kernels as tk
 from tilellm.bench import kernels as kb
-from tilellm.kernels.prefill import LOG2_E, _rows_view
+from tilellm.kernels.config import dot_precision
+from tilellm.kernels.prefill import LOG2_E, _attend_tiles, _rows_view
 
 MODES = {"plain": 0, "ws": 1, "prefetch": 2, "lazy": 3}
 LAZY_THRESHOLD = 8.0  # log2 units: rescale only when some row's max grew by more than 2^8
@@ -51,14 +52,13 @@ LAZY = tl.constexpr(LAZY_THRESHOLD)
 
 
 @triton.jit
-def _full_tiles(acc, l_i, m_i, q, k_desc, v_desc, kv_row0, kv_col, n_end, qk_scale,
-                BLOCK_N: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
-    if MODE == 0:
-        for n in tl.range(0, n_end, BLOCK_N):
-            k = k_desc.load([kv_row0 + n, kv_col])
-            qk = tl.dot(q, tl.trans(k))
-            v = v_desc.load([kv_row0 + n, kv_col])
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+def _full_tiles(acc, l_i, m_i, q, k_desc, v_desc, kv_row0, kv_col, offs_m, offs_n, seq_len, n_end, qk_scale,
+                BLOCK_N: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    if MODE == 0:  # the package's own loop
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_desc, v_desc, kv_row0, kv_col, offs_m, offs_n, seq_len,
+            0, n_end, qk_scale, BLOCK_N, False, True, PRECISION,
+        )  # fmt: skip
     elif MODE == 1:
         for n in tl.range(0, n_end, BLOCK_N, warp_specialize=True):
             k = k_desc.load([kv_row0 + n, kv_col])
@@ -100,7 +100,8 @@ def _full_tiles(acc, l_i, m_i, q, k_desc, v_desc, kv_row0, kv_col, n_end, qk_sca
 @triton.jit
 def _variant_kernel(q_desc, k_desc, v_desc, O, cu_seqlens, qk_scale, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MODE: tl.constexpr, M_FAST: tl.constexpr):  # fmt: skip
+                    BLOCK_N: tl.constexpr, MODE: tl.constexpr, M_FAST: tl.constexpr,
+                    PRECISION: tl.constexpr):  # fmt: skip
     if M_FAST:
         m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
         head = tl.program_id(1)
@@ -123,15 +124,13 @@ def _variant_kernel(q_desc, k_desc, v_desc, O, cu_seqlens, qk_scale, stride_ot, 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end = (m_start + 1) // BLOCK_N * BLOCK_N
     diag_end = tl.minimum(m_start + BLOCK_M, seq_len)
-    acc, l_i, m_i = _full_tiles(acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, full_end, qk_scale,
-                                BLOCK_N, MODE)  # fmt: skip
-    for n in tl.range(full_end, diag_end, BLOCK_N):
-        k = k_desc.load([seq_start + n, kv_col])
-        qk = tl.dot(q, tl.trans(k))
-        visible = ((n + offs_n) < seq_len)[None, :] & (offs_m[:, None] >= (n + offs_n)[None, :])
-        qk = tl.where(visible, qk, float("-inf"))
-        v = v_desc.load([seq_start + n, kv_col])
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+    acc, l_i, m_i = _full_tiles(acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
+                                full_end, qk_scale, BLOCK_N, MODE, PRECISION)  # fmt: skip
+    # Diagonal tiles: the package's masked loop in every variant.
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
+        full_end, diag_end, qk_scale, BLOCK_N, True, True, PRECISION,
+    )  # fmt: skip
     acc = acc / l_i[:, None]
     offs_d = tl.arange(0, HEAD_DIM)
     o_ptrs = O + (seq_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -149,6 +148,7 @@ def run_variant(q, k, v, cu, max_seqlen, bm, bn, warps, stages, mode, m_fast, o)
     _variant_kernel[grid](
         q_desc, k_desc, v_desc, o, cu, D**-0.5 * LOG2_E, o.stride(0), o.stride(1),
         GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, MODE=mode, M_FAST=m_fast,
+        PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return o

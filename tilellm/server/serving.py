@@ -308,6 +308,19 @@ class OpenAIServing:
         c = sum(len(ch.token_ids) for ch in choices.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
+    def _usage_chunk(
+        self,
+        base_id: str,
+        object_name: str,
+        created: int,
+        prompts: list[list[int]],
+        choices: dict[Any, _Choice],
+    ) -> str:
+        """The final streamed event of `stream_options.include_usage`: no choices, the token counts."""
+        body = {"id": base_id, "object": object_name, "created": created, "model": self.model_name}
+        body.update(choices=[], usage=self._usage(prompts, choices))
+        return _sse(body)
+
     # ---- /v1/completions ----
 
     def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -480,14 +493,7 @@ class OpenAIServing:
                 yield chunk(out)
         else:
             if include_usage:
-                body = {
-                    "id": base_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                }
-                body.update(choices=[], usage=self._usage(prompts, state))
-                yield _sse(body)
+                yield self._usage_chunk(base_id, "text_completion", created, prompts, state)
 
     # ---- /v1/chat/completions ----
 
@@ -626,9 +632,7 @@ class OpenAIServing:
                 yield chunk(out)
         else:
             if include_usage:
-                body = {"id": base_id, "object": "chat.completion.chunk", "created": created}
-                body.update(model=self.model_name, choices=[], usage=self._usage([prompt], state))
-                yield _sse(body)
+                yield self._usage_chunk(base_id, "chat.completion.chunk", created, [prompt], state)
 
 
 async def _updates(queue: asyncio.Queue, num_requests: int) -> AsyncIterator[list[RequestUpdate]]:
