@@ -71,7 +71,10 @@ def check_paged_schedule(sched, pairs, num_kv_heads, forced_splits=None):
         assert splits == forced_splits, plan
     max_q = max((q for q, _ in pairs), default=1)
     q_tiles = cdiv(max(max_q, 1), block_q)
-    assert sched.grid == (num_kv_heads, len(pairs), q_tiles * splits)
+    if q_tiles > 1:  # several query tiles: a request's tiles launch side by side
+        assert sched.grid == (q_tiles * splits, num_kv_heads, len(pairs))
+    else:
+        assert sched.grid == (num_kv_heads, len(pairs), splits)
     assert len(sched.programs) == num_kv_heads * len(pairs) * q_tiles * splits
     by_tile = {}
     for p in sched.programs:
@@ -238,7 +241,7 @@ def test_paged_report_matches_kernel(num_splits, device):
         for p in long_segments[:-1]:  # every segment but the last holds at least the minimum
             assert (p.full + p.diagonal) * sched.block_n >= schedule.MIN_KEYS_PER_SPLIT, long_segments
     stats = stats.cpu()
-    assert stats.shape == (len(pairs), 1, sched.grid[2], 2)
+    assert stats.shape == (len(pairs), 1, cdiv(max(q for q, _ in pairs), sched.block_q) * plan.num_splits, 2)
     splits = plan.num_splits
     for p in sched.programs:
         got = tuple(stats[p.request, p.head, p.q_tile * splits + p.split].tolist())
@@ -270,7 +273,9 @@ def test_forced_splits_are_honoured(forced):
         plan = plan_split_kv(cu, lens, 32, 8, num_splits=forced, num_sms=132)
         assert plan.num_splits == forced, plan
     sched = paged_schedule([0, 1, 6], [4000, 5], 32, 8, 128, 16, num_splits=forced, num_sms=132)
-    assert sched.grid[2] % forced == 0 and sched.split_plan.num_splits == forced
+    q_tiles = cdiv(5, sched.block_q)
+    assert sched.grid == ((q_tiles * forced, 8, 2) if q_tiles > 1 else (8, 2, forced))
+    assert sched.split_plan.num_splits == forced
 
 
 def test_invalid_forced_splits():

@@ -1,6 +1,8 @@
 """Paged attention for any mix of requests: prefix-cached / chunked prefill, verification, decode.
 
-Grid = (KV heads, requests, query tiles x splits). A program owns `block_q` new tokens of one
+Grid = (KV heads, requests, query tiles x splits), or (query tiles x splits, KV heads, requests)
+when a request has several query tiles (they then run side by side and share their request's
+K/V in L2). A program owns `block_q` new tokens of one
 request and all `group` query heads that share one KV head, packed as the rows of one tile
 (row r = token r // group, head r % group): every K/V tile read from the cache serves the whole
 group, and decode (one token) still gives `tl.dot` at least 16 rows.
@@ -107,11 +109,24 @@ def _paged_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
+    TILES_FASTEST: tl.constexpr,
 ):  # fmt: skip
-    kv_head = tl.program_id(0)
-    req = tl.program_id(1)
-    q_tile = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    if TILES_FASTEST:
+        # Several query tiles: a (request, KV head)'s tiles launch side by side and share its K/V
+        # in L2 (with KV heads fastest, all heads of all requests stream at once: C1's 300 MB).
+        tile_split = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        req = tl.program_id(2)
+        num_kv_heads = tl.num_programs(1)
+        num_tile_splits = tl.num_programs(0)
+    else:
+        kv_head = tl.program_id(0)
+        req = tl.program_id(1)
+        tile_split = tl.program_id(2)
+        num_kv_heads = tl.num_programs(0)
+        num_tile_splits = tl.num_programs(2)
+    q_tile = tile_split // num_splits
+    split = tile_split % num_splits
 
     if IS_DECODE:
         q_start = req
@@ -205,7 +220,7 @@ def _paged_kernel(
         )
 
     if RECORD_STATS:
-        pid = (req * tl.num_programs(0) + kv_head) * tl.num_programs(2) + tl.program_id(2)
+        pid = (req * num_kv_heads + kv_head) * num_tile_splits + tile_split
         tl.store(stats + pid * 2, tl.cdiv(full_hi - lo, BLOCK_N))
         tl.store(stats + pid * 2 + 1, tl.cdiv(tl.maximum(hi - masked_lo, 0), BLOCK_N))
 
@@ -322,7 +337,8 @@ def _launch(
             rows_per_program=cfg.block_m,
         )
     splits = plan.num_splits
-    grid = (Hkv, batch, q_tiles * splits)
+    tiles_fastest = q_tiles > 1
+    grid = (q_tiles * splits, Hkv, batch) if tiles_fastest else (Hkv, batch, q_tiles * splits)
     stats = None
     if record_stats:
         stats = torch.zeros(batch * Hkv * q_tiles * splits * 2, dtype=torch.int32, device=q.device)
@@ -351,6 +367,7 @@ def _launch(
         SPLIT=splits > 1 or parts is not None, IS_DECODE=is_decode,
         HAS_KV_LO=kv_lo is not None, HAS_KV_HI=kv_hi is not None,
         RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype), K_ROWS=cfg.k_rows,
+        TILES_FASTEST=tiles_fastest,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1 and parts is None:

@@ -278,7 +278,8 @@ def paged_schedule(
     dtype: torch.dtype = torch.bfloat16,
     num_sms: int | None = None,
 ) -> TileSchedule:
-    """Tiles of `paged_attention`: grid (KV heads, requests, query tiles x splits).
+    """Tiles of `paged_attention`: grid (KV heads, requests, query tiles x splits), or
+    (query tiles x splits, KV heads, requests) when there are several query tiles.
 
     `skipped` (future tiles of the request) is reported on each query tile's last segment.
     """
@@ -300,9 +301,13 @@ def paged_schedule(
         rows_per_program=cfg.block_m,
     )
     splits = plan.num_splits
+    if q_tiles > 1:
+        grid = (q_tiles * splits, num_kv_heads, len(lens))
+    else:
+        grid = (num_kv_heads, len(lens), splits)
     sched = TileSchedule(
         "paged_attention",
-        (num_kv_heads, len(lens), q_tiles * splits),
+        grid,
         cfg.block_m,
         bn,
         split_plan=plan,
