@@ -70,6 +70,20 @@ def test_k_gathered_as_rows(num_splits, dtype, device):
         run_and_check(b, device, f"k_rows splits={num_splits}", num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("tiles_fastest", [False, True])
+def test_both_launch_orders(tiles_fastest, num_splits, device):
+    """Query tiles fastest (the default when a request has several) or KV heads fastest: the grid's
+    order changes which programs run together, never the answer."""
+    from tilellm.kernels import paged
+
+    b = make_paged_batch(MIXED, 8, 2, 32, 16, torch.float16, device, seed=12)
+    out = poisoned(b.q)
+    paged._launch(*b.args(), out, None, num_splits, None, is_decode=False, tiles_fastest=tiles_fastest)
+    expected = ref.paged_attention(*b.args())
+    assert_close(out, expected, tolerance(b.q.dtype, device), f"tiles_fastest={tiles_fastest}")
+
+
 def test_prime_lengths(device):
     b = make_paged_batch([(3, 37), (1, 101), (7, 53), (2, 2)], 10, 2, 32, 16, torch.float16, device, seed=5)
     run_and_check(b, device, "primes")

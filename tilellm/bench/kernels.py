@@ -90,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA baselines")
     p.add_argument("--flex", action="store_true", help="also time FlexAttention (slow to compile)")
     p.add_argument("--sweep", action="store_true", help="also time tile configs and forced split counts")
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="also time the paged/decode workloads replayed from a CUDA graph (no host work in the "
+        "timing, as the engine runs decode) and report the host time of one eager call",
+    )
 
 
 @dataclass
@@ -112,6 +118,48 @@ def _bench(fn: Callable[[], object]) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _bench_graph(fn: Callable[[], object], calls: int = 10) -> float:
+    """Device time of one `fn` call replayed from a CUDA graph, L2 flushed before each call.
+
+    Eager timing (`_bench`) of a kernel shorter than the host work of launching it measures the
+    host: the events bracket the Python that validates, plans and launches. Here a graph of
+    `calls` x (flush L2, fn) and a graph of `calls` x (flush L2) are each timed with do_bench
+    (median); the difference over `calls` is the device time of fn alone.
+    """
+    import triton.testing
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    work, flush_only = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(work):
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+    with torch.cuda.graph(flush_only):
+        for _ in range(calls):
+            flush.zero_()
+    t_work = triton.testing.do_bench(work.replay, warmup=25, rep=200, return_mode="median")
+    t_flush = triton.testing.do_bench(flush_only.replay, warmup=25, rep=200, return_mode="median")
+    return float(t_work - t_flush) / calls
+
+
+def _host_ms(fn: Callable[[], object], calls: int = 50) -> float:
+    """Host time of one eager call (validation, planning, launches), the GPU left to run behind."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
 
 
 def measure_ceilings() -> dict[str, float]:
@@ -285,7 +333,10 @@ def bench_prefill(
             rows.append(Row(name, "flex", float("nan"), note=f"{type(e).__name__}: {e}"[:80]))
 
 
-def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bool, sweep: bool, peers: bool):
+def bench_paged(
+    name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bool, sweep: bool, peers: bool,
+    graph: bool = False,
+):  # fmt: skip
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -320,6 +371,12 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
             extra={"max_rel_err": err, "plan": plan.reason},
         )
     )
+    if graph:
+        ms_g, host = _bench_graph(fn), _host_ms(fn)
+        rows.append(
+            Row(name, f"tilellm {str(dtype)[6:]} CUDA graph", ms_g, flops / ms_g / 1e9, byts / ms_g / 1e6,
+                floor, note=f"eager call: {host * 1e3:.0f} us of host work")
+        )  # fmt: skip
     if sweep:
         from tilellm.kernels import config
 
@@ -374,7 +431,7 @@ def bench_paged(name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bo
     return ms
 
 
-def bench_cascade(rows, ceilings, dtype):
+def bench_cascade(rows, ceilings, dtype, *, graph: bool = False):
     """X1 (not in SPEC; E2's decode): 256 requests sharing a 2048-key cached prefix, + 128..256 own keys."""
     import tilellm.kernels as tk
 
@@ -395,6 +452,12 @@ def bench_cascade(rows, ceilings, dtype):
     rows.append(Row("X1", "tilellm plain decode (same batch)", ms_d, None, _kv_bytes(kv) / ms_d / 1e6,
                     _kv_bytes(kv) / (ceilings["copy_gbps"] * 1e9) * 1e3,
                     note=f"cascade speedup {ms_d / ms_c:.1f}x"))  # fmt: skip
+    if graph:
+        cascade = lambda: tk.cascade_decode_attention(q, kc, vc, bt, seq, prefix_len)
+        ms_g, host = _bench_graph(cascade), _host_ms(cascade)
+        rows.append(Row("X1", "tilellm cascade decode CUDA graph", ms_g, None, unique / ms_g / 1e6,
+                        unique / (ceilings["copy_gbps"] * 1e9) * 1e3,
+                        note=f"eager call: {host * 1e3:.0f} us of host work"))  # fmt: skip
 
 
 def bench_sparse(rows, ceilings, dtype):
@@ -499,6 +562,7 @@ def main(args: argparse.Namespace) -> int:
                 decode=True,
                 sweep=sweep and name in ("D1", "D3", "D4"),
                 peers=peers,
+                graph=args.graph,
             )
             torch.cuda.empty_cache()
     if "E1D" in want:
@@ -507,12 +571,12 @@ def main(args: argparse.Namespace) -> int:
         with _query_heads(16):
             kv = _lengths(100, 1100, 256, 9)
             _guard("E1D", rows, bench_paged, "E1D", [1] * len(kv), kv, dtype, rows, ceilings,
-                   decode=True, sweep=True, peers=False)  # fmt: skip
+                   decode=True, sweep=sweep, peers=False, graph=args.graph)  # fmt: skip
             # The same batch with the longest contexts first: programs launch in request order,
             # so this is longest-processing-time-first scheduling (a shorter tail of the grid).
             lpt = sorted(kv, reverse=True)
             _guard("E1D-longest-first", rows, bench_paged, "E1D-longest-first", [1] * len(kv), lpt, dtype,
-                   rows, ceilings, decode=True, sweep=False, peers=False)  # fmt: skip
+                   rows, ceilings, decode=True, sweep=False, peers=False, graph=args.graph)  # fmt: skip
     if "V1" in want:
         _guard(
             "V1",
@@ -527,6 +591,7 @@ def main(args: argparse.Namespace) -> int:
             decode=False,
             sweep=sweep,
             peers=False,
+            graph=args.graph,
         )
     if "C1" in want:
         _guard(
@@ -542,12 +607,13 @@ def main(args: argparse.Namespace) -> int:
             decode=False,
             sweep=sweep,
             peers=False,
+            graph=args.graph,
         )
     torch.cuda.empty_cache()
     if "S1" in want:
         _guard("S1", rows, bench_sparse, rows, ceilings, dtype)
     if "X1" in want:
-        _guard("X1", rows, bench_cascade, rows, ceilings, dtype)
+        _guard("X1", rows, bench_cascade, rows, ceilings, dtype, graph=args.graph)
     print(f"{'workload':8} {'variant':44} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'floor ms':>9}  note")
     for r in rows:
         tf = f"{r.tflops:8.1f}" if r.tflops is not None else " " * 8

@@ -314,10 +314,12 @@ def paged_tile_stats(
 
 def _launch(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
-    *, is_decode, record_stats=False, kv_lo=None, kv_hi=None, parts=None,
+    *, is_decode, record_stats=False, kv_lo=None, kv_hi=None, parts=None, tiles_fastest=None,
 ):  # fmt: skip
     """Launch the paged kernel. `parts=(o_parts, lse_parts, part_base)` makes every program write
-    its partial (o, lse) at part index part_base + split instead of `o` (the caller merges)."""
+    its partial (o, lse) at part index part_base + split instead of `o` (the caller merges).
+    `tiles_fastest` forces the launch order (None: query tiles fastest when there are several;
+    benchmarks compare both)."""
     T, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     batch = seq_lens.numel()
@@ -337,7 +339,8 @@ def _launch(
             rows_per_program=cfg.block_m,
         )
     splits = plan.num_splits
-    tiles_fastest = q_tiles > 1
+    if tiles_fastest is None:
+        tiles_fastest = q_tiles > 1
     grid = (q_tiles * splits, Hkv, batch) if tiles_fastest else (Hkv, batch, q_tiles * splits)
     stats = None
     if record_stats:
