@@ -7,7 +7,7 @@ only in:
 - launch order: KV heads fastest (all 128 (request, KV head) pairs stream their K/V at once,
   ~300 MB against a 60 MB L2) or query tiles fastest (the running programs share a few
   requests' K/V in L2);
-- tile config (rows, keys per tile, warps, stages, K gathered as rows, pages copied by TMA);
+- tile config (rows, keys per tile, warps, stages, K gathered as rows);
 - page order: the block table permuted (as a long-running pool hands out pages) or in
   physical order (a fresh pool), which bounds what the random gather costs.
 
@@ -29,23 +29,21 @@ from tilellm.kernels import config, paged
 
 HQ, D = 32, 128
 Q_LENS, KV_LENS = [512] * 16, [4096 + 512] * 16
-CONFIGS = [  # rows, keys per tile, warps, stages, K as rows, pages copied by TMA
-    (128, 32, 4, 4, False, False),  # the default before the fifth session
-    (128, 32, 4, 3, False, False),
-    (128, 64, 4, 3, False, False),
-    (256, 64, 8, 2, False, False),
-    (128, 16, 4, 3, False, True),
-    (128, 16, 4, 4, False, True),
-    (128, 32, 4, 2, False, True),
-    (128, 32, 4, 3, False, True),
-    (128, 32, 4, 4, False, True),
-    (128, 64, 4, 2, False, True),
-    (128, 64, 4, 3, False, True),
-    (128, 64, 8, 2, False, True),
-    (128, 64, 8, 3, False, True),
-    (256, 32, 8, 2, False, True),
-    (256, 64, 8, 2, False, True),
-    (64, 64, 4, 3, False, True),
+CONFIGS = [  # rows, keys per tile, warps, stages, K as rows
+    (128, 32, 4, 4, False),
+    (128, 32, 4, 3, False),
+    (128, 32, 4, 5, False),
+    (128, 64, 4, 2, False),
+    (128, 64, 4, 3, False),
+    (128, 64, 8, 2, False),
+    (128, 64, 8, 3, False),
+    (128, 128, 8, 2, False),
+    (256, 32, 8, 3, False),
+    (256, 64, 8, 2, False),
+    (64, 32, 4, 4, False),
+    (64, 64, 4, 3, False),
+    (128, 32, 4, 4, True),
+    (128, 64, 4, 3, True),
 ]
 
 
@@ -62,11 +60,9 @@ def time_variants(dtype: torch.dtype, permute: bool, results: list[dict]) -> Non
     err = _check("C1 default", default[:n], ref)
     pages = "permuted" if permute else "in-order"
     print(f"# pages {pages}: default launch max rel err vs SDPA {err:.2e}", flush=True)
-    for rows, bn, warps, stages, k_rows, tma in CONFIGS if permute else CONFIGS[:1] + CONFIGS[6:12]:
-        cfg = config.TileConfig(rows, bn, warps, stages, k_rows=k_rows, page_tma=tma)
-        # Launch order compared on the old default only (fifth session, first call: tiles first wins).
-        old_default = (rows, bn, warps, stages, tma) == (128, 32, 4, 4, False)
-        orders = (False, True) if permute and old_default else (True,)
+    orders = (False, True) if permute else (True,)
+    for rows, bn, warps, stages, k_rows in CONFIGS if permute else CONFIGS[:6]:
+        cfg = config.TileConfig(rows, bn, warps, stages, k_rows=k_rows)
         for tiles_fastest in orders:
             out = torch.full_like(q, float("nan"))
 
@@ -75,8 +71,7 @@ def time_variants(dtype: torch.dtype, permute: bool, results: list[dict]) -> Non
                               is_decode=False, tiles_fastest=tiles_fastest)  # fmt: skip
 
             order = "tiles-first" if tiles_fastest else "heads-first"
-            knobs = (" k-rows" if k_rows else "") + (" page-tma" if tma else "")
-            label = f"rows{rows} bn{bn} w{warps} s{stages}{knobs} {order} pages-{pages}"
+            label = f"rows{rows} bn{bn} w{warps} s{stages}{' k-rows' if k_rows else ''} {order} pages-{pages}"
             try:
                 with config.override(paged=cfg):
                     run()

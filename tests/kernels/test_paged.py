@@ -84,34 +84,6 @@ def test_both_launch_orders(tiles_fastest, num_splits, device):
     assert_close(out, expected, tolerance(b.q.dtype, device), f"tiles_fastest={tiles_fastest}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "block_size,block_n", [(16, 16), (16, 32), (16, 64), (32, 16), (64, 32), (8, 32)], ids=lambda x: str(x)
-)
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_pages_copied_by_tma(block_size, block_n, num_splits, dtype, device):
-    """The page-by-page TMA copy of unmasked key tiles (`TileConfig.page_tma`): 1, 2 or 4 boxes
-    per key tile, boxes of a whole page or of part of one; 8-key pages are too small for a box
-    and take the gather path. Same answer as the reference either way."""
-    from tilellm.kernels import config, paged
-
-    b = make_paged_batch(MIXED + [(7, 150)], 8, 2, 32, block_size, dtype, device, seed=block_size + block_n)
-    assert paged.page_tma_ok(b.k_cache, b.v_cache, block_n) == (block_size >= 16)
-    with config.override(paged=config.TileConfig(16, block_n, 4, 1, page_tma=True)):
-        assert config.paged_config(32, dtype, 4, 23)[0].page_tma
-        run_and_check(b, device, f"page_tma page={block_size} bn={block_n}", num_splits=num_splits)
-
-
-def test_page_tma_needs_a_contiguous_cache(device):
-    """A cache that is a strided view cannot be seen as [rows, Hkv * D] boxes: gather instead."""
-    from tilellm.kernels import paged
-
-    b = make_paged_batch([(1, 40)], 4, 2, 32, 16, torch.float32, device, seed=1)
-    wide = torch.zeros(*b.k_cache.shape[:3], 64, dtype=b.k_cache.dtype, device=device)
-    assert paged.page_tma_ok(b.k_cache, b.v_cache, 32)
-    assert not paged.page_tma_ok(wide[..., :32], b.v_cache, 32)
-
-
 def test_prime_lengths(device):
     b = make_paged_batch([(3, 37), (1, 101), (7, 53), (2, 2)], 10, 2, 32, 16, torch.float16, device, seed=5)
     run_and_check(b, device, "primes")

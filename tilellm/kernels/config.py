@@ -24,9 +24,6 @@ class TileConfig:
     num_stages: int
     # paged: gather K as [block_n, D] rows and transpose in the dot (else gathered as [D, block_n])
     k_rows: bool = False
-    # paged: copy the unmasked key tiles page by page with TMA (`paged.page_tma_ok` says when the
-    # cache allows it; otherwise the gather runs)
-    page_tma: bool = False
 
 
 def interpreting() -> bool:
@@ -71,11 +68,10 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     The query heads that share a KV head are packed into the rows of one tile, so a tile holds
     `block_q` tokens x `group` heads; decode (one token) still gives the tensor cores >= 16 rows.
     """
-    k_rows = page_tma = False
+    k_rows = False
     if "paged" in _overrides:
         o = _overrides["paged"]
-        rows, block_n, warps, stages = o.block_m, o.block_n, o.num_warps, o.num_stages
-        k_rows, page_tma = o.k_rows, o.page_tma
+        rows, block_n, warps, stages, k_rows = o.block_m, o.block_n, o.num_warps, o.num_stages, o.k_rows
     elif interpreting():
         rows, block_n, warps, stages = 16, 16, 4, 1
     elif max_seqlen_q * group <= 16:
@@ -94,7 +90,7 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     block_q = 1 << (block_q.bit_length() - 1)  # power of two tokens per tile
     block_q = min(block_q, _next_pow2(max(1, max_seqlen_q)))
     block_m = max(16, _next_pow2(block_q * group))
-    cfg = TileConfig(block_m, block_n, warps, stages, k_rows=k_rows, page_tma=page_tma)
+    cfg = TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, k_rows=k_rows)
     return cfg, block_q
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import dot_precision, num_sms, paged_config
@@ -85,66 +84,6 @@ def _paged_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
-def _page_box(q, k_desc, bt_row, kv_col, key, PAGE: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores against the keys of one TMA box (a [BOX, D] run of one page, from `key` on), and
-    the box's first cache row (V is read from the same rows)."""
-    row = tl.load(bt_row + key // PAGE) * PAGE + key % PAGE
-    k = k_desc.load([row, kv_col])
-    return tl.dot(q, tl.trans(k), input_precision=PRECISION), row
-
-
-@triton.jit
-def _paged_tiles_tma(
-    acc, l_i, m_i, q, k_desc, v_desc, bt_row, kv_col, n_start, n_end, qk_scale,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Unmasked key tiles [n_start, n_end) with K/V copied page by page by TMA.
-
-    A page's rows of one KV head are a [PAGE, D] box of the cache seen as a 2-D tensor
-    [num_blocks * PAGE, Hkv * D]; TMA copies such a box into shared memory with no address
-    arithmetic in the threads (the gather path computes a pointer per element). A key tile of
-    BLOCK_N keys is SUB boxes of BOX = min(PAGE, BLOCK_N) keys, which need not be adjacent: each
-    box gets its own Q K^T and P V products, and the online softmax spans all SUB of them.
-    """
-    BOX: tl.constexpr = BLOCK_N if PAGE > BLOCK_N else PAGE
-    SUB: tl.constexpr = BLOCK_N // BOX
-    for n in tl.range(n_start, n_end, BLOCK_N):
-        qk0, row0 = _page_box(q, k_desc, bt_row, kv_col, n, PAGE, PRECISION)
-        m_tile = tl.max(qk0, 1)
-        if SUB >= 2:
-            qk1, row1 = _page_box(q, k_desc, bt_row, kv_col, n + BOX, PAGE, PRECISION)
-            m_tile = tl.maximum(m_tile, tl.max(qk1, 1))
-        if SUB >= 4:
-            qk2, row2 = _page_box(q, k_desc, bt_row, kv_col, n + 2 * BOX, PAGE, PRECISION)
-            qk3, row3 = _page_box(q, k_desc, bt_row, kv_col, n + 3 * BOX, PAGE, PRECISION)
-            m_tile = tl.maximum(m_tile, tl.maximum(tl.max(qk2, 1), tl.max(qk3, 1)))
-        m_ij = tl.maximum(m_i, m_tile * qk_scale)
-        alpha = tl.math.exp2(m_i - m_ij)
-        acc = acc * alpha[:, None]
-        p = tl.math.exp2(qk0 * qk_scale - m_ij[:, None])
-        l_tile = tl.sum(p, 1)
-        v = v_desc.load([row0, kv_col])
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        if SUB >= 2:
-            p = tl.math.exp2(qk1 * qk_scale - m_ij[:, None])
-            l_tile += tl.sum(p, 1)
-            v = v_desc.load([row1, kv_col])
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        if SUB >= 4:
-            p = tl.math.exp2(qk2 * qk_scale - m_ij[:, None])
-            l_tile += tl.sum(p, 1)
-            v = v_desc.load([row2, kv_col])
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-            p = tl.math.exp2(qk3 * qk_scale - m_ij[:, None])
-            l_tile += tl.sum(p, 1)
-            v = v_desc.load([row3, kv_col])
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        l_i = l_i * alpha + l_tile
-        m_i = m_ij
-    return acc, l_i, m_i
-
-
 # Per-step values (token counts, table widths, split counts) and index-array pointers (views
 # into the step's payload, or slices of it) are not specialised on: Triton would otherwise
 # compile a new variant whenever one of them changes divisibility by 16 or alignment, in the
@@ -161,7 +100,7 @@ def _paged_tiles_tma(
     ],
 )
 def _paged_kernel(
-    Q, K_cache, V_cache, k_desc, v_desc, O, O_parts, LSE_parts, stats,  # tensors (descs: PAGE_TMA only)
+    Q, K_cache, V_cache, O, O_parts, LSE_parts, stats,  # tensors
     block_table, cu_seqlens_q, seq_lens,  # batch description
     qk_scale, num_tokens, num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
@@ -170,7 +109,7 @@ def _paged_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
-    TILES_FASTEST: tl.constexpr, PAGE_TMA: tl.constexpr,
+    TILES_FASTEST: tl.constexpr,
 ):  # fmt: skip
     if TILES_FASTEST:
         # Several query tiles: a (request, KV head)'s tiles launch side by side and share its K/V
@@ -247,18 +186,12 @@ def _paged_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = block_table + req.to(tl.int64) * stride_bt
-    if PAGE_TMA:
-        acc, l_i, m_i = _paged_tiles_tma(
-            acc, l_i, m_i, q, k_desc, v_desc, bt_row, kv_head * HEAD_DIM, lo, full_hi, qk_scale,
-            PAGE, BLOCK_N, PRECISION,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _paged_tiles(
-            acc, l_i, m_i, q, q_pos,
-            K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
-            lo, full_hi, win_lo, hi, qk_scale,
-            PAGE, BLOCK_N, False, PRECISION, K_ROWS,
-        )  # fmt: skip
+    acc, l_i, m_i = _paged_tiles(
+        acc, l_i, m_i, q, q_pos,
+        K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
+        lo, full_hi, win_lo, hi, qk_scale,
+        PAGE, BLOCK_N, False, PRECISION, K_ROWS,
+    )  # fmt: skip
     acc, l_i, m_i = _paged_tiles(
         acc, l_i, m_i, q, q_pos,
         K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
@@ -379,33 +312,6 @@ def paged_tile_stats(
     )
 
 
-def page_tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
-    """Whether key tiles of `block_n` keys can be copied from this cache page by page with TMA.
-
-    Needs boxes of at least 16 keys (the dot's minimum), at most 4 boxes per tile, caches with
-    the standard contiguous layout (a page's rows of one head are then a 2-D box), and row
-    coordinates that fit TMA's int32.
-    """
-    num_blocks, page, _, _ = k_cache.shape
-    box = min(page, block_n)
-    return (
-        box >= 16
-        and block_n // box in (1, 2, 4)
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and num_blocks * page < 2**31
-    )
-
-
-def _page_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box: int):
-    num_blocks, page, hkv, d = k_cache.shape
-    rows = (num_blocks * page, hkv * d)
-    return (
-        TensorDescriptor.from_tensor(k_cache.view(rows), [box, d]),
-        TensorDescriptor.from_tensor(v_cache.view(rows), [box, d]),
-    )
-
-
 def _launch(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
     *, is_decode, record_stats=False, kv_lo=None, kv_hi=None, parts=None, tiles_fastest=None,
@@ -449,13 +355,8 @@ def _launch(
         lse_parts = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
     else:
         o_parts = lse_parts = o  # unused
-    page_tma = cfg.page_tma and page_tma_ok(k_cache, v_cache, cfg.block_n)
-    if page_tma:
-        k_desc, v_desc = _page_descriptors(k_cache, v_cache, min(page, cfg.block_n))
-    else:
-        k_desc, v_desc = k_cache, v_cache  # unread
     _paged_kernel[grid](
-        q, k_cache, v_cache, k_desc, v_desc, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
+        q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
         block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
         validation.resolve_scale(scale, D) * LOG2_E, T, Hq,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
@@ -469,7 +370,7 @@ def _launch(
         SPLIT=splits > 1 or parts is not None, IS_DECODE=is_decode,
         HAS_KV_LO=kv_lo is not None, HAS_KV_HI=kv_hi is not None,
         RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype), K_ROWS=cfg.k_rows,
-        TILES_FASTEST=tiles_fastest, PAGE_TMA=page_tma,
+        TILES_FASTEST=tiles_fastest,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1 and parts is None:
