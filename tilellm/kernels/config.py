@@ -81,9 +81,10 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
         # Verification-sized tiles: 128-key tiles (V1 sweep, RESULTS.md run 18: 3657 vs 3089 GB/s).
         rows, block_n, warps, stages = 64, 128 if head_dim <= 128 else 32, 4, 3
     else:
-        # Chunks: 128 rows of 4 warps and 32-key tiles four deep, two programs per SM as in
-        # prefill (C1, fourth session: 335 vs 311 TFLOP/s for 128-key tiles of 8 warps).
-        rows, block_n, warps, stages = (128, 32, 4, 4) if head_dim <= 128 else (64, 32, 4, 2)
+        # Chunks: 128 rows of 4 warps, 64-key tiles three deep (C1, fifth session, three runs:
+        # 359 TFLOP/s on average against 352 for 32-key tiles four deep and 311 for 128-key
+        # tiles of 8 warps).
+        rows, block_n, warps, stages = (128, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
     if dtype == torch.float32 and not interpreting():
         rows, block_n = min(rows, 64), min(block_n, 32)
     block_q = max(1, rows // group)
