@@ -81,10 +81,17 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
         # Verification-sized tiles: 128-key tiles (V1 sweep, RESULTS.md run 18: 3657 vs 3089 GB/s).
         rows, block_n, warps, stages = 64, 128 if head_dim <= 128 else 32, 4, 3
     else:
-        # Chunks: 128 rows of 4 warps, 64-key tiles three deep (C1, fifth session, three runs:
-        # 359 TFLOP/s on average against 352 for 32-key tiles four deep and 311 for 128-key
-        # tiles of 8 warps).
-        rows, block_n, warps, stages = (128, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
+        # Chunks: 128 rows of 4 warps, 64-key tiles three deep (C1, fifth session, runs 25/26/28:
+        # 359 TFLOP/s on average; 352 for 32-key tiles four deep, 360 for 256-row tiles of 8
+        # warps, which waste twice the rows on a short chunk's last tile; ~300 for 128-key tiles
+        # of 8 warps). It needs 128 KB of shared memory: GPUs with less (~99 KB on sm_86/89)
+        # get the 32-key tile (96 KB).
+        if head_dim > 128:
+            rows, block_n, warps, stages = 64, 32, 4, 2
+        elif max_shared_memory() >= 160 * 1024:
+            rows, block_n, warps, stages = 128, 64, 4, 3
+        else:
+            rows, block_n, warps, stages = 128, 32, 4, 4
     if dtype == torch.float32 and not interpreting():
         rows, block_n = min(rows, 64), min(block_n, 32)
     block_q = max(1, rows // group)
@@ -110,6 +117,18 @@ def num_sms(device_index: int | None = None) -> int:
         idx = torch.cuda.current_device() if device_index is None else device_index
         return torch.cuda.get_device_properties(idx).multi_processor_count
     return 132
+
+
+@functools.lru_cache(maxsize=8)
+def max_shared_memory(device_index: int | None = None) -> int:
+    """Bytes of shared memory one program may use on the current CUDA device; an H100/H200's
+    227 KB elsewhere (keeps the tile table, and so the schedule report, deterministic off-GPU)."""
+    if torch.cuda.is_available() and not interpreting():
+        idx = torch.cuda.current_device() if device_index is None else device_index
+        from triton.runtime import driver
+
+        return int(driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+    return 227 * 1024
 
 
 _overrides: dict[str, TileConfig] = {}
