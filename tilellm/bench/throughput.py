@@ -188,7 +188,12 @@ def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_
         tensor_parallel_size=args.tensor_parallel_size,
     )
     kwargs.update(over)
-    return LLM(model, **kwargs)
+    # Timestamps on stdout: a run cut by a time limit still shows how far the engine got.
+    print(f"# building the engine (tensor_parallel_size={args.tensor_parallel_size}) ...", flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    print(f"# engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    return llm
 
 
 def _fit_vocab(w: Workload, vocab: int) -> Workload:
