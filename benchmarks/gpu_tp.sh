@@ -11,7 +11,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/tp.log"
 timeout 300 python3 -m pytest -q tests/distributed/test_tensor_parallel_gpu.py 2>&1 | tail -5 | tee -a "$OUT/tp.log"
 for tp in 1 2; do
-  timeout 400 python3 -m tilellm.cli bench throughput --workloads E1 --model-shape qwen3-8b -tp $tp \
+  timeout 400 python3 -m tilellm.cli bench throughput --workloads E1 --model-shape qwen3-8b -tp $tp --dump-traceback-after 360 \
     --json "$OUT/e1_tp$tp.json" 2>&1 | tr '\r' '\n' | grep -v "Processed prompts" | tee -a "$OUT/tp.log" | tail -8
 done
 timeout 200 python3 benchmarks/tp_allreduce.py --world-size 2 --hidden 4096 --layers 36 \

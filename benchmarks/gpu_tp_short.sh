@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/tp.log"
-timeout 190 python3 -m tilellm.cli bench throughput --workloads E1 --model-shape qwen3-8b -tp 2 \
+timeout 190 python3 -m tilellm.cli bench throughput --workloads E1 --model-shape qwen3-8b -tp 2 --dump-traceback-after 170 \
   --json "$OUT/e1_tp2.json" 2>&1 | tr '\r' '\n' | grep -v "Processed prompts" | tee -a "$OUT/tp.log" | tail -8
 timeout 50 python3 benchmarks/tp_allreduce.py --world-size 2 --hidden 4096 --layers 36 --tokens 1,256,16384 \
   --e1 benchmarks/runs/2026-11-29_run24_qwen3_8b_tp1/e1_8b_tp1.json "$OUT/e1_tp2.json" \

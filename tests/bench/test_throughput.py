@@ -27,16 +27,25 @@ def test_e1_repeats_and_unfused_variant(tmp_path):
     assert [r["extra"]["prefix_cache_hit_rate"] for r in results] == [0.0, 0.0, 0.0]
 
 
-def test_tensor_parallel_run_reports_its_size(tmp_path):
-    """`--tensor-parallel-size 2` (gloo on CPU): the same E1 tokens, and the size in the JSON."""
+def test_tensor_parallel_run_reports_its_size(tmp_path, capsys, monkeypatch):
+    """`--tensor-parallel-size 2` (gloo on CPU): the same E1 tokens, and the size in the JSON; the
+    engine build is timed on stdout and `--dump-traceback-after` reaches the workers' environment."""
+    import os
+
     from tilellm.cli import main
+    from tilellm.distributed.worker import DUMP_ENV
     from tilellm.testing import make_tiny_model
 
+    monkeypatch.delenv(DUMP_ENV, raising=False)  # restored after the test
     model = make_tiny_model(tmp_path / "m", max_position_embeddings=256)
     out = tmp_path / "tp2.json"
     argv = ["bench", "throughput", "--workloads", "E1", "--scale", "0.05", "--model", str(model)]
     argv += ["--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2", "--json", str(out)]
+    argv += ["--dump-traceback-after", "900"]
     assert main(argv) == 0
+    assert os.environ[DUMP_ENV] == "900.0"
+    printed = capsys.readouterr().out
+    assert "# building the engine (tensor_parallel_size=2)" in printed and "# engine ready in" in printed
     (result,) = json.loads(out.read_text())["results"]
     assert result["extra"]["tensor_parallel_size"] == 2
     assert result["output_tokens"] == sum(e1(0.05).max_tokens)

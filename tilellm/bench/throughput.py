@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import gc
 import json
+import logging
+import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -73,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--dump-traceback-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="dump every thread's stack on every rank after SECONDS (where a run that hangs waits)",
+    )
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
     p.add_argument(
         "--compare-fused",
@@ -434,6 +445,14 @@ def _print_table(results: list[Result]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # The engine's INFO lines (model loaded, KV pool, kernels warmed up, graphs captured, with
+    # their times) go to stderr: a long engine build shows its phases.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.dump_traceback_after:
+        from tilellm.distributed.worker import DUMP_ENV
+
+        faulthandler.dump_traceback_later(args.dump_traceback_after, exit=False, file=sys.__stderr__)
+        os.environ[DUMP_ENV] = str(args.dump_traceback_after)  # tensor-parallel workers inherit it
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
     unknown = set(names) - {"E1", "E2", "E3"}
     if unknown:
@@ -492,4 +511,5 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"results": [asdict(r) for r in results]}, f, indent=2)
         print(f"wrote {args.json}")
+    faulthandler.cancel_dump_traceback_later()
     return 0

@@ -20,6 +20,9 @@ from typing import Any
 # Test-only: "RANK:POINT" makes that rank raise at POINT: "init" (after joining the group, before
 # loading the model) or "step:N" (before running its N-th step).
 FAIL_ENV = "TILELLM_TEST_WORKER_FAILURE"
+# Diagnostics: after this many seconds, dump every thread's stack to stderr (a hung collective
+# then shows where each rank waits); set by `tilellm bench throughput --dump-traceback-after`.
+DUMP_ENV = "TILELLM_DUMP_TRACEBACK_AFTER"
 
 
 def _exit_with_parent() -> None:
@@ -50,6 +53,10 @@ def run_worker(
 ) -> None:
     """Process entry point (spawned by `tilellm.distributed.driver.start_tensor_parallel`)."""
     _exit_with_parent()
+    if os.environ.get(DUMP_ENV):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ[DUMP_ENV]), exit=False)
     try:
         import torch
         import torch.distributed as dist
@@ -76,6 +83,9 @@ def run_worker(
         del runner
         destroy_group()
     except BaseException:
+        # Also on stderr: if rank 0 is blocked in a collective with this rank, it cannot read the
+        # pipe, and this is the only trace of why.
+        traceback.print_exc()
         try:
             conn.send(("error", rank, traceback.format_exc()))
         except Exception:  # the driver is gone: nobody to tell

@@ -486,6 +486,21 @@ class ModelRunner:
         # captures: only this thread's own calls need to be capture-safe.
         capture_mode = "thread_local" if self.group is not None else "global"
         for bs in reversed(sizes):
+            new_pool = self._capture_one(graphs, bs, prefix_len, pool, max_seqlen_k, capture_mode)
+            captured = new_pool is not None
+            if self.group is not None:
+                # Every rank stops at the same bucket: a rank that went on alone would wait in the
+                # next bucket's warm-up all-reduces for a peer that has left the loop.
+                captured = bool(self.group.agree_min(int(captured)))
+            if not captured:
+                raise RuntimeError(f"decode graph capture failed at batch size {bs} (this rank or another)")
+            pool = new_pool
+        return pool
+
+    def _capture_one(self, graphs: dict, bs: int, prefix_len, pool, max_seqlen_k, capture_mode):
+        """Warm up and capture the decode graph of `bs` requests into `graphs`. Returns the memory
+        pool the graphs share, or None (logged) when this rank failed."""
+        try:
             meta = AttentionMetadata(
                 kind=BatchKind.DECODE,
                 cu_seqlens_q=self.g_cu[: bs + 1],
@@ -502,10 +517,11 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode):
                     logits = self._graph_body(bs)
-            if pool is None:
-                pool = graph.pool()
-            graphs[bs] = (graph, logits)
-        return pool
+        except Exception:
+            logger.exception("decode graph capture failed at batch size %d", bs)
+            return None
+        graphs[bs] = (graph, logits)
+        return pool if pool is not None else graph.pool()
 
     def _graph_body(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.g_ids[:bs], self.g_pos[:bs])
