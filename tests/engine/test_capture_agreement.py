@@ -69,3 +69,38 @@ def test_a_failure_here_is_reported_to_the_group():
     with pytest.raises(RuntimeError, match="batch size 16"):
         ModelRunner._capture_variant(runner, {}, SIZES, None, None)
     assert group.agreed[-1] == (16, 0) and attempted[-1] == 16
+
+
+def capture_one_runner(error: BaseException):
+    import torch
+
+    def graph_body(bs):
+        raise error
+
+    n = 4
+    return SimpleNamespace(
+        g_cu=torch.arange(n + 1, dtype=torch.int32),
+        g_seq_lens=torch.ones(n, dtype=torch.int32),
+        g_block_table=torch.zeros((n, 2), dtype=torch.int32),
+        g_slots=torch.full((n,), -1),
+        max_model_len=32,
+        _graph_body=graph_body,
+        _sync=lambda: None,
+    )
+
+
+def test_a_bucket_that_fails_here_is_logged_and_reported_as_none(caplog):
+    runner = capture_one_runner(RuntimeError("cannot capture"))
+    graphs: dict = {}
+    assert ModelRunner._capture_one(runner, graphs, 2, None, None, None, "global") is None
+    assert graphs == {} and "decode graph capture failed at batch size 2" in caplog.text
+
+
+def test_a_dead_worker_is_raised_not_taken_for_a_capture_failure():
+    """WorkerError (a worker died; every rank already stopped) must end the engine's start, not
+    fall back to eager decode: the fallback would wait on the dead rank's collectives."""
+    from tilellm.distributed import WorkerError
+
+    runner = capture_one_runner(WorkerError("rank 1: Traceback ..."))
+    with pytest.raises(WorkerError, match="rank 1"):
+        ModelRunner._capture_one(runner, {}, 2, None, None, None, "global")

@@ -8,7 +8,8 @@
 Workers are daemon processes started with "spawn" (they inherit the environment, e.g.
 `NCCL_*`, `CUDA_VISIBLE_DEVICES`, `TRITON_INTERPRET`). A worker that raises sends its traceback
 and exits; rank 0 notices at its next collective (gloo fails at once when a peer is gone; on
-CUDA `wait_event` polls the workers while it waits) and raises `WorkerError` with that
+CUDA `wait_event` polls the workers while it waits, in every step and in the engine's start-up
+syncs) and raises `WorkerError` with that
 traceback after stopping every rank. No process outlives the driver: `shutdown` joins (and if
 need be kills) the workers, it runs at exit, and workers watch their parent.
 """

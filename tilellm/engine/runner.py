@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tilellm.distributed.driver import WorkerError
 from tilellm.distributed.message import NUM_WORDS, StepInputs, StepMessage, decode_step, encode_step
 from tilellm.engine.config import EngineConfig
 from tilellm.engine.metadata import (
@@ -259,6 +260,8 @@ class ModelRunner:
         if self.is_cuda and not config.enforce_eager:
             try:
                 self._capture_graphs()
+            except WorkerError:  # a worker died: every rank is already stopped
+                raise
             except Exception:  # a kernel that syncs with the host cannot be captured
                 logger.exception("CUDA graph capture failed: decode steps run eagerly")
                 self.graphs, self.short_graphs, self.cascade_graphs = {}, {}, {}
@@ -270,16 +273,26 @@ class ModelRunner:
         if self.driver is not None:  # the workers stop when this runner goes (or at exit)
             weakref.finalize(self, self.driver.shutdown)
 
+    def _sync(self) -> None:
+        """Wait for the device during start-up. Under tensor parallelism rank 0 polls the workers
+        meanwhile (`TPDriver.wait_event`): a worker that died before its all-reduce is raised as a
+        `WorkerError` with its traceback, where a plain synchronize would wait on NCCL forever."""
+        if self.driver is not None:
+            event = torch.cuda.Event()
+            event.record()
+            self.driver.wait_event(event)
+        torch.cuda.synchronize()
+
     # -- KV pool --------------------------------------------------------------------------------
 
     def _auto_num_blocks(self, model_len: int) -> int:
         if not self.is_cuda:
             return max(_CPU_POOL_BYTES // self.block_bytes, 1)
-        torch.cuda.synchronize()
+        self._sync()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self._profile_run(model_len)
-        torch.cuda.synchronize()
+        self._sync()
         peak = torch.cuda.max_memory_allocated()
         current = torch.cuda.memory_allocated()
         torch.cuda.empty_cache()
@@ -394,7 +407,7 @@ class ModelRunner:
                 self._warmup_step([1, q], [q + 1, long_ctx], BatchKind.MIXED)
         if long_ctx > 256:  # cascade decode (a shared prefix): its two passes and the merge
             self._warmup_step([1] * 8, [long_ctx] * 8, BatchKind.DECODE, cascade_prefix=256)
-        torch.cuda.synchronize()
+        self._sync()
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - t0)
 
     def _warmup_step(
@@ -448,11 +461,13 @@ class ModelRunner:
             sizes = [bs for bs in self.graph_sizes if bs >= CASCADE_MIN_REQUESTS]
             try:
                 self._capture_variant(self.cascade_graphs, sizes, self.g_prefix_len, pool)
+            except WorkerError:
+                raise
             except Exception:  # keep the plain graphs: cascade steps then run eagerly
                 logger.exception("cascade graph capture failed: cascade decode steps run eagerly")
                 self.cascade_graphs = {}
                 torch.cuda.synchronize()
-        torch.cuda.synchronize()
+        self._sync()
         logger.info(
             "captured %d decode graphs (+%d without split-KV, +%d cascade) in %.1f s",
             len(self.graphs),
@@ -513,10 +528,12 @@ class ModelRunner:
             )
             with attention_context(meta):
                 self._graph_body(bs)  # warm-up: compiles the kernels outside the capture
-                torch.cuda.synchronize()
+                self._sync()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_mode):
                     logits = self._graph_body(bs)
+        except WorkerError:
+            raise
         except Exception:
             logger.exception("decode graph capture failed at batch size %d", bs)
             return None
