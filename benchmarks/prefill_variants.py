@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import tilellm.kernels as tk
 from tilellm.bench import kernels as kb
 from tilellm.kernels.config import dot_precision
-from tilellm.kernels.prefill import LOG2_E, _attend_tiles, _rows_view
+from tilellm.kernels.prefill import LOG2_E, _attend_tiles, _rows_view, _store_rows
 
 MODES = {"plain": 0, "ws": 1, "prefetch": 2, "lazy": 3}
 LAZY_THRESHOLD = 8.0  # log2 units: rescale only when some row's max grew by more than 2^8
@@ -131,10 +131,7 @@ def _variant_kernel(q_desc, k_desc, v_desc, O, cu_seqlens, qk_scale, stride_ot, 
         acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
         full_end, diag_end, qk_scale, BLOCK_N, True, True, PRECISION,
     )  # fmt: skip
-    acc = acc / l_i[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = O + (seq_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
+    _store_rows(O, acc, l_i, seq_start, offs_m, seq_len, head, stride_ot, stride_oh, HEAD_DIM)
 
 
 def run_variant(q, k, v, cu, max_seqlen, bm, bn, warps, stages, mode, m_fast, o):

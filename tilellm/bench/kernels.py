@@ -448,24 +448,22 @@ def bench_cascade(rows, ceilings, dtype, *, graph: bool = False):
     prefix_len = torch.tensor([P], dtype=torch.int32, device="cuda")
     dense = tk.decode_attention(q, kc, vc, bt, seq, max_seqlen_k=max(kv))
     err = _check("X1", tk.cascade_decode_attention(q, kc, vc, bt, seq, prefix_len), dense)
-    ms_c = _bench(lambda: tk.cascade_decode_attention(q, kc, vc, bt, seq, prefix_len))
-    ms_d = _bench(lambda: tk.decode_attention(q, kc, vc, bt, seq, max_seqlen_k=max(kv)))
+    cascade = lambda: tk.cascade_decode_attention(q, kc, vc, bt, seq, prefix_len)
+    plain = lambda: tk.decode_attention(q, kc, vc, bt, seq, max_seqlen_k=max(kv))
+    ms_c, ms_d = _bench(cascade), _bench(plain)
     unique = _kv_bytes([P] + own)  # bytes cascade must read: the prefix once, each suffix once
-    rows.append(Row("X1", "tilellm cascade decode", ms_c, None, unique / ms_c / 1e6,
-                    unique / (ceilings["copy_gbps"] * 1e9) * 1e3, extra={"max_rel_err": err}))  # fmt: skip
-    rows.append(Row("X1", "tilellm plain decode (same batch)", ms_d, None, _kv_bytes(kv) / ms_d / 1e6,
-                    _kv_bytes(kv) / (ceilings["copy_gbps"] * 1e9) * 1e3,
+    dense = _kv_bytes(kv)
+    unique_floor, dense_floor = (b / (ceilings["copy_gbps"] * 1e9) * 1e3 for b in (unique, dense))
+    rows.append(Row("X1", "tilellm cascade decode", ms_c, None, unique / ms_c / 1e6, unique_floor,
+                    extra={"max_rel_err": err}))  # fmt: skip
+    rows.append(Row("X1", "tilellm plain decode (same batch)", ms_d, None, dense / ms_d / 1e6, dense_floor,
                     note=f"cascade speedup {ms_d / ms_c:.1f}x"))  # fmt: skip
     if graph:
-        cascade = lambda: tk.cascade_decode_attention(q, kc, vc, bt, seq, prefix_len)
-        plain = lambda: tk.decode_attention(q, kc, vc, bt, seq, max_seqlen_k=max(kv))
         ms_g, host, ms_pg = _bench_graph(cascade), _host_ms(cascade), _bench_graph(plain)
         rows.append(Row("X1", "tilellm cascade decode CUDA graph", ms_g, None, unique / ms_g / 1e6,
-                        unique / (ceilings["copy_gbps"] * 1e9) * 1e3,
-                        note=f"eager call: {host * 1e3:.0f} us of host work"))  # fmt: skip
-        rows.append(Row("X1", "tilellm plain decode CUDA graph", ms_pg, None, _kv_bytes(kv) / ms_pg / 1e6,
-                        _kv_bytes(kv) / (ceilings["copy_gbps"] * 1e9) * 1e3,
-                        note=f"cascade speedup in graphs {ms_pg / ms_g:.1f}x"))  # fmt: skip
+                        unique_floor, note=f"eager call: {host * 1e3:.0f} us of host work"))  # fmt: skip
+        rows.append(Row("X1", "tilellm plain decode CUDA graph", ms_pg, None, dense / ms_pg / 1e6,
+                        dense_floor, note=f"cascade speedup in graphs {ms_pg / ms_g:.1f}x"))  # fmt: skip
 
 
 def bench_sparse(rows, ceilings, dtype):

@@ -27,7 +27,13 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.config import dot_precision, num_sms, paged_config
 from tilellm.kernels.merge import merge_into
-from tilellm.kernels.schedule import SplitPlan, choose_num_splits, target_programs
+from tilellm.kernels.schedule import (
+    SplitPlan,
+    choose_num_splits,
+    paged_grid,
+    query_tiles_first,
+    target_programs,
+)
 
 LOG2_E = 1.4426950408889634
 LN_2 = tl.constexpr(0.6931471805599453)  # ln 2: converts the base-2 log-sum-exp to natural log
@@ -340,8 +346,8 @@ def _launch(
         )
     splits = plan.num_splits
     if tiles_fastest is None:
-        tiles_fastest = q_tiles > 1
-    grid = (q_tiles * splits, Hkv, batch) if tiles_fastest else (Hkv, batch, q_tiles * splits)
+        tiles_fastest = query_tiles_first(q_tiles)
+    grid = paged_grid(Hkv, batch, q_tiles, splits, tiles_fastest)
     stats = None
     if record_stats:
         stats = torch.zeros(batch * Hkv * q_tiles * splits * 2, dtype=torch.int32, device=q.device)

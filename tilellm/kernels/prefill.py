@@ -68,6 +68,16 @@ def _attend_tiles(
 
 
 @triton.jit
+def _store_rows(O, acc, l_i, seq_start, offs_m, seq_len, head, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+    """Normalise the accumulator by the softmax sum and store this tile's rows of one head
+    (rows past the request's end are not written)."""
+    acc = acc / l_i[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = O + (seq_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
+
+
+@triton.jit
 def _prefill_kernel(
     q_desc, k_desc, v_desc, O, cu_seqlens, stats,
     qk_scale, stride_ot, stride_oh,
@@ -110,10 +120,7 @@ def _prefill_kernel(
         full_end, diag_end, qk_scale, BLOCK_N, True, CAUSAL, PRECISION,
     )  # fmt: skip
 
-    acc = acc / l_i[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = O + (seq_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
+    _store_rows(O, acc, l_i, seq_start, offs_m, seq_len, head, stride_ot, stride_oh, HEAD_DIM)
 
     if RECORD_STATS:
         # The kernel's own account of its tiles: [full, diagonal] per program.
