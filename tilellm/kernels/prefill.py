@@ -26,10 +26,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilellm.kernels import validation
+from tilellm.kernels import prefill_hopper, validation
 from tilellm.kernels.config import dot_precision, prefill_config
 
 LOG2_E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2_E)
+
+# On Hopper, calls that `prefill_hopper` supports run there (FlashAttention-3's overlap of the
+# softmax with the tensor cores, in Gluon); False forces this file's portable kernel everywhere.
+USE_HOPPER_KERNEL = True
 
 
 @triton.jit
@@ -191,6 +195,11 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     T, Hq, D = q.shape
     batch = cu_seqlens.numel() - 1
     if T == 0 or batch == 0:
+        return
+    if USE_HOPPER_KERNEL and stats is None and prefill_hopper.supported(q, causal):
+        prefill_hopper.launch(
+            _rows_view(q), _rows_view(k), _rows_view(v), o, cu_seqlens, max_seqlen, Hq // k.shape[1], scale * LOG2_E
+        )
         return
     cfg = prefill_config(D, q.dtype, max_seqlen)
     q_desc = TensorDescriptor.from_tensor(_rows_view(q), [cfg.block_m, D])
