@@ -1,7 +1,7 @@
 """The Gluon Hopper prefill kernel (`tilellm.kernels.prefill_hopper`) on the GPU: correctness over
 a shape matrix, then P1-P3 against the portable Triton kernel and cuDNN in the same run.
 
-    python benchmarks/prefill_hopper.py [--json FILE] [--variants 128x2,128x3,64x3]
+    python benchmarks/prefill_hopper.py [--json FILE] [--variants 128x3,ws128x3,pp128x3]
 
 Correctness: every case is checked against fp32 SDPA per request (GQA expanded), output poisoned
 with NaN first; bf16 and fp16; D 64 and 128; GQA 1, 4 and MQA; lengths 1, block edges, primes.
@@ -24,12 +24,28 @@ from tilellm.kernels import prefill, prefill_hopper
 from tilellm.kernels.prefill import LOG2_E, _rows_view
 
 
-def gluon_call(q, k, v, cu, max_len, o, block_n, stages):
+def gluon_call(q, k, v, cu, max_len, o, variant):
+    ws, block_n, stages, pp = variant
     prefill_hopper.launch(
         _rows_view(q), _rows_view(k), _rows_view(v), o, cu, max_len,
         q.shape[1] // k.shape[1], q.shape[-1] ** -0.5 * LOG2_E, block_n=block_n, stages=stages,
+        warp_specialized=ws, pingpong=pp,
     )  # fmt: skip
     return o
+
+
+def parse_variant(text: str) -> tuple[bool, int, int, bool]:
+    """"ws128x3" = warp-specialised, 128-key tiles, 3 stages; "pp128x3" = the same with ping-pong;
+    "128x3" = the lockstep kernel."""
+    pp = text.startswith("pp")
+    ws = pp or text.startswith("ws")
+    bn, st = text[2:].split("x") if ws else text.split("x")
+    return ws, int(bn), int(st), pp
+
+
+def label(variant) -> str:
+    ws, bn, st, pp = variant
+    return f"gluon {'pp ' if pp else 'ws ' if ws else ''}bn{bn} st{st}"
 
 
 def reference(q, k, v, lens):
@@ -67,10 +83,10 @@ def check(variants, results) -> bool:
             v = torch.randn(T, hkv, d, device="cuda", dtype=dtype, generator=g)
             cu = torch.tensor([0] + kb._cumsum(lens), dtype=torch.int32, device="cuda")
             ref = reference(q, k, v, lens)
-            for bn, st in variants:
+            for var in variants:
                 o = torch.full_like(q, float("nan"))
                 try:
-                    gluon_call(q, k, v, cu, max(lens), o, bn, st)
+                    gluon_call(q, k, v, cu, max(lens), o, var)
                     torch.cuda.synchronize()
                     err = (o.float() - ref).abs().max().item()
                 except Exception as e:  # does not compile / fit
@@ -78,7 +94,7 @@ def check(variants, results) -> bool:
                     print(f"  {type(e).__name__}: {str(e)[:200]}")
                 good = err < (2e-2 if dtype == torch.bfloat16 else 4e-3)  # NaN fails
                 ok &= good
-                tag = f"{str(dtype)[6:]:8} lens {str(lens)[:28]:28} Hq {hq:2} Hkv {hkv} D {d:3} bn {bn:3} st {st}"
+                tag = f"{str(dtype)[6:]:8} lens {str(lens)[:28]:28} Hq {hq:2} Hkv {hkv} D {d:3} {label(var)}"
                 print(f"{tag} max err {err:.2e} {'ok' if good else 'FAIL'}", flush=True)
                 results.append(dict(check=tag, err=err, ok=good))
             # the public entry point dispatches here on Hopper
@@ -109,8 +125,8 @@ def bench(variants, results) -> None:
         prefill.USE_HOPPER_KERNEL = False
         row("triton (portable)", lambda: tk.prefill_attention(q, k, v, cu, max(lens), out=o))
         prefill.USE_HOPPER_KERNEL = True
-        for bn, st in variants:
-            row(f"gluon bn{bn} st{st}", lambda bn=bn, st=st: gluon_call(q, k, v, cu, max(lens), o, bn, st))
+        for var in variants:
+            row(label(var), lambda var=var: gluon_call(q, k, v, cu, max(lens), o, var))
         per_req, s = [], 0
         for L in lens:
             per_req.append(
@@ -134,9 +150,9 @@ def bench(variants, results) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="128x2,128x3,64x3,64x4")
+    ap.add_argument("--variants", default="128x3,ws128x2,ws128x3,pp128x2,pp128x3,ws64x4")
     args = ap.parse_args()
-    variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
+    variants = [parse_variant(v) for v in args.variants.split(",")]
     results: list[dict] = []
     ok = check(variants, results)
     print("correctness:", "all ok" if ok else "FAILURES", flush=True)

@@ -171,6 +171,174 @@ def _prefill_hopper_kernel(
     gl.store(o_ptrs, acc.to(dtype), mask=(rows < seq_len)[:, None])
 
 
+@gluon.jit
+def _ws_load(
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+    seq_start, seq_len, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh,
+):  # fmt: skip
+    """Producer warp: the two Q halves, then every key tile's K and V into the ring, each slot
+    reused once both consumer warpgroups have released it."""
+    half: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            q_desc, [seq_start + m_start + w * half, head * HEAD_DIM], q_bars.index(w), q_smem.index(w)
+        )
+    n_tiles = gl.cdiv(gl.minimum(m_start + 2 * half, seq_len), BLOCK_N)
+    for j in range(n_tiles):
+        slot = j % stages
+        # a fresh mbarrier counts as having completed the phase before 0: the first pass is free
+        mbarrier.wait(empty_bars.index(slot), ((j // stages) & 1) ^ 1)
+        row = seq_start + j * BLOCK_N
+        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(slot), k_smem.index(slot))
+        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_consume(
+    WG: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+    seq_start, seq_len, m_start, head, qk_scale, O, stride_ot, stride_oh,
+):  # fmt: skip
+    """One consumer warpgroup: 64 query rows against every key tile, the intra-warpgroup
+    overlap of `_prefill_hopper_kernel`, releasing each K/V slot to the producer when done."""
+    half: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    # Ping-pong (FlashAttention-3): the warpgroups take turns issuing their products, so one's
+    # softmax runs while the other's products occupy the tensor cores. Two turn barriers turn
+    # it on (a partition takes no constexpr arguments, so the flag rides on the allocation).
+    PINGPONG: gl.constexpr = turn_bars.type.shape[0] == 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    row0 = m_start + WG * half
+    n_full = (row0 + 1) // BLOCK_N
+    n_tiles = gl.cdiv(gl.minimum(m_start + 2 * half, seq_len), BLOCK_N)
+    q = q_smem.index(WG)
+    offs_m = row0 + gl.arange(0, half, layout=gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([half], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([half], gl.float32, gl.SliceLayout(1, s_layout))
+
+    mbarrier.wait(q_bars.index(WG), 0)
+    mbarrier.wait(k_bars.index(0), 0)
+    if PINGPONG:  # warpgroup 0 goes first: its turn barrier counts as already passed
+        mbarrier.wait(turn_bars.index(WG), 1 - WG)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, 0, n_full, seq_len, qk_scale, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        slot = j % stages
+        prev = (j - 1) % stages
+        mbarrier.wait(k_bars.index(slot), (j // stages) & 1)
+        mbarrier.wait(v_bars.index(prev), ((j - 1) // stages) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j, n_full, seq_len, qk_scale, BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        mbarrier.arrive(empty_bars.index(prev), count=1)  # K_{j-1}, V_{j-1} read: slot free
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    last = n_tiles - 1
+    mbarrier.wait(v_bars.index(last % stages), (last // stages) & 1)
+    o_tok = warpgroup_mma(p_op, v_smem.index(last % stages), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    rows = row0 + gl.arange(0, half, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + (seq_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+    gl.store(o_ptrs, acc.to(dtype), mask=(rows < seq_len)[:, None])
+
+
+@gluon.jit
+def _ws_consume0(
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+    seq_start, seq_len, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh,
+):  # fmt: skip
+    _ws_consume(
+        0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+        seq_start, seq_len, m_start, head, qk_scale, O, stride_ot, stride_oh,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _ws_consume1(
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+    seq_start, seq_len, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh,
+):  # fmt: skip
+    _ws_consume(
+        1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+        seq_start, seq_len, m_start, head, qk_scale, O, stride_ot, stride_oh,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _prefill_hopper_ws_kernel(
+    q_desc, k_desc, v_desc, O, cu_seqlens,
+    qk_scale, stride_ot, stride_oh,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+):  # fmt: skip
+    """FlashAttention-3's warp specialisation: a producer warp issues the TMA copies; two
+    consumer warpgroups (64 query rows each) share the K/V ring and run unsynchronised, so one's
+    softmax overlaps the other's matrix products (no CTA-wide barrier in the loop)."""
+    m_tile = gl.num_programs(0) - 1 - gl.program_id(0)  # longest-first
+    head = gl.program_id(1)
+    req = gl.program_id(2)
+    seq_start = gl.load(cu_seqlens + req)
+    seq_len = gl.load(cu_seqlens + req + 1) - seq_start
+    m_start = m_tile * BLOCK_M
+    if m_start >= seq_len:
+        return
+
+    dtype: gl.constexpr = q_desc.dtype
+    half: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(dtype, [2, half, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 if PINGPONG else 1):
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    gl.thread_barrier()
+
+    args = (
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+        seq_start, seq_len, m_start, head, (head // GROUP) * HEAD_DIM, qk_scale, O, stride_ot, stride_oh,
+    )  # fmt: skip
+    gl.warp_specialize(
+        [(_ws_consume0, args), (_ws_consume1, args), (_ws_load, args)], [4, 1], [CONSUMER_REGS, 24]
+    )
+
+
 def supported(q: torch.Tensor, causal: bool) -> bool:
     """Whether this kernel can run the call: a Hopper GPU, 16-bit inputs, causal, D 64 or 128."""
     return (
@@ -200,6 +368,8 @@ def launch(
     *,
     block_n: int = BLOCK_N,
     stages: int = STAGES,
+    warp_specialized: bool = False,
+    pingpong: bool = False,
 ) -> None:
     """Launch over the 2-D row views ([T, heads * D], heads packed) that `prefill.py` prepares.
 
@@ -207,6 +377,17 @@ def launch(
     """
     _, num_heads, head_dim = o.shape
     grid = (triton.cdiv(max(max_seqlen, 1), BLOCK_M), num_heads, cu_seqlens.numel() - 1)
+    if warp_specialized:
+        # 4 consumer warps (the default partition) + 4 consumer warps + 1 producer warp, padded to
+        # 3 warpgroups: 168 x 384 threads fit the register file; the producer keeps 24 a thread.
+        _prefill_hopper_ws_kernel[grid](
+            _descriptor(q_rows, BLOCK_M // 2, head_dim), _descriptor(k_rows, block_n, head_dim),
+            _descriptor(v_rows, block_n, head_dim), o, cu_seqlens,
+            scale_log2, o.stride(0), o.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages,
+            CONSUMER_REGS=240, PINGPONG=pingpong, num_warps=4, maxnreg=168,
+        )  # fmt: skip
+        return
     _prefill_hopper_kernel[grid](
         _descriptor(q_rows, BLOCK_M, head_dim), _descriptor(k_rows, block_n, head_dim),
         _descriptor(v_rows, block_n, head_dim), o, cu_seqlens,
