@@ -35,8 +35,8 @@ def gluon_call(q, k, v, cu, max_len, o, variant):
 
 
 def parse_variant(text: str) -> tuple[bool, int, int, bool]:
-    """"ws128x3" = warp-specialised, 128-key tiles, 3 stages; "pp128x3" = the same with ping-pong;
-    "128x3" = the lockstep kernel."""
+    """`ws128x3` = warp-specialised, 128-key tiles, 3 stages; `pp128x3` = the same with ping-pong;
+    `128x3` = the lockstep kernel."""
     pp = text.startswith("pp")
     ws = pp or text.startswith("ws")
     bn, st = text[2:].split("x") if ws else text.split("x")
@@ -109,42 +109,45 @@ def bench(variants, results) -> None:
     workloads = {"P1": kb._lengths(512, 4096, 16, 1), "P2": [32768], "P3": kb._lengths(256, 1024, 64, 3)}
     print(f"{'wl':4} {'kernel':28} {'ms':>8} {'TFLOP/s':>8}")
     for name, lens in workloads.items():
-        T = sum(lens)
-        q = torch.randn(T, kb.HQ, kb.D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(T, kb.HKV, kb.D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(T, kb.HKV, kb.D, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor([0] + kb._cumsum(lens), dtype=torch.int32, device="cuda")
-        flops = kb._causal_flops(lens)
-        o = torch.empty_like(q)
-
-        def row(label, fn):
-            ms = kb._bench(fn)
-            print(f"{name:4} {label:28} {ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
-            results.append(dict(workload=name, kernel=label, ms=ms, tflops=flops / ms / 1e9))
-
-        prefill.USE_HOPPER_KERNEL = False
-        row("triton (portable)", lambda: tk.prefill_attention(q, k, v, cu, max(lens), out=o))
-        prefill.USE_HOPPER_KERNEL = True
-        for var in variants:
-            row(label(var), lambda var=var: gluon_call(q, k, v, cu, max(lens), o, var))
-        per_req, s = [], 0
-        for L in lens:
-            per_req.append(
-                tuple(
-                    x[s : s + L].transpose(0, 1).repeat_interleave(kb.HQ // x.shape[1], 0).unsqueeze(0)
-                    for x in (q, k, v)
-                )
-            )
-            s += L
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                for qq, kk, vv in per_req:
-                    F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-
-        row("sdpa cudnn (per request)", cudnn)
-        del q, k, v, o, per_req
+        bench_workload(name, lens, variants, results)
         torch.cuda.empty_cache()
+
+
+def bench_workload(name, lens, variants, results) -> None:
+    T = sum(lens)
+    q = torch.randn(T, kb.HQ, kb.D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(T, kb.HKV, kb.D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(T, kb.HKV, kb.D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0] + kb._cumsum(lens), dtype=torch.int32, device="cuda")
+    flops = kb._causal_flops(lens)
+    o = torch.empty_like(q)
+
+    def row(label, fn):
+        ms = kb._bench(fn)
+        print(f"{name:4} {label:28} {ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
+        results.append(dict(workload=name, kernel=label, ms=ms, tflops=flops / ms / 1e9))
+
+    prefill.USE_HOPPER_KERNEL = False
+    row("triton (portable)", lambda: tk.prefill_attention(q, k, v, cu, max(lens), out=o))
+    prefill.USE_HOPPER_KERNEL = True
+    for var in variants:
+        row(label(var), lambda var=var: gluon_call(q, k, v, cu, max(lens), o, var))
+    per_req, s = [], 0
+    for L in lens:
+        per_req.append(
+            tuple(
+                x[s : s + L].transpose(0, 1).repeat_interleave(kb.HQ // x.shape[1], 0).unsqueeze(0)
+                for x in (q, k, v)
+            )
+        )
+        s += L
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            for qq, kk, vv in per_req:
+                F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+
+    row("sdpa cudnn (per request)", cudnn)
 
 
 def main() -> None:

@@ -198,7 +198,14 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
         return
     if USE_HOPPER_KERNEL and stats is None and prefill_hopper.supported(q, causal):
         prefill_hopper.launch(
-            _rows_view(q), _rows_view(k), _rows_view(v), o, cu_seqlens, max_seqlen, Hq // k.shape[1], scale * LOG2_E
+            _rows_view(q),
+            _rows_view(k),
+            _rows_view(v),
+            o,
+            cu_seqlens,
+            max_seqlen,
+            Hq // k.shape[1],
+            scale * LOG2_E,
         )
         return
     cfg = prefill_config(D, q.dtype, max_seqlen)

@@ -48,7 +48,9 @@ STAGES = 2  # K/V tiles in flight
 
 
 @gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, kv_col, pred, BLOCK_N: gl.constexpr):
+def _issue_kv(
+    k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, kv_col, pred, BLOCK_N: gl.constexpr
+):
     """TMA K and V of key tile `tile` into ring slot tile % STAGES, each signalling its barrier."""
     slot = tile % k_smem.type.shape[0]
     row = row0 + tile * BLOCK_N
@@ -59,7 +61,9 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, kv_col
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, offs_m, tile, n_full, seq_len, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _softmax_tile(
+    s, m_i, l_i, offs_m, tile, n_full, seq_len, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr
+):
     """Online-softmax step on one score tile (fp32, base 2, scale folded into `qk_scale`).
 
     Tiles at or past `n_full` cross the diagonal: they mask `key > query` and keys past the
@@ -143,19 +147,25 @@ def _prefill_hopper_kernel(
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(
+            q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
         mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         # wgmma groups retire in order: one outstanding means S_j is done, P V may still run.
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j, n_full, seq_len, qk_scale, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_tile(
+            s, m_i, l_i, offs_m, j, n_full, seq_len, qk_scale, BLOCK_N, s_layout
+        )
         acc = warpgroup_mma_wait(0, deps=(o_tok,))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         # Both warpgroups are done with slot `prev` (K_{j-1}, V_{j-1}): refill it.
         gl.thread_barrier()
         nxt = j - 1 + STAGES
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, nxt, seq_start, kv_col, nxt < n_tiles, BLOCK_N)
+        _issue_kv(
+            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, nxt, seq_start, kv_col, nxt < n_tiles, BLOCK_N
+        )
 
     last = n_tiles - 1
     mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
@@ -215,8 +225,12 @@ def _ws_consume(
     # softmax runs while the other's products occupy the tensor cores. Two turn barriers turn
     # it on (a partition takes no constexpr arguments, so the flag rides on the allocation).
     PINGPONG: gl.constexpr = turn_bars.type.shape[0] == 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
     row0 = m_start + WG * half
@@ -251,7 +265,9 @@ def _ws_consume(
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j, n_full, seq_len, qk_scale, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_tile(
+            s, m_i, l_i, offs_m, j, n_full, seq_len, qk_scale, BLOCK_N, s_layout
+        )
         acc = warpgroup_mma_wait(0, deps=(o_tok,))
         mbarrier.arrive(empty_bars.index(prev), count=1)  # K_{j-1}, V_{j-1} read: slot free
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
