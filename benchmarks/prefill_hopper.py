@@ -1,7 +1,7 @@
 """The Gluon Hopper prefill kernel (`tilellm.kernels.prefill_hopper`) on the GPU: correctness over
 a shape matrix, then P1-P3 against the portable Triton kernel and cuDNN in the same run.
 
-    python benchmarks/prefill_hopper.py [--json FILE] [--variants 128x3,ws128x3,pp128x3]
+    python benchmarks/prefill_hopper.py [--json FILE] [--variants pp128x3,ws128x3]
 
 Correctness: every case is checked against fp32 SDPA per request (GQA expanded), output poisoned
 with NaN first; bf16 and fp16; D 64 and 128; GQA 1, 4 and MQA; lengths 1, block edges, primes.
@@ -20,32 +20,33 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tilellm.kernels as tk
 from tilellm.bench import kernels as kb
-from tilellm.kernels import prefill, prefill_hopper
+from tilellm.kernels import config, prefill_hopper
 from tilellm.kernels.prefill import LOG2_E, _rows_view
+
+TRITON_TILE = config.TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)  # prefill.py's best
 
 
 def gluon_call(q, k, v, cu, max_len, o, variant):
-    ws, block_n, stages, pp = variant
+    block_n, stages, pp = variant
     prefill_hopper.launch(
         _rows_view(q), _rows_view(k), _rows_view(v), o, cu, max_len,
         q.shape[1] // k.shape[1], q.shape[-1] ** -0.5 * LOG2_E, block_n=block_n, stages=stages,
-        warp_specialized=ws, pingpong=pp,
+        pingpong=pp,
     )  # fmt: skip
     return o
 
 
-def parse_variant(text: str) -> tuple[bool, int, int, bool]:
-    """`ws128x3` = warp-specialised, 128-key tiles, 3 stages; `pp128x3` = the same with ping-pong;
-    `128x3` = the lockstep kernel."""
-    pp = text.startswith("pp")
-    ws = pp or text.startswith("ws")
-    bn, st = text[2:].split("x") if ws else text.split("x")
-    return ws, int(bn), int(st), pp
+def parse_variant(text: str) -> tuple[int, int, bool]:
+    """`pp128x3` = ping-pong consumers, 128-key tiles, 3 stages; `ws128x3` = no ping-pong."""
+    if text[:2] not in ("pp", "ws"):
+        raise ValueError(f"variant {text!r}: expected ppNxS or wsNxS")
+    bn, st = text[2:].split("x")
+    return int(bn), int(st), text.startswith("pp")
 
 
 def label(variant) -> str:
-    ws, bn, st, pp = variant
-    return f"gluon {'pp ' if pp else 'ws ' if ws else ''}bn{bn} st{st}"
+    bn, st, pp = variant
+    return f"gluon {'pp' if pp else 'ws'} bn{bn} st{st}"
 
 
 def reference(q, k, v, lens):
@@ -127,9 +128,8 @@ def bench_workload(name, lens, variants, results) -> None:
         print(f"{name:4} {label:28} {ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
         results.append(dict(workload=name, kernel=label, ms=ms, tflops=flops / ms / 1e9))
 
-    prefill.USE_HOPPER_KERNEL = False
-    row("triton (portable)", lambda: tk.prefill_attention(q, k, v, cu, max(lens), out=o))
-    prefill.USE_HOPPER_KERNEL = True
+    with config.override(prefill=TRITON_TILE):
+        row("triton (portable)", lambda: tk.prefill_attention(q, k, v, cu, max(lens), out=o))
     for var in variants:
         row(label(var), lambda var=var: gluon_call(q, k, v, cu, max(lens), o, var))
     per_req, s = [], 0
@@ -153,7 +153,7 @@ def bench_workload(name, lens, variants, results) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="128x3,ws128x2,ws128x3,pp128x2,pp128x3,ws64x4")
+    ap.add_argument("--variants", default="pp128x3,ws128x3,pp128x2,pp64x4")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants.split(",")]
     results: list[dict] = []

@@ -24,6 +24,9 @@ class TileConfig:
     num_stages: int
     # paged: gather K as [block_n, D] rows and transpose in the dot (else gathered as [D, block_n])
     k_rows: bool = False
+    # prefill: "triton" (prefill.py, every GPU and the interpreter) or "gluon" (prefill_hopper.py,
+    # sm_90 only: warp-specialised, ping-pong consumer warpgroups; causal calls only)
+    kernel: str = "triton"
 
 
 def interpreting() -> bool:
@@ -45,7 +48,10 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
     runs while the other's matmuls do (fourth session: P1 456 vs 424 TFLOP/s for 128x128 tiles of
     8 warps and 3 stages, one program per SM; the same pick as the Triton tutorial's autotuner).
     Batches of short requests (<= 1024 tokens): 64x64 tiles, so fewer rows of each request's last
-    query tile are wasted (P3 284 vs 277 TFLOP/s).
+    query tile are wasted (P3 284 vs 277 TFLOP/s). Longer batches on an H100/H200 with D = 128:
+    the Gluon kernel of `prefill_hopper.py` (128x128 tiles, two consumer warpgroups + a producer
+    warp, 3 K/V stages); `kernel` says which, and causal=False calls take the Triton kernel with
+    the same tiles.
     """
     if "prefill" in _overrides:
         return _overrides["prefill"]
@@ -57,6 +63,10 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if max_seqlen <= 1024:
         return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    if head_dim == 128 and hopper():
+        # sixth session, run 33: P1 480 / P2 607 TFLOP/s against 455 / 536 for the Triton kernel
+        # (and cuDNN's 457 / 595); for P3's short requests the Triton kernel stays ahead (283 vs 243)
+        return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, kernel="gluon")
     if head_dim <= 64:
         return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
@@ -117,6 +127,15 @@ def num_sms(device_index: int | None = None) -> int:
         idx = torch.cuda.current_device() if device_index is None else device_index
         return torch.cuda.get_device_properties(idx).multi_processor_count
     return 132
+
+
+@functools.lru_cache(maxsize=8)
+def hopper(device_index: int | None = None) -> bool:
+    """True on an sm_90 GPU (H100/H200) outside the interpreter: the Gluon kernels' target."""
+    if torch.cuda.is_available() and not interpreting():
+        idx = torch.cuda.current_device() if device_index is None else device_index
+        return torch.cuda.get_device_capability(idx) == (9, 0)
+    return False
 
 
 @functools.lru_cache(maxsize=8)

@@ -31,10 +31,6 @@ from tilellm.kernels.config import dot_precision, prefill_config
 
 LOG2_E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2_E)
 
-# On Hopper, calls that `prefill_hopper` supports run there (FlashAttention-3's overlap of the
-# softmax with the tensor cores, in Gluon); False forces this file's portable kernel everywhere.
-USE_HOPPER_KERNEL = True
-
 
 @triton.jit
 def _attend_tiles(
@@ -196,19 +192,15 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     batch = cu_seqlens.numel() - 1
     if T == 0 or batch == 0:
         return
-    if USE_HOPPER_KERNEL and stats is None and prefill_hopper.supported(q, causal):
-        prefill_hopper.launch(
-            _rows_view(q),
-            _rows_view(k),
-            _rows_view(v),
-            o,
-            cu_seqlens,
-            max_seqlen,
-            Hq // k.shape[1],
-            scale * LOG2_E,
-        )
-        return
     cfg = prefill_config(D, q.dtype, max_seqlen)
+    if cfg.kernel == "gluon" and causal and stats is None and q.is_cuda:
+        # same tiles and causal walk, FlashAttention-3's schedule (see prefill_hopper.py)
+        q_rows, k_rows, v_rows = _rows_view(q), _rows_view(k), _rows_view(v)
+        prefill_hopper.launch(
+            q_rows, k_rows, v_rows, o, cu_seqlens, max_seqlen, Hq // k.shape[1], scale * LOG2_E,
+            block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
+        )  # fmt: skip
+        return
     q_desc = TensorDescriptor.from_tensor(_rows_view(q), [cfg.block_m, D])
     k_desc = TensorDescriptor.from_tensor(_rows_view(k), [cfg.block_n, D])
     v_desc = TensorDescriptor.from_tensor(_rows_view(v), [cfg.block_n, D])

@@ -1,29 +1,34 @@
-"""Packed varlen causal prefill for Hopper (sm_90), written in Gluon: the same algorithm as
-`prefill.py`, with the overlap that Triton's `tl.dot` cannot express.
+"""Packed varlen causal prefill for Hopper (sm_90), written in Gluon: the algorithm of
+`prefill.py` with FlashAttention-3's schedule, which Triton's `tl.dot` cannot express.
 
-Why a second kernel. In `prefill.py` each `tl.dot` waits for its tensor-core result before the
-next instruction, so a program's softmax and its matrix products run in series, and only a
-second program on the same SM can fill the tensor cores while the first does its exponentials.
-Hopper's warpgroup MMA (`wgmma`) is asynchronous: a warpgroup can issue a product and keep
-computing. FlashAttention-3 uses this to overlap, inside one warpgroup, the softmax of key tile
-j with the P @ V product of tile j - 1 ("intra-warpgroup overlap"). Gluon (Triton's lower-level
-dialect, `triton.experimental.gluon`) exposes `warpgroup_mma(is_async=True)`, the TMA copies and
-the mbarriers directly, so this kernel writes that schedule out:
+Why a second kernel. In `prefill.py` each `tl.dot` waits for its tensor-core result, so a
+program's softmax and its matrix products run in series; only a second program on the same SM
+fills the tensor cores while the first computes exponentials. Hopper's warpgroup MMA (`wgmma`)
+is asynchronous, its TMA engine copies tiles on its own, and warps can be given different jobs.
+Gluon (`triton.experimental.gluon`, Triton's lower-level dialect) exposes all three, so this
+kernel writes FlashAttention-3's schedule out:
 
-    issue  S_j  = Q K_j^T                     (async, tensor cores)
-    issue  O   += P_{j-1} V_{j-1}             (async, queued behind S_j)
-    wait for S_j only; softmax(S_j) -> P_j    (CUDA cores and the SFU, while P V runs)
-    wait for P V; O *= alpha_j                (rescale once the product has landed)
+- Warp specialisation. One producer warp issues the TMA copies of the Q tile and of every K/V
+  tile into a ring of `STAGES` shared-memory slots; K and V of a slot have their own "ready"
+  barriers (Q K^T can start before V lands) and the slot has an "empty" barrier that both
+  consumers arrive on when done with it. Two consumer warpgroups of 4 warps own 64 query rows
+  each; no CTA-wide barrier ties them in the loop.
+- Intra-warpgroup overlap. Each consumer, per key tile j:
 
-One program = one (query tile of 128 rows, query head, request), 8 warps: two warpgroups of 64
-rows each share the Q tile and a ring of `STAGES` K/V tiles in shared memory, filled by TMA.
-K and V of a tile have separate barriers, so Q K^T can start before V has arrived. A slot is
-refilled only after both warpgroups finished reading it (a CTA barrier, then the copy).
+      issue  S_j  = Q K_j^T                 (async, tensor cores)
+      issue  O   += P_{j-1} V_{j-1}         (async, queued behind S_j)
+      wait for S_j only; softmax(S_j)       (CUDA cores and the SFU, while P V runs)
+      wait for P V; release the slot; O *= alpha_j
 
-Grid, launch order, causal tile walk and masking are those of `prefill.py`: tiles wholly below
-the diagonal run unmasked, the diagonal tiles build the causal mask in registers from local
-positions, future tiles are never visited. Hopper only; `prefill.py` is the portable kernel
-(and the one the CPU interpreter runs), and `tests/kernels` checks both against the reference.
+- Ping-pong. The consumers take turns issuing their products (two "turn" barriers), so one's
+  softmax tends to run while the other's products hold the tensor cores.
+
+Grid, launch order (query tiles fastest, longest first), the causal tile walk and the masking
+are those of `prefill.py`: tiles wholly below the diagonal run unmasked, tiles crossing it build
+the mask in registers from local positions, future tiles are never visited. On an H200 (run 33,
+`benchmarks/prefill_hopper.py`): P2 607 TFLOP/s vs 536 for `prefill.py` and 595 for cuDNN; the
+same kernel without ping-pong 529-565, in lockstep (one CTA barrier per tile, no producer warp)
+508. `config.prefill_config` picks it for D = 128 batches longer than 1024 tokens on sm_90.
 """
 
 from __future__ import annotations
@@ -40,24 +45,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-BLOCK_M = 128  # query rows per program: two warpgroups of 64
-BLOCK_N = 128  # keys per tile
-NUM_WARPS = 8
-STAGES = 2  # K/V tiles in flight
-
-
-@gluon.jit
-def _issue_kv(
-    k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, kv_col, pred, BLOCK_N: gl.constexpr
-):
-    """TMA K and V of key tile `tile` into ring slot tile % STAGES, each signalling its barrier."""
-    slot = tile % k_smem.type.shape[0]
-    row = row0 + tile * BLOCK_N
-    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(slot), k_smem.index(slot), pred=pred)
-    mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(slot), v_smem.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -78,107 +65,6 @@ def _softmax_tile(
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
-
-
-@gluon.jit
-def _prefill_hopper_kernel(
-    q_desc, k_desc, v_desc, O, cu_seqlens,
-    qk_scale, stride_ot, stride_oh,
-    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    m_tile = gl.num_programs(0) - 1 - gl.program_id(0)  # longest-first
-    head = gl.program_id(1)
-    req = gl.program_id(2)
-    seq_start = gl.load(cu_seqlens + req)
-    seq_len = gl.load(cu_seqlens + req + 1) - seq_start
-    m_start = m_tile * BLOCK_M
-    if m_start >= seq_len:
-        return
-
-    dtype: gl.constexpr = q_desc.dtype
-    # Accumulator layouts of the two products; each warpgroup owns 64 consecutive rows.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    # Causal walk: tiles [0, n_full) are wholly visible, [n_full, n_tiles) cross the diagonal.
-    n_full = (m_start + 1) // BLOCK_N
-    n_tiles = gl.cdiv(gl.minimum(m_start + BLOCK_M, seq_len), BLOCK_N)
-    kv_col = (head // GROUP) * HEAD_DIM
-
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [seq_start + m_start, head * HEAD_DIM], q_bar, q_smem)
-    for i in gl.static_range(STAGES):
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, seq_start, kv_col, i < n_tiles, BLOCK_N)
-
-    offs_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-
-    # Tile 0: its scores alone (nothing to overlap with yet).
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_bars.index(0), 0)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, 0, n_full, seq_len, qk_scale, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-    for j in range(1, n_tiles):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
-        s_tok = warpgroup_mma(
-            q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
-        )
-        mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        # wgmma groups retire in order: one outstanding means S_j is done, P V may still run.
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        p, alpha, m_i, l_i = _softmax_tile(
-            s, m_i, l_i, offs_m, j, n_full, seq_len, qk_scale, BLOCK_N, s_layout
-        )
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        # Both warpgroups are done with slot `prev` (K_{j-1}, V_{j-1}): refill it.
-        gl.thread_barrier()
-        nxt = j - 1 + STAGES
-        _issue_kv(
-            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, nxt, seq_start, kv_col, nxt < n_tiles, BLOCK_N
-        )
-
-    last = n_tiles - 1
-    mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-    o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(o_tok,))
-
-    # Epilogue: normalise and store this tile's rows of one head (rows past the request's end
-    # belong to the next request and are not written).
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = O + (seq_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
-    gl.store(o_ptrs, acc.to(dtype), mask=(rows < seq_len)[:, None])
 
 
 @gluon.jit
@@ -307,7 +193,7 @@ def _ws_consume1(
 
 
 @gluon.jit
-def _prefill_hopper_ws_kernel(
+def _prefill_hopper_kernel(
     q_desc, k_desc, v_desc, O, cu_seqlens,
     qk_scale, stride_ot, stride_oh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -355,17 +241,6 @@ def _prefill_hopper_ws_kernel(
     )
 
 
-def supported(q: torch.Tensor, causal: bool) -> bool:
-    """Whether this kernel can run the call: a Hopper GPU, 16-bit inputs, causal, D 64 or 128."""
-    return (
-        q.is_cuda
-        and causal
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[-1] in (64, 128)
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
-    )
-
-
 def _descriptor(rows: torch.Tensor, block_rows: int, head_dim: int) -> TensorDescriptor:
     gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl_dtype)
@@ -382,32 +257,69 @@ def launch(
     group: int,
     scale_log2: float,
     *,
-    block_n: int = BLOCK_N,
-    stages: int = STAGES,
-    warp_specialized: bool = False,
-    pingpong: bool = False,
+    block_m: int = 128,
+    block_n: int = 128,
+    stages: int = 3,
+    pingpong: bool = True,
 ) -> None:
     """Launch over the 2-D row views ([T, heads * D], heads packed) that `prefill.py` prepares.
 
-    o: [T, Hq, D] output; `scale_log2` is the softmax scale times log2(e).
+    o: [T, Hq, D] output; `scale_log2` is the softmax scale times log2(e); block_m is split
+    between the two consumer warpgroups (64 rows each: the height of one wgmma).
     """
     _, num_heads, head_dim = o.shape
-    grid = (triton.cdiv(max(max_seqlen, 1), BLOCK_M), num_heads, cu_seqlens.numel() - 1)
-    if warp_specialized:
-        # 4 consumer warps (the default partition) + 4 consumer warps + 1 producer warp, padded to
-        # 3 warpgroups: 168 x 384 threads fit the register file; the producer keeps 24 a thread.
-        _prefill_hopper_ws_kernel[grid](
-            _descriptor(q_rows, BLOCK_M // 2, head_dim), _descriptor(k_rows, block_n, head_dim),
-            _descriptor(v_rows, block_n, head_dim), o, cu_seqlens,
-            scale_log2, o.stride(0), o.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages,
-            CONSUMER_REGS=240, PINGPONG=pingpong, num_warps=4, maxnreg=168,
-        )  # fmt: skip
-        return
+    if block_m != 128:
+        raise ValueError(f"prefill_hopper: block_m must be 128 (two warpgroups of 64 rows), got {block_m}")
+    grid = (triton.cdiv(max(max_seqlen, 1), block_m), num_heads, cu_seqlens.numel() - 1)
+    # Warps: 4 consumers (the default partition) + 4 consumers + 1 producer, padded to three
+    # warpgroups. maxnreg 168 x 384 threads fits the 64K-register file; the producer gives its
+    # share back (24 a thread) and each consumer warpgroup takes 240.
     _prefill_hopper_kernel[grid](
-        _descriptor(q_rows, BLOCK_M, head_dim), _descriptor(k_rows, block_n, head_dim),
+        _descriptor(q_rows, block_m // 2, head_dim), _descriptor(k_rows, block_n, head_dim),
         _descriptor(v_rows, block_n, head_dim), o, cu_seqlens,
         scale_log2, o.stride(0), o.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages,
-        num_warps=NUM_WARPS,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+        CONSUMER_REGS=240, PINGPONG=pingpong, num_warps=4, maxnreg=168,
     )  # fmt: skip
+
+
+def compile_for_sm90(
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    block_n: int = 128,
+    stages: int = 3,
+    pingpong: bool = True,
+):
+    """Compile the kernel for sm_90a without a GPU (Triton ships its own ptxas), for reading its
+    TTGIR / PTX / SASS anywhere: `compile_for_sm90().asm["ptx"]`. Returns Triton's CompiledKernel.
+
+    Run outside the Triton interpreter (TRITON_INTERPRET unset): the interpreter replaces the
+    Gluon helpers with Python functions that cannot be compiled.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    T, hq, hkv = 512, 8, 2  # shapes only name the signature: any will do
+    q = torch.empty(T, hq * head_dim, dtype=dtype)
+    kv = torch.empty(T, hkv * head_dim, dtype=dtype)
+    args = dict(
+        q_desc=_descriptor(q, 64, head_dim),
+        k_desc=_descriptor(kv, block_n, head_dim),
+        v_desc=_descriptor(kv, block_n, head_dim),
+        O=torch.empty(T, hq, head_dim, dtype=dtype),
+        cu_seqlens=torch.zeros(2, dtype=torch.int32),
+        qk_scale=0.1,
+        stride_ot=hq * head_dim,
+        stride_oh=head_dim,
+    )
+    consts = dict(
+        GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_M=128, BLOCK_N=block_n, STAGES=stages,
+        CONSUMER_REGS=240, PINGPONG=pingpong,
+    )  # fmt: skip
+    fn = _prefill_hopper_kernel
+    signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
+    constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
