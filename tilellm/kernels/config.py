@@ -24,7 +24,7 @@ class TileConfig:
     num_stages: int
     # paged: gather K as [block_n, D] rows and transpose in the dot (else gathered as [D, block_n])
     k_rows: bool = False
-    # prefill: "triton" (prefill.py, every GPU and the interpreter) or "gluon" (prefill_hopper.py,
+    # prefill: "triton" (prefill.py, every GPU and the interpreter) or "gluon" (hopper.py,
     # sm_90 only: warp-specialised, ping-pong consumer warpgroups; causal calls only)
     kernel: str = "triton"
 
@@ -49,7 +49,7 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
     8 warps and 3 stages, one program per SM; the same pick as the Triton tutorial's autotuner).
     Batches of short requests (<= 1024 tokens): 64x64 tiles, so fewer rows of each request's last
     query tile are wasted (P3 284 vs 277 TFLOP/s). Longer batches on an H100/H200 with D = 128:
-    the Gluon kernel of `prefill_hopper.py` (128x128 tiles, two consumer warpgroups + a producer
+    the Gluon kernel of `hopper.py` (128x128 tiles, two consumer warpgroups + a producer
     warp, 3 K/V stages); `kernel` says which, and causal=False calls take the Triton kernel with
     the same tiles.
     """
@@ -70,6 +70,30 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
     if head_dim <= 64:
         return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
+
+
+GLUON_CHUNK_MIN_TOKENS = 128  # one full query tile of the Gluon kernel
+
+
+def paged_uses_gluon(head_dim: int, dtype: torch.dtype, page: int, max_seqlen_q: int, programs: int) -> bool:
+    """Whether `paged_attention` runs the Gluon kernel of `hopper.py` (prompt chunks over a
+    cached prefix, sixth session: C1 ... TFLOP/s against ... for the Triton kernel).
+
+    On an H100/H200, for D = 128 in half precision, pages of a multiple of 16 keys (whole TMA
+    boxes), batches with a chunk of at least one full 128-token query tile, and enough programs
+    (query tiles x query heads x requests, an upper bound) for a wave on every SM: that kernel
+    has no split-KV, so a batch that needs splitting stays on `paged.py`.
+    """
+    if "paged" in _overrides:
+        return False
+    return (
+        hopper()
+        and head_dim == 128
+        and dtype in (torch.bfloat16, torch.float16)
+        and page % 16 == 0
+        and max_seqlen_q >= GLUON_CHUNK_MIN_TOKENS
+        and programs >= num_sms()
+    )
 
 
 def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: int) -> tuple[TileConfig, int]:

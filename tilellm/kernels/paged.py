@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tilellm.kernels import validation
-from tilellm.kernels.config import dot_precision, num_sms, paged_config
+from tilellm.kernels import hopper, validation
+from tilellm.kernels.config import dot_precision, num_sms, paged_config, paged_uses_gluon
 from tilellm.kernels.merge import merge_into
+from tilellm.kernels.prefill import _rows_view
 from tilellm.kernels.schedule import (
     SplitPlan,
     choose_num_splits,
@@ -330,6 +331,26 @@ def _launch(
     _, page, Hkv, _ = k_cache.shape
     batch = seq_lens.numel()
     group = Hq // Hkv
+    if (
+        num_splits is None
+        and not (is_decode or record_stats)
+        and kv_lo is None
+        and kv_hi is None
+        and parts is None
+        and tiles_fastest is None
+        and T > 0
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and paged_uses_gluon(
+            D, q.dtype, page, max_seqlen_q, triton.cdiv(max_seqlen_q, hopper.QUERY_TILE) * Hq * batch
+        )
+    ):
+        # Prompt chunks on Hopper: FlashAttention-3's schedule, K/V pages copied by TMA (hopper.py).
+        hopper.launch_paged(
+            _rows_view(q), k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, group,
+            validation.resolve_scale(scale, D) * LOG2_E,
+        )  # fmt: skip
+        return None
     cfg, block_q = paged_config(D, q.dtype, group, max_seqlen_q)
     q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
     if isinstance(num_splits, SplitPlan):

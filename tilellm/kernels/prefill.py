@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilellm.kernels import prefill_hopper, validation
+from tilellm.kernels import hopper, validation
 from tilellm.kernels.config import dot_precision, prefill_config
 
 LOG2_E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2_E)
@@ -194,11 +194,11 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
         return
     cfg = prefill_config(D, q.dtype, max_seqlen)
     if cfg.kernel == "gluon" and causal and stats is None and q.is_cuda:
-        # same tiles and causal walk, FlashAttention-3's schedule (see prefill_hopper.py)
+        # same tiles and causal walk, FlashAttention-3's schedule (see hopper.py)
         q_rows, k_rows, v_rows = _rows_view(q), _rows_view(k), _rows_view(v)
-        prefill_hopper.launch(
+        hopper.launch_prefill(
             q_rows, k_rows, v_rows, o, cu_seqlens, max_seqlen, Hq // k.shape[1], scale * LOG2_E,
-            block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
+            block_n=cfg.block_n, stages=cfg.num_stages,
         )  # fmt: skip
         return
     q_desc = TensorDescriptor.from_tensor(_rows_view(q), [cfg.block_m, D])

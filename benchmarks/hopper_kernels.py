@@ -1,7 +1,8 @@
-"""The Gluon Hopper prefill kernel (`tilellm.kernels.prefill_hopper`) on the GPU: correctness over
-a shape matrix, then P1-P3 against the portable Triton kernel and cuDNN in the same run.
+"""The Gluon Hopper kernels (`tilellm.kernels.hopper`) on the GPU: correctness over a shape
+matrix, then P1-P3 against the portable Triton kernel and cuDNN, and C1 (plus a 128-token chunk
+batch) against the Triton paged kernel, in the same run.
 
-    python benchmarks/prefill_hopper.py [--json FILE] [--variants pp128x3,ws128x3]
+    python benchmarks/hopper_kernels.py [--json FILE] [--variants pp128x3,ws128x3]
 
 Correctness: every case is checked against fp32 SDPA per request (GQA expanded), output poisoned
 with NaN first; bf16 and fp16; D 64 and 128; GQA 1, 4 and MQA; lengths 1, block edges, primes.
@@ -20,15 +21,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tilellm.kernels as tk
 from tilellm.bench import kernels as kb
-from tilellm.kernels import config, prefill_hopper
+from tilellm.kernels import config, hopper
 from tilellm.kernels.prefill import LOG2_E, _rows_view
 
 TRITON_TILE = config.TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)  # prefill.py's best
+TRITON_CHUNK = config.TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)  # paged.py's chunk tile
 
 
 def gluon_call(q, k, v, cu, max_len, o, variant):
     block_n, stages, pp = variant
-    prefill_hopper.launch(
+    hopper.launch_prefill(
         _rows_view(q), _rows_view(k), _rows_view(v), o, cu, max_len,
         q.shape[1] // k.shape[1], q.shape[-1] ** -0.5 * LOG2_E, block_n=block_n, stages=stages,
         pingpong=pp,
@@ -150,16 +152,56 @@ def bench_workload(name, lens, variants, results) -> None:
     row("sdpa cudnn (per request)", cudnn)
 
 
+def paged(variants, results) -> None:
+    """C1 (16 x (4096 cached + 512 new)) and a 128-token chunk batch, Gluon vs Triton paged."""
+    workloads = {"C1": ([512] * 16, [4608] * 16), "C128": ([128] * 32, [2048 + 128] * 32)}
+    print(f"{'wl':4} {'kernel':28} {'ms':>8} {'TFLOP/s':>8} {'err':>8}")
+    for name, (q_lens, kv_lens) in workloads.items():
+        paged_workload(name, q_lens, kv_lens, variants, results)
+        torch.cuda.empty_cache()
+
+
+def paged_workload(name, q_lens, kv_lens, variants, results) -> None:
+    q, kc, vc, bt, cu, sl = kb._paged_inputs(q_lens, kv_lens, torch.bfloat16)
+    flops = sum(4 * kb.D * kb.HQ * (p + 1) for ql, kv in zip(q_lens, kv_lens) for p in range(kv - ql, kv))
+    ref, n_ref = kb._sdpa_ref_paged(q, kc, vc, bt, q_lens, kv_lens, limit=2)
+    o = torch.empty_like(q)
+
+    def row(label, fn):
+        o.fill_(float("nan"))
+        fn()
+        err = ((o[:n_ref].float() - ref).abs().max()).item()
+        ms = kb._bench(fn)
+        print(f"{name:4} {label:28} {ms:8.3f} {flops / ms / 1e9:8.1f} {err:8.1e}", flush=True)
+        results.append(dict(workload=name, kernel=label, ms=ms, tflops=flops / ms / 1e9, err=err))
+
+    with config.override(paged=TRITON_CHUNK):
+        row(
+            "triton paged (chunk tile)", lambda: tk.paged_attention(q, kc, vc, bt, cu, sl, max(q_lens), out=o)
+        )
+    for var in variants:
+        bn, st, pp = var
+        row(
+            label(var),
+            lambda bn=bn, st=st, pp=pp: hopper.launch_paged(
+                _rows_view(q), kc, vc, o, bt, cu, sl, max(q_lens), kb.HQ // kb.HKV,
+                kb.D**-0.5 * LOG2_E, block_n=bn, stages=st, pingpong=pp,
+            ),
+        )  # fmt: skip
+    row("public paged_attention", lambda: tk.paged_attention(q, kc, vc, bt, cu, sl, max(q_lens), out=o))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="pp128x3,ws128x3,pp128x2,pp64x4")
+    ap.add_argument("--variants", default="pp128x3,ws128x3,pp128x2")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants.split(",")]
     results: list[dict] = []
     ok = check(variants, results)
     print("correctness:", "all ok" if ok else "FAILURES", flush=True)
     bench(variants, results)
+    paged(variants, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,0 +1,183 @@
+"""The Gluon Hopper kernels (`tilellm.kernels.hopper`): packed prefill and paged chunks.
+
+On any machine: both compile for sm_90a (Triton's own ptxas runs without a GPU) into warpgroup
+MMAs fed by TMA, with register reallocation between the partitions, without spilling, in the
+shared memory an H100/H200 has. On a Hopper GPU: their output against the PyTorch reference
+over lengths that cross the 64-row warpgroup halves, the 128-row query tiles and the 128-key
+tiles, packed with one-token and empty requests, GQA and MQA, D 64 and 128, bf16 and fp16, with
+and without ping-pong, pages of 16 to 256 keys in permuted order; and `prefill_attention` /
+`paged_attention` pick them for long batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tilellm.kernels as tk
+from tests.kernels.helpers import assert_close, cu_seqlens, make_paged_batch, poisoned, randn, tolerance
+from tilellm.kernels import config, hopper
+from tilellm.kernels import reference as ref
+from tilellm.kernels.prefill import LOG2_E, _rows_view
+
+H100_SHARED = 227 * 1024
+
+COMPILED = [(d, t, pp, 0) for d in (64, 128) for t in ("bf16", "fp16") for pp in (True, False)]
+COMPILED += [(128, "bf16", True, page) for page in (16, 64, 256)]
+
+# Compiled in a child process: under the CPU test run's TRITON_INTERPRET=1 Gluon cannot compile.
+_COMPILE_ALL = """
+import json, os, subprocess, tempfile, torch, triton
+from tilellm.kernels.hopper import compile_for_sm90
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+out = {}
+for key in %r:
+    d, name, pp, page = key
+    k = compile_for_sm90(d, dtypes[name], pingpong=pp, paged=page > 0, page=page or 16)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    ptx = k.asm["ptx"]
+    out[repr(key)] = dict(
+        wgmma="wgmma.mma_async" in ptx, setmaxnreg="setmaxnreg" in ptx, tma="cp.async.bulk.tensor" in ptx,
+        shared=k.metadata.shared, usage=usage,
+    )
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = _COMPILE_ALL % (COMPILED,)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "variant",
+    COMPILED,
+    ids=lambda v: f"d{v[0]}-{v[1]}-{'pp' if v[2] else 'free'}-{f'page{v[3]}' if v[3] else 'packed'}",
+)
+def test_compiles_for_sm90_without_spills(compiled, variant):
+    head_dim, dtype, pingpong, page = variant
+    k = compiled[repr(variant)]
+    assert k["wgmma"], "products must be warpgroup MMAs"
+    assert k["setmaxnreg"], "partitions must rebalance registers (producer gives, consumers take)"
+    assert k["tma"], "Q and K/V tiles must arrive by TMA"
+    assert k["shared"] <= H100_SHARED, f"{k['shared']} B of shared memory"
+    assert "LOCAL:0" in k["usage"], f"register spills:\n{k['usage']}"
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (H100/H200)")
+
+CASES = [  # (lengths, (Hq, Hkv), D)
+    ([1], (8, 2), 128),
+    ([63, 64, 65, 127, 128, 129], (8, 2), 128),  # the warpgroup halves and the query tiles
+    ([255, 0, 256, 257, 1, 2], (4, 4), 128),  # MHA, an empty request
+    ([1000, 1, 1537], (8, 1), 128),  # MQA
+    ([4099, 7], (32, 8), 128),
+    ([65, 64, 63, 1, 513, 300], (8, 2), 64),
+    ([2048, 131], (10, 2), 64),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0])}req-{c[1][0]}q{c[1][1]}kv-d{c[2]}")
+def test_against_reference(case, dtype, pingpong):
+    lengths, (hq, hkv), head_dim = case
+    gen = torch.Generator().manual_seed(sum(lengths) + hq)
+    T = sum(lengths)
+    q = randn((T, hq, head_dim), dtype, "cuda", gen)
+    k = randn((T, hkv, head_dim), dtype, "cuda", gen)
+    v = randn((T, hkv, head_dim), dtype, "cuda", gen)
+    cu = cu_seqlens(lengths, "cuda")
+    out = poisoned(q)
+    hopper.launch_prefill(
+        _rows_view(q), _rows_view(k), _rows_view(v), out, cu, max(lengths), hq // hkv,
+        head_dim**-0.5 * LOG2_E, pingpong=pingpong,
+    )  # fmt: skip
+    expected = ref.prefill_attention(q, k, v, cu, max(lengths))
+    assert_close(out, expected, tolerance(dtype, "cuda"), f"{lengths} {hq}q{hkv}kv D={head_dim}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_prefill_attention_dispatches_long_batches_here():
+    assert config.prefill_config(128, torch.bfloat16, 4096).kernel == "gluon"
+    assert config.prefill_config(128, torch.bfloat16, 1024).kernel == "triton"  # short: prefill.py
+    lengths = [3000, 1, 1200]
+    gen = torch.Generator().manual_seed(5)
+    T = sum(lengths)
+    q = randn((T, 8, 128), torch.bfloat16, "cuda", gen)
+    k = randn((T, 2, 128), torch.bfloat16, "cuda", gen)
+    v = randn((T, 2, 128), torch.bfloat16, "cuda", gen)
+    cu = cu_seqlens(lengths, "cuda")
+    out = tk.prefill_attention(q, k, v, cu, max(lengths), out=poisoned(q))
+    assert_close(out, ref.prefill_attention(q, k, v, cu, max(lengths)), 2e-2, "public entry point")
+
+
+PAGED_CASES = [  # ((q_len, kv_len) pairs, (Hq, Hkv), page)
+    ([(512, 4608), (512, 4608)], (32, 8), 16),  # C1's shape, two requests
+    ([(128, 128), (129, 1000), (1, 17), (300, 301)], (8, 2), 16),  # no prefix, page edges, a decode
+    ([(200, 2000), (64, 65), (7, 4096)], (8, 1), 64),  # MQA, a verification beside a chunk
+    ([(256, 1280), (1, 1)], (4, 4), 256),  # pages larger than a key tile
+    ([(130, 5000)], (10, 2), 32),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "case", PAGED_CASES, ids=lambda c: f"{len(c[0])}req-{c[1][0]}q{c[1][1]}kv-page{c[2]}"
+)
+def test_paged_against_reference(case, dtype):
+    pairs, (hq, hkv), page = case
+    batch = make_paged_batch(pairs, hq, hkv, 128, page, dtype, "cuda", seed=len(pairs) + page)
+    out = poisoned(batch.q)
+    hopper.launch_paged(
+        _rows_view(batch.q), batch.k_cache, batch.v_cache, out, batch.block_table, batch.cu_seqlens_q,
+        batch.seq_lens, batch.max_seqlen_q, hq // hkv, 128**-0.5 * LOG2_E,
+    )  # fmt: skip
+    expected = ref.paged_attention(*batch.args())
+    assert_close(out, expected, tolerance(dtype, "cuda"), f"{pairs} {hq}q{hkv}kv page {page}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_paged_attention_dispatches_chunk_batches_here(monkeypatch):
+    calls = []
+    real = hopper.launch_paged
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(hopper, "launch_paged", spy)
+    # 5 requests x 32 heads x 1 query tile = 160 programs: a full wave on 132 SMs
+    batch = make_paged_batch([(128, 2000)] * 4 + [(6, 3000)], 32, 8, 128, 16, torch.bfloat16, "cuda", seed=9)
+    out = tk.paged_attention(*batch.args(), out=poisoned(batch.q))
+    assert calls == [1], "a chunk batch on Hopper should run the Gluon kernel"
+    assert_close(out, ref.paged_attention(*batch.args()), 2e-2, "public entry point")
+    small = make_paged_batch([(6, 3000)] * 2, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=10)
+    out = tk.paged_attention(*small.args(), out=poisoned(small.q))
+    assert calls == [1], "verification-sized batches stay on the Triton kernel"
+    assert_close(out, ref.paged_attention(*small.args()), 2e-2, "verification")

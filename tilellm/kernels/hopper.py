@@ -1,0 +1,445 @@
+"""Attention kernels for Hopper (sm_90) written in Gluon: packed causal prefill, and paged
+attention for prompt chunks over a cached prefix. The algorithm of `prefill.py` / `paged.py`
+with FlashAttention-3's schedule, which Triton's `tl.dot` cannot express.
+
+Why a second pair of kernels. In the Triton kernels each `tl.dot` waits for its tensor-core
+result, so a program's softmax and its matrix products run in series; only a second program
+on the same SM fills the tensor cores while the first computes exponentials. Hopper's
+warpgroup MMA (`wgmma`) is asynchronous, its TMA engine copies tiles on its own, and warps can
+be given different jobs. Gluon (`triton.experimental.gluon`, Triton's lower-level dialect)
+exposes all three, so this kernel writes FlashAttention-3's schedule out:
+
+- Warp specialisation. One producer warp issues the TMA copies of the Q tile and of every K/V
+  tile into a ring of `STAGES` shared-memory slots. K and V of a slot have their own "ready"
+  barriers (Q K^T can start before V lands); the slot has an "empty" barrier that both
+  consumers arrive on when they are done with it. Two consumer warpgroups of 4 warps own 64
+  query rows each; no CTA-wide barrier ties them in the loop.
+- Intra-warpgroup overlap. Each consumer, per key tile j:
+
+      issue  S_j  = Q K_j^T                 (async, tensor cores)
+      issue  O   += P_{j-1} V_{j-1}         (async, queued behind S_j)
+      wait for S_j only; softmax(S_j)       (CUDA cores and the SFU, while P V runs)
+      wait for P V; release the slot; O *= alpha_j
+
+- Ping-pong. The consumers take turns issuing their products (two "turn" barriers), so one's
+  softmax tends to run while the other's products hold the tensor cores.
+
+One program = (query tile of 128 tokens, query head, request); query tiles launch fastest,
+longest first. Query token t of a request sits at position `context + t` (context = keys cached
+before this step: 0 for prefill) and sees keys 0..position. Key tiles wholly below every row's
+diagonal run unmasked; tiles crossing it build the mask in registers; future tiles are never
+visited. The two kernels differ only in where the producer finds K/V:
+
+- prefill: K/V rows are packed like Q ([T, Hkv * D]): one TMA box per tile.
+- paged: key p of a request lives in cache row `block_table[req, p // page] * page + p % page`
+  ([num_blocks * page, Hkv * D]): the producer reads the block table and copies each page of the
+  tile with its own TMA box into consecutive rows of the slot (pages of 16 keys fill a 128-key
+  slot in 8 copies, all completing on one barrier), so the consumers see one dense tile and one
+  wgmma covers 128 keys. Pages the tile needs past the request's last key are copied from
+  beyond the end of the cache, which TMA fills with zeros.
+
+GQA: a query head reads its KV head (`head // group`); heads of one group launch next to each
+other, so their K/V tiles come from L2. On an H200 (runs 33-34, `benchmarks/prefill_hopper.py`):
+P2 607 TFLOP/s vs 536 for `prefill.py` and 595 for cuDNN; the same kernel without ping-pong
+529-565, in lockstep (one CTA barrier per tile, no producer warp) 508.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+QUERY_TILE = 128  # query tokens per program: two consumer warpgroups of 64 (one wgmma's height)
+BLOCK_M = gl.constexpr(QUERY_TILE)
+CONSUMER_REGS = 240  # registers a consumer thread gets once the producer gives its share back
+# 4 + 4 consumer warps + 1 producer warp run as three warpgroups: 168 x 384 threads fit the
+# 64K-register file before the producer shrinks to 24 and the consumers grow to 240.
+MAX_REGS = 168
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, q_pos, tile, n_full, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online-softmax step on one score tile (fp32, base 2, scale folded into `qk_scale`).
+
+    Tiles at or past `n_full` cross the diagonal: they mask `key > query` in registers. (Rows of
+    tokens past the request's end are computed and never stored; every row sees key 0, so no
+    row is all -inf.) Returns (p, alpha, new max, new sum).
+    """
+    if tile >= n_full:
+        k_pos = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _load_q(descs, smem, bars, prog):
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = smem
+    q_bars, k_bars, v_bars, empty_bars, turn_bars = bars
+    q_start, q_len, context, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh, bt_row, page, oob = (
+        prog
+    )
+    half: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            q_desc, [q_start + m_start + w * half, head * HEAD_DIM], q_bars.index(w), q_smem.index(w)
+        )
+
+
+@gluon.jit
+def _load_packed(descs, smem, bars, prog):
+    """Producer warp (prefill): Q, then each key tile's K and V, one TMA box each, into the ring;
+    a slot is refilled once both consumers have released it."""
+    _load_q(descs, smem, bars, prog)
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = smem
+    q_bars, k_bars, v_bars, empty_bars, turn_bars = bars
+    q_start, q_len, context, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh, bt_row, page, oob = (
+        prog
+    )
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    n_tiles = gl.cdiv(context + gl.minimum(m_start + BLOCK_M, q_len), BLOCK_N)
+    for j in range(n_tiles):
+        slot = j % stages
+        # a fresh mbarrier counts as having completed the phase before 0: the first pass is free
+        mbarrier.wait(empty_bars.index(slot), ((j // stages) & 1) ^ 1)
+        row = q_start + j * BLOCK_N
+        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(slot), k_smem.index(slot))
+        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _load_paged(descs, smem, bars, prog):
+    """Producer warp (paged): Q, then each key tile assembled page by page through the block
+    table (one TMA box per page, all on the slot's barrier); pages past the request's last
+    needed key come from past the cache's end (zeros)."""
+    _load_q(descs, smem, bars, prog)
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = smem
+    q_bars, k_bars, v_bars, empty_bars, turn_bars = bars
+    q_start, q_len, context, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh, bt_row, page, oob = (
+        prog
+    )
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    BOX: gl.constexpr = k_desc.block_type.shape[0]  # keys per copy: min(page, BLOCK_N)
+    kv_end = context + gl.minimum(m_start + BLOCK_M, q_len)
+    n_tiles = gl.cdiv(kv_end, BLOCK_N)
+    for j in range(n_tiles):
+        slot = j % stages
+        mbarrier.wait(empty_bars.index(slot), ((j // stages) & 1) ^ 1)
+        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes * (BLOCK_N // BOX))
+        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes * (BLOCK_N // BOX))
+        for i in gl.static_range(BLOCK_N // BOX):
+            key = j * BLOCK_N + i * BOX
+            needed = key < kv_end
+            block = gl.load(bt_row + key // page, mask=needed, other=0)
+            row = gl.where(needed, block * page + key % page, oob)
+            dst = k_smem.index(slot).slice(i * BOX, BOX)
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(slot), dst)
+            dst = v_smem.index(slot).slice(i * BOX, BOX)
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(slot), dst)
+
+
+@gluon.jit
+def _consume(WG: gl.constexpr, smem, bars, prog):
+    """One consumer warpgroup: 64 query rows against every key tile, with the intra-warpgroup
+    overlap, releasing each K/V slot to the producer when its products are done."""
+    q_smem, k_smem, v_smem = smem
+    q_bars, k_bars, v_bars, empty_bars, turn_bars = bars
+    q_start, q_len, context, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh, bt_row, page, oob = (
+        prog
+    )
+    half: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    # Ping-pong: the warpgroups take turns issuing their products. Two turn barriers switch it
+    # on (a partition takes no constexpr arguments, so the flag rides on the allocation).
+    PINGPONG: gl.constexpr = turn_bars.type.shape[0] == 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    row0 = m_start + WG * half  # this warpgroup's first token (local to the request's new tokens)
+    n_full = (context + row0 + 1) // BLOCK_N  # key tiles every row of this warpgroup sees whole
+    n_tiles = gl.cdiv(context + gl.minimum(m_start + BLOCK_M, q_len), BLOCK_N)
+    q = q_smem.index(WG)
+    q_pos = context + row0 + gl.arange(0, half, layout=gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([half], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([half], gl.float32, gl.SliceLayout(1, s_layout))
+
+    mbarrier.wait(q_bars.index(WG), 0)
+    mbarrier.wait(k_bars.index(0), 0)
+    if PINGPONG:  # warpgroup 0 goes first: its turn barrier counts as already passed
+        mbarrier.wait(turn_bars.index(WG), 1 - WG)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, 0, n_full, qk_scale, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        slot = j % stages
+        prev = (j - 1) % stages
+        mbarrier.wait(k_bars.index(slot), (j // stages) & 1)
+        mbarrier.wait(v_bars.index(prev), ((j - 1) // stages) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+        # wgmma groups retire in order: one outstanding means S_j is done, P V may still run
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, j, n_full, qk_scale, BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        mbarrier.arrive(empty_bars.index(prev), count=1)  # K_{j-1}, V_{j-1} read: slot free
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    last = n_tiles - 1
+    mbarrier.wait(v_bars.index(last % stages), (last // stages) & 1)
+    o_tok = warpgroup_mma(p_op, v_smem.index(last % stages), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+
+    # Normalise and store this warpgroup's rows of one head; tokens past the request's end
+    # belong to the next request and are not written.
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    tok = row0 + gl.arange(0, half, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + (q_start + tok).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+    gl.store(o_ptrs, acc.to(dtype), mask=(tok < q_len)[:, None])
+
+
+@gluon.jit
+def _consume0(descs, smem, bars, prog):
+    _consume(0, smem, bars, prog)
+
+
+@gluon.jit
+def _consume1(descs, smem, bars, prog):
+    _consume(1, smem, bars, prog)
+
+
+@gluon.jit
+def _attention_kernel(
+    q_desc, k_desc, v_desc, O, cu_seqlens_q, seq_lens, block_table,
+    qk_scale, stride_ot, stride_oh, stride_bt, page, oob_row,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    PAGED: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):  # fmt: skip
+    m_tile = gl.num_programs(0) - 1 - gl.program_id(0)  # longest-first
+    head = gl.program_id(1)
+    req = gl.program_id(2)
+    q_start = gl.load(cu_seqlens_q + req)
+    q_len = gl.load(cu_seqlens_q + req + 1) - q_start
+    m_start = m_tile * BLOCK_M
+    if m_start >= q_len:
+        return  # this request has no tokens in this query tile
+    if PAGED:
+        context = gl.load(seq_lens + req) - q_len
+        bt_row = block_table + req.to(gl.int64) * stride_bt
+    else:
+        context = 0
+        bt_row = block_table  # unread
+
+    dtype: gl.constexpr = q_desc.dtype
+    half: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(dtype, [2, half, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(2 if PINGPONG else 1):
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    gl.thread_barrier()
+
+    descs = (q_desc, k_desc, v_desc)
+    smem = (q_smem, k_smem, v_smem)
+    bars = (q_bars, k_bars, v_bars, empty_bars, turn_bars)
+    kv_col = (head // GROUP) * HEAD_DIM
+    prog = (
+        q_start,
+        q_len,
+        context,
+        m_start,
+        head,
+        kv_col,
+        qk_scale,
+        O,
+        stride_ot,
+        stride_oh,
+        bt_row,
+        page,
+        oob_row,
+    )
+    if PAGED:
+        gl.warp_specialize(
+            [(_consume0, (descs, smem, bars, prog)), (_consume1, (descs, smem, bars, prog)),
+             (_load_paged, (descs, smem, bars, prog))],
+            [4, 1], [CONSUMER_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [(_consume0, (descs, smem, bars, prog)), (_consume1, (descs, smem, bars, prog)),
+             (_load_packed, (descs, smem, bars, prog))],
+            [4, 1], [CONSUMER_REGS, 24],
+        )  # fmt: skip
+
+
+def _descriptor(rows: torch.Tensor, block_rows: int, head_dim: int) -> TensorDescriptor:
+    """TMA descriptor over a 2-D row view, boxes of [block_rows, head_dim], 128-byte swizzle."""
+    gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl_dtype)
+    return TensorDescriptor.from_tensor(rows, [block_rows, head_dim], layout)
+
+
+def launch_prefill(
+    q_rows: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    o: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    group: int,
+    scale_log2: float,
+    *,
+    block_n: int = 128,
+    stages: int = 3,
+    pingpong: bool = True,
+) -> None:
+    """Causal prefill over the 2-D row views ([T, heads * D], heads packed) that `prefill.py`
+    prepares. o: [T, Hq, D]; `scale_log2` is the softmax scale times log2(e)."""
+    _, num_heads, head_dim = o.shape
+    grid = (triton.cdiv(max(max_seqlen, 1), QUERY_TILE), num_heads, cu_seqlens.numel() - 1)
+    _attention_kernel[grid](
+        _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, block_n, head_dim),
+        _descriptor(v_rows, block_n, head_dim), o, cu_seqlens, cu_seqlens, cu_seqlens,
+        scale_log2, o.stride(0), o.stride(1), 0, 1, 0,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
+        PAGED=False, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+    )  # fmt: skip
+
+
+def launch_paged(
+    q_rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    o: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    group: int,
+    scale_log2: float,
+    *,
+    block_n: int = 128,
+    stages: int = 3,
+    pingpong: bool = True,
+) -> None:
+    """Paged attention of each request's new tokens over its whole context (no split-KV).
+
+    q_rows: [T, Hq * D] view of the new tokens; k_cache, v_cache: [num_blocks, page, Hkv, D]
+    contiguous, page a multiple of 16; o: [T, Hq, D].
+    """
+    num_blocks, page, num_kv_heads, head_dim = k_cache.shape
+    rows = num_blocks * page
+    box = min(page, block_n)
+    k_rows = k_cache.view(rows, num_kv_heads * head_dim)
+    v_rows = v_cache.view(rows, num_kv_heads * head_dim)
+    grid = (triton.cdiv(max(max_seqlen_q, 1), QUERY_TILE), o.shape[1], seq_lens.numel())
+    _attention_kernel[grid](
+        _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),
+        _descriptor(v_rows, box, head_dim), o, cu_seqlens_q, seq_lens, block_table,
+        scale_log2, o.stride(0), o.stride(1), block_table.stride(0), page, rows,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
+        PAGED=True, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+    )  # fmt: skip
+
+
+def compile_for_sm90(
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    paged: bool = False,
+    page: int = 16,
+    block_n: int = 128,
+    stages: int = 3,
+    pingpong: bool = True,
+):
+    """Compile a kernel for sm_90a without a GPU (Triton ships its own ptxas), for reading its
+    TTGIR / PTX / SASS anywhere: `compile_for_sm90().asm["ptx"]`. Returns Triton's CompiledKernel.
+
+    Run outside the Triton interpreter (TRITON_INTERPRET unset): the interpreter replaces the
+    Gluon helpers with Python functions that cannot be compiled.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    T, hq, hkv = 512, 8, 2  # shapes only name the signature: any will do
+    q = torch.empty(T, hq * head_dim, dtype=dtype)
+    kv = torch.empty(T, hkv * head_dim, dtype=dtype)
+    box = min(page, block_n) if paged else block_n
+    args = dict(
+        q_desc=_descriptor(q, QUERY_TILE // 2, head_dim),
+        k_desc=_descriptor(kv, box, head_dim),
+        v_desc=_descriptor(kv, box, head_dim),
+        O=torch.empty(T, hq, head_dim, dtype=dtype),
+        cu_seqlens_q=torch.zeros(2, dtype=torch.int32),
+        seq_lens=torch.zeros(1, dtype=torch.int32),
+        block_table=torch.zeros(1, 4, dtype=torch.int32),
+        qk_scale=0.1,
+        stride_ot=hq * head_dim,
+        stride_oh=head_dim,
+        stride_bt=4,
+        page=page,
+        oob_row=T,
+    )
+    consts = dict(
+        GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
+        PAGED=paged, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS,
+    )  # fmt: skip
+    fn = _attention_kernel
+    signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
+    constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAX_REGS}
+    )
