@@ -77,7 +77,8 @@ GLUON_CHUNK_MIN_TOKENS = 128  # one full query tile of the Gluon kernel
 
 def paged_uses_gluon(head_dim: int, dtype: torch.dtype, page: int, max_seqlen_q: int, programs: int) -> bool:
     """Whether `paged_attention` runs the Gluon kernel of `hopper.py` (prompt chunks over a
-    cached prefix, sixth session: C1 ... TFLOP/s against ... for the Triton kernel).
+    cached prefix; sixth session, run 34: C1 618 TFLOP/s against 347 for the Triton kernel, and
+    515 vs 272 for 32 chunks of 128 tokens over 2048 cached).
 
     On an H100/H200, for D = 128 in half precision, pages of a multiple of 16 keys (whole TMA
     boxes), batches with a chunk of at least one full 128-token query tile, and enough programs

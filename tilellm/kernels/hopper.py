@@ -39,9 +39,10 @@ visited. The two kernels differ only in where the producer finds K/V:
   beyond the end of the cache, which TMA fills with zeros.
 
 GQA: a query head reads its KV head (`head // group`); heads of one group launch next to each
-other, so their K/V tiles come from L2. On an H200 (runs 33-34, `benchmarks/prefill_hopper.py`):
-P2 607 TFLOP/s vs 536 for `prefill.py` and 595 for cuDNN; the same kernel without ping-pong
-529-565, in lockstep (one CTA barrier per tile, no producer warp) 508.
+other, so their K/V tiles come from L2. On an H200 (runs 33-34, `benchmarks/hopper_kernels.py`):
+P2 607-611 TFLOP/s vs 527-536 for `prefill.py` and 581-595 for cuDNN; P1 480-482 vs 455 and
+445-457; C1 618 vs 347 for `paged.py`. Without ping-pong P2 varied from 529 to 622 between runs;
+an earlier lockstep version (one CTA barrier per tile, no producer warp) reached 508.
 """
 
 from __future__ import annotations
