@@ -242,7 +242,7 @@ def compiled_kernel_variants() -> int:
     from triton.runtime.jit import JITFunction
 
     total = 0
-    for name in ("paged", "merge", "store", "prefill", "sparse", "fused"):
+    for name in ("paged", "merge", "store", "prefill", "sparse", "fused", "hopper"):
         module = importlib.import_module(f"tilellm.kernels.{name}")
         for obj in vars(module).values():
             if isinstance(obj, JITFunction):

@@ -55,7 +55,7 @@ from tilellm.engine.metadata import (
     num_leading_decodes,
 )
 from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
-from tilellm.kernels.config import paged_config
+from tilellm.kernels.config import num_sms, paged_config
 from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT, choose_num_splits
 
 if TYPE_CHECKING:
@@ -405,6 +405,11 @@ class ModelRunner:
             if q < long_ctx:
                 self._warmup_step([1] * 8 + [q], [long_ctx] * 8 + [q], BatchKind.MIXED)
                 self._warmup_step([1, q], [q + 1, long_ctx], BatchKind.MIXED)
+        # Prompt chunks over a cached prefix in a batch wide enough for a wave on every SM: on
+        # Hopper, paged_attention's Gluon kernel (config.paged_uses_gluon).
+        wide = -(-num_sms() // self.model.attention_layers()[0].num_heads)
+        if 128 * wide <= cap and 256 <= long_ctx:
+            self._warmup_step([128] * wide, [256] * wide, BatchKind.MIXED)
         if long_ctx > 256:  # cascade decode (a shared prefix): its two passes and the merge
             self._warmup_step([1] * 8, [long_ctx] * 8, BatchKind.DECODE, cascade_prefix=256)
         self._sync()

@@ -248,7 +248,13 @@ def _consume1(descs, smem, bars, prog):
     _consume(1, smem, bars, prog)
 
 
-@gluon.jit
+# As for paged.py's kernel: per-step values and index arrays (views into the step's payload) are
+# not specialised on, or serving would compile a new variant whenever one changed divisibility
+# by 16 or alignment.
+@gluon.jit(
+    do_not_specialize=["stride_bt", "page", "oob_row"],
+    do_not_specialize_on_alignment=["cu_seqlens_q", "seq_lens", "block_table"],
+)
 def _attention_kernel(
     q_desc, k_desc, v_desc, O, cu_seqlens_q, seq_lens, block_table,
     qk_scale, stride_ot, stride_oh, stride_bt, page, oob_row,
