@@ -23,7 +23,9 @@ import tilellm.kernels as tk
 from tests.kernels.helpers import assert_close, cu_seqlens, make_paged_batch, poisoned, randn, tolerance
 from tilellm.kernels import config, hopper
 from tilellm.kernels import reference as ref
-from tilellm.kernels.prefill import LOG2_E, _rows_view
+from tilellm.kernels.paged import paged_tile_stats
+from tilellm.kernels.prefill import LOG2_E, _rows_view, prefill_tile_stats
+from tilellm.kernels.schedule import paged_schedule, prefill_schedule
 
 H100_SHARED = 227 * 1024
 
@@ -181,3 +183,63 @@ def test_paged_attention_dispatches_chunk_batches_here(monkeypatch):
     out = tk.paged_attention(*small.args(), out=poisoned(small.q))
     assert calls == [1], "verification-sized batches stay on the Triton kernel"
     assert_close(out, ref.paged_attention(*small.args()), 2e-2, "verification")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_prefill_report_matches_the_gluon_kernel():
+    """Long batches run hopper.py: its own per-program tile counts equal `prefill_schedule`'s."""
+    lengths = [1500, 1, 0, 129, 1100]
+    gen = torch.Generator().manual_seed(11)
+    T, hq, hkv = sum(lengths), 4, 2
+    q = randn((T, hq, 128), torch.bfloat16, "cuda", gen)
+    k = randn((T, hkv, 128), torch.bfloat16, "cuda", gen)
+    v = randn((T, hkv, 128), torch.bfloat16, "cuda", gen)
+    stats = prefill_tile_stats(q, k, v, cu_seqlens(lengths, "cuda"), max(lengths)).cpu()
+    sched = prefill_schedule(cu_seqlens(lengths, "cpu"), max(lengths), hq, 128, torch.bfloat16)
+    assert (sched.block_m, sched.block_n) == (128, 128)
+    assert stats.shape == (len(lengths), hq, sched.grid[0], 2)
+    for p in sched.programs:
+        got = tuple(stats[p.request, p.head, p.q_tile].tolist())
+        assert got == (p.full, p.diagonal), f"kernel counted {got} (full, diagonal), report says {p}"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_paged_report_matches_the_gluon_kernel():
+    """A chunk batch wide enough for hopper.py: its own tile counts equal `paged_schedule`'s."""
+    pairs = [(128, 2000)] * 3 + [(300, 301), (6, 3000), (129, 4100)]  # 3 query tiles x 32 heads x 6
+    b = make_paged_batch(pairs, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=12)
+    stats, plan = paged_tile_stats(*b.args())
+    sched = paged_schedule(b.cu_seqlens_q.cpu(), b.seq_lens.cpu(), 32, 8, 128, 16, dtype=torch.bfloat16)
+    assert sched.kernel == "paged_attention (hopper.py)"
+    assert plan.num_splits == sched.split_plan.num_splits == 1
+    stats = stats.cpu()
+    assert stats.shape == (len(pairs), 32, sched.grid[0], 2)
+    for p in sched.programs:
+        got = tuple(stats[p.request, p.head, p.q_tile].tolist())
+        assert got == (p.full, p.diagonal), f"kernel counted {got} (full, masked), report says {p}"
+
+
+def test_hopper_paged_report_by_brute_force():
+    """The hopper.py report, off the GPU: per program, key tiles seen whole by its first token,
+    tiles reaching to its last token's position (masked), never a tile past it."""
+    from tilellm.kernels.schedule import _hopper_paged_schedule
+
+    pairs = [(128, 2000), (300, 301), (6, 3000), (0, 5), (129, 4100), (1, 1)]
+    q_lens, lens = [q for q, _ in pairs], [k for _, k in pairs]
+    sched = _hopper_paged_schedule(q_lens, lens, 3, 132)
+    assert sched.grid == (3, 3, len(pairs)) and sched.split_plan.num_splits == 1
+    for p in sched.programs:
+        q_len, seq_len = pairs[p.request]
+        t0 = p.q_tile * 128
+        if t0 >= q_len:
+            assert (p.full, p.diagonal, p.first_kv_tile) == (0, 0, -1), p
+            continue
+        first_pos = seq_len - q_len + t0  # the tile's first token sees keys 0..first_pos
+        last_pos = seq_len - q_len + min(t0 + 128, q_len) - 1
+        tiles = range(-(-seq_len // 128))
+        full = [j for j in tiles if (j + 1) * 128 - 1 <= first_pos]
+        visited = [j for j in tiles if j * 128 <= last_pos]
+        assert (p.full, p.diagonal) == (len(full), len(visited) - len(full)), p
+        assert p.skipped == len(tiles) - len(visited) and p.last_kv_tile == visited[-1], p

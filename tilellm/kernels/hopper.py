@@ -62,6 +62,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 QUERY_TILE = 128  # query tokens per program: two consumer warpgroups of 64 (one wgmma's height)
 BLOCK_M = gl.constexpr(QUERY_TILE)
+KEY_TILE = 128  # keys per K/V tile (the launchers' default)
 CONSUMER_REGS = 240  # registers a consumer thread gets once the producer gives its share back
 # 4 + 4 consumer warps + 1 producer warp run as three warpgroups: 168 x 384 threads fit the
 # 64K-register file before the producer shrinks to 24 and the consumers grow to 240.
@@ -253,13 +254,13 @@ def _consume1(descs, smem, bars, prog):
 # by 16 or alignment.
 @gluon.jit(
     do_not_specialize=["stride_bt", "page", "oob_row"],
-    do_not_specialize_on_alignment=["cu_seqlens_q", "seq_lens", "block_table"],
+    do_not_specialize_on_alignment=["cu_seqlens_q", "seq_lens", "block_table", "stats"],
 )
 def _attention_kernel(
-    q_desc, k_desc, v_desc, O, cu_seqlens_q, seq_lens, block_table,
+    q_desc, k_desc, v_desc, O, cu_seqlens_q, seq_lens, block_table, stats,
     qk_scale, stride_ot, stride_oh, stride_bt, page, oob_row,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    PAGED: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PAGED: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, RECORD_STATS: gl.constexpr,
 ):  # fmt: skip
     m_tile = gl.num_programs(0) - 1 - gl.program_id(0)  # longest-first
     head = gl.program_id(1)
@@ -275,6 +276,14 @@ def _attention_kernel(
     else:
         context = 0
         bt_row = block_table  # unread
+    if RECORD_STATS:
+        # The kernel's own account, per program: key tiles visible whole to the tile's first
+        # row, and the rest up to the diagonal (masked); later tiles are never visited.
+        n_tiles = gl.cdiv(context + gl.minimum(m_start + BLOCK_M, q_len), BLOCK_N)
+        n_full = (context + m_start + 1) // BLOCK_N
+        pid = (req * gl.num_programs(1) + head) * gl.num_programs(0) + m_tile
+        gl.store(stats + pid * 2, n_full)
+        gl.store(stats + pid * 2 + 1, n_tiles - n_full)
 
     dtype: gl.constexpr = q_desc.dtype
     half: gl.constexpr = BLOCK_M // 2
@@ -347,20 +356,22 @@ def launch_prefill(
     group: int,
     scale_log2: float,
     *,
-    block_n: int = 128,
+    block_n: int = KEY_TILE,
     stages: int = 3,
     pingpong: bool = True,
+    stats: torch.Tensor | None = None,
 ) -> None:
     """Causal prefill over the 2-D row views ([T, heads * D], heads packed) that `prefill.py`
-    prepares. o: [T, Hq, D]; `scale_log2` is the softmax scale times log2(e)."""
+    prepares. o: [T, Hq, D]; `scale_log2` is the softmax scale times log2(e); `stats` (int32,
+    [B * Hq * query tiles * 2], zeros) receives each program's (full, masked) key-tile counts."""
     _, num_heads, head_dim = o.shape
     grid = (triton.cdiv(max(max_seqlen, 1), QUERY_TILE), num_heads, cu_seqlens.numel() - 1)
     _attention_kernel[grid](
         _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, block_n, head_dim),
         _descriptor(v_rows, block_n, head_dim), o, cu_seqlens, cu_seqlens, cu_seqlens,
-        scale_log2, o.stride(0), o.stride(1), 0, 1, 0,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
-        PAGED=False, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+        stats if stats is not None else cu_seqlens, scale_log2, o.stride(0), o.stride(1), 0, 1, 0,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=False, PINGPONG=pingpong,
+        CONSUMER_REGS=CONSUMER_REGS, RECORD_STATS=stats is not None, num_warps=4, maxnreg=MAX_REGS,
     )  # fmt: skip
 
 
@@ -376,14 +387,15 @@ def launch_paged(
     group: int,
     scale_log2: float,
     *,
-    block_n: int = 128,
+    block_n: int = KEY_TILE,
     stages: int = 3,
     pingpong: bool = True,
+    stats: torch.Tensor | None = None,
 ) -> None:
     """Paged attention of each request's new tokens over its whole context (no split-KV).
 
     q_rows: [T, Hq * D] view of the new tokens; k_cache, v_cache: [num_blocks, page, Hkv, D]
-    contiguous, page a multiple of 16; o: [T, Hq, D].
+    contiguous, page a multiple of 16; o: [T, Hq, D]; `stats` as for `launch_prefill`.
     """
     num_blocks, page, num_kv_heads, head_dim = k_cache.shape
     rows = num_blocks * page
@@ -394,9 +406,10 @@ def launch_paged(
     _attention_kernel[grid](
         _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),
         _descriptor(v_rows, box, head_dim), o, cu_seqlens_q, seq_lens, block_table,
-        scale_log2, o.stride(0), o.stride(1), block_table.stride(0), page, rows,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
-        PAGED=True, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+        stats if stats is not None else seq_lens, scale_log2, o.stride(0), o.stride(1), block_table.stride(0),
+        page, rows, GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=True,
+        PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, RECORD_STATS=stats is not None, num_warps=4,
+        maxnreg=MAX_REGS,
     )  # fmt: skip
 
 
@@ -406,9 +419,10 @@ def compile_for_sm90(
     *,
     paged: bool = False,
     page: int = 16,
-    block_n: int = 128,
+    block_n: int = KEY_TILE,
     stages: int = 3,
     pingpong: bool = True,
+    record_stats: bool = False,
 ):
     """Compile a kernel for sm_90a without a GPU (Triton ships its own ptxas), for reading its
     TTGIR / PTX / SASS anywhere: `compile_for_sm90().asm["ptx"]`. Returns Triton's CompiledKernel.
@@ -432,6 +446,7 @@ def compile_for_sm90(
         cu_seqlens_q=torch.zeros(2, dtype=torch.int32),
         seq_lens=torch.zeros(1, dtype=torch.int32),
         block_table=torch.zeros(1, 4, dtype=torch.int32),
+        stats=torch.zeros(2, dtype=torch.int32),
         qk_scale=0.1,
         stride_ot=hq * head_dim,
         stride_oh=head_dim,
@@ -441,7 +456,7 @@ def compile_for_sm90(
     )
     consts = dict(
         GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
-        PAGED=paged, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS,
+        PAGED=paged, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, RECORD_STATS=record_stats,
     )  # fmt: skip
     fn = _attention_kernel
     signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}

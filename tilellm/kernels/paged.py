@@ -31,6 +31,7 @@ from tilellm.kernels.prefill import _rows_view
 from tilellm.kernels.schedule import (
     SplitPlan,
     choose_num_splits,
+    hopper_plan,
     paged_grid,
     query_tiles_first,
     target_programs,
@@ -331,9 +332,10 @@ def _launch(
     _, page, Hkv, _ = k_cache.shape
     batch = seq_lens.numel()
     group = Hq // Hkv
+    gluon_tiles = triton.cdiv(max_seqlen_q, hopper.QUERY_TILE)
     if (
         num_splits is None
-        and not (is_decode or record_stats)
+        and not is_decode
         and kv_lo is None
         and kv_hi is None
         and parts is None
@@ -341,15 +343,19 @@ def _launch(
         and T > 0
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and paged_uses_gluon(
-            D, q.dtype, page, max_seqlen_q, triton.cdiv(max_seqlen_q, hopper.QUERY_TILE) * Hq * batch
-        )
+        and paged_uses_gluon(D, q.dtype, page, max_seqlen_q, gluon_tiles * Hq * batch)
     ):
         # Prompt chunks on Hopper: FlashAttention-3's schedule, K/V pages copied by TMA (hopper.py).
+        # Its programs are (query tile, query head, request); its stats [B, Hq, query tiles, 2].
+        stats = None
+        if record_stats:
+            stats = torch.zeros(batch * Hq * gluon_tiles * 2, dtype=torch.int32, device=q.device)
         hopper.launch_paged(
             _rows_view(q), k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, group,
-            validation.resolve_scale(scale, D) * LOG2_E,
+            validation.resolve_scale(scale, D) * LOG2_E, stats=stats,
         )  # fmt: skip
+        if record_stats:
+            return stats.view(batch, Hq, gluon_tiles, 2), hopper_plan(batch, Hq, gluon_tiles, seq_lens)
         return None
     cfg, block_q = paged_config(D, q.dtype, group, max_seqlen_q)
     q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)

@@ -193,12 +193,12 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     if T == 0 or batch == 0:
         return
     cfg = prefill_config(D, q.dtype, max_seqlen)
-    if cfg.kernel == "gluon" and causal and stats is None and q.is_cuda:
+    if cfg.kernel == "gluon" and causal and q.is_cuda:
         # same tiles and causal walk, FlashAttention-3's schedule (see hopper.py)
         q_rows, k_rows, v_rows = _rows_view(q), _rows_view(k), _rows_view(v)
         hopper.launch_prefill(
             q_rows, k_rows, v_rows, o, cu_seqlens, max_seqlen, Hq // k.shape[1], scale * LOG2_E,
-            block_n=cfg.block_n, stages=cfg.num_stages,
+            block_n=cfg.block_n, stages=cfg.num_stages, stats=stats,
         )  # fmt: skip
         return
     q_desc = TensorDescriptor.from_tensor(_rows_view(q), [cfg.block_m, D])

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tilellm.kernels.config import num_sms as device_num_sms
-from tilellm.kernels.config import paged_config, prefill_config
+from tilellm.kernels.config import paged_config, paged_uses_gluon, prefill_config
+from tilellm.kernels.hopper import KEY_TILE as HOPPER_KEY_TILE
+from tilellm.kernels.hopper import QUERY_TILE as HOPPER_QUERY_TILE
 
 MIN_KEYS_PER_SPLIT = 1024  # shorter segments cost more in per-program work than they spread (E1D, RESULTS.md)
 # No split below this many keys in the batch's longest context (two segments of the minimum).
@@ -281,6 +283,45 @@ def prefill_schedule(
     return sched
 
 
+def hopper_plan(
+    num_requests: int, num_q_heads: int, q_tiles: int, seq_lens, num_sms: int | None = None
+) -> SplitPlan:
+    """The (trivial) split plan of `hopper.py`'s paged kernel: it never splits, and is chosen
+    only for batches whose programs fill a wave (`config.paged_uses_gluon`)."""
+    longest = _host_max(seq_lens, allow_device=True)
+    base = num_requests * num_q_heads * q_tiles
+    reason = f"no split: the Hopper kernel (hopper.py), {base} programs of one query head's 128 tokens"
+    return SplitPlan(1, reason, num_sms or device_num_sms(), base, longest)
+
+
+def _hopper_paged_schedule(q_lens, lens, num_q_heads, num_sms) -> TileSchedule:
+    bm, bn = HOPPER_QUERY_TILE, HOPPER_KEY_TILE
+    q_tiles = _cdiv(max(max(q_lens, default=1), 1), bm)
+    sched = TileSchedule(
+        "paged_attention (hopper.py)",
+        (q_tiles, num_q_heads, len(lens)),
+        bm,
+        bn,
+        split_plan=hopper_plan(len(lens), num_q_heads, q_tiles, lens, num_sms),
+        block_q=bm,
+    )
+    for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
+        context = seq_len - q_len
+        total = _cdiv(seq_len, bn)
+        for head in range(num_q_heads):
+            for q_tile in range(q_tiles):
+                t0 = q_tile * bm
+                if t0 >= q_len:
+                    sched.programs.append(ProgramTiles(req, head, q_tile, 0, 0, 0, 0, -1, -1))
+                    continue
+                visited = _cdiv(context + min(t0 + bm, q_len), bn)
+                full = (context + t0 + 1) // bn
+                sched.programs.append(
+                    ProgramTiles(req, head, q_tile, 0, full, visited - full, total - visited, 0, visited - 1)
+                )
+    return sched
+
+
 def paged_schedule(
     cu_seqlens_q: torch.Tensor | Sequence[int],
     seq_lens: torch.Tensor | Sequence[int],
@@ -294,7 +335,9 @@ def paged_schedule(
     num_sms: int | None = None,
 ) -> TileSchedule:
     """Tiles of `paged_attention`: grid (KV heads, requests, query tiles x splits), or
-    (query tiles x splits, KV heads, requests) when there are several query tiles.
+    (query tiles x splits, KV heads, requests) when there are several query tiles. On Hopper,
+    batches that `hopper.py` serves (`config.paged_uses_gluon`): grid (query tiles, query
+    heads, requests), programs of one query head's 128 tokens, 128-key tiles, no split.
 
     `skipped` (future tiles of the request) is reported on each query tile's last segment.
     """
@@ -303,6 +346,9 @@ def paged_schedule(
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
     group = num_q_heads // num_kv_heads
+    programs = _cdiv(max(max_q, 1), HOPPER_QUERY_TILE) * num_q_heads * len(lens)
+    if num_splits is None and paged_uses_gluon(head_dim, dtype, block_size, max_q, programs):
+        return _hopper_paged_schedule(q_lens, lens, num_q_heads, num_sms)
     cfg, block_q = paged_config(head_dim, dtype, group, max_q)
     bn = cfg.block_n
     q_tiles = _cdiv(max(max_q, 1), block_q)
