@@ -346,7 +346,9 @@ def bench_paged(
 
     q, kc, vc, bt, cu, seq = _paged_inputs(q_lens, kv_lens, dtype)
     byts = _kv_bytes(kv_lens)
-    floor = byts / (ceilings["copy_gbps"] * 1e9) * 1e3
+    flops = sum(4 * D * HQ * (p + 1) for ql, kv in zip(q_lens, kv_lens) for p in range(kv - ql, kv))
+    # the larger of reading K/V once at the copy rate and the products at the matmul rate
+    floor = max(byts / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["matmul_tflops"] * 1e12)) * 1e3
     max_q, max_k = max(q_lens), max(kv_lens)
     if decode:
         fn = lambda splits=None: tk.decode_attention(
@@ -360,7 +362,6 @@ def bench_paged(
     err = _check(name, fn()[:n], ref)
     plan = plan_split_kv(cu, seq, HQ, HKV, head_dim=D, dtype=dtype)
     ms = _bench(fn)
-    flops = sum(4 * D * HQ * (p + 1) for ql, kv in zip(q_lens, kv_lens) for p in range(kv - ql, kv))
     rows.append(
         Row(
             name,

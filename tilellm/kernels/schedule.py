@@ -226,12 +226,19 @@ def plan_split_kv(
     dtype: torch.dtype = torch.bfloat16,
     num_splits: int | None = None,
     num_sms: int | None = None,
+    block_size: int = 16,
 ) -> SplitPlan:
-    """The split-KV plan `paged_attention` would use for this batch."""
+    """The split-KV plan `paged_attention` would use for this batch (on Hopper, for the batches
+    that `hopper.py` serves, its no-split plan)."""
     cu = _as_list(cu_seqlens_q)
     lens = _as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
+    q_tiles = _cdiv(max(max_q, 1), HOPPER_QUERY_TILE)
+    if num_splits is None and paged_uses_gluon(
+        head_dim, dtype, block_size, max_q, q_tiles * num_q_heads * len(lens)
+    ):
+        return hopper_plan(len(lens), num_q_heads, q_tiles, lens, num_sms)
     cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
     return choose_num_splits(
         len(lens),
