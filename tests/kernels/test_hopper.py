@@ -243,3 +243,48 @@ def test_hopper_paged_report_by_brute_force():
         visited = [j for j in tiles if j * 128 <= last_pos]
         assert (p.full, p.diagonal) == (len(full), len(visited) - len(full)), p
         assert p.skipped == len(tiles) - len(visited) and p.last_kv_tile == visited[-1], p
+
+
+PAGES = [(16, True), (32, True), (64, True), (128, True), (256, True)]
+PAGES += [(48, False), (80, False), (192, False), (8, False), (1, False)]
+
+
+@pytest.mark.parametrize("page,ok", PAGES)
+def test_pages_the_paged_kernel_takes(page, ok, monkeypatch):
+    """Pages must tile a 128-key slot (every TMA box starts on a page): others stay on paged.py,
+    and the launcher refuses them."""
+    assert config.gluon_page_ok(page) is ok
+    monkeypatch.setattr(config, "hopper", lambda *a: True)
+    assert config.paged_uses_gluon(128, torch.bfloat16, page, 512, 1000, num_sms_=132) is ok
+    if not ok:
+        cache = torch.empty(4, page, 1, 128, dtype=torch.bfloat16)
+        q = torch.empty(8, 1, 128, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        with pytest.raises(ValueError, match="do not tile"):
+            hopper.launch_paged(q.view(8, -1), cache, cache, q, cu.view(1, 2), cu, cu[1:], 8, 1, 1.0)
+
+
+def test_paged_gate(monkeypatch):
+    monkeypatch.setattr(config, "hopper", lambda *a: True)
+    ok = dict(num_tokens=512 * 16, num_requests=16, num_sms_=132)
+    assert config.paged_uses_gluon(128, torch.bfloat16, 16, 512, 4 * 32 * 16, **ok)  # C1
+    assert not config.paged_uses_gluon(64, torch.bfloat16, 16, 512, 2048, **ok)  # head dim
+    assert not config.paged_uses_gluon(128, torch.float32, 16, 512, 2048, **ok)  # dtype
+    assert not config.paged_uses_gluon(128, torch.bfloat16, 16, 127, 2048, **ok)  # no full query tile
+    assert not config.paged_uses_gluon(128, torch.bfloat16, 16, 512, 131, **ok)  # less than a wave
+    # one chunk among many short verifications: packed by paged.py instead
+    assert not config.paged_uses_gluon(
+        128, torch.bfloat16, 16, 128, 40 * 32, num_tokens=128 + 39 * 6, num_requests=40, num_sms_=132
+    )
+    monkeypatch.setattr(config, "hopper", lambda *a: False)
+    assert not config.paged_uses_gluon(128, torch.bfloat16, 16, 512, 2048, **ok)  # not sm_90
+
+
+@pytest.mark.parametrize("stages,block_n", [(1, 128), (4, 128), (3, 32)])
+def test_pipeline_depth_is_checked(stages, block_n):
+    """One stage deadlocks, four overflow shared memory: refused before launching."""
+    x = torch.empty(8, 1, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="stages must be 2 or 3"):
+        hopper.launch_prefill(x.view(8, -1), x.view(8, -1), x.view(8, -1), x, cu, 8, 1, 1.0, stages=stages,
+                              block_n=block_n)  # fmt: skip

@@ -55,7 +55,7 @@ from tilellm.engine.metadata import (
     num_leading_decodes,
 )
 from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
-from tilellm.kernels.config import num_sms, paged_config
+from tilellm.kernels.config import paged_config
 from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT, choose_num_splits
 
 if TYPE_CHECKING:
@@ -405,15 +405,41 @@ class ModelRunner:
             if q < long_ctx:
                 self._warmup_step([1] * 8 + [q], [long_ctx] * 8 + [q], BatchKind.MIXED)
                 self._warmup_step([1, q], [q + 1, long_ctx], BatchKind.MIXED)
-        # Prompt chunks over a cached prefix in a batch wide enough for a wave on every SM: on
-        # Hopper, paged_attention's Gluon kernel (config.paged_uses_gluon).
-        wide = -(-num_sms() // self.model.attention_layers()[0].num_heads)
-        if 128 * wide <= cap and 256 <= long_ctx:
-            self._warmup_step([128] * wide, [256] * wide, BatchKind.MIXED)
+        self._warmup_hopper_paged()
         if long_ctx > 256:  # cascade decode (a shared prefix): its two passes and the merge
             self._warmup_step([1] * 8, [long_ctx] * 8, BatchKind.DECODE, cascade_prefix=256)
         self._sync()
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - t0)
+
+    def _warmup_hopper_paged(self) -> None:
+        """On Hopper, compile paged_attention's Gluon kernel (prompt chunks, see
+        `config.paged_uses_gluon`), which a step reaches only for batches wide enough to fill a
+        wave: one direct launch over layer 0's cache, reading block 0 for 128 new tokens."""
+        import tilellm.kernels as triton_ops
+        from tilellm.kernels import hopper
+        from tilellm.kernels.config import gluon_page_ok
+        from tilellm.kernels.config import hopper as on_hopper
+        from tilellm.kernels.prefill import LOG2_E
+
+        attn = self.model.attention_layers()[0]
+        if not (
+            attn.ops is triton_ops
+            and on_hopper()
+            and attn.head_dim == 128
+            and self.dtype in (torch.bfloat16, torch.float16)
+            and gluon_page_ok(self.block_size)
+            and attn.k_cache.is_contiguous()
+        ):
+            return
+        dev = self.device
+        q = torch.zeros(128, attn.num_heads, attn.head_dim, dtype=self.dtype, device=dev)
+        table = torch.zeros(1, -(-128 // self.block_size), dtype=torch.int32, device=dev)
+        cu = torch.tensor([0, 128], dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor([128], dtype=torch.int32, device=dev)
+        hopper.launch_paged(
+            q.view(128, -1), attn.k_cache, attn.v_cache, torch.empty_like(q), table, cu, seq_lens, 128,
+            attn.num_heads // attn.num_kv_heads, attn.scale * LOG2_E,
+        )  # fmt: skip
 
     def _warmup_step(
         self, q_lens: list[int], seq_lens: list[int], kind: BatchKind, cascade_prefix: int = 0

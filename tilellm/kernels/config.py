@@ -73,27 +73,48 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
 
 
 GLUON_CHUNK_MIN_TOKENS = 128  # one full query tile of the Gluon kernel
+GLUON_MEAN_MIN_TOKENS = 64  # new tokens per request on average: chunks, not verification
 
 
-def paged_uses_gluon(head_dim: int, dtype: torch.dtype, page: int, max_seqlen_q: int, programs: int) -> bool:
+def gluon_page_ok(page: int) -> bool:
+    """Pages the Gluon paged kernel can copy: 16-key multiples that tile its 128-key slots
+    exactly (a divisor of 128, or a multiple of it), so every TMA box starts on a page."""
+    return page % 16 == 0 and (128 % page == 0 or page % 128 == 0)
+
+
+def paged_uses_gluon(
+    head_dim: int,
+    dtype: torch.dtype,
+    page: int,
+    max_seqlen_q: int,
+    programs: int,
+    *,
+    num_tokens: int | None = None,
+    num_requests: int | None = None,
+    num_sms_: int | None = None,
+) -> bool:
     """Whether `paged_attention` runs the Gluon kernel of `hopper.py` (prompt chunks over a
-    cached prefix; sixth session, run 34: C1 618 TFLOP/s against 347 for the Triton kernel, and
-    515 vs 272 for 32 chunks of 128 tokens over 2048 cached).
+    cached prefix; sixth session, runs 34-35: C1 557-618 TFLOP/s against 347 for the Triton
+    kernel, and 515 vs 272 for 32 chunks of 128 tokens over 2048 cached).
 
-    On an H100/H200, for D = 128 in half precision, pages of a multiple of 16 keys (whole TMA
-    boxes), batches with a chunk of at least one full 128-token query tile, and enough programs
+    On an H100/H200, for D = 128 in half precision, pages that tile a 128-key slot
+    (`gluon_page_ok`), batches with a chunk of at least one full 128-token query tile and at
+    least 64 new tokens per request on average (its programs hold one query head's 128 tokens:
+    a batch of mostly short verifications is cheaper packed by `paged.py`), and enough programs
     (query tiles x query heads x requests, an upper bound) for a wave on every SM: that kernel
     has no split-KV, so a batch that needs splitting stays on `paged.py`.
     """
     if "paged" in _overrides:
         return False
+    chunky = num_tokens is None or num_requests is None or num_tokens >= GLUON_MEAN_MIN_TOKENS * num_requests
     return (
         hopper()
         and head_dim == 128
         and dtype in (torch.bfloat16, torch.float16)
-        and page % 16 == 0
+        and gluon_page_ok(page)
         and max_seqlen_q >= GLUON_CHUNK_MIN_TOKENS
-        and programs >= num_sms()
+        and chunky
+        and programs >= (num_sms_ or num_sms())
     )
 
 

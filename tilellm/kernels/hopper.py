@@ -38,6 +38,11 @@ visited. The two kernels differ only in where the producer finds K/V:
   wgmma covers 128 keys. Pages the tile needs past the request's last key are copied from
   beyond the end of the cache, which TMA fills with zeros.
 
+Cache contents: in a request's last page, the rows past its last key are copied too (a TMA box
+cannot be cut short) and meet P = 0 in P V; they must hold finite values, or 0 x inf = NaN would
+reach valid rows. The engine's pool starts zeroed and only ever holds stored K/V; `paged.py`
+masks these loads instead.
+
 GQA: a query head reads its KV head (`head // group`); heads of one group launch next to each
 other, so their K/V tiles come from L2. On an H200 (runs 33-34, `benchmarks/hopper_kernels.py`):
 P2 607-611 TFLOP/s vs 527-536 for `prefill.py` and 581-595 for cuDNN; P1 480-482 vs 455 and
@@ -339,6 +344,13 @@ def _attention_kernel(
         )  # fmt: skip
 
 
+def _check_pipeline(block_n: int, stages: int) -> None:
+    # One slot deadlocks (a consumer frees tile j-1 only after tile j has arrived in the same
+    # slot); four 128-key stages at D = 128 exceed the 227 KB of shared memory.
+    if not 2 <= stages <= 3 or block_n not in (64, 128):
+        raise ValueError(f"hopper: stages must be 2 or 3 and block_n 64 or 128, got {stages} and {block_n}")
+
+
 def _descriptor(rows: torch.Tensor, block_rows: int, head_dim: int) -> TensorDescriptor:
     """TMA descriptor over a 2-D row view, boxes of [block_rows, head_dim], 128-byte swizzle."""
     gl_dtype = gl.bfloat16 if rows.dtype == torch.bfloat16 else gl.float16
@@ -365,6 +377,7 @@ def launch_prefill(
     prepares. o: [T, Hq, D]; `scale_log2` is the softmax scale times log2(e); `stats` (int32,
     [B * Hq * query tiles * 2], zeros) receives each program's (full, masked) key-tile counts."""
     _, num_heads, head_dim = o.shape
+    _check_pipeline(block_n, stages)
     grid = (triton.cdiv(max(max_seqlen, 1), QUERY_TILE), num_heads, cu_seqlens.numel() - 1)
     _attention_kernel[grid](
         _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, block_n, head_dim),
@@ -398,6 +411,9 @@ def launch_paged(
     contiguous, page a multiple of 16; o: [T, Hq, D]; `stats` as for `launch_prefill`.
     """
     num_blocks, page, num_kv_heads, head_dim = k_cache.shape
+    _check_pipeline(block_n, stages)
+    if page % 16 or (block_n % page and page % block_n):
+        raise ValueError(f"hopper.launch_paged: pages of {page} keys do not tile {block_n}-key slots")
     rows = num_blocks * page
     box = min(page, block_n)
     k_rows = k_cache.view(rows, num_kv_heads * head_dim)

@@ -298,7 +298,9 @@ def decode_attention(
 def paged_tile_stats(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, *, num_splits: int | None = None
 ) -> tuple[torch.Tensor, SplitPlan]:
-    """Run the kernel and return its own tile counts [B, Hkv, q_tiles * splits, 2] (full, masked)."""
+    """Run the kernel and return its own tile counts [B, Hkv, q_tiles * splits, 2] (full, masked),
+    and its split plan. Batches that run `hopper.py` (Hopper, prompt chunks): [B, Hq, q_tiles, 2]
+    for its programs of one query head's 128 tokens (see `schedule.paged_schedule`)."""
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
     )
@@ -343,7 +345,9 @@ def _launch(
         and T > 0
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and paged_uses_gluon(D, q.dtype, page, max_seqlen_q, gluon_tiles * Hq * batch)
+        and paged_uses_gluon(
+            D, q.dtype, page, max_seqlen_q, gluon_tiles * Hq * batch, num_tokens=T, num_requests=batch
+        )
     ):
         # Prompt chunks on Hopper: FlashAttention-3's schedule, K/V pages copied by TMA (hopper.py).
         # Its programs are (query tile, query head, request); its stats [B, Hq, query tiles, 2].

@@ -234,11 +234,8 @@ def plan_split_kv(
     lens = _as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
-    q_tiles = _cdiv(max(max_q, 1), HOPPER_QUERY_TILE)
-    if num_splits is None and paged_uses_gluon(
-        head_dim, dtype, block_size, max_q, q_tiles * num_q_heads * len(lens)
-    ):
-        return hopper_plan(len(lens), num_q_heads, q_tiles, lens, num_sms)
+    if num_splits is None and _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms):
+        return hopper_plan(len(lens), num_q_heads, _cdiv(max(max_q, 1), HOPPER_QUERY_TILE), lens, num_sms)
     cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
     return choose_num_splits(
         len(lens),
@@ -301,6 +298,16 @@ def hopper_plan(
     return SplitPlan(1, reason, num_sms or device_num_sms(), base, longest)
 
 
+def _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms) -> bool:
+    """`paged_attention`'s choice of `hopper.py` for this batch (`config.paged_uses_gluon`)."""
+    max_q = max(q_lens, default=1)
+    programs = _cdiv(max(max_q, 1), HOPPER_QUERY_TILE) * num_q_heads * len(q_lens)
+    return paged_uses_gluon(
+        head_dim, dtype, block_size, max_q, programs, num_tokens=sum(q_lens), num_requests=len(q_lens),
+        num_sms_=num_sms,
+    )  # fmt: skip
+
+
 def _hopper_paged_schedule(q_lens, lens, num_q_heads, num_sms) -> TileSchedule:
     bm, bn = HOPPER_QUERY_TILE, HOPPER_KEY_TILE
     q_tiles = _cdiv(max(max(q_lens, default=1), 1), bm)
@@ -353,8 +360,7 @@ def paged_schedule(
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
     group = num_q_heads // num_kv_heads
-    programs = _cdiv(max(max_q, 1), HOPPER_QUERY_TILE) * num_q_heads * len(lens)
-    if num_splits is None and paged_uses_gluon(head_dim, dtype, block_size, max_q, programs):
+    if num_splits is None and _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms):
         return _hopper_paged_schedule(q_lens, lens, num_q_heads, num_sms)
     cfg, block_q = paged_config(head_dim, dtype, group, max_q)
     bn = cfg.block_n
