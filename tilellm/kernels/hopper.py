@@ -376,15 +376,11 @@ def launch_prefill(
     """Causal prefill over the 2-D row views ([T, heads * D], heads packed) that `prefill.py`
     prepares. o: [T, Hq, D]; `scale_log2` is the softmax scale times log2(e); `stats` (int32,
     [B * Hq * query tiles * 2], zeros) receives each program's (full, masked) key-tile counts."""
-    _, num_heads, head_dim = o.shape
     _check_pipeline(block_n, stages)
-    grid = (triton.cdiv(max(max_seqlen, 1), QUERY_TILE), num_heads, cu_seqlens.numel() - 1)
-    _attention_kernel[grid](
-        _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, block_n, head_dim),
-        _descriptor(v_rows, block_n, head_dim), o, cu_seqlens, cu_seqlens, cu_seqlens,
-        stats if stats is not None else cu_seqlens, scale_log2, o.stride(0), o.stride(1), 0, 1, 0,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=False, PINGPONG=pingpong,
-        CONSUMER_REGS=CONSUMER_REGS, RECORD_STATS=stats is not None, num_warps=4, maxnreg=MAX_REGS,
+    # no cache: seq_lens and block_table are unread, K/V rows are found like Q's
+    _run(
+        q_rows, k_rows, v_rows, block_n, o, cu_seqlens, cu_seqlens, cu_seqlens, stats, scale_log2,
+        max_seqlen, group, block_n, stages, pingpong, paged=None,
     )  # fmt: skip
 
 
@@ -414,16 +410,28 @@ def launch_paged(
     _check_pipeline(block_n, stages)
     if page % 16 or (block_n % page and page % block_n):
         raise ValueError(f"hopper.launch_paged: pages of {page} keys do not tile {block_n}-key slots")
-    rows = num_blocks * page
-    box = min(page, block_n)
-    k_rows = k_cache.view(rows, num_kv_heads * head_dim)
-    v_rows = v_cache.view(rows, num_kv_heads * head_dim)
-    grid = (triton.cdiv(max(max_seqlen_q, 1), QUERY_TILE), o.shape[1], seq_lens.numel())
+    rows = num_blocks * page  # a row coordinate of `rows` is past the cache: TMA reads zeros
+    _run(
+        q_rows, k_cache.view(rows, num_kv_heads * head_dim), v_cache.view(rows, num_kv_heads * head_dim),
+        min(page, block_n), o, cu_seqlens_q, seq_lens, block_table, stats, scale_log2, max_seqlen_q, group,
+        block_n, stages, pingpong, paged=(block_table.stride(0), page, rows),
+    )  # fmt: skip
+
+
+def _run(
+    q_rows, k_rows, v_rows, box, o, cu_seqlens_q, seq_lens, block_table, stats, scale_log2, max_seqlen_q,
+    group, block_n, stages, pingpong, *, paged,
+):  # fmt: skip
+    """One launch: grid (query tiles, query heads, requests); `paged` = (block-table row stride,
+    page size, the out-of-bounds row) or None for packed K/V; K/V boxes of `box` rows."""
+    num_heads, head_dim = o.shape[1], o.shape[2]
+    grid = (triton.cdiv(max(max_seqlen_q, 1), QUERY_TILE), num_heads, cu_seqlens_q.numel() - 1)
+    stride_bt, page, oob_row = paged if paged is not None else (0, 1, 0)
     _attention_kernel[grid](
         _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),
         _descriptor(v_rows, box, head_dim), o, cu_seqlens_q, seq_lens, block_table,
-        stats if stats is not None else seq_lens, scale_log2, o.stride(0), o.stride(1), block_table.stride(0),
-        page, rows, GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=True,
+        stats if stats is not None else cu_seqlens_q, scale_log2, o.stride(0), o.stride(1), stride_bt, page,
+        oob_row, GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=paged is not None,
         PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, RECORD_STATS=stats is not None, num_warps=4,
         maxnreg=MAX_REGS,
     )  # fmt: skip
