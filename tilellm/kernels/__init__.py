@@ -9,8 +9,13 @@
 - `sparse_attention`: each query attends to its own top-k logical positions only.
 - `merge_attention_states`: combine split-KV partial outputs by their log-sum-exp.
 
+On H100/H200 GPUs, long causal prefill batches and paged prompt chunks run `hopper.py` instead:
+the same tile walk in Gluon, with FlashAttention-3's producer warp, async warpgroup MMA and
+ping-pong consumers (`config.prefill_config`, `config.paged_uses_gluon` decide; everything else,
+and every other GPU and the CPU interpreter, runs the Triton kernels).
+
 `tilellm.kernels.schedule` reports, for a batch, the launch grid, the tiles each program visits
-(full / diagonal / skipped) and the split-KV plan.
+(full / diagonal / skipped) and the split-KV plan, for whichever of the two kernels would run.
 """
 
 from tilellm.kernels.merge import merge_attention_states
