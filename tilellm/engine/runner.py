@@ -417,19 +417,13 @@ class ModelRunner:
         wave: one direct launch over layer 0's cache, reading block 0 for 128 new tokens."""
         import tilellm.kernels as triton_ops
         from tilellm.kernels import hopper
-        from tilellm.kernels.config import gluon_page_ok
-        from tilellm.kernels.config import hopper as on_hopper
+        from tilellm.kernels.config import paged_uses_gluon
         from tilellm.kernels.prefill import LOG2_E
 
         attn = self.model.attention_layers()[0]
-        if not (
-            attn.ops is triton_ops
-            and on_hopper()
-            and attn.head_dim == 128
-            and self.dtype in (torch.bfloat16, torch.float16)
-            and gluon_page_ok(self.block_size)
-            and attn.k_cache.is_contiguous()
-        ):
+        # The dispatch gate itself, for a chunk of one full query tile in a batch of any width.
+        may_run = paged_uses_gluon(attn.head_dim, self.dtype, self.block_size, 128, programs=1 << 30)
+        if not (may_run and attn.ops is triton_ops and attn.k_cache.is_contiguous()):
             return
         dev = self.device
         q = torch.zeros(128, attn.num_heads, attn.head_dim, dtype=self.dtype, device=dev)

@@ -265,26 +265,28 @@ def prefill_schedule(
     num_m = _cdiv(max(max_seqlen, 1), bm)
     sched = TileSchedule("prefill_attention", (num_m, num_heads, len(cu) - 1), bm, bn)
     for req, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
-        length = end - start
-        total = _cdiv(length, bn)
         for head in range(num_heads):
             for m_tile in range(num_m):
-                m_start = m_tile * bm
-                if m_start >= length:
-                    sched.programs.append(ProgramTiles(req, head, m_tile, 0, 0, 0, 0, -1, -1))
-                    continue
-                if causal:
-                    full_end = (m_start + 1) // bn * bn
-                    diag_end = min(m_start + bm, length)
-                else:
-                    full_end, diag_end = length // bn * bn, length
-                full = full_end // bn
-                diag = _cdiv(diag_end - full_end, bn)
-                visited = full + diag
                 sched.programs.append(
-                    ProgramTiles(req, head, m_tile, 0, full, diag, total - visited, 0, visited - 1)
+                    _query_tile(req, head, m_tile, end - start, end - start, bm, bn, causal)
                 )
     return sched
+
+
+def _query_tile(req, head, q_tile, q_len, seq_len, bm, bn, causal=True) -> ProgramTiles:
+    """The key tiles of one program that owns `bm` new tokens of one query head (prefill, and
+    `hopper.py`'s paged chunks). New token t sits at position `seq_len - q_len + t`; tiles every
+    token of the program sees whole run unmasked, the rest up to its last token are masked."""
+    t0 = q_tile * bm
+    if t0 >= q_len:
+        return ProgramTiles(req, head, q_tile, 0, 0, 0, 0, -1, -1)
+    context = seq_len - q_len
+    total = _cdiv(seq_len, bn)
+    if causal:
+        full, visited = (context + t0 + 1) // bn, _cdiv(context + min(t0 + bm, q_len), bn)
+    else:
+        full, visited = seq_len // bn, total
+    return ProgramTiles(req, head, q_tile, 0, full, visited - full, total - visited, 0, visited - 1)
 
 
 def hopper_plan(
@@ -320,19 +322,9 @@ def _hopper_paged_schedule(q_lens, lens, num_q_heads, num_sms) -> TileSchedule:
         block_q=bm,
     )
     for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
-        context = seq_len - q_len
-        total = _cdiv(seq_len, bn)
         for head in range(num_q_heads):
             for q_tile in range(q_tiles):
-                t0 = q_tile * bm
-                if t0 >= q_len:
-                    sched.programs.append(ProgramTiles(req, head, q_tile, 0, 0, 0, 0, -1, -1))
-                    continue
-                visited = _cdiv(context + min(t0 + bm, q_len), bn)
-                full = (context + t0 + 1) // bn
-                sched.programs.append(
-                    ProgramTiles(req, head, q_tile, 0, full, visited - full, total - visited, 0, visited - 1)
-                )
+                sched.programs.append(_query_tile(req, head, q_tile, q_len, seq_len, bm, bn))
     return sched
 
 
