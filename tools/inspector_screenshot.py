@@ -4,7 +4,7 @@
     python tools/inspector_screenshot.py                      # -> docs/inspector.png
     python tools/inspector_screenshot.py --batch 1:3000,64:64 --out /tmp/x.png --html /tmp/x.html
 
-Uses the same DevTools-pipe client as the browser test (tests/demo/cdp.py); needs /usr/bin/chromium.
+Uses the same DevTools-pipe client as the browser test (tests/inspect/cdp.py); needs /usr/bin/chromium.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:
 
 os.environ.pop("TRITON_INTERPRET", None)  # show the GPU kernels' tiles, not the interpreter's
 
-from tests.demo.cdp import Browser, find_chromium  # noqa: E402
+from tests.inspect.cdp import Browser, find_chromium  # noqa: E402
 from tilellm.inspect import describe_batch, parse_heads, render_html  # noqa: E402
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.demo.cdp import Browser, find_chromium
-from tests.demo.pagecheck import PAGE_FACTS_JS, TILE_CLASSES, expected_facts
+from tests.inspect.cdp import Browser, find_chromium
+from tests.inspect.pagecheck import PAGE_FACTS_JS, TILE_CLASSES, expected_facts
 from tilellm.inspect import describe_batch, render_html
 
 CHROMIUM = find_chromium()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.demo.pagecheck import TILE_CLASSES, Elements, expected_facts
+from tests.inspect.pagecheck import TILE_CLASSES, Elements, expected_facts
 from tilellm.inspect import describe_batch, parse_batch, parse_heads, render_html, render_text
 from tilellm.inspect.geometry import tile_runs, visible_fraction
 from tilellm.kernels.schedule import paged_schedule, prefill_schedule
