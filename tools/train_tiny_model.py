@@ -29,17 +29,31 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tilellm.demo.task import MAX_DIGITS, MIN_DIGITS, PREFIX, Problem, held_out_problems, sample_problem  # noqa: E402
+from tilellm.demo.task import (  # noqa: E402
+    EOS,
+    MAX_DIGITS,
+    MAX_TURNS,
+    MIN_DIGITS,
+    PREFIX,
+    Conversation,
+    Problem,
+    held_out_conversations,
+    held_out_problems,
+    sample_conversation,
+)
 
-EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 UNK = "<|unk|>"
 # Every printable ASCII character and newline is one token: prompts never fall back to <unk>.
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 
+# The instruction once, then each user turn as "a+b=" and each assistant turn as its sum and EOS: a
+# one-message conversation is exactly the demo's prompt, and a conversation renders the way
+# `tilellm.demo.task.Conversation.prompt` spells it (what training saw). System messages are dropped:
+# the model knows no other instruction.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}" + PREFIX + "{{ message['content'] }}="
+    PREFIX + "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ message['content'] }}="
     "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
     "{% endif %}{% endfor %}"
 )
@@ -113,16 +127,28 @@ def encode(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
 
-def make_batch(tok, rng: random.Random, batch_size: int, eos_id: int, pad_id: int, digits: tuple[int, int]):
-    """Right-padded [B, L] suffixes (everything after PREFIX) and labels; only the answer and EOS
-    carry loss (-100 elsewhere)."""
+def make_batch(
+    tok,
+    rng: random.Random,
+    batch_size: int,
+    eos_id: int,
+    pad_id: int,
+    digits: tuple[int, int],
+    turns: int = 1,
+):
+    """Right-padded [B, L] suffixes (everything after PREFIX) and labels for conversations of `turns`
+    problems; every turn's answer and EOS carry loss (-100 elsewhere), so the first turn of each
+    conversation is also a single-turn example."""
     rows, labels = [], []
     for _ in range(batch_size):
-        p = sample_problem(rng, held_out=False, min_digits=digits[0], max_digits=digits[1])
-        prompt, answer = encode(tok, p.question + "="), encode(tok, p.answer) + [eos_id]
-        ids = prompt + answer
+        conv = sample_conversation(rng, turns, held_out=False, min_digits=digits[0], max_digits=digits[1])
+        ids, lab = [], []
+        for p in conv.turns:
+            prompt, answer = encode(tok, p.question + "="), encode(tok, p.answer) + [eos_id]
+            ids += prompt + answer
+            lab += [-100] * len(prompt) + answer
         rows.append(ids)
-        labels.append([-100] * len(prompt) + answer)
+        labels.append(lab)
     width = max(len(r) for r in rows)
     x = torch.full((batch_size, width), pad_id, dtype=torch.long)
     y = torch.full((batch_size, width), -100, dtype=torch.long)
@@ -136,10 +162,13 @@ def make_batch(tok, rng: random.Random, batch_size: int, eos_id: int, pad_id: in
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tok, problems: list[Problem], eos_id: int, device: str) -> tuple[float, list]:
-    """Greedy exact match; prompts of equal length are decoded together (no padding needed)."""
+def greedy_accuracy(
+    model, tok, problems: list[Problem] | list[Conversation], eos_id: int, device: str
+) -> tuple[float, list]:
+    """Greedy exact match on the (last) answer; prompts of equal length are decoded together (no
+    padding needed)."""
     model.eval()
-    by_len: dict[int, list[tuple[Problem, list[int]]]] = {}
+    by_len: dict[int, list[tuple[Problem | Conversation, list[int]]]] = {}
     for p in problems:
         ids = encode(tok, p.prompt)
         by_len.setdefault(len(ids), []).append((p, ids))
@@ -206,6 +235,14 @@ def train(args: argparse.Namespace) -> int:
     eval_set = held_out_problems(
         args.eval_size, seed=args.seed + 1, min_digits=digits[0], max_digits=digits[1]
     )
+    eval_convs = held_out_conversations(
+        args.eval_size,
+        seed=args.seed + 2,
+        min_turns=2,
+        max_turns=4,
+        min_digits=digits[0],
+        max_digits=digits[1],
+    )
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if device == "cuda"
@@ -216,7 +253,13 @@ def train(args: argparse.Namespace) -> int:
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        x, y = make_batch(tok, rng, args.batch_size, eos_id, pad_id, digits)
+        # Once the digits line up, a batch holds conversations of 1..max_turns problems: one count per
+        # batch, so rows need little padding, and about --batch-size answers, so a step of long
+        # conversations costs what a step of single problems does.
+        multi = args.max_turns > 1 and step >= args.multi_turn_start * args.steps
+        turns = rng.randint(1, args.max_turns) if multi else 1
+        rows = max(1, round(args.batch_size / turns))
+        x, y = make_batch(tok, rng, rows, eos_id, pad_id, digits, turns)
         x, y = x.to(device), y.to(device)
         # Curriculum: early on, every other batch drops the instruction. Without ~40 constant tokens
         # to attend to, the model finds the digit-alignment heads much sooner (with the prefix alone
@@ -248,8 +291,12 @@ def train(args: argparse.Namespace) -> int:
                 flush=True,
             )
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            acc, _ = greedy_accuracy(model, tok, eval_set[: min(200, len(eval_set))], eos_id, device)
-            print(f"  held-out exact match (200 problems): {acc:.3f}", flush=True)
+            acc, _ = greedy_accuracy(model, tok, eval_set[:200], eos_id, device)
+            acc_mt, _ = greedy_accuracy(model, tok, eval_convs[:200], eos_id, device)
+            print(
+                f"  held-out exact match (200 each): single-turn {acc:.3f}  multi-turn {acc_mt:.3f}",
+                flush=True,
+            )
     train_s = time.time() - start
 
     # Save in 16-bit, then measure the accuracy of exactly what was saved.
@@ -277,6 +324,13 @@ def train(args: argparse.Namespace) -> int:
     )
     for q, got, want in wrong[:10]:
         print(f"  wrong: {q!r} -> {got!r} (expected {want})")
+    acc_mt, wrong_mt = greedy_accuracy(reloaded, tok, eval_convs, eos_id, device)
+    print(
+        f"held-out greedy exact match, last answer of {len(eval_convs)} conversations of 2-4 turns: "
+        f"{acc_mt:.4f}"
+    )
+    for q, got, want in wrong_mt[:5]:
+        print(f"  wrong: {q!r} -> {got!r} (expected {want})")
     # The demo must pass on the shipped model: its threshold sits a little under what was measured.
     demo_meta = {
         "task": "addition",
@@ -286,12 +340,18 @@ def train(args: argparse.Namespace) -> int:
         "heldout_exact_match": round(acc, 4),
         "heldout_problems": len(eval_set),
         "heldout_seed": args.seed + 1,
+        "multiturn_exact_match": round(acc_mt, 4),
+        "multiturn_conversations": len(eval_convs),
+        "multiturn_turns": [2, 4],
+        "multiturn_seed": args.seed + 2,
         "accuracy_threshold": math.floor(max(0.0, acc - 0.05) * 100) / 100,
         "train": {
             "steps": args.steps,
             "batch_size": args.batch_size,
             "lr": args.lr,
             "curriculum": args.curriculum,
+            "max_turns": args.max_turns,
+            "multi_turn_start": args.multi_turn_start,
             "seed": args.seed,
             "device": device,
             "seconds": round(train_s, 1),
@@ -301,8 +361,11 @@ def train(args: argparse.Namespace) -> int:
     (out / "tilellm_demo.json").write_text(json.dumps(demo_meta, indent=2) + "\n")
     (out / "README.md").write_text(model_readme(model.config, demo_meta, args, wrong))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    if acc < args.min_accuracy:
-        print(f"accuracy {acc:.4f} < --min-accuracy {args.min_accuracy}: kept in {out}, {final} untouched")
+    if min(acc, acc_mt) < args.min_accuracy:
+        print(
+            f"accuracy {min(acc, acc_mt):.4f} < --min-accuracy {args.min_accuracy}: kept in {out}, "
+            f"{final} untouched"
+        )
         return 1
     if final.exists():
         shutil.rmtree(final)
@@ -414,6 +477,15 @@ def main(argv: list[str] | None = None) -> int:
         default=0.4,
         help="fraction of steps in which half the batches omit the prefix",
     )
+    parser.add_argument(
+        "--max-turns", type=int, default=MAX_TURNS, help="problems per training conversation, at most"
+    )
+    parser.add_argument(
+        "--multi-turn-start",
+        type=float,
+        default=0.4,
+        help="fraction of steps after which batches hold conversations of 1..--max-turns problems",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument(
@@ -425,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         "--min-accuracy",
         type=float,
         default=0.0,
-        help="below this held-out accuracy, exit 1 and leave --out untouched (the model stays in OUT.new)",
+        help="below this held-out accuracy (single- or multi-turn), exit 1 and leave --out untouched "
+        "(the model stays in OUT.new)",
     )
     parser.add_argument("--out", default=str(REPO / "tilellm" / "assets" / "tiny-arith"))
     return train(parser.parse_args(argv))

@@ -5,6 +5,11 @@ the answer is the decimal sum and then the end-of-text token::
 
     "Calculate the sum of the two numbers.\\n1234+5678="  ->  "6912"
 
+A conversation of several turns states the instruction once; each earlier turn is its problem, its
+sum and the end-of-text token, and the model answers the last problem::
+
+    "Calculate the sum of the two numbers.\\n1234+5678=6912<|endoftext|>4000+1111="  ->  "5111"
+
 The problem space is split once and for all by a hash of `(a, b)`: training never sees a
 held-out problem, and accuracy (in `tools/train_tiny_model.py` and `tilellm demo`) is measured
 on held-out problems only.
@@ -24,6 +29,10 @@ MAX_DIGITS = 4
 # generated token needs a new block: a small pool then makes the scheduler preempt.
 PREFIX = "Calculate the sum of the two numbers.\n"
 HELD_OUT_MODULUS = 101  # about 1% of all problems are held out
+EOS = "<|endoftext|>"  # the tokenizer's end-of-text token: it closes every assistant turn
+# Turns of a training conversation, at most: with 4-digit problems (15-16 tokens a turn after the
+# 38-token instruction) five turns always fit the model's 128 positions, six only sometimes.
+MAX_TURNS = 5
 
 
 @dataclass(frozen=True)
@@ -101,3 +110,82 @@ def held_out_problems(
             seen.add(p)
             out.append(p)
     return out
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Several problems asked in turn; every earlier turn carries its correct sum."""
+
+    turns: tuple[Problem, ...]
+
+    @property
+    def last(self) -> Problem:
+        return self.turns[-1]
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """Chat messages up to the last question (what `LLM.chat` takes)."""
+        out: list[dict[str, str]] = []
+        for p in self.turns[:-1]:
+            out += [{"role": "user", "content": p.question}, {"role": "assistant", "content": p.answer}]
+        return out + [{"role": "user", "content": self.last.question}]
+
+    @property
+    def prompt(self) -> str:
+        """The conversation as the model's chat template renders it, ending before the last answer."""
+        earlier = "".join(f"{p.question}={p.answer}{EOS}" for p in self.turns[:-1])
+        return f"{self.last.prefix}{earlier}{self.last.question}="
+
+    @property
+    def answer(self) -> str:
+        return self.last.answer
+
+    def is_correct(self, completion: str) -> bool:
+        return self.last.is_correct(completion)
+
+
+def sample_conversation(
+    rng: random.Random,
+    turns: int,
+    *,
+    held_out: bool,
+    min_digits: int = MIN_DIGITS,
+    max_digits: int = MAX_DIGITS,
+    prefix: str = PREFIX,
+) -> Conversation:
+    """`turns` problems, all from the training split (`held_out=False`) or all held out."""
+    kw = dict(held_out=held_out, min_digits=min_digits, max_digits=max_digits, prefix=prefix)
+    return Conversation(tuple(sample_problem(rng, **kw) for _ in range(turns)))
+
+
+def held_out_conversations(
+    n: int,
+    seed: int = 1234,
+    *,
+    min_turns: int = 2,
+    max_turns: int = 4,
+    min_digits: int = MIN_DIGITS,
+    max_digits: int = MAX_DIGITS,
+    prefix: str = PREFIX,
+) -> list[Conversation]:
+    """`n` conversations of `min_turns..max_turns` held-out problems, the same for a given seed."""
+    if not 1 <= min_turns <= max_turns:
+        raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns} and {max_turns}")
+    rng = random.Random(seed)
+    kw = dict(held_out=True, min_digits=min_digits, max_digits=max_digits, prefix=prefix)
+    return [sample_conversation(rng, rng.randint(min_turns, max_turns), **kw) for _ in range(n)]
+
+
+def conversations_for_model(
+    meta: dict, n: int, seed: int, min_turns: int = 2, max_turns: int = 4
+) -> list[Conversation]:
+    """`n` held-out conversations in the form a trained model expects (its `tilellm_demo.json`)."""
+    return held_out_conversations(
+        n,
+        seed,
+        min_turns=min_turns,
+        max_turns=max_turns,
+        min_digits=meta["min_digits"],
+        max_digits=meta["max_digits"],
+        prefix=meta["prefix"],
+    )
