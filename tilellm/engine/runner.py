@@ -416,8 +416,7 @@ class ModelRunner:
         `config.paged_uses_gluon`), which a step reaches only for batches wide enough to fill a
         wave: one direct launch over layer 0's cache, reading block 0 for 128 new tokens."""
         import tilellm.kernels as triton_ops
-        from tilellm.kernels import hopper
-        from tilellm.kernels.config import paged_uses_gluon
+        from tilellm.kernels.config import launch_gluon, paged_uses_gluon
         from tilellm.kernels.prefill import LOG2_E
 
         attn = self.model.attention_layers()[0]
@@ -430,10 +429,10 @@ class ModelRunner:
         table = torch.zeros(1, -(-128 // self.block_size), dtype=torch.int32, device=dev)
         cu = torch.tensor([0, 128], dtype=torch.int32, device=dev)
         seq_lens = torch.tensor([128], dtype=torch.int32, device=dev)
-        hopper.launch_paged(
+        launch_gluon(lambda hopper: hopper.launch_paged(
             q.view(128, -1), attn.k_cache, attn.v_cache, torch.empty_like(q), table, cu, seq_lens, 128,
             attn.num_heads // attn.num_kv_heads, attn.scale * LOG2_E,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def _warmup_step(
         self, q_lens: list[int], seq_lens: list[int], kind: BatchKind, cascade_prefix: int = 0

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if max_seqlen <= 1024:
         return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-    if head_dim == 128 and hopper():
+    if head_dim == 128 and gluon_ok():
         # sixth session, run 33: P1 480 / P2 607 TFLOP/s against 455 / 536 for the Triton kernel
         # (and cuDNN's 457 / 595); for P3's short requests the Triton kernel stays ahead (283 vs 243)
         return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, kernel="gluon")
@@ -72,6 +76,8 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
     return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
 
 
+GLUON_QUERY_TILE = 128  # query tokens per program of the Gluon kernels: two consumer warpgroups of 64
+GLUON_KEY_TILE = 128  # keys per K/V tile of the Gluon kernels (their launchers' default)
 GLUON_CHUNK_MIN_TOKENS = 128  # one full query tile of the Gluon kernel
 GLUON_MEAN_MIN_TOKENS = 64  # new tokens per request on average: chunks, not verification
 
@@ -108,7 +114,7 @@ def paged_uses_gluon(
         return False
     chunky = num_tokens is None or num_requests is None or num_tokens >= GLUON_MEAN_MIN_TOKENS * num_requests
     return (
-        hopper()
+        gluon_ok()
         and head_dim == 128
         and dtype in (torch.bfloat16, torch.float16)
         and gluon_page_ok(page)
@@ -182,6 +188,63 @@ def hopper(device_index: int | None = None) -> bool:
         idx = torch.cuda.current_device() if device_index is None else device_index
         return torch.cuda.get_device_capability(idx) == (9, 0)
     return False
+
+
+_gluon_disabled: str | None = None  # why the Gluon kernels cannot be built here (None: not known)
+
+
+def gluon_unavailable() -> str | None:
+    """Why `hopper.py`'s Gluon kernels cannot be used with the installed Triton, or None.
+
+    Importing them needs Triton's Gluon dialect with its Hopper module; building them needs the
+    names `hopper.py` uses (they moved between releases: see its aliases). A failure of either
+    is recorded once, logged once, and from then on the dispatch runs the portable Triton kernels
+    (`prefill.py`, `paged.py`) instead.
+    """
+    global _gluon_disabled
+    if _gluon_disabled is None:
+        try:
+            from tilellm.kernels import hopper  # noqa: F401
+        except Exception as e:  # ImportError, AttributeError: a Triton without the names we use
+            disable_gluon(f"{type(e).__name__}: {e}")
+    return _gluon_disabled or None
+
+
+def disable_gluon(reason: str) -> None:
+    """Record that the Gluon kernels cannot be built here (`reason`), and say so once."""
+    global _gluon_disabled
+    if not _gluon_disabled:
+        import triton
+
+        logger.warning(
+            "Gluon kernels unavailable on Triton %s (%s): Hopper runs the portable Triton kernels",
+            triton.__version__,
+            reason.splitlines()[0] if reason else "unknown",
+        )
+    _gluon_disabled = reason or "unknown"
+
+
+def launch_gluon(launch: Callable[[ModuleType], None]) -> bool:
+    """Run `launch(hopper)` (a launch of one of `hopper.py`'s kernels); False, with the kernels
+    disabled from then on, when the installed Triton cannot build it (the caller then runs the
+    portable kernel). Errors of the launch itself (CUDA, shapes) propagate."""
+    from triton.compiler.errors import CompilationError
+
+    if gluon_unavailable() is not None:
+        return False
+    from tilellm.kernels import hopper
+
+    try:
+        launch(hopper)
+    except CompilationError as e:
+        disable_gluon(f"CompilationError: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
+        return False
+    return True
+
+
+def gluon_ok(device_index: int | None = None) -> bool:
+    """True where the Gluon kernels run: an sm_90 GPU and a Triton that builds them."""
+    return hopper(device_index) and gluon_unavailable() is None
 
 
 @functools.lru_cache(maxsize=8)

@@ -65,9 +65,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-QUERY_TILE = 128  # query tokens per program: two consumer warpgroups of 64 (one wgmma's height)
+from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE
+
+# Gluon's names moved between Triton releases; each alias takes what the installed one offers.
+# A CTA-wide barrier: `gl.thread_barrier()` in Triton 3.6, `gl.barrier()` from 3.7 on.
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# A TMA copy global -> shared: `async_copy_global_to_shared` up to 3.8, `async_load` from 3.8 on.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+QUERY_TILE = GLUON_QUERY_TILE  # query tokens per program: two consumer warpgroups of 64 (one wgmma's height)
 BLOCK_M = gl.constexpr(QUERY_TILE)
-KEY_TILE = 128  # keys per K/V tile (the launchers' default)
+KEY_TILE = GLUON_KEY_TILE  # keys per K/V tile (the launchers' default)
 CONSUMER_REGS = 240  # registers a consumer thread gets once the producer gives its share back
 # 4 + 4 consumer warps + 1 producer warp run as three warpgroups: 168 x 384 threads fit the
 # 64K-register file before the producer shrinks to 24 and the consumers grow to 240.
@@ -104,9 +112,7 @@ def _load_q(descs, smem, bars, prog):
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     for w in gl.static_range(2):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [q_start + m_start + w * half, head * HEAD_DIM], q_bars.index(w), q_smem.index(w)
-        )
+        tma_load(q_desc, [q_start + m_start + w * half, head * HEAD_DIM], q_bars.index(w), q_smem.index(w))
 
 
 @gluon.jit
@@ -129,9 +135,9 @@ def _load_packed(descs, smem, bars, prog):
         mbarrier.wait(empty_bars.index(slot), ((j // stages) & 1) ^ 1)
         row = q_start + j * BLOCK_N
         mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(slot), k_smem.index(slot))
+        tma_load(k_desc, [row, kv_col], k_bars.index(slot), k_smem.index(slot))
         mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(slot), v_smem.index(slot))
+        tma_load(v_desc, [row, kv_col], v_bars.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -162,9 +168,9 @@ def _load_paged(descs, smem, bars, prog):
             block = gl.load(bt_row + key // page, mask=needed, other=0)
             row = gl.where(needed, block * page + key % page, oob)
             dst = k_smem.index(slot).slice(i * BOX, BOX)
-            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(slot), dst)
+            tma_load(k_desc, [row, kv_col], k_bars.index(slot), dst)
             dst = v_smem.index(slot).slice(i * BOX, BOX)
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(slot), dst)
+            tma_load(v_desc, [row, kv_col], v_bars.index(slot), dst)
 
 
 @gluon.jit
@@ -309,7 +315,7 @@ def _attention_kernel(
         mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
-    gl.thread_barrier()
+    cta_barrier()
 
     descs = (q_desc, k_desc, v_desc)
     smem = (q_smem, k_smem, v_smem)

@@ -24,8 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tilellm.kernels import hopper, validation
-from tilellm.kernels.config import dot_precision, num_sms, paged_config, paged_uses_gluon
+from tilellm.kernels import validation
+from tilellm.kernels.config import (
+    GLUON_QUERY_TILE,
+    dot_precision,
+    launch_gluon,
+    num_sms,
+    paged_config,
+    paged_uses_gluon,
+)
 from tilellm.kernels.merge import merge_into
 from tilellm.kernels.prefill import _rows_view
 from tilellm.kernels.schedule import (
@@ -334,7 +341,7 @@ def _launch(
     _, page, Hkv, _ = k_cache.shape
     batch = seq_lens.numel()
     group = Hq // Hkv
-    gluon_tiles = triton.cdiv(max_seqlen_q, hopper.QUERY_TILE)
+    gluon_tiles = triton.cdiv(max_seqlen_q, GLUON_QUERY_TILE)
     if (
         num_splits is None
         and not is_decode
@@ -354,13 +361,14 @@ def _launch(
         stats = None
         if record_stats:
             stats = torch.zeros(batch * Hq * gluon_tiles * 2, dtype=torch.int32, device=q.device)
-        hopper.launch_paged(
+        if launch_gluon(lambda hopper: hopper.launch_paged(
             _rows_view(q), k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, group,
             validation.resolve_scale(scale, D) * LOG2_E, stats=stats,
-        )  # fmt: skip
-        if record_stats:
-            return stats.view(batch, Hq, gluon_tiles, 2), hopper_plan(batch, Hq, gluon_tiles, seq_lens)
-        return None
+        )):  # fmt: skip
+            if record_stats:
+                return stats.view(batch, Hq, gluon_tiles, 2), hopper_plan(batch, Hq, gluon_tiles, seq_lens)
+            return None
+        # this Triton cannot build it: the portable kernel below
     cfg, block_q = paged_config(D, q.dtype, group, max_seqlen_q)
     q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
     if isinstance(num_splits, SplitPlan):

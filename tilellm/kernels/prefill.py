@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilellm.kernels import hopper, validation
-from tilellm.kernels.config import dot_precision, prefill_config
+from tilellm.kernels import validation
+from tilellm.kernels.config import dot_precision, launch_gluon, prefill_config
 
 LOG2_E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2_E)
 
@@ -196,11 +196,12 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     if cfg.kernel == "gluon" and causal and q.is_cuda:
         # same tiles and causal walk, FlashAttention-3's schedule (see hopper.py)
         q_rows, k_rows, v_rows = _rows_view(q), _rows_view(k), _rows_view(v)
-        hopper.launch_prefill(
+        if launch_gluon(lambda hopper: hopper.launch_prefill(
             q_rows, k_rows, v_rows, o, cu_seqlens, max_seqlen, Hq // k.shape[1], scale * LOG2_E,
             block_n=cfg.block_n, stages=cfg.num_stages, stats=stats,
-        )  # fmt: skip
-        return
+        )):  # fmt: skip
+            return
+        cfg = prefill_config(D, q.dtype, max_seqlen)  # this Triton cannot build it: the portable kernel
     q_desc = TensorDescriptor.from_tensor(_rows_view(q), [cfg.block_m, D])
     k_desc = TensorDescriptor.from_tensor(_rows_view(k), [cfg.block_n, D])
     v_desc = TensorDescriptor.from_tensor(_rows_view(v), [cfg.block_n, D])

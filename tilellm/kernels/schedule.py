@@ -19,10 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tilellm.kernels.config import (
+    GLUON_KEY_TILE,
+    GLUON_QUERY_TILE,
+    paged_config,
+    paged_uses_gluon,
+    prefill_config,
+)
 from tilellm.kernels.config import num_sms as device_num_sms
-from tilellm.kernels.config import paged_config, paged_uses_gluon, prefill_config
-from tilellm.kernels.hopper import KEY_TILE as HOPPER_KEY_TILE
-from tilellm.kernels.hopper import QUERY_TILE as HOPPER_QUERY_TILE
 
 MIN_KEYS_PER_SPLIT = 1024  # shorter segments cost more in per-program work than they spread (E1D, RESULTS.md)
 # No split below this many keys in the batch's longest context (two segments of the minimum).
@@ -235,7 +239,7 @@ def plan_split_kv(
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
     if num_splits is None and _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms):
-        return hopper_plan(len(lens), num_q_heads, _cdiv(max(max_q, 1), HOPPER_QUERY_TILE), lens, num_sms)
+        return hopper_plan(len(lens), num_q_heads, _cdiv(max(max_q, 1), GLUON_QUERY_TILE), lens, num_sms)
     cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
     return choose_num_splits(
         len(lens),
@@ -303,7 +307,7 @@ def hopper_plan(
 def _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms) -> bool:
     """`paged_attention`'s choice of `hopper.py` for this batch (`config.paged_uses_gluon`)."""
     max_q = max(q_lens, default=1)
-    programs = _cdiv(max(max_q, 1), HOPPER_QUERY_TILE) * num_q_heads * len(q_lens)
+    programs = _cdiv(max(max_q, 1), GLUON_QUERY_TILE) * num_q_heads * len(q_lens)
     return paged_uses_gluon(
         head_dim, dtype, block_size, max_q, programs, num_tokens=sum(q_lens), num_requests=len(q_lens),
         num_sms_=num_sms,
@@ -311,7 +315,7 @@ def _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms) ->
 
 
 def _hopper_paged_schedule(q_lens, lens, num_q_heads, num_sms) -> TileSchedule:
-    bm, bn = HOPPER_QUERY_TILE, HOPPER_KEY_TILE
+    bm, bn = GLUON_QUERY_TILE, GLUON_KEY_TILE
     q_tiles = _cdiv(max(max(q_lens, default=1), 1), bm)
     sched = TileSchedule(
         "paged_attention (hopper.py)",
