@@ -6,15 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from tilellm.engine.sampler import (
-    HAS_TRITON,
-    Sampler,
-    SamplingTable,
-    gumbel_argmax_torch,
-    row_keys,
-    seed_keys,
-)
 from tilellm.engine.sampling_params import SamplingParams
+from tilellm.engine.sampling_table import SamplingTable
+from tilellm.kernels.sampling import gumbel_argmax_torch, row_keys, seed_keys
+from tilellm.worker.sampler import Sampler
 
 # -- SamplingParams -------------------------------------------------------------------------------
 
@@ -166,13 +161,12 @@ def test_row_keys_depend_on_seed_and_step():
     seeds, steps = np.array([1, 1, 2, 2**63 + 1], dtype=np.uint64), np.array([0, 1, 0, 0])
     k = row_keys(seeds, steps)
     assert len(set(k.tolist())) == 4
-    from tilellm.engine.sampler import device_row_keys
+    from tilellm.kernels.sampling import device_row_keys
 
     dev = device_row_keys(torch.from_numpy(seed_keys(seeds).astype(np.int64)), torch.from_numpy(steps))
     assert dev.tolist() == k.astype(np.int64).tolist()
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_triton_gumbel_kernel_matches_torch():
     """The fused kernel (interpreter on CPU, compiled on GPU) draws the same tokens as the torch path."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -182,7 +176,7 @@ def test_triton_gumbel_kernel_matches_torch():
     inv_temp = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0, 1.0])
     keys = torch.from_numpy(seed_keys(np.arange(6, dtype=np.uint64) * 977).astype(np.int64))
     steps = torch.arange(6) * 1000
-    from tilellm.engine.sampler import gumbel_argmax_triton
+    from tilellm.kernels.sampling import gumbel_argmax_triton
 
     want = gumbel_argmax_torch(logits, inv_temp, keys, steps)
     got = gumbel_argmax_triton(
@@ -193,9 +187,7 @@ def test_triton_gumbel_kernel_matches_torch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    "use_triton", [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton"))]
-)
+@pytest.mark.parametrize("use_triton", [False, True])
 def test_half_logits_sample_as_their_float32_copy(dtype, use_triton):
     """Greedy and temperature rows read half-precision logits directly; the tokens are those of
     the same logits widened to float32 (the widening is exact), with ties kept on the first index."""
@@ -224,20 +216,19 @@ def test_half_logits_sample_as_their_float32_copy(dtype, use_triton):
     assert half[0].item() == logits[0].float().argmax().item()
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_triton_gumbel_kernel_breaks_ties_like_torch():
     """Tied maxima (+inf logits: the noise cannot separate them) in different lanes, loop
     iterations and vocab chunks of the kernel: the first index wins, as in the torch path."""
-    from tilellm.engine.sampler import _GUMBEL_BLOCK, _GUMBEL_CHUNK, gumbel_argmax_triton
+    from tilellm.kernels.sampling import GUMBEL_BLOCK, GUMBEL_CHUNK, gumbel_argmax_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    v = 2 * _GUMBEL_CHUNK + 500
+    v = 2 * GUMBEL_CHUNK + 500
     logits = torch.randn(5, v, generator=torch.Generator().manual_seed(9))
-    logits[0, [3 * _GUMBEL_BLOCK // 2, _GUMBEL_BLOCK + 1]] = float("inf")  # other lanes, other iterations
-    logits[1, [_GUMBEL_CHUNK + 7, 2 * _GUMBEL_CHUNK + 3, 100]] = float("inf")  # across chunks
-    logits[2, [_GUMBEL_BLOCK + 3, 3]] = float("inf")  # one lane, two iterations
+    logits[0, [3 * GUMBEL_BLOCK // 2, GUMBEL_BLOCK + 1]] = float("inf")  # other lanes, other iterations
+    logits[1, [GUMBEL_CHUNK + 7, 2 * GUMBEL_CHUNK + 3, 100]] = float("inf")  # across chunks
+    logits[2, [GUMBEL_BLOCK + 3, 3]] = float("inf")  # one lane, two iterations
     logits[3] = float("-inf")
-    logits[3, [_GUMBEL_CHUNK, _GUMBEL_CHUNK - 1]] = float("inf")  # the last index of chunk 0 first
+    logits[3, [GUMBEL_CHUNK, GUMBEL_CHUNK - 1]] = float("inf")  # the last index of chunk 0 first
     logits[4] = float("-inf")
     logits[4, v - 1] = 0.0  # the only finite entry, in the last, partial block
     inv_temp = torch.ones(5)
@@ -247,5 +238,5 @@ def test_triton_gumbel_kernel_breaks_ties_like_torch():
     got = gumbel_argmax_triton(
         logits.to(device), inv_temp.to(device), keys.to(device), steps.to(device)
     ).cpu()
-    assert want.tolist() == [_GUMBEL_BLOCK + 1, 100, 3, _GUMBEL_CHUNK - 1, v - 1]
+    assert want.tolist() == [GUMBEL_BLOCK + 1, 100, 3, GUMBEL_CHUNK - 1, v - 1]
     assert got.tolist() == want.tolist()

@@ -35,10 +35,11 @@ from tilellm.engine.metadata import StepBatch, build_step_batch
 from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tilellm.engine.request import Request, Sequence, SequenceStatus
 from tilellm.engine.runner import InputPatch, ModelRunner, StepHandle, StepResult
-from tilellm.engine.sampler import HostSampling, SamplingTable
 from tilellm.engine.sampling_params import SamplingParams
+from tilellm.engine.sampling_table import SamplingTable
 from tilellm.engine.scheduler import Scheduler, SchedulerOutput
 from tilellm.engine.stats import EngineStats, StepSnapshot, StepTimings
+from tilellm.worker.sampler import HostSampling
 
 _MASK64 = (1 << 64) - 1
 

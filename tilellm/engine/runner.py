@@ -54,9 +54,9 @@ from tilellm.engine.metadata import (
     attention_context,
     num_leading_decodes,
 )
-from tilellm.engine.sampler import HostSampling, Sampler, SamplerOutput
 from tilellm.kernels.config import paged_config
 from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT, choose_num_splits
+from tilellm.worker.sampler import HostSampling, Sampler, SamplerOutput
 
 if TYPE_CHECKING:
     from tilellm.distributed import TPDriver, TPGroup

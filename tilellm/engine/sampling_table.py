@@ -1,0 +1,100 @@
+"""Request parameters of every running sequence, by block-table row, as numpy arrays.
+
+Each step gathers its rows into the `HostSampling` that the device's sampler takes
+(`tilellm.worker.sampler`), and the engine's vectorised stop checks read the same table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tilellm.engine.sampling_params import SamplingParams
+from tilellm.kernels.sampling import seed_keys
+from tilellm.worker.sampler import HostSampling
+
+
+class SamplingTable:
+    """Request parameters of every running sequence, by block-table row, as numpy arrays.
+
+    Rows are written once when a sequence is admitted; each step gathers its rows, so building
+    a step's sampling inputs costs a few vectorised gathers, not a loop over requests. The stop
+    conditions the engine checks every step (length limit, EOS) live here too, for the same reason.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.inv_temp = np.ones(max_rows, dtype=np.float32)
+        self.greedy = np.ones(max_rows, dtype=bool)
+        self.top_k = np.full(max_rows, vocab_size, dtype=np.int64)
+        self.top_p = np.ones(max_rows, dtype=np.float32)
+        self.min_p = np.zeros(max_rows, dtype=np.float32)
+        self.seed_key = np.zeros(max_rows, dtype=np.int64)
+        self.num_prompt = np.zeros(max_rows, dtype=np.int64)
+        self.logprobs = np.full(max_rows, -1, dtype=np.int64)
+        self.min_tokens = np.zeros(max_rows, dtype=np.int64)
+        self.min_tokens_ban: dict[int, list[int]] = {}  # row -> token ids banned before min_tokens
+        # -- stop checks --
+        self.max_outputs = np.zeros(max_rows, dtype=np.int64)  # finished ("length") at this many outputs
+        self.eos_stops = np.zeros(max_rows, dtype=bool)  # EOS ends it (not ignore_eos)
+        self.python_checks = np.zeros(max_rows, dtype=bool)  # stop strings/ids, logprobs, n > 1
+
+    def set_row(
+        self,
+        row: int,
+        params: SamplingParams,
+        seed: int,
+        num_prompt: int,
+        eos_ids: list[int],
+        max_model_len: int,
+    ) -> None:
+        greedy = params.temperature == 0
+        self.greedy[row] = greedy
+        self.inv_temp[row] = 1.0 if greedy else 1.0 / max(params.temperature, 1e-5)
+        self.top_k[row] = params.top_k if params.top_k > 0 else self.vocab_size
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.seed_key[row] = int(seed_keys(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])
+        self.num_prompt[row] = num_prompt
+        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.min_tokens[row] = params.min_tokens
+        self.min_tokens_ban.pop(row, None)
+        if params.min_tokens > 0:
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids))
+            self.min_tokens_ban[row] = [t for t in dict.fromkeys(banned) if 0 <= t < self.vocab_size]
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        self.max_outputs[row] = min(max_tokens, max_model_len - num_prompt)
+        self.eos_stops[row] = not params.ignore_eos and bool(eos_ids)
+        self.python_checks[row] = bool(
+            params.stop or params.stop_token_ids or params.logprobs is not None or params.n > 1
+        )
+
+    def gather(self, rows: np.ndarray, num_tokens: np.ndarray) -> HostSampling:
+        """Inputs for `rows` sampling their token number `num_tokens - num_prompt`."""
+        steps = num_tokens - self.num_prompt[rows]
+        greedy = self.greedy[rows]
+        all_greedy = bool(greedy.all())
+        out = HostSampling(
+            rows=rows,
+            steps=steps,
+            inv_temp=self.inv_temp[rows],
+            seed_keys=self.seed_key[rows],
+            all_greedy=all_greedy,
+            greedy=greedy if not all_greedy and greedy.any() else None,
+            max_num_logprobs=int(self.logprobs[rows].max()) if len(rows) else -1,
+        )
+        if not all_greedy:
+            top_k = self.top_k[rows]
+            if (top_k < self.vocab_size).any():
+                out.top_k, out.max_top_k = top_k, int(top_k.max())
+            top_p = self.top_p[rows]
+            if (top_p < 1).any():
+                out.top_p = top_p
+            min_p = self.min_p[rows]
+            if (min_p > 0).any():
+                out.min_p = min_p
+        if self.min_tokens_ban:
+            short = np.nonzero(steps < self.min_tokens[rows])[0]
+            pairs = [(i, t) for i in short.tolist() for t in self.min_tokens_ban.get(int(rows[i]), [])]
+            if pairs:
+                out.banned = np.asarray(pairs, dtype=np.int64).T.copy()
+        return out

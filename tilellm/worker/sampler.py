@@ -1,0 +1,187 @@
+"""Token sampling on the device, without a host sync.
+
+Greedy rows take the argmax. Random rows use the Gumbel-max trick (`tilellm.kernels.sampling`):
+the token is `argmax(logits / temperature + g)`, with noise from a counter-based hash of the
+sequence's seed and the index of the token, so seeded sequences are reproducible in any batch.
+
+Filters (applied before the draw, in vLLM's order): min-p, then top-k and top-p; each sets the
+excluded logits to -inf. `min_tokens` bans EOS and the stop tokens of the rows that have not
+reached it. Logprobs are of the raw model distribution (before temperature and filters).
+
+Host-side decisions (which filters any row uses, the largest top-k, how many logprobs) arrive
+as plain Python values in `SamplingMetadata`, so nothing here reads a device value. The host
+builds each step's `HostSampling` from its per-row table (`tilellm.engine.sampling_table`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tilellm.kernels.sampling import gumbel_argmax_torch, gumbel_argmax_triton
+
+# -- per-step inputs ----------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs of one step (device tensors) and host-known switches.
+
+    inv_temperature: [N] float32 (1 for greedy rows); seed_keys: [N] int64 (uint32 key of each
+    row's seed); steps: [N] int64 (index of the token each row samples: its noise counter);
+    greedy: [N] bool, only when the batch mixes greedy and random rows (else `all_greedy` says);
+    top_k: [N] int64 (V = off) or None when no row filters; top_p / min_p: [N] float32 or None;
+    banned: (rows, token ids) int64 pairs set to -inf (min_tokens), or None.
+    """
+
+    inv_temperature: torch.Tensor
+    seed_keys: torch.Tensor
+    steps: torch.Tensor
+    all_greedy: bool
+    greedy: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    max_top_k: int = 0
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    max_num_logprobs: int = -1  # -1: no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    """Device tensors: sampled tokens, and when asked the sampled token's logprob and rank and
+    the top-k logprobs of every row."""
+
+    token_ids: torch.Tensor  # [N] int64
+    sampled_logprobs: torch.Tensor | None = None  # [N] float32
+    sampled_ranks: torch.Tensor | None = None  # [N] int64
+    top_logprobs: torch.Tensor | None = None  # [N, K] float32
+    top_token_ids: torch.Tensor | None = None  # [N, K] int64
+
+
+@dataclass
+class HostSampling:
+    """One step's sampling inputs on the host (numpy), from `SamplingTable.gather`.
+
+    Arrays are None when no row needs them; `rows` and `steps` are also what the engine's
+    vectorised stop checks use after the step.
+    """
+
+    rows: np.ndarray  # [N] int64 block-table rows of the sampled sequences
+    steps: np.ndarray  # [N] int64 index of the token each row samples (0 = first output token)
+    inv_temp: np.ndarray
+    seed_keys: np.ndarray
+    all_greedy: bool
+    greedy: np.ndarray | None = None
+    top_k: np.ndarray | None = None
+    max_top_k: int = 0
+    top_p: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+    banned: np.ndarray | None = None  # [2, K]: rows, token ids
+    max_num_logprobs: int = -1
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays the sampler needs on the device, by name."""
+        names = ("inv_temp", "seed_keys", "steps", "greedy", "top_k", "top_p", "min_p", "banned")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def to_metadata(self, dev: dict[str, torch.Tensor]) -> SamplingMetadata:
+        """Assemble the SamplingMetadata from the device copies of `device_arrays()`."""
+        banned = dev.get("banned")
+        return SamplingMetadata(
+            inv_temperature=dev["inv_temp"],
+            seed_keys=dev["seed_keys"],
+            steps=dev["steps"],
+            all_greedy=self.all_greedy,
+            greedy=dev.get("greedy"),
+            top_k=dev.get("top_k"),
+            max_top_k=self.max_top_k,
+            top_p=dev.get("top_p"),
+            min_p=dev.get("min_p"),
+            banned=None if banned is None else (banned[0], banned[1]),
+            max_num_logprobs=self.max_num_logprobs,
+        )
+
+    def to_cpu_metadata(self) -> SamplingMetadata:
+        return self.to_metadata(
+            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in self.device_arrays().items()}
+        )
+
+
+# -- the sampler --------------------------------------------------------------------------------
+
+
+def _filter_mask(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
+    """True where min-p / top-k / top-p exclude a token; None when no filter is on."""
+    mask = None
+    if md.min_p is not None:
+        probs = torch.softmax(scaled, dim=-1)
+        mask = probs < md.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(mask, float("-inf"))
+    if md.top_p is None and md.top_k is not None:
+        k_max = min(md.max_top_k, scaled.shape[1])
+        top_vals = scaled.topk(k_max, dim=-1).values
+        kth = top_vals.gather(1, (md.top_k.clamp(max=k_max) - 1)[:, None])
+        kth = torch.where(md.top_k[:, None] >= scaled.shape[1], float("-inf"), kth)
+        k_mask = scaled < kth
+        mask = k_mask if mask is None else mask | k_mask
+    elif md.top_p is not None:
+        vals, order = scaled.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(vals, dtype=torch.bool)
+        if md.top_k is not None:
+            ranks = torch.arange(vals.shape[1], device=vals.device)[None, :]
+            remove = ranks >= md.top_k[:, None]
+            vals = vals.masked_fill(remove, float("-inf"))
+        probs = torch.softmax(vals, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+        remove = remove | (before > md.top_p[:, None])
+        p_mask = torch.zeros_like(remove).scatter_(1, order, remove)
+        mask = p_mask if mask is None else mask | p_mask
+    return mask
+
+
+class Sampler:
+    """logits [N, V] -> SamplerOutput, all on the logits' device; no host sync."""
+
+    def __init__(self, use_triton: bool | None = None):
+        self.use_triton = use_triton
+
+    def _gumbel_argmax(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        use_triton = self.use_triton if self.use_triton is not None else logits.is_cuda
+        if use_triton:
+            return gumbel_argmax_triton(logits, md.inv_temperature, md.seed_keys, md.steps)
+        return gumbel_argmax_torch(logits, md.inv_temperature, md.seed_keys, md.steps)
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        # Plain greedy and temperature sampling read the model's logits as they are (bf16/fp16
+        # widen exactly inside argmax and the Gumbel kernel): no float32 copy of [N, V], which at
+        # 256 rows of a 152k vocabulary costs more than the draw itself. Filters, bans and
+        # logprobs compute in float32.
+        filters = md.min_p is not None or md.top_k is not None or md.top_p is not None
+        if filters or md.banned is not None or md.max_num_logprobs >= 0:
+            logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs >= 0 else None
+        if md.banned is not None:  # a fill kernel, not a host scalar copied to the device
+            logits = logits.clone()
+            logits[md.banned] = float("-inf")
+        if md.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            inv_temp = md.inv_temperature
+            if md.min_p is not None or md.top_k is not None or md.top_p is not None:
+                mask = _filter_mask(logits * inv_temp[:, None], md)
+                if mask is not None:
+                    logits = logits.masked_fill(mask, float("-inf"))
+            tokens = self._gumbel_argmax(logits, md)
+            if md.greedy is not None:
+                tokens = torch.where(md.greedy, logits.argmax(dim=-1), tokens)
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            sampled = raw_logprobs.gather(1, tokens[:, None])
+            out.sampled_logprobs = sampled[:, 0]
+            out.sampled_ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
+            if md.max_num_logprobs > 0:
+                out.top_logprobs, out.top_token_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+        return out
