@@ -1,14 +1,20 @@
 """`tilellm` command line: one subcommand per module, imported only when it runs.
 
 Each command module defines `add_arguments(parser)` and `main(args) -> int`; its docstring's
-first line is the command's help.
+first line is the command's help. A command raises `UsageError` for a user's mistake: `main`
+prints it as one `tilellm COMMAND: error: ...` line and returns its exit code (any other exception
+is a bug and keeps its traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
+
+from tilellm.commands.common import UsageError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tilellm.commands.generate", "Generate completions for prompts (offline, batched)."),
@@ -28,16 +34,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
-class _LazyCommand:
-    """Defers importing a command's module until its parser is needed."""
-
-    def __init__(self, module: str):
-        self.module = module
-
-    def load(self):
-        return importlib.import_module(self.module)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tilellm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -54,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command in `argv` (None: this process's command line) and return its exit code."""
+    if argv is None:
+        # Registered first, so it runs last of the exit handlers: after the command's own output
+        # and any real error, before the interpreter's teardown.
+        atexit.register(_silence_teardown_stderr)
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     # First pass finds the command; the command's own arguments are added before the real parse,
@@ -73,7 +74,31 @@ def main(argv: list[str] | None = None) -> int:
     if module_name is None:
         parser.print_help()
         return 0 if args.command is None else 2
-    return int(module.main(args) or 0)
+    try:
+        return int(module.main(args) or 0)
+    except UsageError as exc:
+        print(f"{target.prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{target.prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _silence_teardown_stderr() -> None:
+    """Point fd 2 at /dev/null for the interpreter's teardown.
+
+    Triton's nanobind extension reports its objects still alive at teardown ("nanobind: leaked
+    N instances/types/functions", dozens of lines) after every error message; Triton silences
+    its own worker processes the same way. Everything written before this (flushed here) shows.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken (e.g. a pipe whose reader left)
+            pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def _find_subparser(parser: argparse.ArgumentParser, known: argparse.Namespace) -> argparse.ArgumentParser:

@@ -1,8 +1,9 @@
 """Run the embedded model on a batch and check its accuracy.
 
-Offline, on the CPU by default: requests sharing an instruction prefix arrive a few per step;
-each step prints running / waiting requests, tokens computed, prefix-cache hits, KV blocks in
-use and preemptions; then the answers, their accuracy (checked by program) and throughput.
+Offline, on the GPU when there is one, else the CPU: requests sharing an instruction prefix
+arrive a few per step; each step prints running / waiting requests, tokens computed, prefix-cache
+hits, KV blocks in use and preemptions; then the answers, their accuracy (checked by program)
+and throughput.
 Exits 1 when the accuracy is below the threshold recorded with the model (tilellm_demo.json).
 
     tilellm demo
@@ -16,6 +17,8 @@ import argparse
 import os
 import sys
 
+from tilellm.commands.common import UsageError, check_demo_model, resolve_device
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -23,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--arrivals-per-step", type=int, default=8, help="requests added before each step")
     parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
     parser.add_argument(
         "--num-kv-blocks",
@@ -38,15 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    device = args.device or "cpu"
+    if args.num_requests < 1 or args.arrivals_per_step < 1:
+        raise UsageError("--num-requests and --arrivals-per-step must be >= 1")
+    if args.model is not None:
+        check_demo_model(args.model)
+    device = resolve_device(args.device)
     if args.attention_backend == "triton" and device == "cpu":
         # The Triton kernels run on the CPU only under the interpreter, set before triton loads.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from tilellm.demo import run_demo
 
-    if args.num_requests < 1 or args.arrivals_per_step < 1:
-        print("tilellm demo: error: --num-requests and --arrivals-per-step must be >= 1", file=sys.stderr)
-        return 2
     try:
         result = run_demo(
             model=args.model,
@@ -61,8 +65,7 @@ def main(args: argparse.Namespace) -> int:
             out=None if args.quiet else sys.stdout,
         )
     except (ValueError, FileNotFoundError) as exc:
-        print(f"tilellm demo: error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     if args.quiet:
         verdict = "PASS" if result.passed else "FAIL"
         print(

@@ -7,12 +7,12 @@ import json
 import sys
 
 from tilellm.commands.common import (
-    ModelNotFound,
+    UsageError,
     add_engine_arguments,
     add_sampling_arguments,
     engine_kwargs,
     resolve_model,
-    sampling_kwargs,
+    sampling_params,
 )
 
 
@@ -31,39 +31,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file:
-        stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
-        with stream:
-            prompts += [line.rstrip("\n") for line in stream if line.strip()]
+        try:
+            stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
+            with stream:
+                prompts += [line.rstrip("\n") for line in stream if line.strip()]
+        except OSError as e:
+            raise UsageError(f"--prompts-file {args.prompts_file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--prompts-file {args.prompts_file}: not UTF-8 text") from None
     return prompts
 
 
 def main(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     if not prompts:
-        print("tilellm generate: give at least one --prompt (or --prompts-file)", file=sys.stderr)
-        return 2
-    try:
-        model = resolve_model(args.model, "generate")
-    except ModelNotFound as e:
-        print(e, file=sys.stderr)
-        return 2
-    from tilellm import LLM, SamplingParams
+        raise UsageError("give at least one --prompt (or --prompts-file)")
+    kwargs = engine_kwargs(args)
+    params = sampling_params(args)
+    model = resolve_model(args.model, "generate")
+    from tilellm import LLM
 
     try:
-        params = SamplingParams(**sampling_kwargs(args))
-    except ValueError as e:
-        print(f"tilellm generate: {e}", file=sys.stderr)
-        return 2
-    llm = LLM(model, **engine_kwargs(args))
+        llm = LLM(model, **kwargs)
+    except ValueError as e:  # the engine's documented error for a model it cannot run
+        raise UsageError(str(e)) from None
     use_tqdm = not args.no_progress
     try:
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=use_tqdm)
         else:
             outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    except ValueError as e:
-        print(f"tilellm generate: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # a prompt the model cannot take (too long, ids out of range)
+        raise UsageError(str(e)) from None
     for prompt, out in zip(prompts, outs):
         if args.json:
             record = {

@@ -59,7 +59,12 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         if args.demo:
+            from tilellm.commands.common import check_demo_model, check_device
             from tilellm.inspect.engine import demo_inspection
+
+            if args.model is not None:
+                check_demo_model(args.model)
+            check_device(args.device)
 
             insp = demo_inspection(
                 model=args.model,

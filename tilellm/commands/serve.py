@@ -1,13 +1,25 @@
-"""Run the OpenAI-compatible HTTP server."""
+"""Run the OpenAI-compatible HTTP server.
+
+tilellm serve                      # the embedded model
+tilellm serve DIR                  # or: tilellm serve --model DIR
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 
-from tilellm.commands.common import add_engine_arguments, engine_kwargs
+from tilellm.commands.common import (
+    UsageError,
+    add_engine_arguments,
+    engine_kwargs,
+    merge_model_arguments,
+    resolve_model,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,45 +77,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _resolve_model(model: str | None) -> tuple[str, str]:
+def _resolve_model(model: str | None, **checks) -> tuple[str, str]:
     """(model directory, default served name); the embedded model when none is given."""
-    if model is not None:
-        return model, model
-    from tilellm.assets import default_model_path
+    path = resolve_model(model, "serve", **checks)
+    return path, model if model is not None else os.path.basename(os.path.normpath(path))
 
-    path = str(default_model_path())
-    print(f"tilellm serve: no MODEL given, serving the embedded default model at {path}", file=sys.stderr)
-    return path, os.path.basename(os.path.normpath(path))
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine is built: a busy port fails at once."""
+    from tilellm.server.launcher import bind_socket
+
+    try:
+        return bind_socket(host, port)
+    except OSError as exc:
+        taken = exc.errno == errno.EADDRINUSE
+        why = "is already in use (another server?); pass --port N" if taken else f"cannot be bound: {exc}"
+        raise UsageError(f"{host}:{port} {why}") from None
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.uvicorn_log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 1 or args.max_request_bytes < 1:
-        print("tilellm serve: --max-waiting and --max-request-bytes must be positive", file=sys.stderr)
-        return 2
-    model, default_name = _resolve_model(args.model)
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        print(f"tilellm serve: {model} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
-    if not args.skip_tokenizer_init and not any(
-        os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES
-    ):
-        print(
-            f"tilellm serve: {model} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
-            "add one or pass --skip-tokenizer-init",
-            file=sys.stderr,
-        )
-        return 2
+        raise UsageError("--max-waiting and --max-request-bytes must be positive")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
+    kwargs = dict(
+        engine_kwargs(args), load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init
+    )
+    model, default_name = _resolve_model(
+        merge_model_arguments(args),
+        weights=args.load_format != "dummy",
+        weights_fix="or pass --load-format dummy for random weights",
+        tokenizer=not args.skip_tokenizer_init,
+        tokenizer_fix="add one or pass --skip-tokenizer-init",
+    )
+    sock = _listen(args.host, args.port)
 
     from tilellm.server.app import ServerConfig, create_app
     from tilellm.server.launcher import make_server
 
-    kwargs = dict(
-        engine_kwargs(args), load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init
-    )
     if args.engine_process:
         from tilellm.server.engine_process import EngineProcess
 
@@ -115,7 +127,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         from tilellm.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(model, **kwargs)
+        try:
+            engine = LLMEngine(model, **kwargs)
+        except ValueError as exc:  # the engine's documented error for a model it cannot run
+            raise UsageError(str(exc)) from None
         # As `LLM` does on CUDA: outputs lag one step, nothing else changes (see LLMEngine).
         is_cuda = bool(getattr(engine.runner, "is_cuda", False))
         engine.async_scheduling = is_cuda if args.async_scheduling is None else args.async_scheduling
@@ -135,5 +150,5 @@ def main(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log,
         graceful_timeout=args.graceful_shutdown_timeout,
     )
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else 1
