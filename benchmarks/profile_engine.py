@@ -1,15 +1,17 @@
-"""Where an E1 engine step spends its device and host time (GPU only).
+"""Where does an E1 engine step spend its time? Kernels by device time, host calls by host time.
 
     python benchmarks/profile_engine.py [--out DIR] [--requests 256] [--decode-steps 24]
 
-Runs the random Qwen3-0.6B engine of `tilellm bench throughput` on the first `--requests` prompts
-of E1 under torch.profiler, in two phases: prefill (until every request has its first token) and
-then `--decode-steps` decode steps with all requests running. For each it prints the kernels by
+E1 reaches about 70% of its roofline (docs/benchmarks.md); this says which kernels and which host
+calls the rest goes to. It builds the engine `tilellm bench throughput` builds for E1 (Qwen3-0.6B's
+architecture with random weights, bf16, a 16384-token step budget, CUDA graphs for decode) through
+`tilellm.LLM`, then drives its `LLMEngine` over the first `--requests` prompts of E1 under
+torch.profiler, in two phases: prefill (until every request has its first token), then
+`--decode-steps` decode steps with all requests running. For each phase it prints the kernels by
 device time and the host calls by host time (synchronisations and allocator calls show up there).
-Then the prefill phase once more (prompt ids shifted: no prefix-cache hits) under cProfile
-instead: the Python functions by own and cumulative host time, and the runner's per-phase host
-times of its eager steps (`host_times`), which show whether a mixed step's launch is bound by
-the host. Writes `profile_engine.json` (the tables) and `cprofile_prefill.txt` under `--out`.
+Then the prefill phase once more (prompt ids shifted: no prefix-cache hits) under cProfile: the
+Python functions by own and by cumulative time. Writes `profile_engine.json` (the tables) and
+`cprofile_prefill.txt` under `--out`. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -20,17 +22,20 @@ import io
 import json
 import pathlib
 import pstats
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tilellm import SamplingParams
-from tilellm.bench import throughput as tp
+from tilellm import LLM, SamplingParams
+from tilellm.bench.throughput import e1
+from tilellm.testing import QWEN3_0_6B_CONFIG, make_random_model_dir
 
 
-def _table(prof, sort_by: str, limit: int) -> list[dict]:
+def _table(prof: profile, sort_by: str, limit: int) -> list[dict]:
     rows = []
     for ev in sorted(prof.key_averages(), key=lambda e: getattr(e, sort_by), reverse=True)[:limit]:
         rows.append(
@@ -51,51 +56,70 @@ def _print(title: str, rows: list[dict]) -> None:
         print(f"{r['name']:90} {r['count']:>7} {r['self_device_ms']:>9.2f} {r['self_cpu_ms']:>9.2f}")
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _profiled(fn) -> tuple[object, float]:
-    _sync()
+def _profiled(fn: Callable[[], None]) -> tuple[profile, float]:
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         fn()
-        _sync()
+        torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     return prof, wall
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp")
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--decode-steps", type=int, default=24)
-    tp.add_arguments(ap)
+def _shifted(prompt: list[int], shift: int) -> list[int]:
+    """The same prompt with every token id moved: the same work, no prefix-cache hits."""
+    return [(t + shift) % 10000 for t in prompt]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="artifacts", help="directory for the JSON and cProfile text")
+    ap.add_argument("--requests", type=int, default=256, help="the first N of E1's 256 prompts")
+    ap.add_argument("--decode-steps", type=int, default=24, help="decode steps profiled after prefill")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384, help="as bench throughput")
     args = ap.parse_args()
-    w = tp.e1()
+    if not torch.cuda.is_available():
+        print("profile_engine.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    if not 1 <= args.requests <= 256:
+        ap.error(f"--requests {args.requests}: E1 has 256 prompts; choose 1-256")
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    w = e1()
+    prompts = w.prompts[: args.requests]
+    params = SamplingParams(temperature=0.6, max_tokens=args.decode_steps + 64, ignore_eos=True)
     report: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model, fmt = tp._model_dir(args, tmp)
-        llm = tp._make_llm(args, model, fmt, max_model_len=tp._needed_len(w))
+        llm = LLM(
+            str(make_random_model_dir(tmp, QWEN3_0_6B_CONFIG)),
+            dtype="bfloat16",
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max(map(len, w.prompts)) + max(w.max_tokens),
+        )
         engine = llm.llm_engine
-        prompts = w.prompts[: args.requests]
-        params = SamplingParams(temperature=0.6, max_tokens=args.decode_steps + 64, ignore_eos=True)
-        llm.generate([[(t + 1) % 10000 for t in p] for p in prompts[:32]], params, use_tqdm=False)  # warm-up
-
+        llm.generate([_shifted(p, 1) for p in prompts[:32]], params, use_tqdm=False)  # warm-up
         started: set[str] = set()
 
-        def prefill_phase() -> None:  # until every request has its first token
+        def prefill(prefix: str, shift: int) -> None:  # until every request has its first token
             for i, p in enumerate(prompts):
-                engine.add_request(f"r{i}", p, params)
+                engine.add_request(f"{prefix}{i}", _shifted(p, shift), params)
             while len(started) < len(prompts):
                 started.update(o.request_id for o in engine.step())
 
-        def decode_phase() -> None:
+        def decode() -> None:
             for _ in range(args.decode_steps):
                 engine.step()
 
-        for phase, fn in (("prefill", prefill_phase), ("decode", decode_phase)):
+        def finish(prefix: str) -> None:
+            for i in range(len(prompts)):
+                engine.abort_request(f"{prefix}{i}")
+            while engine.has_unfinished_requests():
+                engine.step()
+            started.clear()
+
+        for phase, fn in (("prefill", lambda: prefill("r", 0)), ("decode", decode)):
             prof, wall = _profiled(fn)
             by_device = _table(prof, "self_device_time_total", 25)
             by_cpu = _table(prof, "self_cpu_time_total", 20)
@@ -105,49 +129,29 @@ def main() -> None:
             _print(title + " - kernels by device time", by_device)
             _print(phase + " - host calls by host time", by_cpu)
             report[phase] = {"wall_s": wall, "by_device": by_device, "by_cpu": by_cpu}
-        for i in range(len(prompts)):
-            engine.abort_request(f"r{i}")
-        while engine.has_unfinished_requests():
-            engine.step()
+        finish("r")
 
-        runner = engine.runner if hasattr(engine, "runner") else None
-        host_before = dict(getattr(runner, "host_times", {}) or {})
-        started.clear()
-
-        def prefill_again() -> None:
-            for i, p in enumerate(prompts):
-                engine.add_request(f"c{i}", [(t + 2) % 10000 for t in p], params)
-            while len(started) < len(prompts):
-                started.update(o.request_id for o in engine.step())
-
-        _sync()
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         pr = cProfile.Profile()
         pr.enable()
-        prefill_again()
-        _sync()
+        prefill("c", 2)
+        torch.cuda.synchronize()
         pr.disable()
         wall = time.perf_counter() - t0
+        finish("c")
         text = io.StringIO()
         for key in ("tottime", "cumulative"):
             pstats.Stats(pr, stream=text).sort_stats(key).print_stats(35)
-        host_after = dict(getattr(runner, "host_times", {}) or {})
-        delta = {k: host_after.get(k, 0.0) - host_before.get(k, 0.0) for k in host_after}
-        steps = delta.get("eager.steps", 0.0)
-        per_step = {
-            k: round(v / steps * 1e3, 3) for k, v in delta.items() if k.startswith("eager.") and steps
-        }
-        head = f"prefill under cProfile: {wall * 1e3:.1f} ms; eager steps {steps:.0f}; "
-        head += f"host ms per eager step {per_step}"
+        head = f"prefill under cProfile: {wall * 1e3:.1f} ms"
         print("\n" + head)
         print("\n".join(text.getvalue().splitlines()[:140]))
-        (pathlib.Path(args.out) / "cprofile_prefill.txt").write_text(head + "\n" + text.getvalue())
-        report["prefill_cprofile"] = {"wall_s": wall, "eager_host_ms_per_step": per_step}
-        for i in range(len(prompts)):
-            engine.abort_request(f"c{i}")
-    out = pathlib.Path(args.out) / "profile_engine.json"
-    out.write_text(json.dumps(report, indent=1))
+        (out_dir / "cprofile_prefill.txt").write_text(head + "\n" + text.getvalue())
+        report["prefill_cprofile"] = {"wall_s": wall}
+        llm.shutdown()
+    (out_dir / "profile_engine.json").write_text(json.dumps(report, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

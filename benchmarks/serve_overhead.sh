@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Serving overhead on E1 (SPEC section 5; issue "OpenAI-compatible server"), in one device call:
+# Serving overhead on E1: how much output throughput `tilellm serve` loses against the offline
+# engine on the same work (docs/workloads.md, "Serving"), in one call:
 #   1. offline: `tilellm bench throughput --workloads E1` (random Qwen3-0.6B weights, bf16, ignore EOS);
 #   2. `tilellm serve` on the same config-only model directory with the same engine flags
 #      (`--load-format dummy --skip-tokenizer-init`, so no detokenization, as offline), on 127.0.0.1;
@@ -8,34 +9,37 @@
 #   3. `tilellm bench serve` over the same 256 E1 requests (token-id prompts, streamed, ignore_eos,
 #      temperature 0.6) at each rate of $RATES (default: inf 64 16 requests/s; inf sends them all at
 #      once: the saturation figure). Each run shifts the prompt ids (--prompt-id-offset) so that no
-#      run finds an earlier run's prompts in the prefix cache;
+#      run finds an earlier run's prompts in the prefix cache; the CPU time of the HTTP process and
+#      of the engine process during each run says which of the two bounds it;
 #   4. SIGTERM to the server, then a table: output tok/s per run and the serving overhead
 #      1 - (server output tok/s at rate inf) / (offline E1 output tok/s); target < 10%.
 # Files in $OUT (7): offline_e1.json/.log, server.log, bench_serve.log, serve.json (every run +
 # offline), metrics.txt (the server's /metrics after the runs), summary.txt.
 #
-# The GPU image has no fastapi/starlette/uvicorn/pydantic: they travel as wheels in .whl/ (ignored
-# through .gitignore's /.whl/). Fetched on the dev machine, in the repo root, with:
+# Usage: bash benchmarks/serve_overhead.sh   (about 2 minutes on an H200 with RATES=inf)
+# CPU dry run: SCALE=0.02 DEVICE=cpu bash benchmarks/serve_overhead.sh
+#
+# The server's dependencies (fastapi, starlette, uvicorn, pydantic) come with `pip install -e .`.
+# On a GPU machine whose Python lacks them and cannot download, put their wheels in .whl/ (ignored
+# by git) and copy it with the checkout: the script installs them into /tmp/site. Fetched elsewhere,
+# in the repository root, with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 \
 #     pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 typing-extensions==4.16.0 \
 #     h11==0.16.0 click==8.5.1 annotated-doc==0.0.7 opentelemetry-api==1.45.2 anyio==4.16.0 \
 #     httptools==0.9.0
-# (opentelemetry-api: fastapi 0.165 imports it; anyio/typing-extensions: newer than the image may
-# have; httptools: uvicorn's fast HTTP parser, used as uvloop (in the image) is.)
-# Device call: carry [".whl"], command `bash benchmarks/gpu_serve.sh`.
-# CPU dry run (no wheels needed where fastapi imports): SCALE=0.02 DEVICE=cpu bash benchmarks/gpu_serve.sh
+# (opentelemetry-api: fastapi 0.165 imports it; httptools: uvicorn's fast HTTP parser.)
 #
 # Knobs: SCALE (1 = E1; shrinks lengths and count as `bench throughput --scale`), DEVICE, DTYPE
 # (bfloat16), RATES, CLIENTS (client process counts run at each rate, `--num-clients`; default 1),
 # MAX_BATCHED (16384: --max-num-batched-tokens of both), PORT (8011), BUDGET_S (470: the whole
-# script; each step gets at most what is left), OUT,
+# script; each step gets at most what is left), OUT (./artifacts/serve),
 # SERVE_ARGS / THROUGHPUT_ARGS / BENCH_ARGS (extra flags), SKIP_OFFLINE=1.
 set -uo pipefail
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-470}
-OUT=${OUT:-/tmp/tilellm-serve-out}
+OUT=${OUT:-./artifacts/serve}
 SCALE=${SCALE:-1}
 DEVICE=${DEVICE:-}
 DTYPE=${DTYPE:-bfloat16}
@@ -73,7 +77,7 @@ if python3 -c "import fastapi, uvicorn, pydantic, starlette" 2>/dev/null; then
   echo "fastapi/uvicorn/pydantic/starlette import already: no wheel install"
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
-  ls .whl/*.whl >/dev/null 2>&1 || { echo "FAIL: fastapi missing and no .whl/*.whl (carry .whl)"; exit 1; }
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "FAIL: fastapi is missing: pip install -e . (or put its wheels in .whl/, see above)" >&2; exit 1; }
   rm -rf /tmp/site
   timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "FAIL: wheel install"; exit 1; }

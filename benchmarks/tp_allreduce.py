@@ -1,4 +1,4 @@
-"""The all-reduce cost of a tensor-parallel step, and the E1 scaling summary (issue 6).
+"""What share of a tensor-parallel decode step the all-reduces take, and how E1 scales with TP.
 
     python benchmarks/tp_allreduce.py --world-size 2 --hidden 4096 --layers 36 --tokens 1,64,256,16384 \
         [--e1 tp1.json tp2.json] [--json FILE]
@@ -14,7 +14,7 @@ repeated replays, after warm-up; random data).
 (speedup / N), and the all-reduce share of a decode step at 256 running requests (the
 graph-replayed all-reduces of 256 tokens over the step time that E1 measured at TP N). The
 all-reduces run between dependent matmuls, so they do not overlap compute: their time is the
-step's communication share.
+step's communication share. `benchmarks/tensor_parallel.sh` runs all of it on two GPUs.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
 
 def _e1_summary(tp1_path: str, tpn_path: str, world: int, rows: list[dict]) -> dict:
     def e1(path: str) -> dict:
-        results = json.loads(open(path).read())["results"]
+        with open(path) as f:
+            results = json.load(f)["results"]
         return next(r for r in results if r["workload"] == "E1")
 
     r1, r2 = e1(tp1_path), e1(tpn_path)
@@ -149,6 +150,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    missing = [p for p in args.e1 or [] if not os.path.isfile(p)]
+    if missing:  # checked before the ranks start, not after minutes of timing
+        ap.error(f"--e1: no such file: {', '.join(missing)} (written by `tilellm bench throughput --json`)")
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_worker, args=(args.world_size, _free_port(), args, out), nprocs=args.world_size)

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark in one call, on one CUDA GPU:
+#   tests       python -m pytest -q -m gpu tests/kernels tests/engine tests/models
+#   kernels     tilellm bench kernels --graph (every kernel workload beside cuDNN / FlashAttention SDPA,
+#               paged and decode workloads also replayed from CUDA graphs)
+#   throughput  tilellm bench throughput --workloads E1,E2 (random Qwen3-0.6B weights, bf16)
+# Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
+#
+# Usage: bash benchmarks/run_gpu.sh [STEPS]
+#   STEPS: comma-separated subset of tests,kernels,throughput, run in that order (default: all three).
+# Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
+# past its time limit is reported and the next step still runs. Exit status: 0 when every selected
+# step passed, 1 otherwise, 2 for an unknown step.
+# Environment: OUT (default ./artifacts), PYTHON (default python3), TESTS_TIMEOUT (500 s),
+# KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s). The GPU tests alone take over 5 minutes on an
+# H200; where one call may run 10 minutes at most, run `tests` and `kernels,throughput` as two calls.
+set -uo pipefail
+
+ALL_STEPS=(tests kernels throughput)
+STEPS=${1:-tests,kernels,throughput}
+OUT=${OUT:-./artifacts}
+PYTHON=${PYTHON:-python3}
+
+selected() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+for step in ${STEPS//,/ }; do
+  if [[ ! " ${ALL_STEPS[*]} " == *" $step "* ]]; then
+    echo "run_gpu.sh: unknown step '$step'; choose from: ${ALL_STEPS[*]} (comma-separated)" >&2
+    exit 2
+  fi
+done
+
+mkdir -p "$OUT"
+# The checkout's package, installed or not.
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+    | tee "$OUT/gpu.txt"
+fi
+"$PYTHON" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)" \
+  2>&1 | tee -a "$OUT/gpu.txt"
+
+failed=()
+# run_step NAME LIMIT_S CMD...: CMD under `timeout`, stdout and stderr to $OUT/NAME.log and the terminal.
+run_step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit} s): $*"
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then
+    echo "=== $name: passed in $((SECONDS - start)) s"
+  else
+    [ "$rc" -eq 124 ] && echo "=== $name: stopped by its ${limit} s limit" | tee -a "$OUT/$name.log"
+    echo "=== $name: FAILED (exit status $rc) after $((SECONDS - start)) s; the next step still runs"
+    failed+=("$name")
+  fi
+}
+
+if selected tests; then
+  run_step tests "${TESTS_TIMEOUT:-500}" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels tests/engine tests/models
+fi
+if selected kernels; then
+  run_step kernels "${KERNELS_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench kernels --graph \
+    --json "$OUT/kernels.json"
+fi
+if selected throughput; then
+  run_step throughput "${THROUGHPUT_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench throughput \
+    --workloads E1,E2 --json "$OUT/throughput.json"
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]}; logs in $OUT" >&2
+  exit 1
+fi
+echo "all steps passed; logs and JSON in $OUT"
