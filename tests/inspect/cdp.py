@@ -38,10 +38,14 @@ class Browser:
         # The child must see the pipes as fds 3 (commands in) and 4 (replies out).
         args = [
             executable,
-            "--headless=new",
+            "--headless",
             "--no-sandbox",
             "--disable-gpu",
             "--disable-dev-shm-usage",
+            # Nothing but the page: no network, updates or sync traffic of its own.
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
             "--no-first-run",
             "--no-default-browser-check",
             "--disable-extensions",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import html
+import re
+
 import pytest
 
 from tests.inspect.pagecheck import TILE_CLASSES, Elements, expected_facts
-from tilellm.inspect import describe_batch, parse_batch, parse_heads, render_html, render_text
+from tilellm.inspect import describe_batch, parse_batch, parse_heads, render_html, render_text, words
 from tilellm.inspect.geometry import tile_runs, visible_fraction
+from tilellm.inspect.html import MAX_ROW_PX, MIN_ROW_PX, matrix_scale
 from tilellm.kernels.schedule import paged_schedule, prefill_schedule
 
 # (batch, kwargs): decode + verify + chunked prefill in one launch (vLLM's mix), plain prefill,
@@ -150,8 +154,72 @@ def test_text_matches_batch(batch, kw):
         assert f"req {r.index} ({r.q_len}x{r.seq_len})" in text
         assert f"req {r.index:3d}: [" in text
     assert f"pool of {insp.pool.num_blocks} blocks" in text
-    if s.split_plan is not None:
-        assert s.split_plan.reason in text
+    assert words.split_plan(insp) in text and words.idle_programs(insp) in text
+
+
+README_BATCH = ("1:1328,6:300,129:463", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, shared_prefix=256))
+
+
+def test_plain_words_for_idle_programs_and_the_split_plan():
+    """Both renderers say what happens (programs exiting, the plan's aim), not the rule's shorthand."""
+    insp = describe_batch(README_BATCH[0], **README_BATCH[1])
+    idle = insp.schedule.num_empty_programs
+    assert idle > 0
+    sentence = f"{idle} programs find their query tile past the request's end and exit immediately"
+    split = describe_batch("1:40,1:700,1:3000", num_q_heads=8, num_kv_heads=2, head_dim=128)
+    assert split.schedule.split_plan.num_splits > 1
+    aim = f"the split plan aims for 16 programs per SM, {16 * split.schedule.split_plan.num_sms} on"
+    for render in (render_text, render_html):
+        # What a reader sees: the text, not the data-* attributes kept for scripts.
+        page, split_page = (html.unescape(re.sub(r"<[^>]*>", " ", render(i))) for i in (insp, split))
+        assert sentence in page
+        assert aim in split_page and "cut into 2 segments" in split_page
+        for jargon in ("exit at once", "exits at once", "target 16 per SM", "(target "):
+            assert jargon not in page and jargon not in split_page, jargon
+    forced = describe_batch("6:70,1:33,20:20", num_q_heads=4, num_kv_heads=4, head_dim=64, num_splits=3)
+    assert "because --num-splits 3 asks for it" in words.split_plan(forced)
+    prefill = describe_batch("48,100,7", num_q_heads=4, num_kv_heads=2, head_dim=64)
+    assert "does not split keys" in words.split_plan(prefill)
+
+
+def _boxes(page: str) -> list[tuple[float, float]]:
+    """(width, height) of each request's box in the attention matrix, in document order."""
+    el = Elements(page)
+    return [(float(a["width"]), float(a["height"])) for a in el.with_class("req-box")]
+
+
+@pytest.mark.parametrize("batch,kw", [README_BATCH] + BATCHES, ids=["readme"] + [b for b, _ in BATCHES])
+def test_matrix_has_one_scale_for_all_requests(batch, kw):
+    """A row is one new token and a column one key at the same size in every request's box."""
+    insp = describe_batch(batch, **kw)
+    row_px, key_px = matrix_scale(insp)
+    assert MIN_ROW_PX <= row_px <= MAX_ROW_PX
+    page = render_html(insp)
+    svg = Elements(page).by_id("attention-matrix")
+    assert float(svg["data-row-px"]) == pytest.approx(row_px, abs=1e-3)
+    assert float(svg["data-key-px"]) == pytest.approx(key_px, abs=1e-3)
+    boxes = _boxes(page)
+    assert len(boxes) == len(insp.requests)
+    for r, (w, h) in zip(insp.requests, boxes):
+        assert w == pytest.approx(r.seq_len * key_px, abs=0.01)
+        assert h == pytest.approx(r.q_len * row_px, abs=0.01)
+
+
+def test_decode_is_a_row_and_long_prefill_is_not_squeezed():
+    insp = describe_batch("1:1328,4096", num_q_heads=8, num_kv_heads=2, head_dim=64, kernel="paged")
+    (_, decode_h), (prefill_w, prefill_h) = _boxes(render_html(insp))
+    assert decode_h == pytest.approx(matrix_scale(insp)[0]) and decode_h <= MAX_ROW_PX
+    assert prefill_h >= 4096 * MIN_ROW_PX  # the page scrolls instead
+    assert prefill_w >= 900
+
+
+def test_legend_swatches_use_the_tiles_own_classes():
+    """Each tile-class swatch is drawn with the matrix's classes, over the same attended layer."""
+    el = Elements(render_html(describe_batch(README_BATCH[0], **README_BATCH[1])))
+    legend = el.with_class("legend-item")
+    assert [a["data-legend"] for a in legend][:4] == ["visible", "full", "diagonal", "skipped"]
+    swatches = {a["data-tile-class"] for a in el.with_class("swatch-tile")}
+    assert swatches == set(TILE_CLASSES)
 
 
 def test_bad_input_is_a_clear_error():

@@ -4,8 +4,11 @@ from tilellm.inspect import describe_batch, render_text, render_html
 insp = describe_batch("1:1328,5:18,129:463", num_q_heads=32, num_kv_heads=8, head_dim=128)
 print(render_text(insp))
 open("batch.html", "w").write(render_html(insp))
+
+inspect_engine(engine) does the same for a live `LLMEngine`'s last step (the server's GET /inspect).
 """
 
+from tilellm.inspect.engine import EngineSnapshot, inspect_engine, inspect_snapshot, snapshot_engine
 from tilellm.inspect.model import (
     BlockView,
     Inspection,
@@ -19,24 +22,20 @@ from tilellm.inspect.model import (
 
 __all__ = [
     "BlockView",
+    "EngineSnapshot",
     "Inspection",
     "PoolView",
     "RequestView",
     "describe_batch",
     "inspect_engine",
+    "inspect_snapshot",
     "inspect_step",
     "parse_batch",
     "parse_heads",
     "render_html",
     "render_text",
+    "snapshot_engine",
 ]
-
-
-def inspect_engine(engine, **kwargs) -> Inspection:
-    """The inspection of an `LLMEngine`'s last step and its block pool."""
-    from tilellm.inspect.engine import inspect_engine as _inspect
-
-    return _inspect(engine, **kwargs)
 
 
 def render_text(insp: Inspection, **kwargs) -> str:

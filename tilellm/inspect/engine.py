@@ -1,41 +1,143 @@
-"""Inspections of a live engine: its last step and its block pool."""
+"""Inspections of a live engine: its last step and its block pool, as they were at that step.
+
+The server runs `inspect_engine` through `AsyncEngine.call` / `EngineProcess.call`, i.e. in the
+engine's thread or process between two steps, and gets back plain data (it pickles). Everything
+is read in that one call, under the engine's lock, by `snapshot_engine`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from tilellm.inspect.model import Inspection, inspect_step
 
 
-def inspect_engine(engine: Any, *, title: str | None = None, num_splits: int | None = None) -> Inspection:
-    """The inspection of `engine.last_step` (an `LLMEngine` that has run at least one step)."""
-    snap = engine.last_step
-    if snap is None:
-        raise ValueError("the engine has not run a step yet: nothing to inspect")
-    pool = engine.block_manager.snapshot()
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's last step and its KV pool at the moment of that step (plain, picklable data).
+
+    Row i of the step: request `request_ids[i]` computed `query_lens[i]` tokens ending at
+    `seq_lens[i]`, reading `block_tables[i]`. `ref_counts[b]` / `cached[b]`: physical block b.
+    """
+
+    request_ids: tuple[str, ...]
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    num_cached_tokens: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    block_size: int
+    kind: str
+    ref_counts: tuple[int, ...]
+    cached: tuple[bool, ...]
+    num_released: int  # step rows whose blocks were released after the step (counted back in)
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+def pool_at_step(
+    request_ids: list[str],
+    block_tables: list[list[int]],
+    ref_counts: list[int],
+    live: list[tuple[str, list[int]]],
+) -> tuple[list[int], int]:
+    """Reference counts as they were when the step ran, from the counts and the running tables now.
+
+    Between a step and the next call into the engine, its postprocessing may have finished a
+    sequence (or an abort / preemption removed one): its blocks lost their references, and they
+    are counted back here. With asynchronous scheduling the next step is already scheduled: the
+    blocks it added to a step row's table are not counted. `live` holds (request id, block table)
+    of every running sequence now. Returns (counts, rows counted back).
+    """
+    refs = list(ref_counts)
+    unmatched = [(rid, list(t)) for rid, t in live]
+    released = 0
+    for rid, table in zip(request_ids, block_tables):
+        table = list(table)
+        same = (j for j, (lid, lt) in enumerate(unmatched) if lid == rid and lt[: len(table)] == table)
+        j = next(same, None)
+        if j is None:  # released after the step: finished, aborted or preempted
+            released += 1
+            for b in table:
+                refs[b] += 1
+        else:
+            for b in unmatched.pop(j)[1][len(table) :]:
+                refs[b] -= 1
+    return refs, released
+
+
+def snapshot_engine(engine: Any) -> EngineSnapshot:
+    """Read the last step, the pool and the running sequences of an `LLMEngine` in one go.
+
+    Call it where the engine runs (its thread or process, between steps); it also holds the
+    engine's lock, so a caller on another thread never sees half a step.
+    """
+    with getattr(engine, "_lock", None) or contextlib.nullcontext():
+        step = engine.last_step
+        if step is None:
+            raise ValueError("the engine has not run a step yet: nothing to inspect")
+        pool = engine.block_manager.snapshot()
+        live = [(str(s.request.request_id), list(s.block_table)) for s in engine.scheduler.running]
+    tables = [[int(b) for b in t] for t in step.block_tables]
+    ids = [str(r) for r in step.request_ids]
+    refs, released = pool_at_step(ids, tables, list(pool.ref_counts), live)
     cfg = engine.model_config
     num_q_heads = int(cfg.num_attention_heads)
     num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_q_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q_heads)
-    dtype = str(getattr(engine.runner, "dtype", "bfloat16")).replace("torch.", "")
-    cached = {b for b, hashed in enumerate(pool.block_hash_set) if hashed}
-    return inspect_step(
+    return EngineSnapshot(
+        request_ids=tuple(ids),
+        query_lens=tuple(int(q) for q in step.query_lens),
+        seq_lens=tuple(int(n) for n in step.seq_lens),
+        num_cached_tokens=tuple(int(c) for c in step.num_cached_tokens),
+        block_tables=tuple(tuple(t) for t in tables),
+        block_size=int(step.block_size),
+        kind=step.kind or "step",
+        ref_counts=tuple(refs),
+        cached=tuple(bool(h) for h in pool.block_hash_set),
+        num_released=released,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q_heads),
+        dtype=str(getattr(engine.runner, "dtype", "bfloat16")).replace("torch.", ""),
+    )
+
+
+def inspect_snapshot(
+    snap: EngineSnapshot, *, title: str | None = None, num_splits: int | None = None
+) -> Inspection:
+    """The inspection of an `EngineSnapshot` (pure: no engine needed)."""
+    insp = inspect_step(
         request_ids=list(snap.request_ids),
         query_lens=list(snap.query_lens),
         seq_lens=list(snap.seq_lens),
         num_cached_tokens=list(snap.num_cached_tokens),
         block_tables=[list(t) for t in snap.block_tables],
         block_size=snap.block_size,
-        pool_ref_counts=list(pool.ref_counts),
-        pool_cached=cached,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        title=title or f"engine step ({snap.kind or 'step'}, {len(snap.request_ids)} requests)",
+        pool_ref_counts=list(snap.ref_counts),
+        pool_cached={b for b, c in enumerate(snap.cached) if c},
+        num_q_heads=snap.num_q_heads,
+        num_kv_heads=snap.num_kv_heads,
+        head_dim=snap.head_dim,
+        dtype=snap.dtype,
+        title=title or f"engine step ({snap.kind}, {len(snap.request_ids)} requests)",
         num_splits=num_splits,
     )
+    if snap.num_released:
+        note = (
+            f"{snap.num_released} request(s) of this step finished (or left) after it: "
+            "the page map shows their blocks as the step read them"
+        )
+        insp = dataclasses.replace(insp, notes=insp.notes + (note,))
+    return insp
+
+
+def inspect_engine(engine: Any, *, title: str | None = None, num_splits: int | None = None) -> Inspection:
+    """The inspection of an `LLMEngine`'s last step and its pool at that step (`snapshot_engine`)."""
+    return inspect_snapshot(snapshot_engine(engine), title=title, num_splits=num_splits)
 
 
 def demo_inspection(

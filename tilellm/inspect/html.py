@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import html
 
-from tilellm.inspect.geometry import TILE_CLASSES, is_empty, query_rows, segment_text, tile_runs
+from tilellm.inspect import words
+from tilellm.inspect.geometry import TILE_CLASSES, is_empty, query_rows, tile_runs
 from tilellm.inspect.model import Inspection, RequestView
 
-MATRIX_WIDTH = 960  # px for all keys of the batch
-MATRIX_MAX_HEIGHT = 520
-MATRIX_MIN_HEIGHT = 240
-MIN_BOX = 14  # px: the smallest request box, so a decode row stays visible next to a long prefill
+MATRIX_WIDTH = 960  # px for the longest request's keys
+MIN_KEY_PX, MAX_KEY_PX = 0.25, 6.0  # px per key: longer requests scroll sideways, short ones stay small
+MATRIX_HEIGHT = 560  # px shared by all new tokens of the batch
+MIN_ROW_PX, MAX_ROW_PX = 2.0, 12.0  # px per new token: long prefills make the page scroll
+LABEL_H, BAND_GAP, PAD_L = 18, 8, 4  # px: a request's label line, space below its band, left margin
 STAIRCASE_MAX_ROWS = 512  # above this the causal edge is drawn as a straight line
 POOL_RUN_MIN = 16  # free blocks in a row beyond this are drawn as one run
 
@@ -43,13 +45,16 @@ th { border-bottom: 1px solid #bbb; } td.l, th.l { text-align: left; }
 .legend span { display: inline-block; margin-right: 14px; }
 .sw { display: inline-block; width: 12px; height: 12px; vertical-align: -2px; margin-right: 4px;
       border-radius: 2px; }
+svg.sw { width: 14px; height: 14px; border-radius: 0; background: #fafafa; outline: 0.6px solid #9e9e9e; }
 svg text { font: 11px system-ui, sans-serif; fill: #424242; }
 .req-box { fill: #fafafa; stroke: #9e9e9e; stroke-width: 0.6; }
 .visible { fill: var(--visible); }
-.tile { stroke: #fff; stroke-width: 0.5; opacity: 0.45; }
-.tile[data-tile-class="full"] { fill: var(--full); }
-.tile[data-tile-class="diagonal"] { fill: var(--diagonal); opacity: 0.55; }
-.tile[data-tile-class="skipped"] { fill: url(#hatch); opacity: 1; }
+.tile, .swatch-tile { stroke: #fff; stroke-width: 0.5; opacity: 0.45; }
+[data-tile-class="full"] { fill: var(--full); }
+[data-tile-class="diagonal"] { fill: var(--diagonal); opacity: 0.55; }
+[data-tile-class="skipped"] { fill: url(#hatch); opacity: 1; }
+.scroll { overflow-x: auto; }
+.req-label { font-size: 11px; }
 .gridline { stroke: #fff; stroke-width: 0.6; opacity: 0.8; }
 .split-edge { stroke: #c62828; stroke-width: 2; stroke-dasharray: 3 2; }
 .cached-prefix { fill: var(--shared); }
@@ -68,6 +73,17 @@ svg text { font: 11px system-ui, sans-serif; fill: #424242; }
 .dim .hl { opacity: 1 !important; }
 .rowlabel { font-size: 12px; color: #424242; margin-top: 4px; }
 """
+
+# Patterns used by the matrix, its legend and the program map (ids are global to the page).
+DEFS = (
+    '<svg width="0" height="0" style="position:absolute" aria-hidden="true"><defs>'
+    '<pattern id="hatch" width="5" height="5" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+    '<rect width="5" height="5" fill="#eeeeee"/><line x1="0" y1="0" x2="0" y2="5" stroke="#9e9e9e" '
+    'stroke-width="2"/></pattern>'
+    '<pattern id="hatch2" width="4" height="4" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+    '<rect width="4" height="4" fill="#f5f5f5"/><line x1="0" y1="0" x2="0" y2="4" stroke="#bdbdbd" '
+    'stroke-width="1.5"/></pattern></defs></svg>'
+)
 
 JS = """
 (function () {
@@ -102,6 +118,10 @@ def _e(x: object) -> str:
     return html.escape(str(x), quote=True)
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _attrs(**kv: object) -> str:
     return " ".join(f'{k.rstrip("_").replace("_", "-")}="{_e(v)}"' for k, v in kv.items())
 
@@ -118,7 +138,7 @@ def render_html(insp: Inspection, *, title: str | None = None) -> str:
     ]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{_e(title)}</title><style>{CSS}</style></head>\n<body>\n"
+        f"<title>{_e(title)}</title><style>{CSS}</style></head>\n<body>\n{DEFS}\n"
         + "\n".join(body)
         + f"\n<script>{JS}</script>\n</body></html>\n"
     )
@@ -188,17 +208,17 @@ def _requests(insp: Inspection) -> str:
     return "".join(rows)
 
 
-def _spans(sizes: list[int], total_px: float, min_px: float) -> list[tuple[float, float]]:
-    """Lay out boxes proportional to `sizes`, each at least `min_px`, filling `total_px`."""
-    n = len(sizes)
-    free = max(total_px - min_px * n, 0.0)
-    total = sum(sizes) or 1
-    out, x = [], 0.0
-    for s in sizes:
-        w = min_px + free * s / total
-        out.append((x, w))
-        x += w
-    return out
+def matrix_scale(insp: Inspection) -> tuple[float, float]:
+    """(px per query row, px per key), one pair for every request of the batch.
+
+    Keys: the longest request spans MATRIX_WIDTH px, within [MIN_KEY_PX, MAX_KEY_PX] per key (a
+    very long one scrolls). Rows: all new tokens share MATRIX_HEIGHT px, within [MIN_ROW_PX,
+    MAX_ROW_PX] per token, so a decode is one thin row and a long prefill is tall (the page scrolls).
+    """
+    longest = max(r.seq_len for r in insp.requests)
+    key_px = min(MAX_KEY_PX, max(MIN_KEY_PX, MATRIX_WIDTH / longest))
+    row_px = min(MAX_ROW_PX, max(MIN_ROW_PX, MATRIX_HEIGHT / insp.num_tokens))
+    return row_px, key_px
 
 
 def _visible_points(req: RequestView, sx: float, sy: float) -> str:
@@ -214,38 +234,45 @@ def _visible_points(req: RequestView, sx: float, sy: float) -> str:
     return " ".join(f"{x:.2f},{y:.2f}" for x, y in pts)
 
 
+def _request_label(r: RequestView) -> str:
+    tokens = "1 new token" if r.q_len == 1 else f"{r.q_len} new tokens"
+    cached = f", {r.num_cached_tokens} from the prefix cache" if r.num_cached_tokens else ""
+    keys = f"{r.seq_len} keys ({r.context_len} context{cached})"
+    return f"req {r.index} \u00b7 {r.kind}: {tokens} \u00d7 {keys}"
+
+
 def _matrix(insp: Inspection) -> str:
     reqs = insp.requests
-    xs = _spans([r.seq_len for r in reqs], MATRIX_WIDTH, MIN_BOX)
-    height = min(
-        MATRIX_MAX_HEIGHT, max(MATRIX_MIN_HEIGHT, MIN_BOX * len(reqs), 2 * sum(r.q_len for r in reqs))
-    )
-    ys = _spans([r.q_len for r in reqs], height, MIN_BOX)
-    pad_l, pad_t = 4, 16
-    w, h = MATRIX_WIDTH + pad_l + 8, height + pad_t + 8
+    sy, sx = matrix_scale(insp)
     sched = insp.schedule
+    width = PAD_L + max(r.seq_len for r in reqs) * sx + 8
+    tops, y = [], 0.0
+    for r in reqs:
+        tops.append(y + LABEL_H)
+        y += LABEL_H + r.q_len * sy + BAND_GAP
+    height = y
+    rows_text = f"{sy:.1f} px per new token" if sy != 1 else "1 px per new token"
     parts = [
         f'<section id="matrix"><h2>Attention matrix and tiles</h2>'
-        f'<div class="note">Rows: the {insp.num_tokens} new tokens of the packed batch; columns: '
-        "each request's "
-        "keys (context + new). Blue: attended; overlaid, the key tiles of the "
-        f"{insp.schedule_head} 0 programs "
-        f"({sched.block_n} keys wide): full (no mask), diagonal (masked), skipped (never loaded). "
-        "Boxes are scaled per request so that short ones stay visible.</div>",
+        f'<div class="note">One band per request: its rows are its new tokens, its columns its keys '
+        "(context + new), all drawn at one scale "
+        f"({rows_text}, {sx:.2f} px per key), so a decode is a single row and a long prefill is tall. "
+        "Blue: the keys each query attends to; over it, the key tiles of the "
+        f"{insp.schedule_head} 0 programs ({sched.block_n} keys wide): full (no mask needed), "
+        "diagonal (partly masked), skipped (never loaded).</div>",
         _legend(),
-        f'<svg id="attention-matrix" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}" role="img" aria-label="attention matrix">'
-        '<defs><pattern id="hatch" width="5" height="5" patternUnits="userSpaceOnUse" '
-        'patternTransform="rotate(45)"><rect width="5" height="5" fill="#eeeeee"/>'
-        '<line x1="0" y1="0" x2="0" y2="5" stroke="#9e9e9e" stroke-width="2"/></pattern></defs>',
+        '<div class="scroll">'
+        f'<svg id="attention-matrix" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
+        f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" role="img" '
+        f'aria-label="attention matrix" {_attrs(data_row_px=f"{sy:.4f}", data_key_px=f"{sx:.4f}")}>',
     ]
-    for r, (x0, bw), (y0, bh) in zip(reqs, xs, ys):
-        sx, sy = bw / r.seq_len, bh / r.q_len
-        gx, gy = pad_l + x0, pad_t + y0
+    for r, top in zip(reqs, tops):
+        bw, bh = r.seq_len * sx, r.q_len * sy
         parts.append(
-            f'<g class="request" {_attrs(data_request=r.index)} transform="translate({gx:.2f},{gy:.2f})">'
+            f'<g class="request" {_attrs(data_request=r.index)} transform="translate({PAD_L},{top:.2f})">'
             f"<title>request {r.index} ({_e(r.request_id)}): {r.q_len} new tokens, {r.seq_len} keys, "
             f"{r.context_len} context</title>"
+            f'<text class="req-label" x="0" y="-5">{_e(_request_label(r))}</text>'
             f'<rect class="req-box" width="{bw:.2f}" height="{bh:.2f}"/>'
             f'<polygon class="visible" points="{_visible_points(r, sx, sy)}"/>'
         )
@@ -274,10 +301,8 @@ def _matrix(insp: Inspection) -> str:
                 f'<rect {a} x="0" y="-3" width="{min(r.num_cached_tokens, r.seq_len) * sx:.2f}" height="3">'
                 f"<title>{r.num_cached_tokens} tokens from the prefix cache</title></rect>"
             )
-        if bw > 40:
-            parts.append(f'<text x="2" y="-4">req {r.index}</text>')
         parts.append("</g>")
-    parts.append("</svg></section>")
+    parts.append("</svg></div></section>")
     return "".join(parts)
 
 
@@ -317,43 +342,62 @@ def _split_edges(insp: Inspection, r: RequestView, sx: float, sy: float) -> str:
     return "".join(lines)
 
 
+# Each legend swatch is drawn with the matrix's own classes, layered the same way (the attended
+# region under a tile), so its colour is the colour of the tiles it names.
+_SWATCHES = {
+    "visible": ('<rect class="visible" width="14" height="14"/>', "attended (causal, with cached context)"),
+    "full": (
+        '<rect class="visible" width="14" height="14"/>'
+        '<rect class="swatch-tile" data-tile-class="full" width="14" height="14"/>',
+        "full tile: every key attended, no mask",
+    ),
+    "diagonal": (
+        '<polygon class="visible" points="0,0 7,0 7,7 14,7 14,14 0,14"/>'
+        '<rect class="swatch-tile" data-tile-class="diagonal" width="14" height="14"/>',
+        "diagonal tile: partly masked",
+    ),
+    "skipped": (
+        '<rect class="swatch-tile" data-tile-class="skipped" width="14" height="14"/>',
+        "skipped tile: never loaded",
+    ),
+    "cached-prefix": (
+        '<rect class="cached-prefix" y="5" width="14" height="4"/>',
+        "context from the prefix cache (bar above a band)",
+    ),
+    "split-edge": (
+        '<line class="split-edge" x1="7" y1="0" x2="7" y2="14"/>',
+        "where a split-KV segment starts",
+    ),
+}
+
+
 def _legend() -> str:
-    items = [
-        ("var(--visible)", "attended (causal, with cached context)"),
-        ("var(--full)", "full tile"),
-        ("var(--diagonal)", "diagonal tile (masked)"),
-        ("#bdbdbd", "skipped tile"),
-        ("var(--shared)", "context from the prefix cache (bar above)"),
-        ("#c62828", "split-KV segment start"),
-    ]
-    return (
-        '<div class="legend">'
-        + "".join(f'<span><i class="sw" style="background:{c}"></i>{_e(t)}</span>' for c, t in items)
-        + "</div>"
+    items = "".join(
+        f'<span class="legend-item" data-legend="{k}"><svg class="sw" width="14" height="14" '
+        f'viewBox="0 0 14 14">{shape}</svg>{_e(text)}</span>'
+        for k, (shape, text) in _SWATCHES.items()
     )
+    return f'<div class="legend" id="matrix-legend">{items}</div>'
 
 
 def _grid(insp: Inspection) -> str:
     s = insp.schedule
     plan = s.split_plan
     parts = [
-        f'<section id="grid"><h2>Launch grid</h2><div>grid <code>{_e(s.grid)}</code> &middot; '
-        f"{len(s.programs)} programs, {s.num_empty_programs} exit at once &middot; one program = one query "
-        f"tile of one request on one {insp.schedule_head}</div>",
+        f'<section id="grid"><h2>Launch grid</h2><div>grid <code>{_e(s.grid)}</code>: '
+        f"{len(s.programs)} programs, each one query tile of one request on one {insp.schedule_head}. "
+        f'<span id="idle-programs">{_e(_sentence(words.idle_programs(insp)))}.</span></div>',
     ]
     if plan is not None:
         parts.append(
             f'<div id="split-plan" {_attrs(data_num_splits=plan.num_splits, data_reason=plan.reason)}>'
-            f"split-KV: <b>{plan.num_splits}</b> segment(s) per query tile &middot; "
-            f"{_e(plan.reason)} &middot; "
-            f"{plan.base_programs} programs before splitting, {plan.num_sms} SMs &middot; "
-            f"{_e(segment_text(plan))}"
-            "</div>"
+            f"Split-KV: <b>{plan.num_splits}</b> segment(s) per query tile. "
+            f"{_e(_sentence(words.split_plan(insp)))}.</div>"
         )
     else:
         parts.append(
             f'<div id="split-plan" {_attrs(data_num_splits=1, data_reason="not used by " + s.kernel)}>'
-            f"split-KV: not used by <code>{_e(s.kernel)}</code></div>"
+            f"Split-KV: not used. {_e(_sentence(words.split_plan(insp)))}.</div>"
         )
     parts.append(_program_map(insp))
     parts.append(
@@ -395,12 +439,10 @@ def _program_map(insp: Inspection) -> str:
     parts = [
         f'<div class="note">{insp.schedule_head[0].upper() + insp.schedule_head[1:]} 0: one row '
         "per request, one cell per program "
-        "(query tile &times; split), darker = more key tiles visited; hatched = exits at once.</div>",
+        "(query tile &times; split), darker = more key tiles read; hatched = its tile is past the "
+        "request's end, so it exits immediately.</div>",
         f'<svg id="program-map" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}">'
-        '<defs><pattern id="hatch2" width="4" height="4" patternUnits="userSpaceOnUse" '
-        'patternTransform="rotate(45)"><rect width="4" height="4" fill="#f5f5f5"/>'
-        '<line x1="0" y1="0" x2="0" y2="4" stroke="#bdbdbd" stroke-width="1.5"/></pattern></defs>',
+        f'viewBox="0 0 {w} {h}">',
     ]
     for p in progs:
         x = 64 + (p.q_tile * splits + p.split) * cell

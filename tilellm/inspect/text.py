@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tilellm.inspect import words
 from tilellm.inspect.geometry import downsample, segment_text, tile_runs, visible_fraction
 from tilellm.inspect.model import Inspection, RequestView
 
@@ -63,6 +64,7 @@ def _requests(shown: tuple[RequestView, ...], more: int) -> list[str]:
 
 
 def _sketch(req: RequestView, width: int, max_rows: int) -> list[str]:
+    """`width` characters for `req.seq_len` keys, at most `max_rows` lines for its new tokens."""
     rows = downsample(req.q_len, max_rows)
     cols = downsample(req.seq_len, width)
     lines = []
@@ -76,12 +78,15 @@ def _sketch(req: RequestView, width: int, max_rows: int) -> list[str]:
 
 
 def _matrix(shown: tuple[RequestView, ...], more: int, width: int, max_rows: int) -> list[str]:
+    longest = max(r.seq_len for r in shown)
     lines = [
-        "attention matrix, one block per request (rows: new tokens, columns: keys; "
-        "# attended, + partly, . masked; downsampled)"
+        f"attention matrix, one block per request (columns: keys, about {max(1, round(longest / width))} "
+        f"per character for every request; rows: new tokens, at most {max_rows} lines; "
+        "# attended, + partly, . masked)"
     ]
     for r in shown:
-        sketch = _sketch(r, width, max_rows)
+        # One key scale for all requests: a request half as long is half as wide.
+        sketch = _sketch(r, max(1, round(width * r.seq_len / longest)), max_rows)
         label = f"  req {r.index} ({r.q_len}x{r.seq_len})"
         for i, line in enumerate(sketch):
             lines.append(f"{label if i == 0 else '':24s}|{line}|")
@@ -91,15 +96,16 @@ def _matrix(shown: tuple[RequestView, ...], more: int, width: int, max_rows: int
 def _grid(insp: Inspection) -> list[str]:
     s = insp.schedule
     lines = [
-        f"launch grid {s.grid} = {len(s.programs)} programs ({s.num_empty_programs} exit at once); "
-        f"one program = one query tile of one request on one {insp.schedule_head}"
+        f"launch grid {s.grid} = {len(s.programs)} programs, each one query tile of one request on "
+        f"one {insp.schedule_head}",
+        f"  {words.idle_programs(insp)}",
     ]
     if s.split_plan is not None:
         p = s.split_plan
-        lines.append(f"  split-KV: {p.num_splits} segment(s) per query tile; {p.reason}")
-        lines.append(f"    {p.base_programs} programs before splitting, {p.num_sms} SMs; {segment_text(p)}")
+        lines.append(f"  split-KV: {p.num_splits} segment(s) per query tile: {segment_text(p)}")
     else:
-        lines.append("  split-KV: not used by this kernel")
+        lines.append("  split-KV: not used")
+    lines.append(f"    {words.split_plan(insp)}")
     return lines + [""]
 
 
