@@ -103,3 +103,51 @@ class FakeEngine:
                 del self.reqs[rid]
             outs.append(FakeOutput(rid, None, req.prompt, comps, finished))
         return outs
+
+
+class BatchedFakeEngine(FakeEngine):
+    """A FakeEngine with a bounded running batch (`max_num_seqs` sequences) filled first come,
+    first served from its waiting queue, as the real scheduler does; `step_s` paces each step."""
+
+    def __init__(self, tokenizer, max_num_seqs: int = 8, step_s: float = 0.0, **kw):
+        super().__init__(tokenizer, **kw)
+        self.config = type("Cfg", (), {"max_num_seqs": max_num_seqs})()
+        self.max_num_seqs = max_num_seqs
+        self.step_s = step_s
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self.added: list[str] = []  # request ids in the order the engine received them
+
+    def add_request(self, request_id, prompt, params) -> None:
+        super().add_request(request_id, prompt, params)
+        self.waiting.append(request_id)
+        self.added.append(request_id)
+
+    def abort_request(self, request_id) -> bool:
+        for q in (self.waiting, self.running):
+            if request_id in q:
+                q.remove(request_id)
+        return super().abort_request(request_id)
+
+    def get_stats(self) -> FakeStats:
+        self.stats.num_running = sum(self.reqs[r].params.n for r in self.running)
+        self.stats.num_waiting = sum(self.reqs[r].params.n for r in self.waiting)
+        return self.stats
+
+    def step(self) -> list[FakeOutput]:
+        import time
+
+        if self.step_s:
+            time.sleep(self.step_s)
+        busy = sum(self.reqs[r].params.n for r in self.running)
+        while self.waiting and busy + self.reqs[self.waiting[0]].params.n <= self.max_num_seqs:
+            rid = self.waiting.pop(0)
+            self.running.append(rid)
+            busy += self.reqs[rid].params.n
+        hidden = {r: self.reqs.pop(r) for r in self.waiting}
+        try:
+            outs = super().step()
+        finally:
+            self.reqs.update(hidden)
+        self.running = [r for r in self.running if r in self.reqs]
+        return outs

@@ -35,4 +35,4 @@ class ServerThread:
         self.sock.close()
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, **kw)
+        return httpx.Client(base_url=self.url, **{"timeout": 60, **kw})

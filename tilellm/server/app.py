@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -15,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tilellm.server.admission import AdmissionLimits, FairFeeder
 from tilellm.server.async_engine import AsyncEngine
 from tilellm.server.engine_process import EngineProcess
 from tilellm.server.errors import APIError, error_body, install_error_handlers
@@ -29,9 +31,29 @@ logger = logging.getLogger("tilellm.server")
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None  # when set, /v1/* and /inspect need `Authorization: Bearer <key>`
-    max_waiting: int = 1024  # requests queued but not yet running; beyond this -> 429
+    max_waiting: int = 1024  # sequences (prompts x n) queued but not yet running; beyond this -> 429
     max_request_bytes: int = 8 * 1024 * 1024  # bodies over this -> 413
     model_root: str | None = None  # shown as `root` in /v1/models
+    # Admission (see `admission.py`): tokens = (prompt + max_tokens) per sequence.
+    max_waiting_tokens: int = 1 << 23  # tokens queued but not yet in the engine; beyond this -> 429
+    max_request_seqs: int = 256  # sequences one request may ask for; beyond this -> 400
+    max_request_tokens: int = 1 << 21  # tokens one request may ask for; beyond this -> 400
+    engine_seqs: int | None = None  # sequences kept inside the engine; None: 2 x its max_num_seqs
+
+    def limits(self, engine: Any) -> AdmissionLimits:
+        engine_seqs = self.engine_seqs
+        if engine_seqs is None:
+            max_num_seqs = getattr(engine, "max_num_seqs", None) or getattr(
+                getattr(engine, "config", None), "max_num_seqs", None
+            )
+            engine_seqs = 2 * max_num_seqs if isinstance(max_num_seqs, int) else 512
+        return AdmissionLimits(
+            max_waiting=self.max_waiting,
+            max_waiting_tokens=self.max_waiting_tokens,
+            max_request_seqs=self.max_request_seqs,
+            max_request_tokens=self.max_request_tokens,
+            engine_seqs=engine_seqs,
+        )
 
 
 class _BodyLimit:
@@ -119,14 +141,21 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
     """An app serving `engine`: an `LLMEngine` (run by a thread of this process while the app's
     lifespan does) or an `EngineProcess` (the engine in its own process; `tilellm serve`'s default)."""
     metrics = ServerMetrics(config.served_model_name)
+    # The feeder bounds what reaches the engine; the engine's own queue check never fires.
     if isinstance(engine, EngineProcess):
-        engine.configure(max_waiting=config.max_waiting, observer=metrics)
+        engine.configure(max_waiting=1 << 62, observer=metrics)
         async_engine: AsyncEngine | EngineProcess = engine
     else:
-        async_engine = AsyncEngine(engine, max_waiting=config.max_waiting, observer=metrics)
-    metrics.bind(lambda: async_engine.stats)
+        async_engine = AsyncEngine(engine, max_waiting=1 << 62, observer=metrics)
+    feeder = FairFeeder(async_engine, config.limits(engine))
+
+    def stats() -> Any:  # the engine's counts plus the sequences still queued in the server
+        s = async_engine.stats
+        return dataclasses.replace(s, num_waiting=s.num_waiting + feeder.pending_seqs)
+
+    metrics.bind(stats)
     serving = OpenAIServing(
-        async_engine,
+        feeder,
         engine.tokenizer,
         config.served_model_name,
         int(engine.max_model_len),
@@ -145,6 +174,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.state.serving = serving
+    app.state.feeder = feeder
     install_error_handlers(app)
     created = int(time.time())
 

@@ -51,6 +51,8 @@ class RequestUpdate:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # the engine failed this request; the message is safe to show
+    status: int = 500  # the HTTP status of `error`
+    code: str | None = "engine_error"  # the OpenAI error code of `error`
 
 
 @dataclass
@@ -148,18 +150,24 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     # ---- requests (event loop side) ----
 
-    async def add_requests(self, requests: list[EngineRequest], queue: asyncio.Queue) -> None:
-        """Queue `requests` (tags 0..k-1) for the engine; returns once the engine accepted all of them.
+    async def add_requests(
+        self, requests: list[EngineRequest], queue: Any, tags: list[int] | None = None
+    ) -> None:
+        """Queue `requests` (tags 0..k-1 unless given) for the engine; returns once the engine
+        accepted all of them. `queue` is anything with `put_nowait(RequestUpdate)`.
 
         Raises `QueueFullError` when the waiting queue has no room for them, `ValueError` (the
         engine's message) when the engine rejects one; then none of them runs.
         """
         loop = asyncio.get_running_loop()
-        batch = _AddBatch(
-            list(zip(requests, range(len(requests)))), queue, loop.create_future(), time.monotonic()
-        )
+        tags = list(range(len(requests))) if tags is None else tags
+        batch = _AddBatch(list(zip(requests, tags)), queue, loop.create_future(), time.monotonic())
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")

@@ -209,7 +209,11 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         conn.close()
         return
-    info = {"max_model_len": int(engine.max_model_len), "vocab_size": int(engine.vocab_size)}
+    info = {
+        "max_model_len": int(engine.max_model_len),
+        "vocab_size": int(engine.vocab_size),
+        "max_num_seqs": int(engine.config.max_num_seqs),
+    }
     # Everything built so far (model modules, tokenizer, graphs) lives as long as the process:
     # out of the cyclic collector's sight, so that its full collections during serving scan only
     # the requests' objects (a CPU model of a step with a large start-up heap: 3.3 -> 2.2 ms).
@@ -300,6 +304,7 @@ class EngineProcess:
             raise RuntimeError(f"the engine failed to start: {info}")
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
+        self.max_num_seqs: int = info["max_num_seqs"]
         self.tokenizer = None
         if not engine_kwargs.get("skip_tokenizer_init", False):
             from transformers import AutoTokenizer
@@ -352,10 +357,17 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self._proc.is_alive() and self.error is None
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     # ---- requests (event loop side) ----
 
-    async def add_requests(self, requests: list[EngineRequest], queue: asyncio.Queue) -> None:
+    async def add_requests(
+        self, requests: list[EngineRequest], queue: Any, tags: list[int] | None = None
+    ) -> None:
         """As `AsyncEngine.add_requests`: QueueFullError, or the engine's ValueError; then none runs."""
+        tags = list(range(len(requests))) if tags is None else tags
         fut = asyncio.get_running_loop().create_future()
         with self._lock:
             if self._stopping or self.error is not None:
@@ -364,12 +376,12 @@ class EngineProcess:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             qid, fid = self._new_id(), self._new_id()
             self._pending_adds += len(requests)
-            self._queues[qid] = (queue, {tag: r.request_id for tag, r in enumerate(requests)})
+            self._queues[qid] = (queue, {tag: r.request_id for tag, r in zip(tags, requests)})
             for r in requests:
                 self._qid_of[r.request_id] = qid
             self._futures[fid] = (fut, len(requests), qid)
         try:
-            self._send(("add", list(zip(requests, range(len(requests)))), qid, fid, _monotonic()))
+            self._send(("add", list(zip(requests, tags)), qid, fid, _monotonic()))
         except RuntimeError:
             with self._lock:  # never reached the engine: undo the bookkeeping
                 self._futures.pop(fid, None)

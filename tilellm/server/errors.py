@@ -31,12 +31,21 @@ _TYPES = {
 class APIError(Exception):
     """An error answered to the client with `status` and OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     @classmethod
     def invalid(cls, message: str, param: str | None = None) -> APIError:
@@ -46,7 +55,7 @@ class APIError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(

@@ -19,7 +19,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tilellm.server.async_engine import AsyncEngine, EngineRequest, QueueFullError, RequestUpdate, SeqDelta
+from tilellm.server.admission import FairFeeder, Ticket
+from tilellm.server.async_engine import EngineRequest, RequestUpdate, SeqDelta
 from tilellm.server.errors import APIError
 from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
 
@@ -142,9 +143,9 @@ def _finite(x: float) -> float:
 
 class OpenAIServing:
     def __init__(
-        self, async_engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int
+        self, feeder: FairFeeder, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int
     ):
-        self.engine = async_engine
+        self.feeder = feeder
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -248,23 +249,14 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             raise _engine_value_error(exc, renames) from None
 
-    async def _submit(
-        self, base_id: str, prompts: list[list[int]], params: Any, renames: dict[str, str]
-    ) -> tuple[asyncio.Queue, list[str]]:
+    def _submit(self, base_id: str, prompts: list[list[int]], params: Any) -> tuple[asyncio.Queue, Ticket]:
+        """Admit the request (400 / 429 / 503 when not); the feeder hands its prompts to the engine."""
         queue: asyncio.Queue = asyncio.Queue()
         reqs = [EngineRequest(f"{base_id}-{t}", ids, params) for t, ids in enumerate(prompts)]
-        try:
-            await self.engine.add_requests(reqs, queue)
-        except QueueFullError as exc:
-            raise APIError(429, f"{exc}; retry later", code="queue_full") from None
-        except ValueError as exc:
-            raise _engine_value_error(exc, renames) from None
-        except RuntimeError as exc:  # shutting down
-            raise APIError(503, str(exc), code="shutting_down") from None
-        return queue, [r.request_id for r in reqs]
+        return queue, self.feeder.admit(reqs, queue, params.max_tokens)
 
     async def _collect(
-        self, queue: asyncio.Queue, num_prompts: int, request_ids: list[str], raw: Request
+        self, queue: asyncio.Queue, num_prompts: int, ticket: Ticket, raw: Request
     ) -> tuple[dict[tuple[int, int], _Choice], list[int]]:
         """Wait for every engine request to finish; abort them all if the client goes away."""
         choices: dict[tuple[int, int], _Choice] = {}
@@ -296,7 +288,7 @@ class OpenAIServing:
             if not consumer.done():  # client gone (or we were cancelled): free its KV blocks now
                 gone = True
                 consumer.cancel()  # (takes effect at its next await: not `cancelled()` yet)
-                self.engine.abort(request_ids)
+                self.feeder.cancel(ticket)
         if gone:
             raise APIError(499, "client disconnected")
         consumer.result()  # re-raise an engine error
@@ -352,13 +344,13 @@ class OpenAIServing:
         )
         params = self._sampling_params(req, max_tokens, req.logprobs, {})
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        queue, request_ids = await self._submit(base_id, prompts, params, {})
+        queue, ticket = self._submit(base_id, prompts, params)
         created = int(time.time())
         echo = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         if req.stream:
-            gen = self._completion_stream(req, base_id, created, prompts, echo, queue, request_ids)
-            return _sse_response(self._guarded_stream(gen, base_id, request_ids))
-        choices, _ = await self._collect(queue, len(prompts), request_ids, raw)
+            gen = self._completion_stream(req, base_id, created, prompts, echo, queue, ticket)
+            return _sse_response(self._guarded_stream(gen, base_id, ticket))
+        choices, _ = await self._collect(queue, len(prompts), ticket, raw)
         out = []
         for (tag, idx), c in sorted(choices.items()):
             text = c.final_text if c.final_text is not None else "".join(c.text)
@@ -405,7 +397,7 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _guarded_stream(
-        self, events: AsyncIterator[str], base_id: str, request_ids: list[str]
+        self, events: AsyncIterator[str], base_id: str, ticket: Ticket
     ) -> AsyncIterator[str]:
         """`events`, then `[DONE]`. The engine's error and any unexpected error become an error
         event; a stream that does not run to its end (the client went away, or an unexpected
@@ -428,7 +420,7 @@ class OpenAIServing:
             yield _sse("[DONE]")
         finally:
             if not finished:
-                self.engine.abort(request_ids)
+                self.feeder.cancel(ticket)
             await events.aclose()
 
     async def _completion_stream(
@@ -439,7 +431,7 @@ class OpenAIServing:
         prompts: list[list[int]],
         echo: list[str],
         queue: asyncio.Queue,
-        request_ids: list[str],
+        ticket: Ticket,
     ) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return_ids = self._return_token_ids(req)
@@ -534,12 +526,12 @@ class OpenAIServing:
         renames = {"max_tokens": mt_param, "logprobs": "top_logprobs"}
         params = self._sampling_params(req, max_tokens, top, renames)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        queue, request_ids = await self._submit(base_id, [prompt], params, renames)
+        queue, ticket = self._submit(base_id, [prompt], params)
         created = int(time.time())
         if req.stream:
-            gen = self._chat_stream(req, base_id, created, prompt, queue, request_ids)
-            return _sse_response(self._guarded_stream(gen, base_id, request_ids))
-        choices, _ = await self._collect(queue, 1, request_ids, raw)
+            gen = self._chat_stream(req, base_id, created, prompt, queue, ticket)
+            return _sse_response(self._guarded_stream(gen, base_id, ticket))
+        choices, _ = await self._collect(queue, 1, ticket, raw)
         out = []
         for (_, idx), c in sorted(choices.items()):
             text = c.final_text if c.final_text is not None else "".join(c.text)
@@ -592,7 +584,7 @@ class OpenAIServing:
         created: int,
         prompt: list[int],
         queue: asyncio.Queue,
-        request_ids: list[str],
+        ticket: Ticket,
     ) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -643,9 +635,9 @@ async def _updates(queue: asyncio.Queue, num_requests: int) -> AsyncIterator[lis
         batch = [await queue.get()]
         while not queue.empty():
             batch.append(queue.get_nowait())
-        err = next((u.error for u in batch if u.error is not None), None)
+        err = next((u for u in batch if u.error is not None), None)
         if err is not None:
-            raise APIError(500, err, code="engine_error")
+            raise APIError(err.status, err.error, code=err.code)
         remaining -= sum(u.finished for u in batch)
         yield batch
 
