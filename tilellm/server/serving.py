@@ -7,12 +7,14 @@ feeding one queue. Choice `i` of prompt `t` has index `t * n + i` in the respons
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +153,23 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self._token_str_cache: dict[int, str] = {}
+        # Tokenizing and chat templates run here, off the event loop: a multi-megabyte prompt
+        # takes seconds of CPU. Two workers: enough to overlap, few enough to bound their memory.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tilellm-tokenize")
+        self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer) if tokenizer else 0
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """400 before tokenizing a text that cannot fit: every token covers at most
+        `longest_token_chars` characters, so more than max_model_len x that is too many tokens."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError.invalid(
+                f"{param}: {num_chars} characters cannot fit in this model's maximum context length of "
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters); shorten it",
+                param,
+            )
 
     # ---- shared steps ----
 
@@ -327,8 +346,9 @@ class OpenAIServing:
         for p in prompt:
             if isinstance(p, str):
                 self._need_tokenizer("prompt", "a text prompt")
+                self._check_chars(len(p), "prompt")
                 self._check_text(p, "prompt")
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = _encode(self.tokenizer, p) if isinstance(p, str) else list(p)
             self._check_token_ids(ids, "prompt")
             out.append(ids)
         return out
@@ -338,7 +358,7 @@ class OpenAIServing:
         check_unsupported(req)
         if req.echo:
             self._need_tokenizer("echo", "echo")
-        prompts = self._completion_prompts(req)
+        prompts = await self._off_loop(self._completion_prompts, req)
         max_tokens = min(
             self._max_tokens(req.max_tokens, len(ids), "max_tokens", "prompt") for ids in prompts
         )
@@ -346,7 +366,9 @@ class OpenAIServing:
         base_id = f"cmpl-{uuid.uuid4().hex}"
         queue, ticket = self._submit(base_id, prompts, params)
         created = int(time.time())
-        echo = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        echo = [""] * len(prompts)
+        if req.echo:
+            echo = await self._off_loop(lambda: [self.tokenizer.decode(ids) for ids in prompts])
         if req.stream:
             gen = self._completion_stream(req, base_id, created, prompts, echo, queue, ticket)
             return _sse_response(self._guarded_stream(gen, base_id, ticket))
@@ -505,6 +527,7 @@ class OpenAIServing:
             self._check_text(content, f"messages[{i}].content")
             messages.append({"role": m.role, "content": content})
         self._need_tokenizer("messages", "a chat request")
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError.invalid("this model has no chat template; use /v1/completions", "messages")
         try:
@@ -513,12 +536,12 @@ class OpenAIServing:
             )
         except Exception as exc:  # the template's own checks (e.g. role order) raise jinja errors
             raise APIError.invalid(f"messages: the chat template rejected them: {exc}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return _encode(self.tokenizer, text, add_special_tokens=False)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
         check_unsupported(req)
-        prompt = self._chat_prompt(req)
+        prompt = await self._off_loop(self._chat_prompt, req)
         mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt), mt_param, "messages")
@@ -625,6 +648,35 @@ class OpenAIServing:
         else:
             if include_usage:
                 yield self._usage_chunk(base_id, "chat.completion.chunk", created, [prompt], state)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` can stand for: its longest vocabulary entry
+    (byte-level BPE spells each byte as one character, so an entry is never shorter than the text
+    it decodes to) or its longest decoded token, whichever is longer; added tokens included."""
+    vocab = tokenizer.get_vocab()
+    longest = max((len(t) for t in vocab), default=1)
+    decoded = max((len(tokenizer.decode([i])) for i in vocab.values()), default=1)
+    return max(longest, decoded, 1)
+
+
+_TRIM_AFTER_CHARS = 1 << 20
+
+
+def _encode(tokenizer: Any, text: str, **kw: Any) -> list[int]:
+    """`tokenizer.encode`, then (after a large text) the C heap's free pages back to the system:
+    the tokenizer's buffers for a megabyte prompt are hundreds of megabytes that glibc keeps."""
+    ids = tokenizer.encode(text, **kw)
+    if len(text) >= _TRIM_AFTER_CHARS:
+        _malloc_trim()
+    return ids
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 async def _updates(queue: asyncio.Queue, num_requests: int) -> AsyncIterator[list[RequestUpdate]]:
