@@ -7,6 +7,12 @@ lengths instead; `--scale` shrinks lengths and count as `tilellm bench throughpu
 (the same prompts). `--prompt-id-offset K` adds K to every prompt token id (modulo
 `--token-id-max + 1`): the same lengths and work, but nothing for the prefix cache to find from
 an earlier run over the same workload.
+
+The workload fits the served model (from `/v1/models`): a vocabulary smaller than E1's ids takes
+them modulo its size, as `bench throughput` does; the vocabulary size comes from the server when
+it says, else from `--tokenizer DIR` (or `--model` naming a local directory), else from the
+served model's directory when it is on this machine or is the embedded model. Drawn lengths
+that exceed the model's `max_model_len` are scaled down until they fit (a note says so).
 Requests go to `/v1/completions` as token ids, streamed, with `ignore_eos` and `return_token_ids`,
 either all at once (`--request-rate inf`), as a Poisson process, and/or capped at
 `--max-concurrency` in flight.
@@ -32,10 +38,23 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tilellm.commands.common import UsageError
+
+E1_TOKEN_ID_MAX = 10000
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    parser.add_argument(
+        "--model", default=None, help="model name as served (default: the server's first model)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="model or tokenizer directory whose vocabulary the prompt ids must fit (default: the "
+        "--model directory, or the served one when it is on this machine or is the embedded model)",
+    )
     parser.add_argument(
         "--api-key", default=os.environ.get("TILELLM_API_KEY"), help="default: $TILELLM_API_KEY"
     )
@@ -46,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-len", type=int, default=None, help="fixed max_tokens (default: randint(100, 1024))"
     )
-    parser.add_argument("--token-id-max", type=int, default=10000, help="prompt token ids in [0, this]")
+    parser.add_argument(
+        "--token-id-max",
+        type=int,
+        default=None,
+        help=f"prompt token ids in [0, this] (default: E1's {E1_TOKEN_ID_MAX}, modulo a smaller vocabulary)",
+    )
     parser.add_argument(
         "--scale",
         type=float,
@@ -95,10 +119,12 @@ def make_workload(
     seed: int,
     scale: float = 1.0,
     prompt_id_offset: int = 0,
+    vocab_size: int | None = None,
 ) -> Workload:
     """E1's draw order: all prompts (length, then tokens), then all output lengths.
 
     Lengths are `randint(lo, hi)` with lo, hi = 100, 1024 scaled as `bench throughput` scales E1.
+    `vocab_size`: the ids taken modulo it where they reach it (as `bench throughput` fits a model).
     """
     random.seed(seed)
     lo, hi = max(1, round(100 * scale)), max(2, round(1024 * scale))
@@ -112,6 +138,8 @@ def make_workload(
     if prompt_id_offset:
         mod = token_id_max + 1
         prompts = [[(t + prompt_id_offset) % mod for t in p] for p in prompts]
+    if vocab_size is not None and token_id_max >= vocab_size:
+        prompts = [[t % vocab_size for t in p] for p in prompts]
     return Workload(prompts, max_tokens)
 
 
@@ -265,11 +293,114 @@ def _workload(args: argparse.Namespace) -> Workload:
         args.seed,
         args.scale,
         args.prompt_id_offset,
+        getattr(args, "vocab_size", None),
     )
 
 
 def _headers(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+async def served_model(args: argparse.Namespace) -> dict:
+    """The `/v1/models` card of `--model` (default: the server's first model)."""
+    async with httpx.AsyncClient(base_url=args.base_url, headers=_headers(args), timeout=60) as client:
+        resp = await client.get("/v1/models")
+    if resp.status_code == 401:
+        raise UsageError(f"{args.base_url} wants an API key: pass --api-key KEY (or set $TILELLM_API_KEY)")
+    resp.raise_for_status()
+    cards = resp.json().get("data") or []
+    if not cards:
+        raise UsageError(f"{args.base_url}/v1/models lists no model")
+    if args.model is None:
+        return cards[0]
+    card = next((c for c in cards if c.get("id") == args.model), None)
+    if card is None:
+        served = ", ".join(str(c.get("id")) for c in cards)
+        raise UsageError(
+            f"--model {args.model}: the server serves {served}; pass one of them or leave it out"
+        )
+    return card
+
+
+def vocab_size_of(path: str | os.PathLike) -> int | None:
+    """Token ids that both the model (config.json's vocab_size) and its tokenizer know; None when
+    the directory has neither."""
+    from pathlib import Path
+
+    path = Path(path)
+    sizes = []
+    config = path / "config.json"
+    try:
+        if config.is_file():
+            size = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+            if isinstance(size, int):
+                sizes.append(size)
+        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            from transformers import AutoTokenizer
+
+            sizes.append(len(AutoTokenizer.from_pretrained(str(path))))
+    except (OSError, ValueError, AttributeError) as exc:  # unreadable: the ids stay as they are
+        _note(f"cannot read the vocabulary in {path} ({type(exc).__name__}: {exc})")
+    return min(sizes) if sizes else None
+
+
+def _vocab_dir(args: argparse.Namespace, card: dict) -> str | None:
+    """Where the served model's vocabulary can be read on this machine, if anywhere."""
+    from tilellm.assets import DEFAULT_MODEL_NAME, default_model_path
+
+    if args.tokenizer is not None:
+        if not os.path.isdir(args.tokenizer):
+            raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+        return args.tokenizer
+    root = str(card.get("root") or card.get("id") or "")
+    for candidate in (args.model, root):  # a path given here, or the server's on this machine
+        if candidate and os.path.isdir(candidate):
+            return candidate
+    if DEFAULT_MODEL_NAME in (os.path.basename(os.path.normpath(root)), card.get("id")):
+        return str(default_model_path())  # the embedded model, served from another machine
+    return None
+
+
+def fit_to_server(args: argparse.Namespace, card: dict) -> None:
+    """Fit the workload to the served model `card`: set `args.vocab_size` (None: unknown) and
+    shrink `args.scale` until drawn lengths fit its `max_model_len`; UsageError where a flag's
+    value cannot fit."""
+    vocab = card.get("vocab_size")
+    if not isinstance(vocab, int):
+        where = _vocab_dir(args, card)
+        vocab = vocab_size_of(where) if where is not None else None
+    args.vocab_size = vocab
+    if args.token_id_max is None:
+        args.token_id_max = E1_TOKEN_ID_MAX
+        if vocab is not None and vocab <= E1_TOKEN_ID_MAX:
+            _note(f"prompt token ids taken modulo the served model's vocabulary ({vocab} ids)")
+    elif vocab is not None and args.token_id_max >= vocab:
+        raise UsageError(
+            f"--token-id-max {args.token_id_max}: the served model has {vocab} ids; use < {vocab}"
+        )
+    max_len = card.get("max_model_len")
+    if not isinstance(max_len, int):
+        return
+    fixed = (args.input_len or 0) + (args.output_len or 0)
+    drawn = (args.input_len is None) + (args.output_len is None)
+    longest = fixed + drawn * max(2, round(1024 * args.scale))
+    if longest <= max_len:
+        return
+    room = (max_len - fixed) // drawn if drawn else 0
+    if room < 2:
+        raise UsageError(
+            f"requests of {longest} tokens do not fit the served model's max_model_len {max_len}: "
+            "use a smaller --input-len / --output-len"
+        )
+    args.scale = room / 1024
+    _note(
+        f"the served model's max_model_len is {max_len}: lengths scaled down to fit "
+        f"(--scale {args.scale:.4g}, up to {room} tokens each)"
+    )
+
+
+def _note(text: str) -> None:
+    print(f"tilellm bench serve: {text}", file=sys.stderr)
 
 
 async def _model_name(args: argparse.Namespace) -> str:
@@ -423,22 +554,23 @@ def format_table(s: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.num_prompts is None:
-        args.num_prompts = max(1, round(256 * args.scale))
-    if args.num_prompts < 1:
-        print("tilellm bench serve: --num-prompts must be >= 1", file=sys.stderr)
-        return 2
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise UsageError("--num-prompts must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
-        print("tilellm bench serve: --max-concurrency must be >= 1", file=sys.stderr)
-        return 2
+        raise UsageError("--max-concurrency must be >= 1")
     if not args.request_rate > 0:
-        print("tilellm bench serve: --request-rate must be > 0 (inf for all at once)", file=sys.stderr)
-        return 2
+        raise UsageError("--request-rate must be > 0 (inf for all at once)")
     if args.num_clients < 1:
-        print("tilellm bench serve: --num-clients must be >= 1", file=sys.stderr)
-        return 2
-    args.num_clients = min(args.num_clients, args.num_prompts, args.max_concurrency or args.num_prompts)
+        raise UsageError("--num-clients must be >= 1")
+    if not args.scale > 0:
+        raise UsageError(f"--scale must be > 0, got {args.scale:g}")
     try:
+        card = asyncio.run(served_model(args))
+        args.model = card["id"]
+        fit_to_server(args, card)
+        if args.num_prompts is None:
+            args.num_prompts = max(1, round(256 * args.scale))
+        args.num_clients = min(args.num_clients, args.num_prompts, args.max_concurrency or args.num_prompts)
         if args.num_clients > 1:
             summary = run_benchmark_processes(args)
         else:
@@ -454,4 +586,13 @@ def main(args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-__all__ = ["add_arguments", "main", "make_workload", "RequestResult", "summarize"]
+__all__ = [
+    "add_arguments",
+    "fit_to_server",
+    "main",
+    "make_workload",
+    "RequestResult",
+    "served_model",
+    "summarize",
+    "vocab_size_of",
+]

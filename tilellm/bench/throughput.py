@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from tilellm.commands.common import UsageError, check_model_dir, resolve_device
+
 E1_OUTPUT_TOKENS = 133966
 
 
@@ -97,7 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--hf-requests", type=int, default=256, help="E1 requests for the HF baseline (batches of 64)"
     )
     p.add_argument(
-        "--scale", type=float, default=1.0, help="shrink lengths and counts (smoke tests on CPU); 1 = SPEC"
+        "--scale",
+        type=float,
+        default=None,
+        help="shrink lengths and counts (a short run: 0.02); 1 = SPEC (the default on a GPU)",
     )
 
 
@@ -444,6 +449,27 @@ def _print_table(results: list[Result]) -> None:
             )
 
 
+SHORT_RUN = "--scale 0.02 --workloads E1"
+
+
+def _check_scale(args: argparse.Namespace) -> None:
+    """Full size (`--scale` left out) only on a GPU: on the CPU the SPEC run takes hours, so say so
+    before any work and name the short run; an explicit `--scale` runs anywhere."""
+    device = resolve_device(args.device)
+    if device != "cpu":
+        args.scale = 1.0 if args.scale is None else args.scale
+    elif args.scale is None:
+        raise UsageError(
+            "this is a GPU benchmark (SPEC's E1-E3 on a random Qwen3-0.6B) and no GPU is in use: on "
+            f"the CPU it runs for hours.\nA short run: tilellm bench throughput {SHORT_RUN} "
+            "(or --scale 1: all of it)"
+        )
+    else:
+        print(f"# on the CPU at --scale {args.scale:g}: a smoke run, not SPEC's numbers", flush=True)
+    if not args.scale > 0:
+        raise UsageError(f"--scale must be > 0, got {args.scale:g}")
+
+
 def main(args: argparse.Namespace) -> int:
     # The engine's INFO lines (model loaded, KV pool, kernels warmed up, graphs captured, with
     # their times) go to stderr: a long engine build shows its phases.
@@ -456,9 +482,11 @@ def main(args: argparse.Namespace) -> int:
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
     unknown = set(names) - {"E1", "E2", "E3"}
     if unknown:
-        print(f"unknown workloads: {sorted(unknown)}")
-        return 2
+        raise UsageError(f"--workloads: unknown {', '.join(sorted(unknown))}; choose from E1, E2, E3")
+    _check_scale(args)
     results: list[Result] = []
+    if args.model is not None:
+        check_model_dir(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         model, load_format = _model_dir(args, tmp)
         if "E1" in names:

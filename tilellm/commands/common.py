@@ -92,7 +92,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     check_device(args.device)
     import dataclasses
 
-    from tilellm.engine.config import EngineConfig
+    from tilellm.config import EngineConfig
 
     try:
         EngineConfig(model="", **kwargs)
