@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from tilellm.server.admission import AdmissionLimits, FairFeeder
 from tilellm.server.async_engine import AsyncEngine
@@ -243,8 +243,8 @@ def _mount_inspect(app: FastAPI, async_engine: AsyncEngine | EngineProcess) -> N
     except ImportError:
         return
 
-    from fastapi.responses import HTMLResponse
-
+    # HTMLResponse is imported at module level: with postponed annotations FastAPI resolves this
+    # return annotation from the module's globals when it builds the OpenAPI document.
     @app.get("/inspect", response_class=HTMLResponse)
     async def inspect_page() -> HTMLResponse:
         async def run() -> HTMLResponse:
