@@ -2,6 +2,8 @@
 
     python benchmarks/profile_engine.py [--out DIR] [--requests 256] [--decode-steps 24]
 
+(with tilellm installed, `pip install -e .`, or from the repository root with `PYTHONPATH=.`)
+
 E1 reaches about 70% of its roofline (docs/benchmarks.md); this says which kernels and which host
 calls the rest goes to. It builds the engine `tilellm bench throughput` builds for E1 (Qwen3-0.6B's
 architecture with random weights, bf16, a 16384-token step budget, CUDA graphs for decode) through
