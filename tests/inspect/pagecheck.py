@@ -55,7 +55,8 @@ PAGE_FACTS_JS = r"""
   });
   all('#pool .pool-run').forEach(b => { poolCount += num(b, 'data-count'); });
   const boxes = all('#attention-matrix g.request').map(g => {
-    const r = g.getBoundingClientRect(); return [num(g, 'data-request'), r.width, r.height];
+    const r = g.querySelector('.req-box').getBoundingClientRect();
+    return [num(g, 'data-request'), r.width, r.height];
   });
   const visibleTiles = all('#attention-matrix .tile').filter(t => {
     const r = t.getBoundingClientRect(); return r.width > 0 && r.height > 0; }).length;

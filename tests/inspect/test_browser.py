@@ -15,6 +15,7 @@ import pytest
 from tests.inspect.cdp import Browser, find_chromium
 from tests.inspect.pagecheck import PAGE_FACTS_JS, TILE_CLASSES, expected_facts
 from tilellm.inspect import describe_batch, render_html
+from tilellm.inspect.html import matrix_scale
 
 CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(
@@ -33,6 +34,31 @@ PAGES = {
     ),
     "prefill": ("300,40,129", dict(num_q_heads=8, num_kv_heads=2, head_dim=64)),
 }
+
+
+# For each tile class: the computed paint of a matrix tile and of its legend swatch, and what
+# shows through it (the attended region's paint, or nothing; an opaque one hides what is under it).
+LEGEND_JS = r"""
+(() => {
+  const paint = (e) => { if (!e) return null; const s = getComputedStyle(e);
+    return [s.fill, s.opacity, s.stroke, s.strokeWidth]; };
+  const out = {};
+  for (const cls of ['full', 'diagonal', 'skipped']) {
+    const tile = document.querySelector('#attention-matrix .tile[data-tile-class="' + cls + '"]');
+    const sw = document.querySelector('#matrix-legend .swatch-tile[data-tile-class="' + cls + '"]');
+    const under = (e) => {
+      if (!e || getComputedStyle(e).opacity === '1') return null;
+      const g = e.closest('g.request, svg.sw'); const r = e.getBoundingClientRect();
+      const hit = Array.from(g.querySelectorAll('.visible')).some(v => {
+        const b = v.getBoundingClientRect();
+        return b.right > r.left && b.left < r.right && b.bottom > r.top && b.top < r.bottom; });
+      return hit ? paint(g.querySelector('.visible')) : null;
+    };
+    out[cls] = {tile: [paint(tile), under(tile)], swatch: [paint(sw), under(sw)]};
+  }
+  return out;
+})()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +80,13 @@ def test_page_in_browser(browser, tmp_path, name):
     assert got["kernel"] == facts["kernel"]
     assert got["numRequests"] == facts["num_requests"]
     assert got["rows"] == [[i, q, k] for i, (q, k) in enumerate(zip(facts["q_lens"], facts["kv_lens"]))]
-    # One laid-out box per request in the attention matrix, even a one-token decode next to a long one.
+    # One laid-out box per request in the attention matrix, all at one scale: a one-token decode
+    # is a single row (a few px), a long prefill as tall as its tokens.
+    row_px, key_px = matrix_scale(insp)
     assert [b[0] for b in got["boxes"]] == list(range(facts["num_requests"]))
-    assert all(w >= 10 and h >= 10 for _, w, h in got["boxes"]), got["boxes"]
+    for (_, w, h), q, k in zip(got["boxes"], facts["q_lens"], facts["kv_lens"]):
+        assert w == pytest.approx(k * key_px, abs=1.5), got["boxes"]
+        assert h == pytest.approx(q * row_px, abs=1.5), got["boxes"]
     assert got["tiles"] == facts["head0_tiles"]
     assert got["summaryTiles"] == facts["all_tiles"]
     assert got["visibleTiles"] == got["numTileElements"] > 0
@@ -80,6 +110,12 @@ def test_page_in_browser(browser, tmp_path, name):
         })()"""
     )
     assert hl[0] and hl[1] > 0 and hl[2] and hl[3] == 0, hl
+
+    # Each legend swatch is painted like the tiles it names: same fill, opacity and layer below.
+    legend = browser.evaluate(LEGEND_JS)
+    for cls in TILE_CLASSES:
+        if facts["head0_tiles"][cls]:
+            assert legend[cls]["swatch"] == legend[cls]["tile"], (cls, legend[cls])
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / f"inspector-{name}.png"

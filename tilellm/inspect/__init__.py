@@ -8,7 +8,13 @@ open("batch.html", "w").write(render_html(insp))
 inspect_engine(engine) does the same for a live `LLMEngine`'s last step (the server's GET /inspect).
 """
 
-from tilellm.inspect.engine import EngineSnapshot, inspect_engine, inspect_snapshot, snapshot_engine
+from tilellm.inspect.engine import (
+    EngineSnapshot,
+    inspect_engine,
+    inspect_snapshot,
+    pool_at_step,
+    snapshot_engine,
+)
 from tilellm.inspect.model import (
     BlockView,
     Inspection,
@@ -32,6 +38,7 @@ __all__ = [
     "inspect_step",
     "parse_batch",
     "parse_heads",
+    "pool_at_step",
     "render_html",
     "render_text",
     "snapshot_engine",
