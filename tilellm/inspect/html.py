@@ -5,13 +5,17 @@ Stable hooks for tests and scripts (all on plain elements):
                      data-tiles-full / -diagonal / -skipped (all heads), data-num-splits,
                      data-num-blocks, data-blocks-shared / -used / -cached / -free
   .request-row       one per request: data-request, data-q-len, data-kv-len, data-kind
-  #attention-matrix  SVG; g.request[data-request] holds the attended region (.visible) and
+  #matrix-legend     .legend-item[data-legend] swatches, drawn with the matrix's own classes
+                     (.swatch-tile[data-tile-class] for the tile classes)
+  #attention-matrix  SVG at one scale for all requests: data-row-px (per new token), data-key-px;
+                     g.request[data-request] holds .req-box, the attended region (.visible) and
                      .tile runs of head 0: data-tile-class="full|diagonal|skipped", data-tiles (count),
                      data-q-tile, data-split, data-first-tile
   .program           one per head-0 program of the launch grid: data-request, data-q-tile,
                      data-split, data-full, data-diagonal, data-skipped, data-empty
   .tile-counts       per request (all heads): data-request, data-full, data-diagonal, data-skipped
-  #split-plan        data-num-splits, data-reason
+  #idle-programs     the sentence on programs that exit immediately
+  #split-plan        data-num-splits, data-reason (the kernels' words; the text is plain)
   .table-block       a block-table entry: data-request, data-logical, data-block, data-state
   .pool-block        a physical block: data-block, data-ref-count, data-state, data-cached;
                      .pool-run stands for data-count consecutive free blocks from data-block
