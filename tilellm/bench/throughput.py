@@ -46,7 +46,9 @@ MODEL_SHAPES = ["qwen3-0.6b", "qwen3-8b"]  # random-weight architectures (tilell
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="E1,E2,E3", help="comma-separated subset of E1,E2,E3")
     p.add_argument("--json", default=None, help="write results to this file")
-    p.add_argument("--model", default=None, help="a model directory instead of the random Qwen3-0.6B")
+    p.add_argument(
+        "--model", default=None, metavar="DIR", help="a model directory instead of the random Qwen3-0.6B"
+    )
     p.add_argument(
         "--model-shape",
         default="qwen3-0.6b",
@@ -475,7 +477,7 @@ def main(args: argparse.Namespace) -> int:
     # their times) go to stderr: a long engine build shows its phases.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.dump_traceback_after:
-        from tilellm.distributed.worker import DUMP_ENV
+        from tilellm.worker.tp_worker import DUMP_ENV
 
         faulthandler.dump_traceback_later(args.dump_traceback_after, exit=False, file=sys.__stderr__)
         os.environ[DUMP_ENV] = str(args.dump_traceback_after)  # tensor-parallel workers inherit it

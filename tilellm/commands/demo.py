@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "\n".join(__doc__.splitlines()[2:])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--arrivals-per-step", type=int, default=8, help="requests added before each step")
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    parser.add_argument(
+        "--model", default=None, metavar="DIR", help="model directory (default: the embedded model)"
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
     parser.add_argument(

@@ -44,7 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--demo", action="store_true", help="run a few engine steps on the embedded model; show the last"
     )
-    e.add_argument("--model", default=None, help="model directory for --demo (default: the embedded model)")
+    e.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model directory for --demo (default: the embedded model)",
+    )
     e.add_argument("--device", default=None, help="device for --demo (default: cuda when available)")
     e.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
     e.add_argument("--num-kv-blocks", type=int, default=64, help="KV pool for --demo (blocks)")
