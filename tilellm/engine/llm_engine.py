@@ -19,6 +19,7 @@ dropped. Outputs come one `step()` call later; nothing else changes.
 from __future__ import annotations
 
 import json
+import numbers
 import pathlib
 import random
 import threading
@@ -29,17 +30,17 @@ from typing import Any
 import numpy as np
 
 from tilellm.cache.block_manager import SHARED_ROOT, BlockManager, request_root
-from tilellm.engine.config import EngineConfig
+from tilellm.config import EngineConfig
 from tilellm.engine.detokenizer import IncrementalDetokenizer
-from tilellm.engine.metadata import StepBatch, build_step_batch
 from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tilellm.engine.request import Request, Sequence, SequenceStatus
-from tilellm.engine.runner import InputPatch, ModelRunner, StepHandle, StepResult
 from tilellm.engine.sampling_params import SamplingParams
 from tilellm.engine.sampling_table import SamplingTable
 from tilellm.engine.scheduler import Scheduler, SchedulerOutput
 from tilellm.engine.stats import EngineStats, StepSnapshot, StepTimings
+from tilellm.worker.model_runner import InputPatch, ModelRunner, StepHandle, StepResult, start_runner
 from tilellm.worker.sampler import HostSampling
+from tilellm.worker.step_inputs import StepInputs, build_step_inputs
 
 _MASK64 = (1 << 64) - 1
 
@@ -76,7 +77,7 @@ class _InFlight:
     """A launched step and what its postprocessing needs."""
 
     sched: SchedulerOutput
-    batch: StepBatch
+    inputs: StepInputs  # host arrays
     sampled: list[Sequence]
     sampling: HostSampling
     positions: np.ndarray  # [N] position of each sampled row's new token (its placeholder)
@@ -144,20 +145,8 @@ class LLMEngine:
         self._last_step: StepSnapshot | None = None
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
-        """The model runner (tests substitute one that needs no model). With tensor parallelism
-        this starts the worker ranks first (`tilellm.distributed`); this process is rank 0."""
-        if config.tensor_parallel_size == 1:
-            return ModelRunner(config)
-        from tilellm.distributed import start_tensor_parallel
-
-        driver = start_tensor_parallel(config)
-        try:
-            return ModelRunner(config, driver)
-        except BaseException as e:  # a worker's failure makes rank 0's start-up collectives fail
-            err = driver.failure(e)
-            if err is e:
-                raise
-            raise err from e
+        """The model runner (tests substitute one that needs no model); see `start_runner`."""
+        return start_runner(config)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent; also done at exit)."""
@@ -210,13 +199,16 @@ class LLMEngine:
             ids = list(prompt)  # the usual case: plain ints (not bool), one cheap pass
         else:
             try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
+                items = list(prompt)
+            except TypeError:
                 raise ValueError(
                     f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
                 ) from None
-            if any(isinstance(t, bool) or int(t) != t for t in prompt):
-                raise ValueError("prompt token ids must be integers")
+            # As the server's strict schema: 4.0 and True are not token ids.
+            bad = next((t for t in items if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+            if bad is not None:
+                raise ValueError(f"prompt token ids must be integers, got {bad!r}")
+            ids = [int(t) for t in items]
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -231,9 +223,7 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
-                    if seq.num_pending:
-                        del seq.token_ids[-seq.num_pending :]
-                        seq.num_pending = 0
+                    seq.drop_pending()
                     self.scheduler.abort(seq)
             return True
 
@@ -294,7 +284,7 @@ class LLMEngine:
             t4 = time.perf_counter()
             outputs = self._postprocess(done, result, emit_partial)
             t5 = time.perf_counter()
-            self._last_step_data = (done.sched, done.batch)
+            self._last_step_data = (done.sched, done.inputs)
             self._last_step = None
             self._record_timing(done, t4 - t3, t5 - t4, result.device_time_s)
             return outputs
@@ -307,7 +297,7 @@ class LLMEngine:
         """
         seqs = sched.seqs
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
-        batch = build_step_batch(
+        inputs = build_step_inputs(
             [s.token_ids for s in seqs],
             sched.starts,
             sched.num_new_tokens,
@@ -319,27 +309,27 @@ class LLMEngine:
         mask = np.asarray(sched.samples, dtype=bool)
         sampled = [s for s, smp in zip(seqs, sched.samples) if smp]
         # A sampled row ends its sequence's tokens: its seq_len is the new token's position.
-        positions = batch.attn.seq_lens.numpy()[mask].astype(np.int64)
+        positions = inputs.seq_lens[mask].astype(np.int64)
         sampled_rows = rows[mask]
         sampling = self.sampling_table.gather(sampled_rows, positions)
         patch = None
-        pending = np.flatnonzero(batch.input_ids.numpy() < 0)
+        pending = np.flatnonzero(inputs.input_ids < 0)
         if len(pending):
             assert self._inflight is not None, "a placeholder token without a step in flight"
-            cu = batch.attn.cu_seqlens_q.numpy()
+            cu = inputs.cu_seqlens_q
             req = np.searchsorted(cu, pending, side="right") - 1
             patch = InputPatch(pending, self._pending_src[rows[req]], self._inflight.handle)
-        handle = self.runner.launch(batch, sampling, patch)
+        handle = self.runner.launch(inputs, sampling, patch)
         for seq in sampled:
             seq.token_ids.append(-1)
             seq.num_pending += 1
         self._pending_src[sampled_rows] = np.arange(len(sampled))
-        return _InFlight(sched, batch, sampled, sampling, positions, handle)
+        return _InFlight(sched, inputs, sampled, sampling, positions, handle)
 
     def _record_timing(self, done: _InFlight, wait_s: float, post_s: float, device_s: float | None) -> None:
         tm = self.timings
         tm.num_steps += 1
-        kind = done.batch.attn.kind.value
+        kind = done.inputs.kind.value
         tm.num_decode_steps += kind == "decode"
         schedule_s, prepare_s = done.times
         tm.schedule_s += schedule_s
@@ -349,7 +339,7 @@ class LLMEngine:
         if device_s is not None:
             tm.device_s += device_s
         if self.record_steps:
-            ntok = int(done.batch.input_ids.shape[0])
+            ntok = done.inputs.num_tokens
             tm.records.append(
                 (kind, len(done.sched.seqs), ntok, schedule_s, prepare_s, wait_s, device_s, post_s)
             )
@@ -367,11 +357,9 @@ class LLMEngine:
             seq.token_ids[pos] = token
             seq.num_pending -= 1
         bm = self.block_manager
-        bs = bm.block_size
         for seq in sampled:  # blocks completed by the tokens just read back
-            if seq.cache_root is not None and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
-                if seq.status is not SequenceStatus.FINISHED:
-                    bm.commit(seq)
+            if seq.status is not SequenceStatus.FINISHED:
+                bm.commit(seq)
         self.generation_tokens_total += int(alive.sum())
         now = time.perf_counter()
 
@@ -482,9 +470,7 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        if seq.num_pending:  # placeholders of a step still in flight: its tokens are dropped
-            del seq.token_ids[-seq.num_pending :]
-            seq.num_pending = 0
+        seq.drop_pending()  # placeholders of a step still in flight: its tokens are dropped
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq)
@@ -588,11 +574,10 @@ class LLMEngine:
     def last_step(self) -> StepSnapshot | None:
         """The last step's batch (built on first access after each step)."""
         if self._last_step is None and self._last_step_data is not None:
-            sched, batch = self._last_step_data
-            attn = batch.attn
-            seq_lens = attn.seq_lens.tolist()
+            sched, inputs = self._last_step_data
+            seq_lens = inputs.seq_lens.tolist()
             bs = self.block_manager.block_size
-            table = attn.block_table.tolist()
+            table = inputs.block_table.tolist()
             self._last_step = StepSnapshot(
                 request_ids=[s.request.request_id for s in sched.seqs],
                 query_lens=list(sched.num_new_tokens),
@@ -600,6 +585,6 @@ class LLMEngine:
                 num_cached_tokens=[s.num_cached_tokens for s in sched.seqs],
                 block_tables=[row[: -(-n // bs)] for row, n in zip(table, seq_lens)],
                 block_size=bs,
-                kind=attn.kind.value,
+                kind=inputs.kind.value,
             )
         return self._last_step

@@ -2,7 +2,9 @@
 
 Fields the engine cannot honour are accepted only at their neutral value (`presence_penalty: 0`,
 `logit_bias: {}`, ...); anything else is a 400 that names the field, raised by `check_unsupported`.
-Unknown fields are ignored, as OpenAI's own server does for forward compatibility.
+Unknown fields are ignored, as OpenAI's own server does for forward compatibility. Types are
+strict, as OpenAI's are: `"5"`, `4.0` or `true` is not an integer, `"0.5"` not a number and `"yes"`
+not a boolean (an integer is a valid number); the offline `SamplingParams` rejects the same.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
