@@ -50,6 +50,19 @@ def _sample_seed(base: int, index: int) -> int:
     return (base + index * 0x9E3779B97F4A7C15) & _MASK64
 
 
+def find_stop_string(text: str, num_new: int, stops: list[str], longest: int) -> tuple[int, str] | None:
+    """The earliest stop string that ends in the last `num_new` characters of `text`, as
+    (start, stop string). Only a window of `num_new + longest - 1` characters is searched: a match
+    that ends earlier was found by an earlier call."""
+    begin = max(0, len(text) - num_new - longest + 1)
+    window = text[begin:]
+    found = [(i, s) for s in stops if (i := window.find(s)) != -1]
+    if not found:
+        return None
+    i, s = min(found)
+    return begin + i, s
+
+
 def _eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
     """EOS ids: the tokenizer's, config.json's and generation_config.json's (as HF generate uses)."""
     ids: list[int] = []
@@ -455,15 +468,13 @@ class LLMEngine:
         text = detok.text
         stops = params.stop
         if stops and delta and pos + 1 - seq.num_prompt_tokens >= params.min_tokens:
-            longest = max(len(s) for s in stops)
-            begin = max(0, len(text) - len(delta) - longest + 1)
-            found = [(i, s) for s in stops if (i := text.find(s, begin)) != -1]
-            if found:
-                i, s = min(found)
+            hit = find_stop_string(text, len(delta), stops, params.longest_stop)
+            if hit is not None:
+                i, s = hit
                 seq.text = text[:i]
                 return s
         if stops and not finishing:  # hold back what could be the start of a stop string
-            longest = max(len(s) for s in stops)
+            longest = params.longest_stop
             seq.text = text[: max(len(seq.text), len(text) - longest + 1)]
         else:
             seq.text = text

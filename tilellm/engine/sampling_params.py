@@ -7,6 +7,10 @@ from dataclasses import dataclass
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow the logits.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Stop strings are matched against every new token's text: bounded so that one request cannot
+# make every step slow (OpenAI allows 4; vLLM sets no bound).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # their total length
 
 
 def _is_int(x: object) -> bool:
@@ -52,6 +56,7 @@ class SamplingParams:
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
         if self.top_k == 0:
             self.top_k = -1
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
 
     def _check(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -80,6 +85,16 @@ class SamplingParams:
             not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops)
         ):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if stops is not None and not isinstance(stops, str):
+            if len(stops) > MAX_STOP_STRINGS:
+                raise ValueError(
+                    f"SamplingParams.stop has {len(stops)} strings; the limit is {MAX_STOP_STRINGS}"
+                )
+            total = sum(len(s) for s in stops)
+            if total > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"SamplingParams.stop strings total {total} characters; the limit is {MAX_STOP_CHARS}"
+                )
         ids = self.stop_token_ids
         if ids is not None and (
             not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)
