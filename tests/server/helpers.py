@@ -11,12 +11,17 @@ from tilellm.server.launcher import bind_socket, make_server
 
 
 class ServerThread:
-    def __init__(self, app, graceful_timeout: float = 5.0):
+    def __init__(self, app, graceful_timeout: float = 5.0, **server_kw):
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(
-            app, port=self.port, log_level="warning", access_log=False, graceful_timeout=graceful_timeout
+            app,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            graceful_timeout=graceful_timeout,
+            **server_kw,
         )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

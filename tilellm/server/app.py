@@ -33,6 +33,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* and /inspect need `Authorization: Bearer <key>`
     max_waiting: int = 1024  # sequences (prompts x n) queued but not yet running; beyond this -> 429
     max_request_bytes: int = 8 * 1024 * 1024  # bodies over this -> 413
+    body_read_timeout: float = 30.0  # seconds to receive a whole request body; slower -> 408
     model_root: str | None = None  # shown as `root` in /v1/models
     # Admission (see `admission.py`): tokens = (prompt + max_tokens) per sequence.
     max_waiting_tokens: int = 1 << 23  # tokens queued but not yet in the engine; beyond this -> 429
@@ -57,15 +58,17 @@ class ServerConfig:
 
 
 class _BodyLimit:
-    """ASGI middleware: 413 for request bodies over `limit` bytes (declared or actually sent).
+    """ASGI middleware: 413 for request bodies over `limit` bytes (declared or actually sent),
+    408 for a body not received within `timeout` seconds (a slow or stalled client).
 
     The body is read here in full (it is small by construction) and replayed to the app; later
     `receive()` calls go to the server, so the app still sees the client's disconnect.
     """
 
-    def __init__(self, app: Any, limit: int):
+    def __init__(self, app: Any, limit: int, timeout: float = 30.0):
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -74,8 +77,13 @@ class _BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await _send_error(send, 413, self._message())
         chunks, size = [], 0
+        deadline = time.monotonic() + self.timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                message = f"request body not received within {self.timeout:g} s"
+                return await _send_error(send, 408, message, "body_timeout")
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
@@ -215,9 +223,10 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         return await _guarded(serving.chat(body, raw))
 
     _mount_inspect(app, async_engine)
+    # The last added runs first: the key is checked before any of the body is read.
+    app.add_middleware(_BodyLimit, limit=config.max_request_bytes, timeout=config.body_read_timeout)
     if config.api_key:
         app.add_middleware(_APIKeyCheck, api_key=config.api_key)
-    app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
     return app
 
 

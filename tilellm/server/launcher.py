@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -35,6 +36,48 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+class _HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on request headers: a connection that has not sent
+    a whole request head within `header_timeout` seconds of opening (or of its previous response)
+    is closed. uvicorn alone waits forever for a client that sends half a request line."""
+
+    header_timeout = 10.0
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request head arrived
+            self._disarm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
+
+    def _disarm_header_timer(self) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self.transport.close()
+
+
 def make_server(
     app: Any,
     *,
@@ -43,7 +86,12 @@ def make_server(
     log_level: str = "info",
     access_log: bool = True,
     graceful_timeout: float = 30.0,
+    timeout_keep_alive: float = 5.0,
+    header_timeout: float = 10.0,
 ) -> GracefulServer:
+    """`timeout_keep_alive`: an idle keep-alive connection is closed after this many seconds;
+    `header_timeout`: so is one that does not send a whole request head within this many."""
+    protocol = type("HeaderTimeoutProtocol", (_HeaderTimeoutProtocol,), {"header_timeout": header_timeout})
     config = uvicorn.Config(
         app,
         host=host,
@@ -51,6 +99,8 @@ def make_server(
         log_level=log_level,
         access_log=access_log,
         timeout_graceful_shutdown=graceful_timeout,
+        timeout_keep_alive=timeout_keep_alive,
+        http=protocol,
         lifespan="on",
     )
     return GracefulServer(config)
