@@ -70,3 +70,11 @@ def test_a_half_sent_request_head_is_closed(slow_client_server):
     assert sock.recv(100) == b""  # closed by the server
     assert time.monotonic() - start < 5
     sock.close()
+
+
+def test_version(slow_client_server):
+    import httpx
+
+    from tilellm import __version__
+
+    assert httpx.get(slow_client_server.url + "/version").json() == {"version": __version__}

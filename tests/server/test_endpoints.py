@@ -19,7 +19,8 @@ METRICS = [
     "prompt_tokens_total",
     "generation_tokens_total",
     "time_to_first_token_seconds_count",
-    "time_per_output_token_seconds_count",
+    "inter_token_latency_seconds_count",
+    "request_time_per_output_token_seconds_count",
     "e2e_request_latency_seconds_count",
     "request_success_total",
 ]
@@ -33,6 +34,7 @@ def test_health(server):
 def test_metrics_count_tokens_and_latencies_exactly(http):
     before = read_metrics(http)
     assert set(METRICS) <= set(before), set(METRICS) - set(before)
+    assert not any(name.startswith("time_per_output_token") for name in before)  # deprecated in vLLM
     assert before["kv_blocks_total"] == 512
     body = {"model": MODEL_NAME, "prompt": [9] * 37, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
     assert http.post("/v1/completions", json=body).status_code == 200
@@ -43,11 +45,13 @@ def test_metrics_count_tokens_and_latencies_exactly(http):
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 12
     for name in (
         "time_to_first_token_seconds",
-        "time_per_output_token_seconds",
+        "request_time_per_output_token_seconds",
         "e2e_request_latency_seconds",
     ):
         assert after[f"{name}_count"] - before[f"{name}_count"] == 2
         assert after[f"{name}_sum"] > before[f"{name}_sum"]
+    itl = after["inter_token_latency_seconds_count"] - before["inter_token_latency_seconds_count"]
+    assert itl == 2 * (6 - 1)  # one per interval between two output tokens
     assert after["request_success_total"] - before["request_success_total"] == 2
     assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] >= 32
     assert 0 < after["prefix_cache_hit_rate"] <= 1

@@ -193,6 +193,12 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
             return JSONResponse(error_body(503, reason, code="engine_dead"), status_code=503)
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from tilellm import __version__
+
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

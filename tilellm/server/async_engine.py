@@ -329,7 +329,7 @@ class AsyncEngine:
             first = tracked.first_token_time if tracked.first_token_time is not None else now
             tpot = (now - first) / (max_tokens - 1) if max_tokens > 1 else None
             reason = out.outputs[0].finish_reason if out.outputs else None
-            self.observer.on_finished(now - tracked.arrival, tpot, reason or "abort")
+            self.observer.on_finished(now - tracked.arrival, tpot, reason or "abort", max_tokens)
         return RequestUpdate(
             tracked.tag, deltas, bool(out.finished), getattr(out, "num_cached_tokens", 0) or 0
         )

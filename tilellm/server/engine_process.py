@@ -94,8 +94,8 @@ class _PipeObserver:
     def on_first_token(self, ttft: float) -> None:
         self._send(("obs", "on_first_token", (ttft,)))
 
-    def on_finished(self, e2e: float, tpot: float | None, reason: str) -> None:
-        self._send(("obs", "on_finished", (e2e, tpot, reason)))
+    def on_finished(self, e2e: float, tpot: float | None, reason: str, num_tokens: int | None = None) -> None:
+        self._send(("obs", "on_finished", (e2e, tpot, reason, num_tokens)))
 
     def on_aborted(self) -> None:
         self._send(("obs", "on_aborted", ()))

@@ -125,8 +125,17 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
-        self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
+        # vLLM's current names: inter-token latency per token interval (the deprecated
+        # time_per_output_token_seconds), and each request's mean time per output token.
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two consecutive output tokens of a request.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_tpot = Histogram(
+            PREFIX + "request_time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
             labels,
             buckets=_TPOT_BUCKETS,
@@ -155,10 +164,17 @@ class ServerMetrics:
     def on_first_token(self, ttft: float) -> None:
         self.ttft.observe(ttft)
 
-    def on_finished(self, e2e: float, tpot: float | None, finish_reason: str) -> None:
+    def on_finished(
+        self, e2e: float, tpot: float | None, finish_reason: str, num_tokens: int | None = None
+    ) -> None:
+        """`tpot`: the request's mean time per output token after the first; `num_tokens`: its
+        output tokens, so that the inter-token histogram counts each of their intervals (the
+        engine reports one mean per request, not every interval: that is its sum, spread evenly)."""
         self.e2e.observe(e2e)
         if tpot is not None:
-            self.tpot.observe(tpot)
+            self.request_tpot.observe(tpot)
+            for _ in range(max(1, (num_tokens or 2) - 1)):
+                self.itl.observe(tpot)
         self._success.labels(self._model_name, finish_reason).inc()
 
     def on_aborted(self) -> None:
