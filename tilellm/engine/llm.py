@@ -96,7 +96,16 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if isinstance(sampling_params, (dict, str)) or not isinstance(sampling_params, Sequence):
+                raise TypeError(
+                    "sampling_params must be a SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}"
+                    + (": pass SamplingParams(**{...})" if isinstance(sampling_params, dict) else "")
+                )
             params_list = list(sampling_params)
+            bad = next((p for p in params_list if not isinstance(p, SamplingParams)), None)
+            if bad is not None:
+                raise TypeError(f"sampling_params must hold SamplingParams, got a {type(bad).__name__}")
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts: "
@@ -161,9 +170,14 @@ class LLM:
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat() needs the tokenizer (skip_tokenizer_init=True)")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(
+                f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}"
+            )
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
+            _check_conversation(conv)
             text = tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt
             )
@@ -173,9 +187,34 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
+# The roles the server's chat API accepts; a template may silently drop any other.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_conversation(conv: Any) -> None:
+    if not isinstance(conv, list) or not conv:
+        raise ValueError(f"a conversation must be a non-empty list of message dicts, got {conv!r:.80}")
+    for i, m in enumerate(conv):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"message {i} has an unknown role {m['role']!r}: use one of {', '.join(CHAT_ROLES)}"
+            )
+        if not isinstance(m.get("content", ""), (str, type(None))):
+            raise ValueError(f"message {i}: content must be a string, got {type(m['content']).__name__}")
+
+
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list:
     if isinstance(prompts, (str, dict)):
         return [_one_prompt(prompts)]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(
+            "prompts must be a string, a list of token ids, a {'prompt': ...} dict or a list of "
+            f"those, got {type(prompts).__name__}"
+        )
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]  # one prompt given as token ids
