@@ -154,6 +154,17 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
         main(["generate", "-p", "x"])
 
 
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    import tilellm.commands.generate as generate
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "main", interrupted)
+    assert main(["generate", "-p", "x"]) == 130
+    assert capsys.readouterr().err == "tilellm generate: interrupted\n"
+
+
 # -- one spelling of the model argument -----------------------------------------------------------
 
 
@@ -232,6 +243,12 @@ def test_bench_throughput_on_cpu_names_the_short_run_before_any_work(monkeypatch
     assert "building the engine" not in captured.out
     assert "GPU benchmark" in captured.err and "--scale 0.02 --workloads E1" in captured.err
     assert "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 2
+
+
+def test_bench_kernels_without_a_gpu_says_so_on_stderr(monkeypatch, capsys):
+    _no_cuda(monkeypatch)
+    assert main(["bench", "kernels"]) == 2
+    _short_error(capsys, "tilellm bench kernels: error:", "CUDA GPU")
 
 
 # -- no nanobind teardown report after the real message -------------------------------------------

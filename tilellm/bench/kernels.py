@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from tilellm.commands.common import UsageError
+
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 PREFILL_SWEEP = [
     (128, 64, 8, 3),
@@ -537,8 +539,10 @@ def _query_heads(hq: int) -> Iterator[None]:
 
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("tilellm bench kernels needs a CUDA GPU")
-        return 1
+        raise UsageError(
+            "this benchmark times the kernels on a CUDA GPU and none is visible here "
+            "(on the CPU the kernels' tests run them: pytest tests/kernels)"
+        )
     dtype = getattr(torch, args.dtype)
     want = set(args.workloads.split(","))
     t0 = time.time()
