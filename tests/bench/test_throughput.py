@@ -33,8 +33,8 @@ def test_tensor_parallel_run_reports_its_size(tmp_path, capsys, monkeypatch):
     import os
 
     from tilellm.cli import main
-    from tilellm.distributed.worker import DUMP_ENV
     from tilellm.testing import make_tiny_model
+    from tilellm.worker.tp_worker import DUMP_ENV
 
     monkeypatch.delenv(DUMP_ENV, raising=False)  # restored after the test
     model = make_tiny_model(tmp_path / "m", max_position_embeddings=256)
