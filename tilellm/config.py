@@ -1,40 +1,61 @@
-"""Engine configuration: the `LLM(...)` / `LLMEngine(...)` keyword arguments, checked once."""
+"""Engine configuration: every engine setting, its default and its help, written once.
+
+`EngineConfig`'s fields are the keywords of `LLM(...)` / `LLMEngine(...)`; their metadata makes
+the command line's flags (`tilellm.engine.arg_utils.EngineArgs.add_cli_args`), so a default or a
+help text is never restated. Checked once, when built: a bad value raises ValueError naming it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _arg(
+    default: Any, help: str, *, cli: bool = True, choices: tuple[str, ...] | None = None, short: str = ""
+):
+    """A setting: its default, its help, whether the CLI exposes it, its choices."""
+    return field(default=default, metadata={"help": help, "cli": cli, "choices": choices, "short": short})
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+BACKENDS = ("auto", "triton", "reference")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything that configures an engine (SPEC section 3 names). Invalid values raise ValueError.
+    """Everything that configures an engine (vLLM's names). Invalid values raise ValueError.
 
     max_model_len None: the model's `max_position_embeddings` (capped by the KV pool's size).
     num_kv_blocks None: on CUDA, sized from free memory after a profiling forward times
-    `gpu_memory_utilization`; on CPU, a pool of at most 2 GiB.
+    `gpu_memory_utilization`; on CPU, what max_num_seqs requests of max_model_len tokens need.
     tensor_parallel_size N > 1: N processes (this one is rank 0), one GPU each on CUDA (GPUs
     `device`'s index .. + N - 1), gloo on CPU; the model's sizes are checked when it is loaded.
     """
 
-    model: str
-    dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    device: str | None = None
-    attention_backend: str = "auto"
+    model: str = _arg("", "Hugging Face model directory (default: the embedded model)", cli=False)
+    dtype: str = _arg(
+        "auto", "weights and activations (auto: the checkpoint's; float32 on CPU)", choices=DTYPES
+    )
+    block_size: int = _arg(16, "tokens per KV-cache block")
+    max_num_seqs: int = _arg(256, "most sequences running at once")
+    max_num_batched_tokens: int = _arg(8192, "token budget of one step")
+    max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
+    gpu_memory_utilization: float = _arg(0.9, "share of GPU memory the engine may use")
+    enable_prefix_caching: bool = _arg(True, "share cached prefix blocks between requests")
+    enforce_eager: bool = _arg(False, "disable CUDA graphs")
+    tensor_parallel_size: int = _arg(1, "GPUs (processes) the model is split over", short="-tp")
+    seed: int = _arg(0, "seed of requests that bring none")
+    device: str | None = _arg(None, "cuda or cpu (default: cuda when available)")
+    attention_backend: str = _arg(
+        "auto", "attention kernels (auto: triton on CUDA, reference on CPU)", choices=BACKENDS
+    )
     # RMSNorm / SiLU-and-mul / rotary: None follows attention_backend ("reference" = unfused
     # PyTorch, to measure what the fused Triton kernels gain).
-    fused_ops_backend: str | None = None
-    num_kv_blocks: int | None = None
-    load_format: str = "safetensors"
-    skip_tokenizer_init: bool = False
+    fused_ops_backend: str | None = _arg(None, "fused element-wise ops (default: as attention)", cli=False)
+    num_kv_blocks: int | None = _arg(None, "fix the KV pool size (blocks) instead of sizing it")
+    load_format: str = _arg("safetensors", "safetensors, or dummy (random weights)", cli=False)
+    skip_tokenizer_init: bool = _arg(False, "token-id prompts only", cli=False)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -20,8 +20,8 @@ import torch
 
 from tilellm import LLM, SamplingParams
 from tilellm.distributed import WorkerError
-from tilellm.distributed.worker import FAIL_ENV
 from tilellm.testing import make_tiny_model
+from tilellm.worker.tp_worker import FAIL_ENV
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 

@@ -11,7 +11,7 @@ import torch
 from tests.distributed.test_tensor_parallel_engine import ENGINE, GREEDY, _batches, _generate
 from tilellm import LLM
 from tilellm.distributed import WorkerError
-from tilellm.distributed.worker import FAIL_ENV
+from tilellm.worker.tp_worker import FAIL_ENV
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,9 +14,10 @@ import types
 import numpy as np
 import torch
 
+from tilellm.attention import BatchKind
 from tilellm.engine.llm_engine import LLMEngine
-from tilellm.engine.metadata import BatchKind, StepBatch
-from tilellm.engine.runner import InputPatch, StepHandle, StepResult
+from tilellm.worker.model_runner import InputPatch, StepHandle, StepResult
+from tilellm.worker.step_inputs import StepInputs
 
 VOCAB = 997
 
@@ -47,14 +48,14 @@ class FakeRunner:
         self.kv = np.full(self.num_kv_blocks * self.block_size, -1, dtype=np.int64)
         self.kinds: list[BatchKind] = []
 
-    def launch(self, batch: StepBatch, sampling, patch: InputPatch | None = None) -> StepHandle:
-        a = batch.attn
-        ids, pos, slots = batch.input_ids.numpy().copy(), batch.positions.numpy(), a.slot_mapping.numpy()
+    def launch(self, inputs: StepInputs, sampling, patch: InputPatch | None = None) -> StepHandle:
+        a = inputs
+        ids, pos, slots = a.input_ids.copy(), a.positions, a.slot_mapping
         if patch is not None:  # tokens sampled by the step still "in flight"
             assert (ids[patch.dst] == -1).all()
             ids[patch.dst] = patch.prev.tokens_dev.numpy()[patch.src]
         assert (ids >= 0).all(), "a placeholder token reached the model"
-        cu, seq_lens, table = a.cu_seqlens_q.numpy(), a.seq_lens.numpy(), a.block_table.numpy()
+        cu, seq_lens, table = a.cu_seqlens_q, a.seq_lens, a.block_table
         bs = self.block_size
         q = np.diff(cu)
         # -- metadata invariants --
@@ -83,7 +84,7 @@ class FakeRunner:
         # -- "forward": store K/V, then read every sampled request's context back --
         self.kv[slots] = ids
         tokens = []
-        for row in batch.logits_indices.numpy():
+        for row in a.logits_indices:
             i = int(np.searchsorted(cu, row, side="right") - 1)
             assert row == cu[i + 1] - 1
             p = np.arange(seq_lens[i])
@@ -96,8 +97,8 @@ class FakeRunner:
     def wait(self, handle: StepHandle) -> StepResult:
         return handle.host
 
-    def execute(self, batch: StepBatch, sampling) -> StepResult:
-        return self.wait(self.launch(batch, sampling))
+    def execute(self, inputs: StepInputs, sampling) -> StepResult:
+        return self.wait(self.launch(inputs, sampling))
 
 
 class FakeEngine(LLMEngine):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tilellm.engine.metadata as metadata
+import tilellm.worker.step_inputs as metadata
 from tests.conftest import DEVICE
 from tests.engine.conftest import hf_greedy
 from tilellm import LLM, SamplingParams

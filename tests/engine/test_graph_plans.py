@@ -1,5 +1,5 @@
-"""Which decode buckets get a second, no-split CUDA graph: the runner asks the decode kernel's own
-split plan (CPU: the plan is computed for 132 SMs, as on an H100/H200)."""
+"""Which decode buckets get a second, no-split CUDA graph: the runner asks its attention
+backend's split plan (CPU: the plan is computed for 132 SMs, as on an H100/H200)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def test_decode_graph_split_plan_follows_max_model_len(tmp_path):
     model = str(make_tiny_model(tmp_path / "m", max_position_embeddings=2 * MIN_CONTEXT_TO_SPLIT))
     long_ctx = LLM(model, num_kv_blocks=600, max_num_seqs=4).llm_engine.runner
     assert long_ctx.max_model_len >= MIN_CONTEXT_TO_SPLIT
-    assert long_ctx._decode_graph_splits(1) > 1  # one request of a long context: split it
+    assert long_ctx.decode_splits(1, long_ctx.max_model_len) > 1  # one request of a long context: split it
     short_ctx = LLM(model, num_kv_blocks=600, max_num_seqs=4, max_model_len=MIN_CONTEXT_TO_SPLIT - 1)
-    assert short_ctx.llm_engine.runner._decode_graph_splits(1) == 1  # never long enough to split
+    short = short_ctx.llm_engine.runner
+    assert short.decode_splits(1, short.max_model_len) == 1  # never long enough to split

@@ -99,7 +99,7 @@ def test_triton_backend_greedy_matches_hf(tiny_qwen3):
 def test_unfused_ops_beside_triton_attention_match_hf(tiny_qwen3):
     """`fused_ops_backend="reference"`: Triton attention with the unfused PyTorch RMSNorm, SiLU-and-mul
     and rotary (what `bench throughput --compare-fused` times) gives the same greedy tokens."""
-    import tilellm.kernels.fused_reference as unfused
+    import tilellm.kernels.reference.fused as unfused
 
     prompts = _prompts()[:3]
     want = expected(tiny_qwen3)[:3]

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.engine.fakes import FakeEngine, reference_tokens
-from tilellm.engine.metadata import BatchKind
+from tilellm.attention import BatchKind
 from tilellm.engine.request import SequenceStatus
 from tilellm.engine.sampling_params import SamplingParams
 

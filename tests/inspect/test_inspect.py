@@ -11,7 +11,7 @@ from tests.inspect.pagecheck import TILE_CLASSES, Elements, expected_facts
 from tilellm.inspect import describe_batch, parse_batch, parse_heads, render_html, render_text, words
 from tilellm.inspect.geometry import tile_runs, visible_fraction
 from tilellm.inspect.html import MAX_ROW_PX, MIN_ROW_PX, matrix_scale
-from tilellm.kernels.schedule import paged_schedule, prefill_schedule
+from tilellm.inspect.tiles import paged_schedule, prefill_schedule
 
 # (batch, kwargs): decode + verify + chunked prefill in one launch (vLLM's mix), plain prefill,
 # long decodes that split, a forced split, a shared prefix, MHA, MQA.

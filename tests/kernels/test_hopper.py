@@ -21,11 +21,12 @@ import torch
 
 import tilellm.kernels as tk
 from tests.kernels.helpers import assert_close, cu_seqlens, make_paged_batch, poisoned, randn, tolerance
+from tilellm.inspect.tiles import paged_schedule, prefill_schedule
 from tilellm.kernels import config, hopper
 from tilellm.kernels import reference as ref
+from tilellm.kernels.config import LOG2_E
 from tilellm.kernels.paged import paged_tile_stats
-from tilellm.kernels.prefill import LOG2_E, _rows_view, prefill_tile_stats
-from tilellm.kernels.schedule import paged_schedule, prefill_schedule
+from tilellm.kernels.prefill import prefill_tile_stats, rows_view
 
 H100_SHARED = 227 * 1024
 
@@ -113,7 +114,7 @@ def test_against_reference(case, dtype, pingpong):
     cu = cu_seqlens(lengths, "cuda")
     out = poisoned(q)
     hopper.launch_prefill(
-        _rows_view(q), _rows_view(k), _rows_view(v), out, cu, max(lengths), hq // hkv,
+        rows_view(q), rows_view(k), rows_view(v), out, cu, max(lengths), hq // hkv,
         head_dim**-0.5 * LOG2_E, pingpong=pingpong,
     )  # fmt: skip
     expected = ref.prefill_attention(q, k, v, cu, max(lengths))
@@ -156,7 +157,7 @@ def test_paged_against_reference(case, dtype):
     batch = make_paged_batch(pairs, hq, hkv, 128, page, dtype, "cuda", seed=len(pairs) + page)
     out = poisoned(batch.q)
     hopper.launch_paged(
-        _rows_view(batch.q), batch.k_cache, batch.v_cache, out, batch.block_table, batch.cu_seqlens_q,
+        rows_view(batch.q), batch.k_cache, batch.v_cache, out, batch.block_table, batch.cu_seqlens_q,
         batch.seq_lens, batch.max_seqlen_q, hq // hkv, 128**-0.5 * LOG2_E,
     )  # fmt: skip
     expected = ref.paged_attention(*batch.args())
@@ -224,11 +225,11 @@ def test_paged_report_matches_the_gluon_kernel():
 def test_hopper_paged_report_by_brute_force():
     """The hopper.py report, off the GPU: per program, key tiles seen whole by its first token,
     tiles reaching to its last token's position (masked), never a tile past it."""
-    from tilellm.kernels.schedule import _hopper_paged_schedule
+    from tilellm.inspect.tiles import gluon_paged_schedule
 
     pairs = [(128, 2000), (300, 301), (6, 3000), (0, 5), (129, 4100), (1, 1)]
     q_lens, lens = [q for q, _ in pairs], [k for _, k in pairs]
-    sched = _hopper_paged_schedule(q_lens, lens, 3, 132)
+    sched = gluon_paged_schedule(q_lens, lens, 3, 132)
     assert sched.grid == (3, 3, len(pairs)) and sched.split_plan.num_splits == 1
     for p in sched.programs:
         q_len, seq_len = pairs[p.request]

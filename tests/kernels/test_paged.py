@@ -75,11 +75,11 @@ def test_k_gathered_as_rows(num_splits, dtype, device):
 def test_both_launch_orders(tiles_fastest, num_splits, device):
     """Query tiles fastest (the default when a request has several) or KV heads fastest: the grid's
     order changes which programs run together, never the answer."""
-    from tilellm.kernels import paged
-
     b = make_paged_batch(MIXED, 8, 2, 32, 16, torch.float16, device, seed=12)
     out = poisoned(b.q)
-    paged._launch(*b.args(), out, None, num_splits, None, is_decode=False, tiles_fastest=tiles_fastest)
+    split = schedule.choose_num_splits(b.seq_lens.numel(), b.k_cache.shape[2], 1, None, num_splits=num_splits)
+    plan = schedule.PagedPlan("triton", split, tiles_first=tiles_fastest)
+    tk.paged_attention(*b.args(), num_splits=plan, out=out)
     expected = ref.paged_attention(*b.args())
     assert_close(out, expected, tolerance(b.q.dtype, device), f"tiles_fastest={tiles_fastest}")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tilellm.engine.metadata import AttentionMetadata, BatchKind
+from tilellm.attention import AttentionMetadata, BatchKind
 
 
 class PagedKV:

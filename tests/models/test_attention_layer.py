@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+import tilellm.kernels.reference as reference
 from tests.conftest import DEVICE
-from tilellm.engine.metadata import AttentionMetadata, BatchKind, build_step_batch
+from tilellm.attention import AttentionMetadata, AttentionSpec, BatchKind, get_attention_backend
 from tilellm.kernels import schedule
-from tilellm.models.layers.attention import Attention, resolve_attention_ops
+from tilellm.models.layers.attention import Attention
+from tilellm.worker.step_inputs import build_step_inputs
 
 
 def _mixed_step(q_lens, seq_lens, hq, hkv, d, block_size, dtype, seed):
@@ -56,7 +58,7 @@ def _mixed_step(q_lens, seq_lens, hq, hkv, d, block_size, dtype, seed):
 )
 @pytest.mark.parametrize("hq, hkv", [(4, 2), (3, 1)])
 def test_mixed_step_split_equals_one_paged_call(backend, q_lens, seq_lens, hq, hkv):
-    from tilellm.engine.metadata import attention_context
+    from tilellm.attention import attention_context
 
     d, block_size = 16, 4
     q, k, v, k_cache, v_cache, meta = _mixed_step(q_lens, seq_lens, hq, hkv, d, block_size, torch.float32, 0)
@@ -66,7 +68,7 @@ def test_mixed_step_split_equals_one_paged_call(backend, q_lens, seq_lens, hq, h
         **{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in meta.__dict__.items()}
     )
     num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
-    layer = Attention(hq, hkv, d, d**-0.5, resolve_attention_ops(backend, device))
+    layer = Attention(hq, hkv, d, d**-0.5, get_attention_backend(backend, device))
     layer.bind_kv_cache(k_cache, v_cache)
     with attention_context(meta):
         whole = layer(q, k, v)
@@ -76,12 +78,13 @@ def test_mixed_step_split_equals_one_paged_call(backend, q_lens, seq_lens, hq, h
     if max(seq_lens) >= 2 * schedule.MIN_KEYS_PER_SPLIT:  # the case meant to exercise split-KV
         plan = schedule.choose_num_splits(num_decodes, hkv, 1, None, max_seqlen_k=max(seq_lens))
         assert plan.num_splits > 1, plan.reason
-    # The runner's precomputed cu_seqlens of the non-decode requests gives the same result.
-    rest = meta.cu_seqlens_q[num_decodes:] - num_decodes
-    with attention_context(AttentionMetadata(**{**split_meta.__dict__, "rest_cu_seqlens_q": rest})):
+    # Planned once by the backend (as the runner does) or by the layer itself: the same result.
+    planned = layer.backend.plan(split_meta, layer.spec(q.dtype))
+    assert planned.plan.mode == ("mixed" if num_decodes else "paged")
+    assert planned.plan.num_decodes == num_decodes
+    with attention_context(planned):
         torch.testing.assert_close(layer(q, k, v), split, rtol=0, atol=0)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
-    reference = resolve_attention_ops("reference", "cpu")
     q, k_cache, v_cache, meta = q.cpu(), k_cache.cpu(), v_cache.cpu(), _to_cpu(meta)
     ref = reference.paged_attention(
         q,
@@ -102,15 +105,18 @@ def _to_cpu(meta: AttentionMetadata) -> AttentionMetadata:
     )
 
 
-def test_build_step_batch_counts_leading_decodes():
+def test_build_step_inputs_counts_leading_decodes():
     block_size = 4
     tables = np.arange(40, dtype=np.int64).reshape(4, 10)
     tokens = [list(range(20))] * 4
     # rows 0 and 1 decode, row 2 a chunk, row 3 a decode listed after it (not counted)
     starts, q_lens = [9, 12, 0, 5], [1, 1, 8, 1]
-    batch = build_step_batch(tokens, starts, q_lens, [0, 1, 2, 3], [True] * 4, tables, block_size)
-    assert batch.attn.kind is BatchKind.MIXED and batch.attn.num_decodes == 2
-    nd, rest_cu = batch.attn.split_decodes()
-    assert nd == 2 and rest_cu.tolist() == [0, 8, 9]
-    decode = build_step_batch(tokens, [9, 12], [1, 1], [0, 1], [True, True], tables, block_size)
-    assert decode.attn.kind is BatchKind.DECODE and decode.attn.num_decodes == 0
+    x = build_step_inputs(tokens, starts, q_lens, [0, 1, 2, 3], [True] * 4, tables, block_size)
+    assert x.kind is BatchKind.MIXED and x.num_decodes == 2
+    spec = AttentionSpec(4, 2, 16, torch.float32, block_size)
+    meta = get_attention_backend("reference", "cpu").plan(x.attention_metadata(), spec)
+    plan = meta.plan
+    assert plan.mode == "mixed" and plan.num_decodes == 2
+    assert plan.rest_cu_seqlens_q.tolist() == [0, 8, 9]
+    decode = build_step_inputs(tokens, [9, 12], [1, 1], [0, 1], [True, True], tables, block_size)
+    assert decode.kind is BatchKind.DECODE and decode.num_decodes == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tilellm.kernels.fused as fused
-import tilellm.kernels.fused_reference as ref
+import tilellm.kernels.reference.fused as ref
 
 # fp32: both compute in fp32, so only summation order differs; fp16: at most one rounding apart
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.models.paged import PagedKV
-from tilellm.engine.metadata import AttentionMetadata, BatchKind, attention_context
+from tilellm.attention import AttentionMetadata, BatchKind, attention_context
 from tilellm.models import load_model
 from tilellm.testing import make_tiny_model
 

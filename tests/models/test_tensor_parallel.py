@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.models.paged import PagedKV
-from tilellm.engine.metadata import BatchKind, attention_context
+from tilellm.attention import BatchKind, attention_context
 from tilellm.models import load_model
 from tilellm.testing import make_tiny_model
 

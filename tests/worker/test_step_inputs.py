@@ -1,28 +1,31 @@
-"""The step message: what `build_step_batch` made must come out of the flat payload unchanged,
-for eager steps (prefill, chunked/mixed, cascade decode) and padded graph steps."""
+"""`StepInputs`: what `build_step_inputs` made must come out of the flat payload unchanged, for
+eager steps (prefill, chunked/mixed, cascade decode) and padded graph steps; the header holds
+every scalar and shape; the attention metadata is built from it alone."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from tilellm.distributed.message import (
-    GRAPH,
+from tilellm.attention import BatchKind
+from tilellm.distributed.group import CONTROL_WORDS, OP, OP_STEP, OP_STOP, stop_message
+from tilellm.worker.step_inputs import (
     HEADER_WORDS,
     NUM_WORDS,
-    OP,
-    OP_STEP,
-    OP_STOP,
-    decode_step,
-    encode_step,
-    payload_layout,
-    stop_header,
+    STEP_ID,
+    StepInputs,
+    _layout,
+    build_step_inputs,
 )
-from tilellm.engine.metadata import BatchKind, build_step_batch
+
+ARRAYS = [f.name for f in dataclasses.fields(StepInputs) if "dtype" in f.metadata]
+SCALARS = [f.name for f in dataclasses.fields(StepInputs) if f.metadata.get("scalar")]
 
 
-def _batch(starts: list[int], q_lens: list[int], samples: list[bool] | None = None, block_size: int = 4):
+def _inputs(starts: list[int], q_lens: list[int], samples: list[bool] | None = None, block_size: int = 4):
     rng = np.random.default_rng(sum(starts) + len(q_lens))
     num = len(q_lens)
     seq_lens = [s + q for s, q in zip(starts, q_lens)]
@@ -35,7 +38,24 @@ def _batch(starts: list[int], q_lens: list[int], samples: list[bool] | None = No
         tables[r, :nb] = perm[r * 50 : r * 50 + nb]
     tokens = [rng.integers(0, 300, n).tolist() for n in seq_lens]
     samples = samples if samples is not None else [True] * num
-    return build_step_batch(tokens, starts, q_lens, rows, samples, tables, block_size)
+    return build_step_inputs(tokens, starts, q_lens, rows, samples, tables, block_size), tokens, tables, rows
+
+
+def _sent(x: StepInputs, step_id: int = 0) -> StepInputs:
+    header = x.header(step_id)
+    return StepInputs.from_payload(header, torch.from_numpy(x.to_words(header)))
+
+
+def _same(got: StepInputs, want: StepInputs) -> None:
+    for name in SCALARS:
+        assert getattr(got, name) == getattr(want, name), name
+    for name in ARRAYS:
+        g, w = getattr(got, name), getattr(want, name)
+        if w is None:
+            assert g is None, name
+            continue
+        assert g.dtype == torch.from_numpy(np.asarray(w)).dtype, name
+        assert g.tolist() == np.asarray(w).tolist(), name
 
 
 @pytest.mark.parametrize(
@@ -49,70 +69,76 @@ def _batch(starts: list[int], q_lens: list[int], samples: list[bool] | None = No
     ],
 )
 def test_eager_step_round_trip(starts, q_lens, samples):
-    batch = _batch(starts, q_lens, samples)
-    msg = encode_step(batch, None, step_id=5)
-    assert msg.header.shape == (HEADER_WORDS,) and msg.header[OP] == OP_STEP and not msg.header[GRAPH]
-    words = msg.to_words()
-    assert words.dtype == np.int64 and words.shape == (msg.header[NUM_WORDS],)
-    x = decode_step(msg.header, torch.from_numpy(words))
-    a = batch.attn
-    assert (x.kind, x.graph, x.num_reqs) == (a.kind, False, len(q_lens))
-    assert (x.max_seqlen_q, x.max_seqlen_k) == (a.max_seqlen_q, a.max_seqlen_k)
+    x, tokens, tables, rows = _inputs(starts, q_lens, samples)
+    header = x.header(step_id=5)
+    assert header.shape == (HEADER_WORDS,) and HEADER_WORDS <= CONTROL_WORDS
+    assert header[OP] == OP_STEP and header[STEP_ID] == 5 and x.graph_size == 0
+    words = x.to_words(header)
+    assert words.dtype == np.int64 and words.shape == (header[NUM_WORDS],)
+    assert all(offset % 2 == 0 for *_, offset in _layout(header)[0]), "an array is not 16-byte aligned"
+    got = StepInputs.from_payload(header, torch.from_numpy(words))
+    _same(got, x)
+    # the builder's promises, read from what arrived
     leading = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
-    assert x.num_decodes == a.num_decodes == (leading if a.kind is BatchKind.MIXED else 0)
-    layout, _ = payload_layout(msg.header)
-    assert all(offset % 2 == 0 for *_, offset in layout), "a payload section is not 16-byte aligned"
-    pairs = [
-        (x.input_ids, batch.input_ids),
-        (x.positions, batch.positions),
-        (x.slot_mapping, a.slot_mapping),
-        (x.seq_lens, a.seq_lens),
-        (x.block_table, a.block_table),
-        (x.cu_seqlens_q, a.cu_seqlens_q),
-        (x.logits_indices, batch.logits_indices),
-    ]
-    for got, want in pairs:
-        assert got.dtype == want.dtype and torch.equal(got, want)
-    assert x.cascade_prefix_len is None
+    assert got.num_decodes == (leading if got.kind is BatchKind.MIXED else 0)
+    assert got.num_reqs == len(q_lens) and got.max_seqlen_q == max(q_lens)
+    assert got.max_seqlen_k == max(s + q for s, q in zip(starts, q_lens))
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    for i, (s, q, r) in enumerate(zip(starts, q_lens, rows)):
+        pos = np.arange(s, s + q)
+        assert got.positions[cu[i] : cu[i + 1]].tolist() == pos.tolist()
+        assert got.input_ids[cu[i] : cu[i + 1]].tolist() == tokens[i][s : s + q]
+        slots = tables[r, pos // 4].astype(np.int64) * 4 + pos % 4
+        assert got.slot_mapping[cu[i] : cu[i + 1]].tolist() == slots.tolist()
+    sampled = [cu[i + 1] - 1 for i, smp in enumerate(samples or [True] * len(q_lens)) if smp]
+    assert got.logits_indices.tolist() == sampled
+    meta = got.attention_metadata()
+    assert meta.kind is got.kind and meta.plan is None
+    assert meta.slot_mapping.data_ptr() == got.slot_mapping.data_ptr()  # views, not copies
 
 
 def test_graph_step_is_padded_to_the_graph_size():
-    batch = _batch([9, 30, 4], [1, 1, 1])
-    x = decode_step(*_sent(encode_step(batch, 8)))
-    assert x.graph and x.num_reqs == 3 and x.cu_seqlens_q is None
-    assert x.input_ids.tolist() == batch.input_ids.tolist() + [0] * 5
-    assert x.slot_mapping.tolist() == batch.attn.slot_mapping.tolist() + [-1] * 5
-    assert x.seq_lens.tolist() == batch.attn.seq_lens.tolist() + [1] * 5
-    assert torch.equal(x.block_table, batch.attn.block_table)
+    x, *_ = _inputs([9, 30, 4], [1, 1, 1])
+    padded = x.padded_to(8)
+    got = _sent(padded)
+    assert got.graph_size == 8 and got.num_reqs == 3
+    assert got.input_ids.tolist() == x.input_ids.tolist() + [0] * 5
+    assert got.slot_mapping.tolist() == x.slot_mapping.tolist() + [-1] * 5
+    assert got.seq_lens.tolist() == x.seq_lens.tolist() + [1] * 5
+    assert got.block_table.tolist() == x.block_table.tolist()
     with pytest.raises(ValueError, match="decode batch of at most 2"):
-        encode_step(batch, 2)
+        x.padded_to(2)
     with pytest.raises(ValueError, match="decode batch"):
-        encode_step(_batch([0, 0], [3, 1]), 8)
+        _inputs([0, 0], [3, 1])[0].padded_to(8)
 
 
 def test_cascade_prefix_travels_with_the_step():
     block_size = 16
     num = 8
-    table = np.tile(np.arange(20, dtype=np.int32), (num, 1))  # every request shares its blocks
+    table = np.tile(np.arange(20, dtype=np.int32), (num, 1))  # the first 17 blocks shared by all
     table[:, 17:] = np.arange(num * 3, dtype=np.int32).reshape(num, 3) + 100
     seq_lens = [300 + i for i in range(num)]
     for r, n in enumerate(seq_lens):
         table[r, -(-n // block_size) :] = -1
     tokens = [[1] * n for n in seq_lens]
-    batch = build_step_batch(
+    x = build_step_inputs(
         tokens, [n - 1 for n in seq_lens], [1] * num, list(range(num)), [True] * num, table, block_size
     )
-    assert batch.attn.kind is BatchKind.DECODE and batch.attn.cascade_prefix_len is not None
-    x = decode_step(*_sent(encode_step(batch)))
-    assert torch.equal(x.cascade_prefix_len, batch.attn.cascade_prefix_len)
+    assert x.kind is BatchKind.DECODE and x.cascade_prefix_len.tolist() == [272]
+    got = _sent(x)
+    assert got.cascade_prefix_len.tolist() == [272]
+    assert got.attention_metadata().cascade_prefix_len.tolist() == [272]
 
 
-def test_stop_header_and_short_payload():
-    assert stop_header()[OP] == OP_STOP
-    msg = encode_step(_batch([0], [3]))
+def test_stop_message_and_short_payload():
+    assert stop_message()[OP] == OP_STOP
+    x, *_ = _inputs([0], [3])
     with pytest.raises(ValueError, match="int64"):
-        decode_step(msg.header, torch.zeros(1, dtype=torch.int64))
+        StepInputs.from_payload(x.header(), torch.zeros(1, dtype=torch.int64))
 
 
-def _sent(msg) -> tuple[np.ndarray, torch.Tensor]:
-    return msg.header, torch.from_numpy(msg.to_words())
+def test_store_false_writes_nothing():
+    x = build_step_inputs(
+        None, [0, 5], [3, 1], [0, 1], [True, True], np.zeros((2, 4), np.int32), 4, store=False
+    )
+    assert x.slot_mapping.tolist() == [-1] * 4 and x.input_ids.tolist() == [0] * 4

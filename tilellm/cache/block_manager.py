@@ -159,12 +159,14 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that are full of known tokens and scheduled for computing.
 
-        Called when a step is scheduled: a sequence admitted later in the same step may then share
-        them, which is safe because every attention layer stores the step's K/V before it reads
-        the cache, and later steps run after this one on the device. Blocks holding a token still
-        being sampled (a placeholder) are registered once the token is known.
+        Called for every sequence a step schedules and again when its sampled tokens are read
+        back (cheap when no block filled up). At scheduling, a sequence admitted later in the
+        same step may then share them, which is safe because every attention layer stores the
+        step's K/V before it reads the cache, and later steps run after this one on the device.
+        Blocks holding a token still being sampled (a placeholder) are registered once it is known.
         """
-        if seq.cache_root is None:
+        # The one guard of every caller: nothing to do unless hashing is on and a block filled up.
+        if seq.cache_root is None or seq.num_computed_tokens // self.block_size <= seq.num_hashed_blocks:
             return
         known = min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending)
         num_full = min(known // self.block_size, len(seq.block_table))

@@ -1,7 +1,7 @@
 """Rank 0's side: check the sizes, start one worker process per other rank, watch, stop them.
 
-    driver = start_tensor_parallel(config)     # workers spawned, process group joined
-    runner = ModelRunner(config, driver)       # rank 0's shard; broadcasts every step
+    driver = start_tensor_parallel(config, run_worker)   # workers spawned, group joined
+    runner = ModelRunner(config, driver)                  # rank 0's shard; broadcasts every step
     ...
     driver.shutdown()                          # also at interpreter exit, and on any failure
 
@@ -22,16 +22,14 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tilellm.distributed.group import STORE_TIMEOUT, TPGroup, destroy_group, join_group
-from tilellm.distributed.message import stop_header
-from tilellm.distributed.worker import run_worker
+from tilellm.distributed.group import STORE_TIMEOUT, TPGroup, destroy_group, join_group, stop_message
 
 _STOP_TIMEOUT_S = 30.0  # a worker finishing its last step and leaving the group
 _REPORT_GRACE_S = 1.0  # after a failed collective: how long a live worker may take to report
@@ -220,7 +218,7 @@ class TPDriver(TPGroup):
         locked = self.step_lock.acquire(timeout=0 if broken else _STOP_TIMEOUT_S)
         try:
             if not broken and locked:
-                self.send_header(stop_header())
+                self.send_header(stop_message())
         except Exception:
             broken = True
         finally:
@@ -263,8 +261,11 @@ def _spawn_without_user_main() -> Iterator[None]:
             setattr(main, name, value)
 
 
-def start_tensor_parallel(config: Any) -> TPDriver:
+def start_tensor_parallel(config: Any, worker_main: Callable[..., None]) -> TPDriver:
     """Validate `config.tensor_parallel_size`, start the workers, join the group as rank 0.
+
+    `worker_main(rank, world_size, config, device, store_port, conn, num_threads)` is each
+    worker process's entry point (`tilellm.worker.tp_worker.run_worker`).
 
     ValueError when the sizes do not fit (heads, GPUs); RuntimeError when this process already
     belongs to a process group (one tensor-parallel engine per process)."""
@@ -294,7 +295,7 @@ def start_tensor_parallel(config: Any) -> TPDriver:
         for rank in range(1, tp_size):
             reader, writer = ctx.Pipe(duplex=False)
             args = (rank, tp_size, config, devices[rank], store.port, writer, torch.get_num_threads())
-            p = ctx.Process(target=run_worker, args=args, name=f"tilellm-tp-rank{rank}", daemon=True)
+            p = ctx.Process(target=worker_main, args=args, name=f"tilellm-tp-rank{rank}", daemon=True)
             with _spawn_without_user_main():
                 p.start()
             writer.close()

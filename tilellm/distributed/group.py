@@ -16,10 +16,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tilellm.distributed.message import HEADER_WORDS
+# The control message rank 0 sends before every step: CONTROL_WORDS int64, word 0 the op. A
+# step's header (`tilellm.worker.step_inputs`) fills the rest; a stop order is the op alone.
+CONTROL_WORDS = 64
+OP = 0
+OP_STEP, OP_STOP = 1, 2
 
 # Workers wait for the next header as long as the engine is idle (a server may idle for days);
-# they exit with the driver through the parent watch in `worker.py`, not through a timeout.
+# they exit with the driver through the parent watch in `tilellm.worker.tp_worker`, not through a timeout.
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
 STORE_TIMEOUT = datetime.timedelta(minutes=5)  # rendezvous of the ranks at start-up
 
@@ -33,7 +37,7 @@ class TPGroup:
         self.world_size = world_size
         self.device = device
         self.control = control  # the gloo group; None until joined
-        self._header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        self._header = torch.zeros(CONTROL_WORDS, dtype=torch.int64)
 
     @property
     def is_driver(self) -> bool:
@@ -46,8 +50,11 @@ class TPGroup:
         return int(t.item())
 
     def send_header(self, header: np.ndarray) -> None:
-        """Rank 0: the next step's header (or the stop order) to every rank."""
-        self._header.copy_(torch.from_numpy(header))
+        """Rank 0: the next step's header (or the stop order) to every rank (at most CONTROL_WORDS)."""
+        if header.shape[0] > CONTROL_WORDS:
+            raise ValueError(f"a control message holds at most {CONTROL_WORDS} words, got {header.shape[0]}")
+        self._header.zero_()
+        self._header[: header.shape[0]].copy_(torch.from_numpy(header))
         dist.broadcast(self._header, src=0, group=self.control)
 
     def recv_header(self) -> np.ndarray:
@@ -58,6 +65,13 @@ class TPGroup:
     def broadcast_payload(self, payload: torch.Tensor) -> None:
         """Rank 0 sends `payload` (on its device), the others receive into theirs (same length)."""
         dist.broadcast(payload, src=0)
+
+
+def stop_message() -> np.ndarray:
+    """The control message that stops the workers."""
+    message = np.zeros(CONTROL_WORDS, dtype=np.int64)
+    message[OP] = OP_STOP
+    return message
 
 
 def join_group(rank: int, world_size: int, store: dist.Store, device: torch.device) -> dist.ProcessGroup:

@@ -1,4 +1,4 @@
-"""`LLM`: the offline, batched front end (SPEC section 3), on top of `LLMEngine`.
+"""`LLM`: the offline, batched front end, on top of `LLMEngine`.
 
 llm = LLM(model="path/to/model")
 outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16))
@@ -7,62 +7,48 @@ outs[0].outputs[0].text
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from tilellm.config import EngineConfig
 from tilellm.engine.llm_engine import LLMEngine
 from tilellm.engine.outputs import RequestOutput
 from tilellm.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 
+logger = logging.getLogger(__name__)
+
 
 class LLM:
-    """Generate completions for batches of prompts; see SPEC section 3 for every argument."""
+    """Generate completions for batches of prompts (vLLM's `LLM`)."""
 
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        device: str | None = None,
-        attention_backend: str = "auto",
-        num_kv_blocks: int | None = None,
-        load_format: str = "safetensors",
-        skip_tokenizer_init: bool = False,
-        fused_ops_backend: str | None = None,
-    ):
-        """`fused_ops_backend` (not in SPEC): RMSNorm / SiLU-and-mul / rotary through the Triton
-        kernels ("triton") or unfused PyTorch ("reference"); None follows `attention_backend`."""
-        self.llm_engine = LLMEngine(
-            model,
-            dtype=dtype,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            device=device,
-            attention_backend=attention_backend,
-            num_kv_blocks=num_kv_blocks,
-            load_format=load_format,
-            skip_tokenizer_init=skip_tokenizer_init,
-            fused_ops_backend=fused_ops_backend,
-        )
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        """`model`: a local Hugging Face model directory (config.json, *.safetensors, tokenizer);
+        None: the embedded model that ships with tilellm (logged).
+
+        `engine_args`: any setting of `tilellm.config.EngineConfig`, with its defaults: `dtype`,
+        `block_size`, `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`,
+        `gpu_memory_utilization`, `enable_prefix_caching`, `enforce_eager`,
+        `tensor_parallel_size`, `seed`, `device`, `attention_backend`, `num_kv_blocks`,
+        `load_format`, `skip_tokenizer_init`, `fused_ops_backend`.
+        """
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(
+                f"LLM() got unknown engine argument(s) {unknown}; the settings are {sorted(known)}"
+            )
+        if model is None:
+            from tilellm.assets import default_model_path
+
+            model = str(default_model_path())
+            logger.warning("no model given: using the embedded model at %s", model)
+        self.llm_engine = LLMEngine(model, **engine_args)
         # Offline batches only need final outputs: overlap host and device work on CUDA.
         self.llm_engine.async_scheduling = bool(getattr(self.llm_engine.runner, "is_cuda", False))
         self._request_counter = itertools.count()

@@ -4,10 +4,14 @@ A `Request` is what a caller submitted: one prompt and its `SamplingParams`. It 
 `Sequence`s (samples). A sequence is the unit the scheduler and the block manager work on:
 its tokens (prompt + generated), how many of them have K/V in the cache, and its blocks.
 
-Who sets what:
-  - scheduler: `status`, `num_computed_tokens` (advanced when a step is scheduled), `row`
-  - block manager: `block_table`, `block_hashes`, `num_hashed_blocks`, `row`
-  - engine (after a step): `token_ids` (appends), finish fields, logprobs, detokenizer
+Who sets what (one owner per fact):
+  - scheduler: `status`, `num_computed_tokens` (advanced when a step is scheduled), `admit_order`
+  - block manager: `block_table`, `block_hashes`, `num_hashed_blocks` (it alone decides what is
+    committed to the prefix cache: `BlockManager.commit`), and `row`: the sequence's slot while it
+    holds blocks, 0..max_num_seqs-1. The slot indexes every per-sequence array of the host side:
+    its row of the block-table array, of the sampling table and of the engine's pending-token index.
+  - engine (after a step): `token_ids` (appends; `num_pending` placeholders while a step is in
+    flight, removed only by `drop_pending`), finish fields, logprobs, detokenizer
 """
 
 from __future__ import annotations
@@ -90,6 +94,12 @@ class Sequence:
         self.text = ""  # final (or latest streamed) text; the detokenizer's text minus any stop string
         self.admit_order = -1  # when it last entered `running` (preemption takes the latest)
         self.num_pending = 0  # trailing placeholder tokens (-1) of launched steps not yet read back
+
+    def drop_pending(self) -> None:
+        """Remove the trailing placeholder tokens of launched steps (finish, abort)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending :]
+            self.num_pending = 0
 
     @property
     def num_tokens(self) -> int:

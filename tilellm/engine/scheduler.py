@@ -149,8 +149,7 @@ class Scheduler:
             starts.append(start)
             samples.append(start + n == total)
             seq.num_computed_tokens = start + n
-            if seq.cache_root is not None and (start + n) // bs > seq.num_hashed_blocks:
-                bm.commit(seq)
+            bm.commit(seq)
             budget -= n
             i += 1
 
@@ -181,8 +180,7 @@ class Scheduler:
                 starts.append(num_cached)
                 samples.append(num_cached + n == total)
                 seq.num_computed_tokens = num_cached + n
-                if seq.cache_root is not None and (num_cached + n) // bs > seq.num_hashed_blocks:
-                    bm.commit(seq)  # later admissions of this step can share these blocks
+                bm.commit(seq)  # later admissions of this step can share these blocks
                 budget -= n
         _order_for_kernels(out)
         return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tilellm.inspect.model import Inspection, RequestView
-from tilellm.kernels.schedule import ProgramTiles
+from tilellm.inspect.tiles import ProgramTiles
 
 TILE_CLASSES = ("full", "diagonal", "skipped")
 

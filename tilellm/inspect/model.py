@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tilellm.kernels.schedule import TileSchedule, paged_schedule, prefill_schedule
+from tilellm.inspect.tiles import TileSchedule, paged_schedule, prefill_schedule
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# The kernels' softmax runs in base 2 (exp2 is one instruction): exp(x) = exp2(x * LOG2_E), and a
+# base-2 log-sum-exp times LN_2 is the natural one.
+LOG2_E = 1.4426950408889634  # 1 / ln 2
+LN_2 = 0.6931471805599453
+
 
 @dataclass(frozen=True)
 class TileConfig:

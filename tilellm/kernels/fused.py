@@ -1,6 +1,6 @@
 """Fused element-wise Triton ops of the decoder layer: RMSNorm (+ residual add), SiLU-and-mul, RoPE.
 
-Each has a PyTorch twin with the same signature in `tilellm.kernels.fused_reference`, which also
+Each has a PyTorch twin with the same signature in `tilellm.kernels.reference.fused`, which also
 holds the input checks both share. All math is in fp32; outputs take the input dtype.
 
 - `rms_norm(x [N, H], weight [H], eps, *, residual=None)`: one program normalises a tile of
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilellm.kernels.fused_reference import check_apply_rotary, check_rms_norm, check_silu_and_mul
+from tilellm.kernels.reference.fused import check_apply_rotary, check_rms_norm, check_silu_and_mul
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
+from tilellm.kernels.config import LOG2_E
 
-LOG2_E = tl.constexpr(1.4426950408889634)  # 1/ln 2, usable inside @jit
+LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
 
 def _splits_pad(num_splits: int) -> int:
@@ -56,7 +57,7 @@ def _merge_kernel(
     lse_max = tl.max(lse, 0)
     # All segments empty: weights 0, output 0, lse -inf (no NaN from -inf - -inf).
     lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.math.exp2((lse - lse_ref) * LOG2_E)
+    w = tl.math.exp2((lse - lse_ref) * LOG2_E_C)
     w_sum = tl.sum(w, 0)
     o_parts = tl.load(
         O_parts + offs_s[:, None] * stride_ps + tok * stride_pt + head * stride_ph + offs_d[None, :],

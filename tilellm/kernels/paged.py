@@ -27,25 +27,25 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.config import (
     GLUON_QUERY_TILE,
+    LN_2,
+    LOG2_E,
     dot_precision,
     launch_gluon,
     num_sms,
     paged_config,
-    paged_uses_gluon,
 )
 from tilellm.kernels.merge import merge_into
-from tilellm.kernels.prefill import _rows_view
+from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
+    PagedPlan,
     SplitPlan,
-    choose_num_splits,
-    hopper_plan,
     paged_grid,
+    plan_paged,
     query_tiles_first,
     target_programs,
 )
 
-LOG2_E = 1.4426950408889634
-LN_2 = tl.constexpr(0.6931471805599453)  # ln 2: converts the base-2 log-sum-exp to natural log
+LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
 
 
 @triton.jit
@@ -218,7 +218,7 @@ def _paged_kernel(
         # Partial result of this segment: normalised output and natural-log lse (-inf if empty).
         empty = l_i == 0.0
         o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN_2)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN_2_C)
         part_row = (part_base + split).to(tl.int64) * num_tokens + q_row
         tl.store(
             O_parts + (part_row[:, None] * num_q_heads + head[:, None]) * HEAD_DIM + offs_d[None, :],
@@ -307,7 +307,7 @@ def paged_tile_stats(
 ) -> tuple[torch.Tensor, SplitPlan]:
     """Run the kernel and return its own tile counts [B, Hkv, q_tiles * splits, 2] (full, masked),
     and its split plan. Batches that run `hopper.py` (Hopper, prompt chunks): [B, Hq, q_tiles, 2]
-    for its programs of one query head's 128 tokens (see `schedule.paged_schedule`)."""
+    for its programs of one query head's 128 tokens (see `tilellm.inspect.tiles.paged_schedule`)."""
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
     )
@@ -341,49 +341,40 @@ def _launch(
     _, page, Hkv, _ = k_cache.shape
     batch = seq_lens.numel()
     group = Hq // Hkv
-    gluon_tiles = triton.cdiv(max_seqlen_q, GLUON_QUERY_TILE)
-    if (
-        num_splits is None
-        and not is_decode
-        and kv_lo is None
-        and kv_hi is None
-        and parts is None
-        and tiles_fastest is None
-        and T > 0
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and paged_uses_gluon(
-            D, q.dtype, page, max_seqlen_q, gluon_tiles * Hq * batch, num_tokens=T, num_requests=batch
-        )
-    ):
+    internal = kv_lo is not None or kv_hi is not None or parts is not None or tiles_fastest is not None
+    if isinstance(num_splits, PagedPlan):
+        paged_plan = num_splits  # planned on the host by the caller (no sync, CUDA-graph safe)
+    elif isinstance(num_splits, SplitPlan):
+        paged_plan = PagedPlan("triton", num_splits)
+    else:
+        paged_plan = plan_paged(
+            batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, num_tokens=T, seq_lens=seq_lens,
+            max_seqlen_k=max_seqlen_k, num_splits=num_splits, is_decode=is_decode,
+            allow_gluon=not internal and k_cache.is_contiguous() and v_cache.is_contiguous(),
+        )  # fmt: skip
+    if paged_plan.kernel == "gluon" and T > 0:
         # Prompt chunks on Hopper: FlashAttention-3's schedule, K/V pages copied by TMA (hopper.py).
         # Its programs are (query tile, query head, request); its stats [B, Hq, query tiles, 2].
+        gluon_tiles = triton.cdiv(max_seqlen_q, GLUON_QUERY_TILE)
         stats = None
         if record_stats:
             stats = torch.zeros(batch * Hq * gluon_tiles * 2, dtype=torch.int32, device=q.device)
         if launch_gluon(lambda hopper: hopper.launch_paged(
-            _rows_view(q), k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, group,
+            rows_view(q), k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, group,
             validation.resolve_scale(scale, D) * LOG2_E, stats=stats,
         )):  # fmt: skip
-            if record_stats:
-                return stats.view(batch, Hq, gluon_tiles, 2), hopper_plan(batch, Hq, gluon_tiles, seq_lens)
-            return None
-        # this Triton cannot build it: the portable kernel below
-    cfg, block_q = paged_config(D, q.dtype, group, max_seqlen_q)
+            return (stats.view(batch, Hq, gluon_tiles, 2), paged_plan.split) if record_stats else None
+        # this Triton cannot build it: the portable kernel, with its own plan
+        paged_plan = plan_paged(
+            batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, num_tokens=T, seq_lens=seq_lens,
+            max_seqlen_k=max_seqlen_k, is_decode=is_decode, allow_gluon=False,
+        )  # fmt: skip
+    cfg, block_q = paged_config(D, q.dtype, group, 1 if is_decode else max_seqlen_q)
     q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
-    if isinstance(num_splits, SplitPlan):
-        plan = num_splits  # planned on the host by the caller (no sync, CUDA-graph safe)
-    else:
-        plan = choose_num_splits(
-            batch,
-            Hkv,
-            q_tiles,
-            seq_lens,
-            num_splits=num_splits,
-            max_seqlen_k=max_seqlen_k,
-            rows_per_program=cfg.block_m,
-        )
+    plan = paged_plan.split
     splits = plan.num_splits
+    if tiles_fastest is None:
+        tiles_fastest = paged_plan.tiles_first
     if tiles_fastest is None:
         tiles_fastest = query_tiles_first(q_tiles)
     grid = paged_grid(Hkv, batch, q_tiles, splits, tiles_fastest)

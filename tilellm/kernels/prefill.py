@@ -27,9 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import dot_precision, launch_gluon, prefill_config
-
-LOG2_E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2_E)
+from tilellm.kernels.config import LOG2_E, dot_precision, launch_gluon, prefill_config
 
 
 @triton.jit
@@ -180,7 +178,7 @@ def prefill_tile_stats(
     return stats.view(cu_seqlens.numel() - 1, q.shape[1], num_m, 2)
 
 
-def _rows_view(x: torch.Tensor) -> torch.Tensor:
+def rows_view(x: torch.Tensor) -> torch.Tensor:
     """[T, H, D] -> [T, H * D] without a copy when heads are packed (the layout TMA reads)."""
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
@@ -195,16 +193,16 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     cfg = prefill_config(D, q.dtype, max_seqlen)
     if cfg.kernel == "gluon" and causal and q.is_cuda:
         # same tiles and causal walk, FlashAttention-3's schedule (see hopper.py)
-        q_rows, k_rows, v_rows = _rows_view(q), _rows_view(k), _rows_view(v)
+        q_rows, k_rows, v_rows = rows_view(q), rows_view(k), rows_view(v)
         if launch_gluon(lambda hopper: hopper.launch_prefill(
             q_rows, k_rows, v_rows, o, cu_seqlens, max_seqlen, Hq // k.shape[1], scale * LOG2_E,
             block_n=cfg.block_n, stages=cfg.num_stages, stats=stats,
         )):  # fmt: skip
             return
         cfg = prefill_config(D, q.dtype, max_seqlen)  # this Triton cannot build it: the portable kernel
-    q_desc = TensorDescriptor.from_tensor(_rows_view(q), [cfg.block_m, D])
-    k_desc = TensorDescriptor.from_tensor(_rows_view(k), [cfg.block_n, D])
-    v_desc = TensorDescriptor.from_tensor(_rows_view(v), [cfg.block_n, D])
+    q_desc = TensorDescriptor.from_tensor(rows_view(q), [cfg.block_m, D])
+    k_desc = TensorDescriptor.from_tensor(rows_view(k), [cfg.block_n, D])
+    v_desc = TensorDescriptor.from_tensor(rows_view(v), [cfg.block_n, D])
     grid = (triton.cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
     _prefill_kernel[grid](
         q_desc, k_desc, v_desc, o, cu_seqlens, stats if stats is not None else cu_seqlens,

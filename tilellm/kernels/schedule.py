@@ -1,30 +1,26 @@
-"""What the attention kernels will do for a batch: launch grid, tiles per program, split-KV plan.
+"""The planner of the paged kernels: which kernel runs a batch, and its split-KV plan.
 
-No engine we know of shows its tile schedule; tilellm does, so that people can see why a batch
-runs the way it does (`tilellm inspect`) and tests can check the kernels' promises (no future
-tile is ever visited). The arithmetic here mirrors the kernels' loop bounds, and the kernels can
-record their own counts (`prefill_tile_stats`, `paged_tile_stats`) to check it against.
-
-Tile classes, per program (one query tile of one request, one head or KV-head group):
-  full      key tile wholly visible to every query row: computed without any mask
-  diagonal  key tile crossing the causal diagonal (or the request's end): masked in registers
-  skipped   key tile wholly in the future: never loaded
+`plan_paged` is the one place that decides, for a batch, between `paged.py` and `hopper.py`
+(Hopper's Gluon kernel) and how many key segments each program's range is cut into
+(`choose_num_splits`). It reads only what the host knows (shapes, the longest context), so the
+engine's attention backend calls it once per step and every layer and CUDA graph reuses the
+result; the kernels call it themselves when given no plan. The launch order and grid live here
+too (`query_tiles_first`, `paged_grid`), shared by the kernel and the inspector's tile report
+(`tilellm.inspect.tiles`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tilellm.kernels.config import (
-    GLUON_KEY_TILE,
     GLUON_QUERY_TILE,
     paged_config,
     paged_uses_gluon,
-    prefill_config,
 )
 from tilellm.kernels.config import num_sms as device_num_sms
 
@@ -64,47 +60,6 @@ class SplitPlan:
     # A chosen plan never cuts segments shorter than this: a shorter request gets fewer
     # (non-empty) segments, the others record empty partials. 0 for a forced count.
     min_keys_per_split: int = 0
-
-
-@dataclass(frozen=True)
-class ProgramTiles:
-    request: int
-    head: int  # query head (prefill) or KV head (paged: the whole group of query heads)
-    q_tile: int
-    split: int
-    full: int
-    diagonal: int
-    skipped: int
-    first_kv_tile: int  # -1 when the program visits nothing
-    last_kv_tile: int
-
-
-@dataclass
-class TileSchedule:
-    kernel: str
-    grid: tuple[int, ...]
-    block_m: int  # query rows per program
-    block_n: int  # keys per tile
-    programs: list[ProgramTiles] = field(default_factory=list)
-    split_plan: SplitPlan | None = None
-    block_q: int | None = None  # paged: tokens per query tile (rows = tokens x group)
-
-    @property
-    def num_full(self) -> int:
-        return sum(p.full for p in self.programs)
-
-    @property
-    def num_diagonal(self) -> int:
-        return sum(p.diagonal for p in self.programs)
-
-    @property
-    def num_skipped(self) -> int:
-        return sum(p.skipped for p in self.programs)
-
-    @property
-    def num_empty_programs(self) -> int:
-        """Programs that exit at once (their query tile is past the request's end)."""
-        return sum(1 for p in self.programs if p.first_kv_tile < 0 and p.full + p.diagonal == 0)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -232,65 +187,16 @@ def plan_split_kv(
     num_sms: int | None = None,
     block_size: int = 16,
 ) -> SplitPlan:
-    """The split-KV plan `paged_attention` would use for this batch (on Hopper, for the batches
-    that `hopper.py` serves, its no-split plan)."""
+    """The split-KV plan `paged_attention` would use for this batch (`plan_paged`'s; on Hopper,
+    for the batches that `hopper.py` serves, its no-split plan)."""
     cu = _as_list(cu_seqlens_q)
     lens = _as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    max_q = max(q_lens, default=1)
-    if num_splits is None and _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms):
-        return hopper_plan(len(lens), num_q_heads, _cdiv(max(max_q, 1), GLUON_QUERY_TILE), lens, num_sms)
-    cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, max_q)
-    return choose_num_splits(
-        len(lens),
-        num_kv_heads,
-        _cdiv(max(max_q, 1), block_q),
-        lens,
-        num_splits=num_splits,
-        num_sms=num_sms,
-        rows_per_program=cfg.block_m,
-    )
-
-
-def prefill_schedule(
-    cu_seqlens: torch.Tensor | Sequence[int],
-    max_seqlen: int,
-    num_heads: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.bfloat16,
-    *,
-    causal: bool = True,
-) -> TileSchedule:
-    """Tiles of `prefill_attention`: grid (query tiles, heads, requests), query tiles issued
-    longest-first."""
-    cu = _as_list(cu_seqlens)
-    cfg = prefill_config(head_dim, dtype, max_seqlen)
-    bm, bn = cfg.block_m, cfg.block_n
-    num_m = _cdiv(max(max_seqlen, 1), bm)
-    sched = TileSchedule("prefill_attention", (num_m, num_heads, len(cu) - 1), bm, bn)
-    for req, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
-        for head in range(num_heads):
-            for m_tile in range(num_m):
-                sched.programs.append(
-                    _query_tile(req, head, m_tile, end - start, end - start, bm, bn, causal)
-                )
-    return sched
-
-
-def _query_tile(req, head, q_tile, q_len, seq_len, bm, bn, causal=True) -> ProgramTiles:
-    """The key tiles of one program that owns `bm` new tokens of one query head (prefill, and
-    `hopper.py`'s paged chunks). New token t sits at position `seq_len - q_len + t`; tiles every
-    token of the program sees whole run unmasked, the rest up to its last token are masked."""
-    t0 = q_tile * bm
-    if t0 >= q_len:
-        return ProgramTiles(req, head, q_tile, 0, 0, 0, 0, -1, -1)
-    context = seq_len - q_len
-    total = _cdiv(seq_len, bn)
-    if causal:
-        full, visited = (context + t0 + 1) // bn, _cdiv(context + min(t0 + bm, q_len), bn)
-    else:
-        full, visited = seq_len // bn, total
-    return ProgramTiles(req, head, q_tile, 0, full, visited - full, total - visited, 0, visited - 1)
+    plan = plan_paged(
+        len(lens), num_q_heads, num_kv_heads, head_dim, dtype, block_size, max(q_lens, default=1),
+        num_tokens=sum(q_lens), seq_lens=lens, num_splits=num_splits, num_sms=num_sms,
+    )  # fmt: skip
+    return plan.split
 
 
 def hopper_plan(
@@ -304,107 +210,89 @@ def hopper_plan(
     return SplitPlan(1, reason, num_sms or device_num_sms(), base, longest)
 
 
-def _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms) -> bool:
-    """`paged_attention`'s choice of `hopper.py` for this batch (`config.paged_uses_gluon`)."""
-    max_q = max(q_lens, default=1)
-    programs = _cdiv(max(max_q, 1), GLUON_QUERY_TILE) * num_q_heads * len(q_lens)
-    return paged_uses_gluon(
-        head_dim, dtype, block_size, max_q, programs, num_tokens=sum(q_lens), num_requests=len(q_lens),
-        num_sms_=num_sms,
-    )  # fmt: skip
+@dataclass(frozen=True)
+class PagedPlan:
+    """How `paged_attention` / `decode_attention` run one batch: the kernel and its split plan.
+
+    kernel: "triton" (`paged.py`, every GPU and the interpreter) or "gluon" (`hopper.py`, prompt
+    chunks on an H100/H200). Made on the host from what the host knows (no device read when
+    `max_seqlen_k` is given), once per step by the engine's attention backend and reused by every
+    layer and by CUDA-graph capture; the kernels make the same plan themselves when given none.
+    """
+
+    kernel: str
+    split: SplitPlan
+    # `paged.py`'s launch order: query tiles fastest (True) or KV heads fastest (False); None
+    # follows `query_tiles_first` (benchmarks and tests force one).
+    tiles_first: bool | None = None
+
+    @property
+    def num_splits(self) -> int:
+        return self.split.num_splits
 
 
-def _hopper_paged_schedule(q_lens, lens, num_q_heads, num_sms) -> TileSchedule:
-    bm, bn = GLUON_QUERY_TILE, GLUON_KEY_TILE
-    q_tiles = _cdiv(max(max(q_lens, default=1), 1), bm)
-    sched = TileSchedule(
-        "paged_attention (hopper.py)",
-        (q_tiles, num_q_heads, len(lens)),
-        bm,
-        bn,
-        split_plan=hopper_plan(len(lens), num_q_heads, q_tiles, lens, num_sms),
-        block_q=bm,
-    )
-    for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
-        for head in range(num_q_heads):
-            for q_tile in range(q_tiles):
-                sched.programs.append(_query_tile(req, head, q_tile, q_len, seq_len, bm, bn))
-    return sched
-
-
-def paged_schedule(
-    cu_seqlens_q: torch.Tensor | Sequence[int],
-    seq_lens: torch.Tensor | Sequence[int],
+def plan_paged(
+    num_requests: int,
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    block_size: int,
+    dtype: torch.dtype,
+    page: int,
+    max_seqlen_q: int,
     *,
+    num_tokens: int | None = None,
+    seq_lens: torch.Tensor | Sequence[int] | None = None,
+    max_seqlen_k: int | None = None,
     num_splits: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
     num_sms: int | None = None,
-) -> TileSchedule:
-    """Tiles of `paged_attention`: grid (KV heads, requests, query tiles x splits), or
-    (query tiles x splits, KV heads, requests) when there are several query tiles. On Hopper,
-    batches that `hopper.py` serves (`config.paged_uses_gluon`): grid (query tiles, query
-    heads, requests), programs of one query head's 128 tokens, 128-key tiles, no split.
+    is_decode: bool = False,
+    allow_gluon: bool = True,
+) -> PagedPlan:
+    """The one place that picks the paged kernel of a batch, and its split-KV plan.
 
-    `skipped` (future tiles of the request) is reported on each query tile's last segment.
+    `hopper.py` runs a batch when `allow_gluon`, no split count is forced, it is not a decode
+    batch, and `config.paged_uses_gluon` takes it (Hopper, D = 128, half precision, pages that
+    tile 128 keys, prompt chunks wide enough for a wave; see there); it never splits. Otherwise
+    `paged.py` with `choose_num_splits`'s plan for its tiles.
     """
-    cu = _as_list(cu_seqlens_q)
-    lens = _as_list(seq_lens)
-    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    max_q = max(q_lens, default=1)
-    group = num_q_heads // num_kv_heads
-    if num_splits is None and _hopper_serves(q_lens, num_q_heads, head_dim, dtype, block_size, num_sms):
-        return _hopper_paged_schedule(q_lens, lens, num_q_heads, num_sms)
-    cfg, block_q = paged_config(head_dim, dtype, group, max_q)
-    bn = cfg.block_n
-    q_tiles = _cdiv(max(max_q, 1), block_q)
-    plan = choose_num_splits(
-        len(lens),
+    max_q = max(max_seqlen_q, 1)
+    if (
+        allow_gluon
+        and num_splits is None
+        and not is_decode
+        and gluon_serves(num_requests, num_q_heads, head_dim, dtype, page, max_q, num_tokens, num_sms)
+    ):
+        longest = max_seqlen_k if max_seqlen_k is not None else _host_max(seq_lens, allow_device=True)
+        gluon_tiles = _cdiv(max_q, GLUON_QUERY_TILE)
+        return PagedPlan("gluon", hopper_plan(num_requests, num_q_heads, gluon_tiles, [longest], num_sms))
+    cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, 1 if is_decode else max_q)
+    split = choose_num_splits(
+        num_requests,
         num_kv_heads,
-        q_tiles,
-        lens,
+        1 if is_decode else _cdiv(max_q, block_q),
+        seq_lens,
         num_splits=num_splits,
+        max_seqlen_k=max_seqlen_k,
         num_sms=num_sms,
         rows_per_program=cfg.block_m,
     )
-    splits = plan.num_splits
-    sched = TileSchedule(
-        "paged_attention",
-        paged_grid(num_kv_heads, len(lens), q_tiles, splits, query_tiles_first(q_tiles)),
-        cfg.block_m,
-        bn,
-        split_plan=plan,
-        block_q=block_q,
-    )
-    for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
-        context = seq_len - q_len
-        total = _cdiv(seq_len, bn)
-        for kv_head in range(num_kv_heads):
-            for q_tile in range(q_tiles):
-                t0 = q_tile * block_q
-                for split in range(splits):
-                    if t0 >= q_len:
-                        sched.programs.append(ProgramTiles(req, kv_head, q_tile, split, 0, 0, 0, -1, -1))
-                        continue
-                    kv_end = context + min(t0 + block_q, q_len)
-                    full_end = (context + t0 + 1) // bn * bn
-                    if splits > 1:
-                        seg = split_segment(kv_end, splits, bn, plan.min_keys_per_split)
-                        lo = split * seg
-                        hi = max(lo, min(lo + seg, kv_end))
-                    else:
-                        lo, hi = 0, kv_end
-                    full_hi = max(min(full_end, hi), lo)
-                    masked_lo = max(full_end, lo)
-                    full = _cdiv(full_hi - lo, bn)
-                    diag = _cdiv(max(hi - masked_lo, 0), bn)
-                    skipped = total - _cdiv(kv_end, bn) if split == splits - 1 else 0
-                    first = lo // bn if full + diag else -1
-                    last = first + full + diag - 1 if full + diag else -1
-                    sched.programs.append(
-                        ProgramTiles(req, kv_head, q_tile, split, full, diag, skipped, first, last)
-                    )
-    return sched
+    return PagedPlan("triton", split)
+
+
+def gluon_serves(
+    num_requests: int,
+    num_q_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    page: int,
+    max_seqlen_q: int,
+    num_tokens: int | None = None,
+    num_sms: int | None = None,
+) -> bool:
+    """Whether `hopper.py` takes a paged batch of this shape (`config.paged_uses_gluon` on its
+    programs: query tiles of 128 tokens x query heads x requests)."""
+    programs = _cdiv(max(max_seqlen_q, 1), GLUON_QUERY_TILE) * num_q_heads * num_requests
+    return paged_uses_gluon(
+        head_dim, dtype, page, max_seqlen_q, programs, num_tokens=num_tokens, num_requests=num_requests,
+        num_sms_=num_sms,
+    )  # fmt: skip

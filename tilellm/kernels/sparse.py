@@ -14,9 +14,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import dot_precision, interpreting
-
-LOG2_E = 1.4426950408889634
+from tilellm.kernels.config import LOG2_E, dot_precision, interpreting
 
 
 @triton.jit

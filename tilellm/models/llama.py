@@ -4,7 +4,7 @@ A step's tokens are packed along dim 0 with no batch dim: `model(input_ids [T], 
 returns hidden states [T, hidden]; `compute_logits(hidden [N, hidden])` gives logits [N, vocab]
 in the model's dtype (the sampler widens them to float32 only where it needs to). Attention
 reads the step's `AttentionMetadata` from the context installed by the runner (see
-`tilellm.engine.metadata`); the runner binds each layer's KV cache through `attention_layers()`.
+`tilellm.attention.metadata`); the runner binds each layer's KV cache through `attention_layers()`.
 
 Checkpoint q/k/v and gate/up matrices are loaded into one `qkv_proj` and one `gate_up_proj`
 per layer (`packed_modules_mapping`, used by `tilellm.models.loader`).
@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tilellm.attention import AttentionBackend, get_attention_backend
 from tilellm.models.layers.activation import SiluAndMul
-from tilellm.models.layers.attention import Attention, resolve_attention_ops
+from tilellm.models.layers.attention import Attention
 from tilellm.models.layers.layernorm import RMSNorm
 from tilellm.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -55,7 +56,7 @@ class LlamaAttention(nn.Module):
         config: Any,
         flags: DecoderFlags,
         rotary: RotaryEmbedding,
-        attn_ops: types.ModuleType,
+        attn_backend: AttentionBackend,
         fused_ops: types.ModuleType,
         tp_rank: int,
         tp_size: int,
@@ -76,7 +77,7 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, attn_ops)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, attn_backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
@@ -113,10 +114,17 @@ class LlamaDecoderLayer(nn.Module):
     fused into the next RMSNorm: (hidden, residual) -> (hidden, residual)."""
 
     def __init__(
-        self, config: Any, flags: DecoderFlags, rotary: RotaryEmbedding, attn_ops, fused_ops, tp_rank, tp_size
+        self,
+        config: Any,
+        flags: DecoderFlags,
+        rotary: RotaryEmbedding,
+        attn_backend,
+        fused_ops,
+        tp_rank,
+        tp_size,
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, flags, rotary, attn_ops, fused_ops, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, flags, rotary, attn_backend, fused_ops, tp_rank, tp_size)
         self.mlp = LlamaMLP(config, flags, fused_ops, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
@@ -134,7 +142,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, flags: DecoderFlags, attn_ops, fused_ops, tp_rank: int, tp_size: int):
+    def __init__(self, config: Any, flags: DecoderFlags, attn_backend, fused_ops, tp_rank: int, tp_size: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
@@ -145,7 +153,7 @@ class LlamaModel(nn.Module):
             config_head_dim(config), config.max_position_embeddings, theta, scaling, fused_ops
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, flags, rotary, attn_ops, fused_ops, tp_rank, tp_size)
+            LlamaDecoderLayer(config, flags, rotary, attn_backend, fused_ops, tp_rank, tp_size)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
@@ -198,10 +206,10 @@ class LlamaForCausalLM(nn.Module):
                 f"{type(self).__name__}: sliding-window attention (use_sliding_window) is not supported"
             )
         self.config = config
-        attn_ops = resolve_attention_ops(attention_backend, device)
+        attn_backend = get_attention_backend(attention_backend, device)
         fused_ops = resolve_fused_ops(fused_ops_backend or attention_backend, device)
         flags = self.decoder_flags(config)
-        self.model = LlamaModel(config, flags, attn_ops, fused_ops, tp_rank, tp_size)
+        self.model = LlamaModel(config, flags, attn_backend, fused_ops, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -61,9 +61,8 @@ def run_worker(
         import torch
         import torch.distributed as dist
 
-        from tilellm.distributed.group import STORE_TIMEOUT, TPGroup, destroy_group, join_group
-        from tilellm.distributed.message import OP, OP_STOP
-        from tilellm.engine.runner import ModelRunner
+        from tilellm.distributed.group import OP, OP_STOP, STORE_TIMEOUT, TPGroup, destroy_group, join_group
+        from tilellm.worker.model_runner import ModelRunner
 
         if device.type == "cpu":
             torch.set_num_threads(num_threads)

@@ -1,7 +1,8 @@
 """Which implementation of the fused element-wise ops (RMSNorm, SiLU-and-mul, RoPE) a model uses.
 
-Same policy as `resolve_attention_ops`: the Triton kernels on CUDA or when asked for ("triton";
-on CPU that needs TRITON_INTERPRET=1), the PyTorch reference otherwise.
+Same policy as the attention backends (`tilellm.attention.backends.backend_class`): the Triton
+kernels on CUDA or when asked for ("triton"; on CPU that needs TRITON_INTERPRET=1), the PyTorch
+reference otherwise.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 
 def resolve_fused_ops(backend: str, device: torch.device | str) -> types.ModuleType:
-    """`tilellm.kernels.fused` or `.fused_reference` for backend "triton" | "reference" | "auto"."""
+    """`tilellm.kernels.fused` or `.reference.fused` for backend "triton" | "reference" | "auto"."""
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     if backend == "auto":
@@ -20,5 +21,5 @@ def resolve_fused_ops(backend: str, device: torch.device | str) -> types.ModuleT
     if backend == "triton":
         import tilellm.kernels.fused as ops
     else:
-        import tilellm.kernels.fused_reference as ops
+        import tilellm.kernels.reference.fused as ops
     return ops

@@ -1,5 +1,8 @@
 """Pure-PyTorch twins of the Triton kernels in `tilellm.kernels`, with the same signatures.
 
+This package holds every twin: the attention kernels here, the fused element-wise ops in
+`tilellm.kernels.reference.fused`, the Gumbel sampler's next to its kernel (`kernels.sampling`).
+
 They are the tests' oracle and the engine's CPU attention backend, so they stay readable (one
 loop over requests, the K/V of a request gathered through its block table) and avoid loops over
 tokens. Scores, softmax and accumulation run in fp32; outputs come back in `q.dtype`. Inputs are

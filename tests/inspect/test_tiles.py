@@ -1,4 +1,4 @@
-"""The tile-schedule report (`tilellm.kernels.schedule`): its promises, and that it describes the kernels.
+"""The tile-schedule report (`tilellm.inspect.tiles`): its promises, and that it describes the kernels.
 
 Invariants, checked on hand-picked and on generated batches:
 - no future tile is ever visited: every visited key tile of a causal program starts at or before
@@ -18,10 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.kernels.helpers import cu_seqlens, make_paged_batch, randn
+from tilellm.inspect.tiles import paged_schedule, prefill_schedule
 from tilellm.kernels import schedule
 from tilellm.kernels.paged import paged_tile_stats
 from tilellm.kernels.prefill import prefill_tile_stats
-from tilellm.kernels.schedule import paged_schedule, plan_split_kv, prefill_schedule
+from tilellm.kernels.schedule import plan_split_kv
 
 
 def cdiv(a, b):

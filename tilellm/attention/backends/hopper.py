@@ -1,0 +1,19 @@
+"""The Hopper backend (H100/H200): the Triton backend, with `tilellm.kernels.hopper`'s Gluon
+kernels (FlashAttention-3's schedule) for long prefill batches and paged prompt chunks."""
+
+from __future__ import annotations
+
+from tilellm.attention.backends.base import AttentionSpec
+from tilellm.attention.backends.triton import TritonBackend
+from tilellm.kernels.config import prefill_config
+
+
+class HopperBackend(TritonBackend):
+    """Where `plan_paged` / `prefill_config` pick `hopper.py`, the step runs it; decode, split-KV,
+    cascade and verification batches stay on `paged.py`."""
+
+    name = "hopper"
+    allow_gluon = True
+
+    def prefill_kernel(self, spec: AttentionSpec, max_seqlen_q: int) -> str:
+        return prefill_config(spec.head_dim, spec.dtype, max_seqlen_q).kernel

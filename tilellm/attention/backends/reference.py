@@ -1,0 +1,14 @@
+"""The PyTorch reference backend: `tilellm.kernels.reference`, the twin of every kernel (the CPU
+default: exact fp32, the oracle's precision)."""
+
+from __future__ import annotations
+
+import tilellm.kernels.reference as reference_ops
+from tilellm.attention.backends.base import AttentionBackend
+
+
+class ReferenceBackend(AttentionBackend):
+    """No plan beyond the mode: the twins need no tiles or split-KV segments."""
+
+    name = "reference"
+    ops = reference_ops

@@ -1,0 +1,33 @@
+"""The portable Triton backend: `tilellm.kernels` (`prefill.py`, `paged.py`) on any GPU, and
+under Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import tilellm.kernels as triton_ops
+from tilellm.attention.backends.base import AttentionBackend, AttentionSpec
+from tilellm.kernels.schedule import PagedPlan, plan_paged
+
+
+class TritonBackend(AttentionBackend):
+    """Plans with `tilellm.kernels.schedule.plan_paged` once per step; every layer reuses it."""
+
+    name = "triton"
+    ops = triton_ops
+    allow_gluon = False
+
+    def plan_paged(
+        self,
+        spec: AttentionSpec,
+        num_requests: int,
+        max_seqlen_q: int,
+        num_tokens: int,
+        max_seqlen_k: int,
+        *,
+        is_decode: bool,
+    ) -> PagedPlan:
+        s = spec
+        return plan_paged(
+            num_requests, s.num_heads, s.num_kv_heads, s.head_dim, s.dtype, s.block_size, max_seqlen_q,
+            num_tokens=num_tokens, max_seqlen_k=max_seqlen_k, is_decode=is_decode,
+            allow_gluon=self.allow_gluon,
+        )  # fmt: skip

@@ -1,0 +1,216 @@
+"""What the attention kernels will do for a batch: launch grid, tiles per program, split-KV plan.
+
+No engine we know of shows its tile schedule; tilellm does, so that people can see why a batch
+runs the way it does (`tilellm inspect`) and tests can check the kernels' promises (no future
+tile is ever visited). The arithmetic here mirrors the kernels' loop bounds, and the kernels can
+record their own counts (`prefill_tile_stats`, `paged_tile_stats`) to check it against. Which
+kernel runs and its split plan come from the kernels' own planner (`tilellm.kernels.schedule`).
+
+Tile classes, per program (one query tile of one request, one head or KV-head group):
+  full      key tile wholly visible to every query row: computed without any mask
+  diagonal  key tile crossing the causal diagonal (or the request's end): masked in registers
+  skipped   key tile wholly in the future: never loaded
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, paged_config, prefill_config
+from tilellm.kernels.schedule import (
+    SplitPlan,
+    hopper_plan,
+    paged_grid,
+    plan_paged,
+    query_tiles_first,
+    split_segment,
+)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_list(x: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.detach().cpu().tolist()]
+    return [int(v) for v in x]
+
+
+@dataclass(frozen=True)
+class ProgramTiles:
+    request: int
+    head: int  # query head (prefill) or KV head (paged: the whole group of query heads)
+    q_tile: int
+    split: int
+    full: int
+    diagonal: int
+    skipped: int
+    first_kv_tile: int  # -1 when the program visits nothing
+    last_kv_tile: int
+
+
+@dataclass
+class TileSchedule:
+    kernel: str
+    grid: tuple[int, ...]
+    block_m: int  # query rows per program
+    block_n: int  # keys per tile
+    programs: list[ProgramTiles] = field(default_factory=list)
+    split_plan: SplitPlan | None = None
+    block_q: int | None = None  # paged: tokens per query tile (rows = tokens x group)
+
+    @property
+    def num_full(self) -> int:
+        return sum(p.full for p in self.programs)
+
+    @property
+    def num_diagonal(self) -> int:
+        return sum(p.diagonal for p in self.programs)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(p.skipped for p in self.programs)
+
+    @property
+    def num_empty_programs(self) -> int:
+        """Programs that exit at once (their query tile is past the request's end)."""
+        return sum(1 for p in self.programs if p.first_kv_tile < 0 and p.full + p.diagonal == 0)
+
+
+def prefill_schedule(
+    cu_seqlens: torch.Tensor | Sequence[int],
+    max_seqlen: int,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    causal: bool = True,
+) -> TileSchedule:
+    """Tiles of `prefill_attention`: grid (query tiles, heads, requests), query tiles issued
+    longest-first."""
+    cu = _as_list(cu_seqlens)
+    cfg = prefill_config(head_dim, dtype, max_seqlen)
+    bm, bn = cfg.block_m, cfg.block_n
+    num_m = _cdiv(max(max_seqlen, 1), bm)
+    sched = TileSchedule("prefill_attention", (num_m, num_heads, len(cu) - 1), bm, bn)
+    for req, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        for head in range(num_heads):
+            for m_tile in range(num_m):
+                sched.programs.append(
+                    _query_tile(req, head, m_tile, end - start, end - start, bm, bn, causal)
+                )
+    return sched
+
+
+def _query_tile(req, head, q_tile, q_len, seq_len, bm, bn, causal=True) -> ProgramTiles:
+    """The key tiles of one program that owns `bm` new tokens of one query head (prefill, and
+    `hopper.py`'s paged chunks). New token t sits at position `seq_len - q_len + t`; tiles every
+    token of the program sees whole run unmasked, the rest up to its last token are masked."""
+    t0 = q_tile * bm
+    if t0 >= q_len:
+        return ProgramTiles(req, head, q_tile, 0, 0, 0, 0, -1, -1)
+    context = seq_len - q_len
+    total = _cdiv(seq_len, bn)
+    if causal:
+        full, visited = (context + t0 + 1) // bn, _cdiv(context + min(t0 + bm, q_len), bn)
+    else:
+        full, visited = seq_len // bn, total
+    return ProgramTiles(req, head, q_tile, 0, full, visited - full, total - visited, 0, visited - 1)
+
+
+def gluon_paged_schedule(q_lens, lens, num_q_heads: int, num_sms: int | None = None) -> TileSchedule:
+    """Tiles of `hopper.py`'s paged kernel: grid (query tiles, query heads, requests), programs of
+    one query head's 128 tokens, 128-key tiles, no split."""
+    bm, bn = GLUON_QUERY_TILE, GLUON_KEY_TILE
+    q_tiles = _cdiv(max(max(q_lens, default=1), 1), bm)
+    sched = TileSchedule(
+        "paged_attention (hopper.py)",
+        (q_tiles, num_q_heads, len(lens)),
+        bm,
+        bn,
+        split_plan=hopper_plan(len(lens), num_q_heads, q_tiles, lens, num_sms),
+        block_q=bm,
+    )
+    for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
+        for head in range(num_q_heads):
+            for q_tile in range(q_tiles):
+                sched.programs.append(_query_tile(req, head, q_tile, q_len, seq_len, bm, bn))
+    return sched
+
+
+def paged_schedule(
+    cu_seqlens_q: torch.Tensor | Sequence[int],
+    seq_lens: torch.Tensor | Sequence[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    *,
+    num_splits: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    num_sms: int | None = None,
+) -> TileSchedule:
+    """Tiles of `paged_attention`: grid (KV heads, requests, query tiles x splits), or
+    (query tiles x splits, KV heads, requests) when there are several query tiles. On Hopper,
+    batches that `hopper.py` serves (`plan_paged`): grid (query tiles, query
+    heads, requests), programs of one query head's 128 tokens, 128-key tiles, no split.
+
+    `skipped` (future tiles of the request) is reported on each query tile's last segment.
+    """
+    cu = _as_list(cu_seqlens_q)
+    lens = _as_list(seq_lens)
+    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    max_q = max(q_lens, default=1)
+    group = num_q_heads // num_kv_heads
+    kernel_plan = plan_paged(
+        len(lens), num_q_heads, num_kv_heads, head_dim, dtype, block_size, max_q,
+        num_tokens=sum(q_lens), seq_lens=lens, num_splits=num_splits, num_sms=num_sms,
+    )  # fmt: skip
+    if kernel_plan.kernel == "gluon":
+        return gluon_paged_schedule(q_lens, lens, num_q_heads, num_sms)
+    cfg, block_q = paged_config(head_dim, dtype, group, max_q)
+    bn = cfg.block_n
+    q_tiles = _cdiv(max(max_q, 1), block_q)
+    plan = kernel_plan.split
+    splits = plan.num_splits
+    sched = TileSchedule(
+        "paged_attention",
+        paged_grid(num_kv_heads, len(lens), q_tiles, splits, query_tiles_first(q_tiles)),
+        cfg.block_m,
+        bn,
+        split_plan=plan,
+        block_q=block_q,
+    )
+    for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
+        context = seq_len - q_len
+        total = _cdiv(seq_len, bn)
+        for kv_head in range(num_kv_heads):
+            for q_tile in range(q_tiles):
+                t0 = q_tile * block_q
+                for split in range(splits):
+                    if t0 >= q_len:
+                        sched.programs.append(ProgramTiles(req, kv_head, q_tile, split, 0, 0, 0, -1, -1))
+                        continue
+                    kv_end = context + min(t0 + block_q, q_len)
+                    full_end = (context + t0 + 1) // bn * bn
+                    if splits > 1:
+                        seg = split_segment(kv_end, splits, bn, plan.min_keys_per_split)
+                        lo = split * seg
+                        hi = max(lo, min(lo + seg, kv_end))
+                    else:
+                        lo, hi = 0, kv_end
+                    full_hi = max(min(full_end, hi), lo)
+                    masked_lo = max(full_end, lo)
+                    full = _cdiv(full_hi - lo, bn)
+                    diag = _cdiv(max(hi - masked_lo, 0), bn)
+                    skipped = total - _cdiv(kv_end, bn) if split == splits - 1 else 0
+                    first = lo // bn if full + diag else -1
+                    last = first + full + diag - 1 if full + diag else -1
+                    sched.programs.append(
+                        ProgramTiles(req, kv_head, q_tile, split, full, diag, skipped, first, last)
+                    )
+    return sched

@@ -1,0 +1,590 @@
+"""The model runner: the device side of one step.
+
+    runner = ModelRunner(config)                 # load, size the KV pool, warm up, capture graphs
+    handle = runner.launch(inputs, sampling)     # host StepInputs -> device -> model -> sampler
+    result = runner.wait(handle)                 # the sampled tokens on the host
+
+`launch` moves the step's inputs (`StepInputs`, built on the host by `build_step_inputs`) to the
+device as one payload through a pinned staging buffer, plans the step's attention once
+(`AttentionBackend.plan`), runs the model (a CUDA graph for decode steps, eager otherwise),
+samples, and queues the copy of the sampled tokens back; `wait` is the step's only host sync.
+
+Parts: `kv_pool.py` (how many blocks, the allocation), `cuda_graphs.py` (decode graphs),
+`staging.py` (pinned host buffers), `sampler.py` (sampling on the device), `step_inputs.py` (the
+step's one form and its serialization), `tp_worker.py` (the other tensor-parallel ranks).
+
+Tensor parallelism (`group`): each rank has a runner holding its shard of the model and of the
+KV pool (its KV heads; the pool size is the smallest any rank can hold). Rank 0 (`TPDriver`, in
+the engine's process) sends each step's header and payload to the other ranks before running
+it, and alone samples; the others run `execute_remote` on what it sends, replaying the same CUDA
+graph. Any failure inside a step stops every rank and raises on rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tilellm.attention import AttentionSpec, BatchKind, attention_context, get_attention_backend
+from tilellm.config import EngineConfig
+from tilellm.distributed.driver import WorkerError
+from tilellm.worker import kv_pool
+from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
+from tilellm.worker.sampler import HostSampling, Sampler, SamplerOutput
+from tilellm.worker.staging import PinnedStaging
+from tilellm.worker.step_inputs import NUM_WORDS, StepInputs, build_step_inputs
+
+if TYPE_CHECKING:
+    from tilellm.distributed import TPDriver, TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`device`, or "cuda" when available else "cpu"; a CUDA device gets its index."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+@dataclass
+class StepResult:
+    """Host copies of the sampler's output for the sampled rows of one step."""
+
+    token_ids: np.ndarray  # [N] int64
+    sampled_logprobs: np.ndarray | None = None  # [N] float32
+    sampled_ranks: np.ndarray | None = None  # [N] int64
+    top_logprobs: np.ndarray | None = None  # [N, K] float32
+    top_token_ids: np.ndarray | None = None  # [N, K] int64
+    device_time_s: float | None = None  # H2D + forward + sampling + D2H (CUDA events), when timed
+
+
+@dataclass
+class InputPatch:
+    """Input tokens not known on the host when a step is launched (asynchronous scheduling).
+
+    `input_ids[dst[j]]` is the token the step `prev` sampled in its row `src[j]`; the runner copies
+    it on the device, so the host never waits for it.
+    """
+
+    dst: np.ndarray  # [P] int64 rows of the step's input_ids
+    src: np.ndarray  # [P] int64 rows of prev's sampled tokens
+    prev: StepHandle
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its device outputs, their host copies and the event that ends it."""
+
+    tokens_dev: torch.Tensor  # [N] int64 on the device (read by the next step's InputPatch)
+    out: SamplerOutput
+    host: StepResult  # pinned numpy views, valid once `event` has completed
+    event: torch.cuda.Event | None = None
+    start_event: torch.cuda.Event | None = None
+
+
+def start_runner(config: EngineConfig) -> ModelRunner:
+    """The model runner of an engine. With tensor parallelism this starts the worker ranks first
+    (`tilellm.distributed`); the calling process is rank 0."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config)
+    from tilellm.distributed import start_tensor_parallel
+    from tilellm.worker.tp_worker import run_worker
+
+    driver = start_tensor_parallel(config, run_worker)
+    try:
+        return ModelRunner(config, driver)
+    except BaseException as e:  # a worker's failure makes rank 0's start-up collectives fail
+        err = driver.failure(e)
+        if err is e:
+            raise
+        raise err from e
+
+
+class ModelRunner:
+    """Runs one step on the device: see the module docstring."""
+
+    def __init__(self, config: EngineConfig, group: TPGroup | None = None):
+        """`group`: this rank's tensor-parallel group; None for one device (no collectives)."""
+        from tilellm.models.loader import load_model, model_kv_spec
+
+        self.config = config
+        self.group = group
+        # Rank 0's handle on the workers (it alone launches steps); None on one device and on workers.
+        self.driver: TPDriver | None = group if group is not None and group.is_driver else None  # type: ignore[assignment]
+        tp_rank, tp_size = (group.rank, group.world_size) if group is not None else (0, 1)
+        self.device = group.device if group is not None else resolve_device(config.device)
+        self.is_cuda = self.device.type == "cuda"
+        dtype = config.dtype
+        if dtype == "auto" and not self.is_cuda:
+            dtype = "float32"  # CPU: the fp32 oracle's precision (and no bf16 interpreter trap)
+        t0 = time.perf_counter()
+        self.model, self.hf_config = load_model(
+            config.model,
+            dtype=dtype,
+            device=self.device,
+            attention_backend=config.attention_backend,
+            fused_ops_backend=config.fused_ops_backend,
+            load_format=config.load_format,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            seed=config.seed,
+        )
+        self.dtype = next(self.model.parameters()).dtype
+        self.vocab_size = int(self.hf_config.vocab_size)
+        logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
+        num_layers, num_kv_heads, head_dim = model_kv_spec(self.hf_config, tp_size)
+        self.block_size = config.block_size
+        self.kv_spec = kv_pool.KVSpec(num_layers, num_kv_heads, head_dim, config.block_size, self.dtype)
+        layer0 = self.model.attention_layers()[0]
+        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.attn_spec = AttentionSpec(
+            layer0.num_heads, num_kv_heads, head_dim, self.dtype, config.block_size
+        )
+        self.sampler = Sampler()
+        if self.is_cuda:  # two of each: step N+1 is prepared while step N runs
+            self._stagings = [PinnedStaging(self.device), PinnedStaging(self.device)]
+            self._token_hosts = [
+                torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
+            ]
+        self._parity = 0
+        self._step_id = 0
+        self._recv_payload: torch.Tensor | None = None  # workers: where each step's payload lands
+        self.time_device = False  # CUDA-event timing of each step (benchmarks turn it on)
+        # Host seconds spent in each part of `launch`, by path ("graph" / "eager") and phase.
+        self.host_times: dict[str, float] = {}
+
+        model_len = self._model_len()
+        num_blocks = config.num_kv_blocks or self._auto_num_blocks(model_len)
+        if group is not None:  # the same block ids on every rank: the pool any rank can hold
+            num_blocks = group.agree_min(num_blocks)
+        self.num_kv_blocks = num_blocks
+        self.max_model_len = kv_pool.check_fits(
+            num_blocks * self.block_size, model_len, explicit=config.max_model_len is not None
+        )
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self._bind_kv_pool()
+
+        self.decode_graphs = DecodeGraphs(
+            self.device,
+            config.max_num_seqs,
+            self.max_blocks_per_seq,
+            self.max_model_len,
+            forward=self._forward_all_rows,
+            decode_splits=self.decode_splits,
+            group=group,
+        )
+        if self.is_cuda:
+            self._warmup_kernels()
+        if self.is_cuda and not config.enforce_eager:
+            self._capture_graphs()
+        if self.driver is not None:  # the workers stop when this runner goes (or at exit)
+            weakref.finalize(self, self.driver.shutdown)
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def _model_len(self) -> int:
+        max_positions = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
+        model_len = self.config.max_model_len or max_positions or 2048
+        if max_positions is not None and model_len > max_positions:
+            raise ValueError(
+                f"max_model_len ({model_len}) is larger than the model's "
+                f"max_position_embeddings ({max_positions})"
+            )
+        return model_len
+
+    def _sync(self) -> None:
+        """Wait for the device during start-up. Under tensor parallelism rank 0 polls the workers
+        meanwhile (`TPDriver.wait_event`): a worker that died before its all-reduce is raised as a
+        `WorkerError` with its traceback, where a plain synchronize would wait on NCCL forever."""
+        if self.driver is not None:
+            event = torch.cuda.Event()
+            event.record()
+            self.driver.wait_event(event)
+        torch.cuda.synchronize()
+
+    def _auto_num_blocks(self, model_len: int) -> int:
+        if not self.is_cuda:
+            return kv_pool.cpu_num_blocks(self.kv_spec, model_len, self.config.max_num_seqs)
+        self._sync()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run(model_len)
+        self._sync()
+        peak = torch.cuda.max_memory_allocated()
+        current = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        reserve = kv_pool.GRAPH_RESERVE_BYTES
+        if not self.config.enforce_eager:  # the captured graphs' logits outputs
+            rows = graph_logits_rows(self.config.max_num_seqs, self.config.enable_prefix_caching)
+            reserve += rows * self.vocab_size * self.dtype.itemsize
+        return kv_pool.gpu_num_blocks(
+            self.kv_spec,
+            peak_activation_bytes=peak - current,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            graph_reserve_bytes=reserve,
+        )
+
+    @torch.inference_mode()
+    def _profile_run(self, model_len: int) -> None:
+        """One forward at the largest step before the pool exists (PREFILL, K/V not stored),
+        then the LM head and the sampler at their most expensive."""
+        cfg = self.config
+        seq_len = min(model_len, cfg.max_num_batched_tokens)
+        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // seq_len))
+        x = self._synthetic_inputs([seq_len] * num_seqs, [seq_len] * num_seqs)
+        with attention_context(self._plan(x)):
+            hidden = self.model(x.input_ids, x.positions)
+        rows = min(cfg.max_num_seqs, x.num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        del hidden
+        # The sampler with every filter and 20 logprobs.
+        host = HostSampling(
+            rows=np.arange(rows),
+            steps=np.zeros(rows, np.int64),
+            inv_temp=np.ones(rows, np.float32),
+            seed_keys=np.zeros(rows, np.int64),
+            all_greedy=False,
+            top_k=np.full(rows, 50, np.int64),
+            max_top_k=50,
+            top_p=np.full(rows, 0.9, np.float32),
+            min_p=np.full(rows, 0.05, np.float32),
+            max_num_logprobs=20,
+        )
+        dev = {
+            k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
+            for k, v in host.device_arrays().items()
+        }
+        self.sampler(logits, host.to_metadata(dev))
+
+    def _bind_kv_pool(self) -> None:
+        self.kv_cache = kv_pool.allocate_kv_pool(self.kv_spec, self.num_kv_blocks, self.device)
+        layers = self.model.attention_layers()
+        if len(layers) != self.kv_spec.num_layers:
+            raise RuntimeError(
+                f"model has {len(layers)} attention layers, config says {self.kv_spec.num_layers}"
+            )
+        for i, layer in enumerate(layers):
+            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+
+    def _synthetic_inputs(
+        self, q_lens: list[int], seq_lens: list[int], cascade_prefix: int = 0
+    ) -> StepInputs:
+        """Device inputs of a made-up step that stores nothing (warm-up, profiling): request i
+        computes its last q_lens[i] of seq_lens[i] tokens over blocks 0, 1, 2, ...; a decode step
+        with `cascade_prefix` shares that many keys."""
+        num_blocks = -(-max(seq_lens) // self.block_size)
+        table = np.tile(np.arange(num_blocks, dtype=np.int32), (len(q_lens), 1))
+        starts = [s - q for q, s in zip(q_lens, seq_lens)]
+        x = build_step_inputs(
+            None, starts, q_lens, np.arange(len(q_lens)), [True] * len(q_lens), table, self.block_size,
+            store=False, cascade=False,
+        )  # fmt: skip
+        if cascade_prefix:
+            x = dataclasses.replace(x, cascade_prefix_len=np.array([cascade_prefix], dtype=np.int32))
+        return self._to_device(x)
+
+    def _to_device(self, x: StepInputs) -> StepInputs:
+        header = x.header()
+        return StepInputs.from_payload(header, torch.from_numpy(x.to_words(header)).to(self.device))
+
+    @torch.inference_mode()
+    def _warmup_kernels(self) -> None:
+        """Compile the kernel variants that eager steps use, so that no step pays a JIT compile.
+
+        Triton specialises the attention kernels on the query tile (from the longest new-token
+        run of a step), on split-KV or not, and the fused kernels on the token count; one small
+        step per variant (nothing is stored) compiles them before serving starts.
+        """
+        t0 = time.perf_counter()
+        cap = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        q_lens = sorted({q for q in (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 129, 1024, cap) if 1 <= q <= cap})
+        long_ctx = min(self.max_model_len, self.num_kv_blocks * self.block_size, 4096)
+        for q in q_lens:
+            for ctx in (q + 1, long_ctx):  # short context: no split-KV; long: splits for one request
+                if ctx > long_ctx or ctx <= q:
+                    continue
+                self._warmup_step([q], [ctx])
+            self._warmup_step([q], [q])  # prefill
+        self._warmup_step([1] * 8, [long_ctx] * 8)  # decode
+        # Mixed steps: decodes (the decode kernel, split and not) beside a prompt chunk.
+        for q in (2, 129, cap):
+            if q < long_ctx:
+                self._warmup_step([1] * 8 + [q], [long_ctx] * 8 + [q])
+                self._warmup_step([1, q], [q + 1, long_ctx])
+        self._warmup_gluon_paged()
+        if long_ctx > 256:  # cascade decode (a shared prefix): its two passes and the merge
+            self._warmup_step([1] * 8, [long_ctx] * 8, cascade_prefix=256)
+        self._sync()
+        logger.info("warmed up the kernels in %.1f s", time.perf_counter() - t0)
+
+    def _warmup_step(self, q_lens: list[int], seq_lens: list[int], cascade_prefix: int = 0) -> None:
+        x = self._synthetic_inputs(q_lens, seq_lens, cascade_prefix)
+        with attention_context(self._plan(x)):
+            hidden = self.model(x.input_ids, x.positions)
+        self.model.compute_logits(hidden[x.logits_indices])
+
+    def _warmup_gluon_paged(self) -> None:
+        """Compile the paged kernel the backend plans for prompt chunks in batches wide enough
+        to fill a wave (on Hopper: `hopper.py`'s), which warm-up batches are too small to reach:
+        that plan, run on one 128-token chunk over layer 0's cache (nothing stored)."""
+        attn = self.model.attention_layers()[0]
+        plan = self.attn_backend.plan_paged(self.attn_spec, 1 << 16, 128, 128 << 16, 128, is_decode=False)
+        if plan is None or plan.kernel != "gluon":
+            return
+        dev = self.device
+        q = torch.zeros(128, attn.num_heads, attn.head_dim, dtype=self.dtype, device=dev)
+        table = torch.zeros(1, -(-128 // self.block_size), dtype=torch.int32, device=dev)
+        cu = torch.tensor([0, 128], dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor([128], dtype=torch.int32, device=dev)
+        self.attn_backend.ops.paged_attention(
+            q, attn.k_cache, attn.v_cache, table, cu, seq_lens, 128, scale=attn.scale, num_splits=plan
+        )
+
+    def decode_splits(self, num_reqs: int, max_seqlen_k: int) -> int:
+        """Split-KV segments the backend plans for a decode batch (1 when it plans none)."""
+        plan = self.attn_backend.plan_paged(
+            self.attn_spec, num_reqs, 1, num_reqs, max_seqlen_k, is_decode=True
+        )
+        return 1 if plan is None else plan.num_splits
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        graphs = self.decode_graphs
+        try:
+            graphs.capture(self._sync, enable_cascade=self.config.enable_prefix_caching)
+        except WorkerError:  # a worker died: every rank is already stopped
+            raise
+        except Exception:  # a kernel that syncs with the host cannot be captured
+            logger.exception("CUDA graph capture failed: decode steps run eagerly")
+            graphs.clear()
+            torch.cuda.synchronize()
+        if self.group is not None and not self.group.agree_min(int(bool(graphs))):
+            graphs.clear()  # all ranks, or none
+        if self.group is not None and not self.group.agree_min(int(bool(graphs.variants["cascade"]))):
+            graphs.clear("cascade")  # likewise for the cascade variant
+
+    # Read-outs of the graphs (benchmarks, tests).
+    @property
+    def graphs(self) -> dict:
+        return self.decode_graphs.variants["plain"]
+
+    @property
+    def short_graphs(self) -> dict:
+        return self.decode_graphs.variants["short"]
+
+    @property
+    def cascade_graphs(self) -> dict:
+        return self.decode_graphs.variants["cascade"]
+
+    @property
+    def graph_replays(self) -> dict[str, int]:
+        return self.decode_graphs.replays
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def _plan(self, x: StepInputs):
+        """The step's attention metadata, planned once for every layer."""
+        return self.attn_backend.plan(x.attention_metadata(), self.attn_spec)
+
+    def _forward_all_rows(self, x: StepInputs) -> torch.Tensor:
+        """Logits [T, V] of every row (what a decode graph captures)."""
+        with attention_context(self._plan(x)):
+            hidden = self.model(x.input_ids, x.positions)
+        return self.model.compute_logits(hidden)
+
+    def _forward(self, x: StepInputs) -> torch.Tensor:
+        """Logits [N, V] of the step's sampled rows; every rank runs this on the same inputs."""
+        if x.graph_size:
+            return self.decode_graphs.replay(x)
+        with attention_context(self._plan(x)):
+            hidden = self.model(x.input_ids, x.positions)
+        return self.model.compute_logits(hidden[x.logits_indices])
+
+    def execute(self, inputs: StepInputs, sampling: HostSampling) -> StepResult:
+        """Run one step and wait for its result (see `launch` / `wait`)."""
+        return self.wait(self.launch(inputs, sampling))
+
+    @torch.inference_mode()
+    def launch(
+        self, inputs: StepInputs, sampling: HostSampling, patch: InputPatch | None = None
+    ) -> StepHandle:
+        """Start the model on `inputs` (host arrays) and the sampler on its `logits_indices` rows.
+
+        On CUDA this returns as soon as the work is queued: the host can prepare the next step
+        while the device runs this one. `patch` fills input tokens from an earlier step's output.
+        With tensor parallelism the step goes to every rank first (see the module docstring).
+        """
+        t0 = time.perf_counter()
+        graphs = self.decode_graphs
+        bucket = graphs.bucket(inputs.num_reqs) if inputs.kind is BatchKind.DECODE else None
+        if inputs.cascade_prefix_len is not None and self.is_cuda and not graphs.has_cascade(bucket):
+            # On the GPU, cascade pays only inside a graph: eagerly its extra launches cost more
+            # host time than the prefix re-read it saves. Then the step is plain decode.
+            inputs = dataclasses.replace(inputs, cascade_prefix_len=None)
+        if bucket is not None:
+            inputs = inputs.padded_to(bucket)
+        self._step_id += 1
+        header = inputs.header(self._step_id)
+        if self.driver is None:
+            return self._launch(inputs, header, sampling, patch, t0)
+        with self.driver.step_lock:
+            self.driver.check_workers()
+            with self._all_ranks():
+                self.driver.send_header(header)
+                return self._launch(inputs, header, sampling, patch, t0)
+
+    @contextlib.contextmanager
+    def _all_ranks(self, catch: type[BaseException] = BaseException) -> Iterator[None]:
+        """Rank 0's part of a step all ranks take part in: a failure stops every rank (the others
+        may be waiting in one of its collectives) and raises the first failed rank's error."""
+        assert self.driver is not None
+        try:
+            yield
+        except catch as e:
+            err = self.driver.failure(e)
+            if err is e:
+                raise
+            raise err from e
+
+    def _launch(
+        self,
+        inputs: StepInputs,
+        header: np.ndarray,
+        sampling: HostSampling,
+        patch: InputPatch | None,
+        t0: float,
+    ) -> StepHandle:
+        if not self.is_cuda:
+            return self._launch_cpu(inputs, header, sampling, patch)
+        parity, self._parity = self._parity, self._parity ^ 1
+        st = self._stagings[parity]
+        inputs.write(st.reserve((int(header[NUM_WORDS]),), np.int64)[1], header)  # item 0: the payload
+        where = {name: st.add(a) for name, a in sampling.device_arrays().items()}
+        if patch is not None:
+            where["patch_dst"], where["patch_src"] = st.add(patch.dst), st.add(patch.src)
+        t1 = time.perf_counter()
+        # The device span starts here: when the host is late, the idle time before it is excluded.
+        start_ev = None
+        if self.time_device:
+            start_ev = torch.cuda.Event(enable_timing=True)
+            start_ev.record()
+        dev = st.commit()
+        md = sampling.to_metadata({name: dev[i] for name, i in where.items() if not name.startswith("patch")})
+        payload = dev[0]
+        x = StepInputs.from_payload(header, payload)
+        if patch is not None and len(patch.dst):
+            dst, src = dev[where["patch_dst"]], dev[where["patch_src"]]
+            x.input_ids.index_copy_(0, dst, patch.prev.tokens_dev.index_select(0, src))
+        if self.driver is not None:  # patched first: the workers get the tokens of the step before
+            self.driver.broadcast_payload(payload)
+        t2 = time.perf_counter()
+        logits = self._forward(x)
+        t3 = time.perf_counter()
+        out = self.sampler(logits, md)
+        handle = self._copy_out(out, parity)
+        handle.start_event = start_ev
+        t4 = time.perf_counter()
+        path = "graph" if x.graph_size else "eager"
+        ht = self.host_times
+        for phase, dt in (("stage", t1 - t0), ("inputs", t2 - t1), ("forward", t3 - t2), ("sample", t4 - t3)):
+            key = f"{path}.{phase}"
+            ht[key] = ht.get(key, 0.0) + dt
+        ht[f"{path}.steps"] = ht.get(f"{path}.steps", 0.0) + 1
+        return handle
+
+    def _launch_cpu(
+        self, inputs: StepInputs, header: np.ndarray, sampling: HostSampling, patch: InputPatch | None
+    ) -> StepHandle:
+        t0 = time.perf_counter()
+        payload = torch.from_numpy(inputs.to_words(header))
+        x = StepInputs.from_payload(header, payload)
+        if patch is not None and len(patch.dst):
+            x.input_ids[torch.from_numpy(patch.dst)] = patch.prev.tokens_dev[torch.from_numpy(patch.src)]
+        if self.driver is not None:
+            self.driver.broadcast_payload(payload)
+        logits = self._forward(x)
+        out = self.sampler(logits, sampling.to_cpu_metadata())
+
+        def host(t: torch.Tensor | None) -> np.ndarray | None:
+            return None if t is None else t.numpy()
+
+        result = StepResult(
+            token_ids=out.token_ids.numpy(),
+            sampled_logprobs=host(out.sampled_logprobs),
+            sampled_ranks=host(out.sampled_ranks),
+            top_logprobs=host(out.top_logprobs),
+            top_token_ids=host(out.top_token_ids),
+            device_time_s=time.perf_counter() - t0 if self.time_device else None,
+        )
+        return StepHandle(tokens_dev=out.token_ids, out=out, host=result)
+
+    @torch.inference_mode()
+    def execute_remote(self, header: np.ndarray) -> None:
+        """A worker rank's step: receive the payload `header` announces from rank 0 and run the
+        forward on it (the logits are dropped: rank 0 samples)."""
+        assert self.group is not None and self.driver is None, "only tensor-parallel workers receive steps"
+        num_words = int(header[NUM_WORDS])
+        buf = self._recv_payload
+        if buf is None or buf.shape[0] < num_words:  # reused in stream order, like the staging
+            size = max(num_words, 2 * buf.shape[0] if buf is not None else 1 << 14)
+            buf = self._recv_payload = torch.empty(size, dtype=torch.int64, device=self.device)
+        payload = buf[:num_words]
+        self.group.broadcast_payload(payload)
+        self._forward(StepInputs.from_payload(header, payload))
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; idempotent); nothing on one device."""
+        if self.driver is not None:
+            self.driver.shutdown()
+
+    def _copy_out(self, out: SamplerOutput, parity: int) -> StepHandle:
+        """Queue the D2H copies of the sampler's output into pinned memory, then an event."""
+
+        def host(t: torch.Tensor | None) -> np.ndarray | None:
+            if t is None:
+                return None
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buf.copy_(t, non_blocking=True)
+            return buf.numpy()
+
+        n = out.token_ids.shape[0]
+        if self._token_hosts[parity].shape[0] < n:
+            self._token_hosts[parity] = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        tokens = self._token_hosts[parity][:n]
+        tokens.copy_(out.token_ids, non_blocking=True)
+        host_result = StepResult(
+            token_ids=tokens.numpy(),  # valid until this parity's buffer is reused, two steps later
+            sampled_logprobs=host(out.sampled_logprobs),
+            sampled_ranks=host(out.sampled_ranks),
+            top_logprobs=host(out.top_logprobs),
+            top_token_ids=host(out.top_token_ids),
+        )
+        event = torch.cuda.Event(enable_timing=self.time_device)
+        event.record()
+        return StepHandle(tokens_dev=out.token_ids, out=out, host=host_result, event=event)
+
+    def wait(self, handle: StepHandle) -> StepResult:
+        """Block until `handle`'s step is done; its sampled tokens (and logprobs) on the host."""
+        if handle.event is not None:
+            if self.driver is None:
+                handle.event.synchronize()
+            else:  # a dead worker would leave NCCL waiting: watch the workers meanwhile
+                # (an interrupt here leaves the group intact: the whole step is queued on every rank)
+                with self._all_ranks(catch=Exception):
+                    self.driver.wait_event(handle.event)
+            if handle.start_event is not None:
+                handle.host.device_time_s = handle.start_event.elapsed_time(handle.event) / 1e3
+        return handle.host

@@ -1,0 +1,313 @@
+"""One step's model inputs: the single form they take from the scheduler's output to the kernels.
+
+    inputs = build_step_inputs(token_ids, starts, q_lens, rows, samples, block_tables, block_size)
+    inputs = inputs.padded_to(bucket)              # a decode step replayed from a CUDA graph
+    header = inputs.header(step_id)                # [HEADER_WORDS] int64: scalars and shapes
+    inputs.write(words)                            # the arrays into any int64 buffer of header[NUM_WORDS]
+    device = StepInputs.from_payload(header, payload)   # any rank: views into the payload tensor
+    meta = device.attention_metadata()             # what the attention backend plans
+
+`build_step_inputs` is a pure function of the scheduler's output (numpy arrays: the host's
+form). The serialization is derived from the dataclass's fields: scalars (`_SCALAR`) go into the
+header, arrays (`_array(dtype)`) into the payload, each starting on an even word (16-byte
+aligned, so kernels see the same pointer alignment every step; int32 arrays hold two values per
+word); the header alone fixes where every array lies, so a rank that has received it can
+receive the payload straight into device memory and view its arrays in place (no host copy, no
+sync). One device uses the same path as tensor parallelism: every rank runs the same code on the
+same bytes. Adding an input is one field here and its use in the consumer.
+
+Shapes: T packed tokens (the graph's batch size for graph steps), B requests, C block-table
+columns, N sampled rows. A graph step of 256 decode requests of up to 2048 tokens (block 16, so
+C = 128) is 4 x 256 words (tokens, positions, slots, logits rows) + 128 (seq_lens) + 129
+(cu_seqlens_q) + 16,384 (the block table) words, about 138 KiB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tilellm.attention import AttentionMetadata, BatchKind
+from tilellm.distributed.group import CONTROL_WORDS, OP, OP_STEP
+
+CASCADE_MIN_REQUESTS = 8  # below this the prefix is re-read by few requests: plain decode is as fast
+CASCADE_MIN_PREFIX = 256  # keys; a short shared prefix saves less than the extra pass and merge cost
+
+_I64, _I32 = np.dtype(np.int64), np.dtype(np.int32)
+_TORCH = {_I64: torch.int64, _I32: torch.int32}
+_KINDS = (BatchKind.PREFILL, BatchKind.DECODE, BatchKind.MIXED)
+_SCALAR = {"scalar": True}
+
+
+def _array(dtype: np.dtype, ndim: int = 1, optional: bool = False) -> Any:
+    return field(default=None if optional else dataclasses.MISSING, metadata={"dtype": dtype, "ndim": ndim})
+
+
+@dataclass
+class StepInputs:
+    """Everything the model and the attention layers need for one step (see the module docstring).
+
+    Arrays are numpy on the host (from `build_step_inputs`) and torch views into one payload on
+    the device (from `from_payload`).
+
+      input_ids:      [T] int64, the new tokens of all scheduled requests, packed (-1: a token
+                      the previous step samples, patched in on the device)
+      positions:      [T] int64, each token's position inside its own request
+      slot_mapping:   [T] int64, physical slot of each new token's K/V (-1: padding, not stored)
+      seq_lens:       [T] int32 for graph steps (padding rows 1), else [B]: KV length after the step
+      block_table:    [B, C] int32, logical block -> physical block
+      cu_seqlens_q:   [B + 1] int32, request i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
+      logits_indices: [N] int64, row of each sampled request's last new token (only these reach
+                      the LM head), in batch order
+      cascade_prefix_len: [1] int32, DECODE steps whose requests share their first blocks: the
+                      shared key count (cascade attention reads it once for the batch), else None
+    num_decodes: MIXED steps, the leading requests with exactly one new token (the scheduler lists
+      them first; the attention backend runs them through the decode kernel). 0 otherwise.
+    graph_size: 0 for an eager forward, else the CUDA-graph batch size it replays.
+    """
+
+    kind: BatchKind = field(metadata=_SCALAR)
+    num_reqs: int = field(metadata=_SCALAR)
+    max_seqlen_q: int = field(metadata=_SCALAR)
+    max_seqlen_k: int = field(metadata=_SCALAR)
+    num_decodes: int = field(metadata=_SCALAR)
+    graph_size: int = field(metadata=_SCALAR)
+    input_ids: Any = _array(_I64)
+    positions: Any = _array(_I64)
+    slot_mapping: Any = _array(_I64)
+    seq_lens: Any = _array(_I32)
+    block_table: Any = _array(_I32, ndim=2)
+    cu_seqlens_q: Any = _array(_I32)
+    logits_indices: Any = _array(_I64)
+    cascade_prefix_len: Any = _array(_I32, optional=True)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def padded_to(self, graph_size: int) -> StepInputs:
+        """This decode step (host arrays) padded to `graph_size` rows for the CUDA graph of that
+        batch size (padding rows: token 0, position 0, slot -1, seq_len 1)."""
+        if self.kind is not BatchKind.DECODE or graph_size < self.num_reqs:
+            raise ValueError(f"a graph step needs a decode batch of at most {graph_size} requests")
+        pad = graph_size - self.num_reqs
+        return dataclasses.replace(
+            self,
+            graph_size=graph_size,
+            input_ids=np.pad(self.input_ids, (0, pad)),
+            positions=np.pad(self.positions, (0, pad)),
+            slot_mapping=np.pad(self.slot_mapping, (0, pad), constant_values=-1),
+            seq_lens=np.pad(self.seq_lens, (0, pad), constant_values=1),
+        )
+
+    # -- serialization ----------------------------------------------------------------------
+
+    def header(self, step_id: int = 0) -> np.ndarray:
+        """[HEADER_WORDS] int64: op, step id, payload words, the scalars, every array's shape."""
+        header = np.zeros(HEADER_WORDS, dtype=np.int64)
+        header[OP], header[STEP_ID] = OP_STEP, step_id
+        for i, f in enumerate(_SCALARS):
+            value = getattr(self, f.name)
+            header[_SCALAR_BASE + i] = _KINDS.index(value) if f.name == "kind" else int(value)
+        for i, f in enumerate(_ARRAYS):
+            a = getattr(self, f.name)
+            shape = (-1, -1) if a is None else (tuple(a.shape) + (0,))[:2]
+            header[_SHAPE_BASE + 2 * i : _SHAPE_BASE + 2 * i + 2] = shape
+        header[NUM_WORDS] = _layout(header)[1]
+        return header
+
+    def write(self, out: np.ndarray, header: np.ndarray) -> None:
+        """Pack the arrays into `out` ([header[NUM_WORDS]] int64), where `header` says."""
+        for name, dtype, shape, offset in _layout(header)[0]:
+            count = math.prod(shape)
+            a = getattr(self, name)
+            if dtype == _I64:
+                out[offset : offset + count] = a.reshape(-1)
+            else:
+                words = out[offset : offset + (count + 1) // 2].view(np.int32)
+                words[:count] = a.reshape(-1)
+                words[count:] = 0
+
+    def to_words(self, header: np.ndarray) -> np.ndarray:
+        out = np.empty(int(header[NUM_WORDS]), dtype=np.int64)
+        self.write(out, header)
+        return out
+
+    @classmethod
+    def from_payload(cls, header: np.ndarray, payload: torch.Tensor) -> StepInputs:
+        """The step's inputs as views into `payload` ([header[NUM_WORDS]] int64, on any device)."""
+        layout, num_words = _layout(header)
+        if payload.dtype != torch.int64 or payload.dim() != 1 or payload.shape[0] < num_words:
+            raise ValueError(f"payload must be a 1-D int64 tensor of at least {num_words} words")
+        values: dict[str, Any] = {}
+        for i, f in enumerate(_SCALARS):
+            v = int(header[_SCALAR_BASE + i])
+            values[f.name] = _KINDS[v] if f.name == "kind" else v
+        for name, dtype, shape, offset in layout:
+            count = math.prod(shape)
+            if dtype == _I64:
+                values[name] = payload[offset : offset + count].view(shape)
+            else:
+                words = payload[offset : offset + (count + 1) // 2]
+                values[name] = words.view(torch.int32)[:count].view(shape)
+        return cls(**values)
+
+    # -- what the attention layers read -----------------------------------------------------
+
+    def attention_metadata(self) -> AttentionMetadata:
+        """The step's attention metadata (device views of this step's arrays), before planning."""
+        return AttentionMetadata(
+            kind=self.kind,
+            cu_seqlens_q=self.cu_seqlens_q,
+            seq_lens=self.seq_lens,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            block_table=self.block_table,
+            slot_mapping=self.slot_mapping,
+            cascade_prefix_len=self.cascade_prefix_len,
+            num_decodes=self.num_decodes,
+        )
+
+
+_SCALARS = [f for f in dataclasses.fields(StepInputs) if f.metadata.get("scalar")]
+_ARRAYS = [f for f in dataclasses.fields(StepInputs) if "dtype" in f.metadata]
+
+# -- header: HEADER_WORDS int64, the tensor-parallel control message's payload -------------------
+STEP_ID, NUM_WORDS = 1, 2  # word OP (0) is the control message's op
+_SCALAR_BASE = 3
+_SHAPE_BASE = _SCALAR_BASE + len(_SCALARS)
+HEADER_WORDS = _SHAPE_BASE + 2 * len(_ARRAYS)
+assert HEADER_WORDS <= CONTROL_WORDS
+
+
+def _layout(header: np.ndarray) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int]:
+    """[(name, dtype, shape, word offset)] of the arrays present, and the payload's length in words."""
+    layout, offset = [], 0
+    for i, f in enumerate(_ARRAYS):
+        d0, d1 = (int(x) for x in header[_SHAPE_BASE + 2 * i : _SHAPE_BASE + 2 * i + 2])
+        if d0 < 0:
+            continue  # an optional array this step does not have
+        shape = (d0, d1) if f.metadata["ndim"] == 2 else (d0,)
+        dtype = f.metadata["dtype"]
+        offset += offset % 2  # every array 16-byte aligned, whatever the counts before it
+        layout.append((f.name, dtype, shape, offset))
+        count = math.prod(shape)
+        offset += count if dtype == _I64 else (count + 1) // 2
+    return layout, offset
+
+
+# -- the builder ---------------------------------------------------------------------------------
+
+
+def shared_prefix_len(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """Keys shared by every request of a decode batch: the leading block-table columns equal in
+    all rows (the prefix cache hands out the same physical blocks), strictly before each
+    request's last key. 0 when the batch is too small or the prefix too short to pay."""
+    num_reqs = block_table.shape[0]
+    if num_reqs < CASCADE_MIN_REQUESTS:
+        return 0
+    max_blocks = int((seq_lens.min() - 1) // block_size)
+    if max_blocks * block_size < CASCADE_MIN_PREFIX:
+        return 0
+    same = (block_table[:, :max_blocks] == block_table[:1, :max_blocks]).all(axis=0)
+    blocks = max_blocks if same.all() else int(np.argmin(same))
+    prefix = blocks * block_size
+    return prefix if prefix >= CASCADE_MIN_PREFIX else 0
+
+
+def num_leading_decodes(q_lens) -> int:
+    """How many requests at the front of a batch compute exactly one token (`q_lens`: [B] ints)."""
+    for i, n in enumerate(q_lens):
+        if n != 1:
+            return i
+    return len(q_lens)
+
+
+def choose_batch_kind(starts: np.ndarray, q_lens: np.ndarray) -> BatchKind:
+    """PREFILL when every request starts at position 0 (no cached prefix), DECODE when every
+    request has exactly one new token, MIXED otherwise."""
+    if not starts.any():
+        return BatchKind.PREFILL
+    if (q_lens == 1).all():
+        return BatchKind.DECODE
+    return BatchKind.MIXED
+
+
+def build_step_inputs(
+    token_ids: list[list[int]] | None,
+    starts: list[int],
+    q_lens: list[int],
+    rows: list[int] | np.ndarray,
+    samples: list[bool],
+    block_tables: np.ndarray,
+    block_size: int,
+    *,
+    store: bool = True,
+    cascade: bool = True,
+) -> StepInputs:
+    """The `StepInputs` (host arrays) of one scheduled step; a pure function of its arguments.
+
+    Request `i` computes tokens `token_ids[i][starts[i] : starts[i] + q_lens[i]]` (None: zeros,
+    for warm-up steps); its blocks are `block_tables[rows[i]]`, which holds exactly the
+    `ceil((starts[i] + q_lens[i]) / block_size)` blocks covering its tokens, then -1 (as the
+    block manager keeps it). `logits_indices` holds the last row of each request with
+    `samples[i]`, in batch order. `store=False`: every slot -1 (nothing is written: profiling and
+    warm-up passes). `cascade=False`: never plan a shared prefix. Vectorised with numpy: no
+    Python work per token, one list lookup per request.
+    """
+    num_reqs = len(q_lens)
+    q = np.asarray(q_lens, dtype=np.int64)
+    start = np.asarray(starts, dtype=np.int64)
+    seq_lens = start + q
+    cu = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(q, out=cu[1:])
+    num_tokens = int(cu[-1])
+
+    # -- input ids: only the tokens not computed yet --
+    if token_ids is None:
+        ids = np.zeros(num_tokens, dtype=np.int64)
+    elif num_tokens == num_reqs:  # decode-like: one token per request
+        ids = np.fromiter((t[s] for t, s in zip(token_ids, starts)), dtype=np.int64, count=num_reqs)
+    else:
+        ids = np.fromiter(
+            itertools.chain.from_iterable(t[s : s + n] for t, s, n in zip(token_ids, starts, q_lens)),
+            dtype=np.int64,
+            count=num_tokens,
+        )
+
+    # -- positions and slots: token k of request i sits at position starts[i] + k --
+    req_of_token = np.repeat(np.arange(num_reqs), q)
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start - cu[:-1], q)
+    num_blocks = (seq_lens + block_size - 1) // block_size
+    table = block_tables[np.asarray(rows, dtype=np.int64), : int(num_blocks.max())]
+    if store:
+        block_of_token = table[req_of_token, positions // block_size].astype(np.int64)
+        slots = block_of_token * block_size + positions % block_size
+    else:
+        slots = np.full(num_tokens, -1, dtype=np.int64)
+
+    logits_indices = cu[1:][np.asarray(samples, dtype=bool)] - 1
+    kind = choose_batch_kind(start, q)
+    prefix = shared_prefix_len(table, seq_lens, block_size) if cascade and kind is BatchKind.DECODE else 0
+    return StepInputs(
+        kind=kind,
+        num_reqs=num_reqs,
+        max_seqlen_q=int(q.max()),
+        max_seqlen_k=int(seq_lens.max()),
+        num_decodes=num_leading_decodes(q.tolist()) if kind is BatchKind.MIXED else 0,
+        graph_size=0,
+        input_ids=ids,
+        positions=positions,
+        slot_mapping=slots,
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=np.ascontiguousarray(table, dtype=np.int32),
+        cu_seqlens_q=cu.astype(np.int32),
+        logits_indices=logits_indices,
+        cascade_prefix_len=np.array([prefix], dtype=np.int32) if prefix else None,
+    )
