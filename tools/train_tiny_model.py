@@ -7,7 +7,8 @@ model.safetensors, a character-level tokenizer.json + tokenizer_config.json with
 template, generation_config.json), measures greedy exact-match accuracy on held-out problems
 with the saved 16-bit weights, and records it in `tilellm_demo.json` for `tilellm demo`.
 
-    python tools/train_tiny_model.py --device cpu --steps 3000 --threads 1     # ~10 min on a CPU core
+    python tools/train_tiny_model.py --device cpu --steps 4000 --batch-size 32 --lr 0.002  # the shipped
+    # model (tilellm/assets/tiny-arith/README.md has its exact command): ~5-25 min on one CPU core
     python tools/train_tiny_model.py --device cuda --steps 20000 --batch-size 512  # a few min on a GPU
 """
 
@@ -202,6 +203,20 @@ def greedy_accuracy(
 # --- training ------------------------------------------------------------------------------------
 
 
+def shared_prefix_logits(model, prefix_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Logits [B, L, V] of `x` [B, L] after `prefix_ids` [1, P]: the prefix runs once and its K/V are
+    shared by the batch (gradients flow through the shared cache), which cuts the work about 3x."""
+    from transformers import DynamicCache
+
+    # transformers renamed `past_key_values` to `cache`; an unknown keyword would be swallowed by
+    # **kwargs and the batch would silently train without the instruction.
+    name = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    cache = {name: DynamicCache(config=model.config)}
+    model.model(input_ids=prefix_ids, use_cache=True, **cache)
+    cache[name].batch_repeat_interleave(x.shape[0])
+    return model(input_ids=x, use_cache=True, **cache).logits
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -210,7 +225,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(args: argparse.Namespace) -> int:
-    from transformers import DynamicCache, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -249,9 +264,6 @@ def train(args: argparse.Namespace) -> int:
         if device == "cuda"
         else torch.autocast("cpu", enabled=False)
     )
-    # transformers renamed `past_key_values` to `cache`; an unknown keyword would be swallowed by
-    # **kwargs and the batch would silently train without the instruction.
-    cache_arg = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
     start = time.time()
     loss_avg = None
     for step in range(args.steps):
@@ -272,12 +284,7 @@ def train(args: argparse.Namespace) -> int:
         with_prefix = step >= args.curriculum * args.steps or step % 2 == 0
         with amp:
             if with_prefix:
-                # Every example starts with PREFIX: run it once and share its K/V across the batch
-                # (gradients flow through the shared cache), which cuts the work about 3x.
-                cache = {cache_arg: DynamicCache(config=model.config)}
-                model.model(input_ids=prefix_ids, use_cache=True, **cache)
-                cache[cache_arg].batch_repeat_interleave(x.shape[0])
-                logits = model(input_ids=x, use_cache=True, **cache).logits
+                logits = shared_prefix_logits(model, prefix_ids, x)
             else:
                 logits = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(

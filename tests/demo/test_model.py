@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tilellm.assets import default_model_path, demo_metadata
-from tilellm.demo.task import problems_for_model
+from tilellm.demo.task import conversations_for_model, problems_for_model
 
 MODEL = default_model_path()
 MAX_BYTES = 25 * 1024 * 1024
@@ -45,6 +45,12 @@ def test_tokenizer_loads_offline(monkeypatch):
     assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id is not None
     chat = tok.apply_chat_template([{"role": "user", "content": p.question}], tokenize=False)
     assert chat == p.prompt
+    # A conversation renders the way training saw it: the instruction once, then "a+b=sum<eos>" turns.
+    conv = conversations_for_model(demo_metadata(), 1, seed=3, min_turns=3, max_turns=3)[0]
+    text = tok.apply_chat_template(conv.messages, tokenize=False, add_generation_prompt=True)
+    assert text == conv.prompt and text.count(meta_prefix := demo_metadata()["prefix"]) == 1
+    assert text.startswith(meta_prefix) and text.count(tok.eos_token) == 2
+    assert tok.encode(text).count(tok.eos_token_id) == 2  # EOS is one token, not its spelling
 
 
 def _transformers_greedy(prompts: list[str], max_new: int) -> list[list[int]]:
@@ -94,3 +100,20 @@ def test_chat_through_the_engine(backend):
     )
     assert sum(q.is_correct(o.outputs[0].text) for q, o in zip(p, outs)) >= 2
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_multi_turn_conversations_answer_the_last_question():
+    """Greedy through `LLM.chat`, on held-out conversations of 2-4 turns: the last sum is exact."""
+    from tilellm import LLM, SamplingParams
+
+    meta = demo_metadata()
+    assert meta["multiturn_exact_match"] >= 0.95 and meta["multiturn_turns"] == [2, 4]
+    convs = conversations_for_model(meta, 200, seed=17)
+    assert {len(c.turns) for c in convs} == {2, 3, 4}
+    llm = LLM(
+        model=str(MODEL), device="cpu", num_kv_blocks=256, max_num_seqs=64, attention_backend="reference"
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    texts = [o.outputs[0].text for o in llm.chat([c.messages for c in convs], params, use_tqdm=False)]
+    wrong = [(c.prompt, t) for c, t in zip(convs, texts) if not c.is_correct(t)]
+    assert len(wrong) <= 0.05 * len(convs), wrong[:5]

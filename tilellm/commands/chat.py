@@ -123,8 +123,10 @@ def renderer(tokenizer) -> Callable[[list[dict]], list[int]]:
     return lambda messages: tokenizer.encode("".join(m["content"] for m in messages))
 
 
-def stream_reply(engine, request_id: str, prompt_ids: list[int], params, out=sys.stdout) -> str:
-    """Run one request on `engine`, writing its text as it grows; returns the full reply."""
+def stream_reply(engine, request_id: str, prompt_ids: list[int], params, out: TextIO | None = None) -> str:
+    """Run one request on `engine`, writing its text to `out` (stdout) as it grows; returns the full
+    reply."""
+    out = out if out is not None else sys.stdout
     engine.add_request(request_id, prompt_ids, params)
     shown = 0
     text = ""
@@ -170,14 +172,14 @@ def _confirm(question: str) -> bool:
 class ChatSession:
     """One conversation with `engine`: reads lines, runs commands, sends the rest to the model."""
 
-    def __init__(self, engine, params, system: str | None, out: TextIO = sys.stdout):
+    def __init__(self, engine, params, system: str | None, out: TextIO | None = None):
         self.engine = engine
         self.params = params
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages: list[dict] = list(self.system)
         self.render = renderer(engine.tokenizer)
         self.budget = engine.max_model_len - reply_room(params.max_tokens, engine.max_model_len)
-        self.out = out
+        self.out = out if out is not None else sys.stdout
         self.turn = 0
 
     def run(self) -> int:
