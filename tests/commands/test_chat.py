@@ -126,6 +126,7 @@ def test_reply_room_is_capped_by_the_context():
 
 def test_history_file_lives_in_the_cache_and_write_failures_are_quiet(monkeypatch, tmp_path):
     import readline
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = chat.history_path()
     assert path == tmp_path / "tilellm" / "chat_history"
