@@ -47,7 +47,7 @@ def test_invalid_requests_are_rejected_and_others_served(engine):
         engine.add_request("bool", [1, True, 2], GREEDY)
     with pytest.raises(ValueError, match="must be integers"):
         engine.add_request("float", [1, 2.5], GREEDY)
-    with pytest.raises(ValueError, match="list of token ids"):
+    with pytest.raises(ValueError, match="must be integers, got 'x'"):
         engine.add_request("junk", [1, "x"], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", "again", GREEDY)

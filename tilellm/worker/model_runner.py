@@ -376,6 +376,11 @@ class ModelRunner:
         if self.group is not None and not self.group.agree_min(int(bool(graphs.variants["cascade"]))):
             graphs.clear("cascade")  # likewise for the cascade variant
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over every layer of this rank, K and V."""
+        return self.kv_spec.block_bytes
+
     # Read-outs of the graphs (benchmarks, tests).
     @property
     def graphs(self) -> dict:
