@@ -56,19 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the architecture of the random-weight model (without --model): SPEC's Qwen3-0.6B, or "
         "Qwen3-8B for the tensor-parallel benchmark",
     )
-    p.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) per engine"
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=16384,
-        help="token budget per step (default 16384: vLLM's offline default on GPUs of >= 70 GiB; "
-        "`LLM`'s own default is 8192). A larger budget means fewer, larger mixed steps, whose eager "
-        "launch costs the host about as much as a small one",
+    from tilellm.engine.arg_utils import EngineArgs
+
+    # The engine's flags, from its one definition; this benchmark runs bf16 with vLLM's offline
+    # token budget for GPUs of >= 70 GiB (`LLM`'s own default is 8192: a larger budget means
+    # fewer, larger mixed steps, whose eager launch costs the host about as much as a small one).
+    EngineArgs.add_cli_args(
+        p.add_argument_group("engine"),
+        defaults={"dtype": "bfloat16", "max_num_batched_tokens": 16384},
+        exclude=("max_model_len", "enable_prefix_caching"),  # set per workload
     )
     p.add_argument(
         "--repeat",
@@ -77,10 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run E1 this many times on one engine (run k > 1 adds 2(k - 1) to every prompt token id: "
         "the same work, no prefix-cache hits; warm-ups use odd shifts); each run is reported",
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--dump-traceback-after",
         type=float,
@@ -88,7 +80,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="dump every thread's stack on every rank after SECONDS (where a run that hangs waits)",
     )
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
     p.add_argument(
         "--compare-fused",
         action="store_true",
@@ -189,21 +180,11 @@ def _model_dir(args: argparse.Namespace, tmp: str) -> tuple[str, str]:
 
 def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_len: int, **over):
     from tilellm import LLM
+    from tilellm.engine.arg_utils import EngineArgs
 
-    kwargs = dict(
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_kv_blocks=args.num_kv_blocks,
-        enforce_eager=args.enforce_eager,
-        attention_backend=args.attention_backend,
-        load_format=load_format,
-        skip_tokenizer_init=load_format == "dummy",
-        tensor_parallel_size=args.tensor_parallel_size,
+    kwargs = EngineArgs.from_cli_args(args)
+    kwargs.update(
+        max_model_len=max_model_len, load_format=load_format, skip_tokenizer_init=load_format == "dummy"
     )
     kwargs.update(over)
     # Timestamps on stdout: a run cut by a time limit still shows how far the engine got.

@@ -30,33 +30,22 @@ class ModelNotFound(UsageError):
     """--model names no usable model directory, or none is given and the embedded one is missing."""
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
-    """Add the flags that configure `LLM(...)` / the engine.
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, *, model_positional: bool = False, defaults: dict[str, Any] | None = None
+) -> None:
+    """Add `--model` and the flags that configure `LLM(...)` / the engine (generated from
+    `tilellm.config.EngineConfig` by `EngineArgs.add_cli_args`: each default is written once).
 
     `model_positional`: the model also as an optional positional argument (`tilellm serve DIR`, as
     `vllm serve`), stored as `model_positional`; `merge_model_arguments` reconciles the two.
+    `defaults`: this command's own defaults for some settings (the help shows both).
     """
+    from tilellm.engine.arg_utils import EngineArgs
+
     if model_positional:
         parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
     parser.add_argument("--model", default=None, metavar="DIR", help=_MODEL_HELP)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size (blocks)")
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share cached prefix blocks",
-    )
-    parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"])
-    parser.add_argument("--seed", type=int, default=0)
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"), defaults=defaults)
 
 
 def merge_model_arguments(args: argparse.Namespace) -> str | None:
@@ -74,21 +63,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     Checks them first: a bad value or `--device cuda` without a GPU raises UsageError naming the flag.
     """
-    kwargs = dict(
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-    )
+    from tilellm.engine.arg_utils import EngineArgs
+
+    kwargs = EngineArgs.from_cli_args(args)
     check_device(args.device)
     import dataclasses
 

@@ -38,18 +38,24 @@ class EngineArgs:
     """The engine's command-line flags (see the module docstring)."""
 
     @staticmethod
-    def cli_fields() -> list[dataclasses.Field]:
+    def cli_fields(exclude: tuple[str, ...] = ()) -> list[dataclasses.Field]:
         """The settings the command line exposes, in `EngineConfig`'s order."""
-        return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli")]
+        return [
+            f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli") and f.name not in exclude
+        ]
 
     @staticmethod
     def add_cli_args(
-        parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, defaults: dict[str, Any] | None = None
+        parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+        *,
+        defaults: dict[str, Any] | None = None,
+        exclude: tuple[str, ...] = (),
     ) -> None:
         """Add one flag per CLI setting. `defaults` overrides a default for this command only
-        (`tilellm bench throughput` plans for a larger token budget), and the help says so."""
+        (`tilellm bench throughput` plans for a larger token budget), and the help says so;
+        `exclude` leaves out settings the command sets itself."""
         defaults = defaults or {}
-        for f in EngineArgs.cli_fields():
+        for f in EngineArgs.cli_fields(exclude):
             default = defaults.get(f.name, f.default)
             help_text = f.metadata["help"]
             if f.name in defaults:
@@ -74,4 +80,4 @@ class EngineArgs:
     @staticmethod
     def from_cli_args(args: argparse.Namespace) -> dict[str, Any]:
         """The keyword arguments of `LLM(...)` / `LLMEngine(...)` from parsed flags (not `model`)."""
-        return {f.name: getattr(args, f.name) for f in EngineArgs.cli_fields()}
+        return {f.name: getattr(args, f.name) for f in EngineArgs.cli_fields() if hasattr(args, f.name)}
