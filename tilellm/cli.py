@@ -27,9 +27,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernels": (
         "tilellm.bench.kernels",
-        "Time attention kernels on SPEC workloads P1-P3, D1-D4, V1, C1, S1.",
+        "Time attention kernels on workloads P1-P3, D1-D4, V1, C1, S1.",
     ),
-    "throughput": ("tilellm.bench.throughput", "Offline engine throughput on SPEC workloads E1-E3."),
+    "throughput": ("tilellm.bench.throughput", "Offline engine throughput on workloads E1-E3."),
     "serve": ("tilellm.bench.serve", "Drive a running server with a request rate and report latencies."),
 }
 

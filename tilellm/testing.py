@@ -245,7 +245,7 @@ def make_random_model_dir(path: str | pathlib.Path, config_dict: dict) -> pathli
     return path
 
 
-# Qwen3-0.6B's architecture (SPEC section 5), for benchmarks with random weights.
+# Qwen3-0.6B's architecture (E1-E3 in docs/workloads.md), for benchmarks with random weights.
 QWEN3_0_6B_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -269,7 +269,7 @@ QWEN3_0_6B_CONFIG = {
 }
 
 
-# Qwen3-8B's architecture (issue 6's tensor-parallel benchmark), for random weights: untied
+# Qwen3-8B's architecture (the tensor-parallel benchmark), for random weights: untied
 # embeddings, 36 layers, 32 query / 8 KV heads of 128, 8.2 B parameters (16.4 GB in bf16).
 QWEN3_8B_CONFIG = {
     **QWEN3_0_6B_CONFIG,

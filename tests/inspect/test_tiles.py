@@ -323,7 +323,7 @@ def test_longer_context_never_gets_fewer_segments():
 
 def test_verification_batch_that_fills_one_wave_is_not_split():
     """V1 (32 requests x 6 new tokens over 8192 keys, 32-row tiles): its 256 programs are almost
-    two waves on 132 SMs; measured on an H200, 1 segment beat 2 and 5 (RESULTS.md)."""
+    two waves on 132 SMs; measured on an H200, 1 segment beat 2 and 5."""
     # (The GPU's verification tile; the interpreter's tiles are smaller, so the rule is called directly.)
     plan = schedule.choose_num_splits(32, 8, 1, None, max_seqlen_k=8198, num_sms=132, rows_per_program=32)
     assert plan.num_splits == 1, plan.reason

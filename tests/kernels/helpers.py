@@ -15,7 +15,7 @@ import torch
 
 
 def tolerance(dtype: torch.dtype, device: str) -> float:
-    """SPEC section 2: max abs error relative to the output scale."""
+    """The kernels' contract: max abs error relative to the output scale."""
     if dtype == torch.float32:
         return 2e-3 if device == "cuda" else 1e-4
     return 2e-2

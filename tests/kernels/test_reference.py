@@ -1,7 +1,7 @@
 """The PyTorch references against naive float64 attention written token by token.
 
 The naive versions here share no code with `tilellm.kernels.reference`: they walk each token,
-compute each slot from the block table by the SPEC formula on a flattened cache, and take the
+compute each slot from the block table by the slot formula on a flattened cache, and take the
 softmax in float64. The references run on CPU only (they are the oracle for the kernels and the
 engine's CPU backend), so bf16 is tested here too.
 """

@@ -1,6 +1,6 @@
-"""Benchmark the attention kernels on SPEC section 5's workloads, beside torch SDPA (cuDNN, flash).
+"""Benchmark the attention kernels on the workloads of docs/workloads.md, beside torch SDPA (cuDNN, flash).
 
-Each workload is one attention layer (bf16, Hq=32, Hkv=8, D=128, page 16) built from the SPEC's
+Each workload is one attention layer (bf16, Hq=32, Hkv=8, D=128, page 16) built from docs/workloads.md's
 seeded lengths. Output: a table with TFLOP/s (prefill) or effective GB/s (decode/verify), the
 floor of each workload from the ceilings measured in the same run, and the peers; `--json FILE`
 writes everything. Every timed tilellm kernel is first checked against torch SDPA in fp32.
@@ -439,7 +439,7 @@ def bench_paged(
 
 
 def bench_cascade(rows, ceilings, dtype, *, graph: bool = False):
-    """X1 (not in SPEC; E2's decode): 256 requests sharing a 2048-key cached prefix, + 128..256 own keys."""
+    """X1 (E2's decode): 256 requests sharing a 2048-key cached prefix, + 128..256 own keys."""
     import tilellm.kernels as tk
 
     B, P = 256, 2048
@@ -622,12 +622,12 @@ def main(args: argparse.Namespace) -> int:
         )
     if "P1P" in want:
         # P1's prompts through the paged kernel (all tokens new, K/V read through a permuted block
-        # table): the paged family's own P1, the other reading of SPEC's "C1 >= 90% of the same
+        # table): the paged family's own P1, the other reading of "C1 >= 90% of the same
         # kernel family's P1".
         p1 = prefill["P1"]
         _guard("P1P", rows, bench_paged, "P1P", p1, p1, dtype, rows, ceilings, decode=False, sweep=False,
                peers=False)  # fmt: skip
-    # SPEC's C1 target, ">= 90% of P1": against the prefill kernel's P1, and P1 through the paged kernel
+    # C1's target, ">= 90% of P1": against the prefill kernel's P1, and P1 through the paged kernel
     first = {n: next((r for r in rows if r.name == n and r.variant.startswith("tilellm") and r.tflops), None)
              for n in ("C1", "P1", "P1P")}  # fmt: skip
     if first["C1"] and first["P1P"]:

@@ -1,6 +1,6 @@
 """Drive a running server with a request rate and report latencies.
 
-Workload (E1, SPEC section 5, with the defaults): `random.seed(seed)`; first every prompt,
+Workload (E1 of docs/workloads.md, with the defaults): `random.seed(seed)`; first every prompt,
 `randint(100, 1024)` random token ids each in `[0, --token-id-max]` (length drawn before its
 tokens); then every `max_tokens`, `randint(100, 1024)`. `--input-len` / `--output-len` fix the
 lengths instead; `--scale` shrinks lengths and count as `tilellm bench throughput --scale` does

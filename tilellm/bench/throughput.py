@@ -1,4 +1,4 @@
-"""Offline engine throughput on SPEC section 5's end-to-end workloads E1, E2 and E3.
+"""Offline engine throughput on the end-to-end workloads E1, E2 and E3 (docs/workloads.md).
 
 Model: Qwen3-0.6B's architecture with random weights (`load_format="dummy"`, bf16), unless
 `--model DIR` names a real directory. Every request ignores EOS. Per workload: output tok/s,
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model-shape",
         default="qwen3-0.6b",
         choices=MODEL_SHAPES,
-        help="the architecture of the random-weight model (without --model): SPEC's Qwen3-0.6B, or "
+        help="the architecture of the random-weight model (without --model): E1's Qwen3-0.6B, or "
         "Qwen3-8B for the tensor-parallel benchmark",
     )
     from tilellm.engine.arg_utils import EngineArgs
@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--scale",
         type=float,
         default=None,
-        help="shrink lengths and counts (a short run: 0.02); 1 = SPEC (the default on a GPU)",
+        help="shrink lengths and counts (a short run: 0.02); 1 = the workloads as defined (GPU default)",
     )
 
 
@@ -436,19 +436,19 @@ SHORT_RUN = "--scale 0.02 --workloads E1"
 
 
 def _check_scale(args: argparse.Namespace) -> None:
-    """Full size (`--scale` left out) only on a GPU: on the CPU the SPEC run takes hours, so say so
+    """Full size (`--scale` left out) only on a GPU: on the CPU the full run takes hours, so say so
     before any work and name the short run; an explicit `--scale` runs anywhere."""
     device = resolve_device(args.device)
     if device != "cpu":
         args.scale = 1.0 if args.scale is None else args.scale
     elif args.scale is None:
         raise UsageError(
-            "this is a GPU benchmark (SPEC's E1-E3 on a random Qwen3-0.6B) and no GPU is in use: on "
+            "this is a GPU benchmark (E1-E3 on a random Qwen3-0.6B) and no GPU is in use: on "
             f"the CPU it runs for hours.\nA short run: tilellm bench throughput {SHORT_RUN} "
             "(or --scale 1: all of it)"
         )
     else:
-        print(f"# on the CPU at --scale {args.scale:g}: a smoke run, not SPEC's numbers", flush=True)
+        print(f"# on the CPU at --scale {args.scale:g}: a smoke run, not the workloads' figures", flush=True)
     if not args.scale > 0:
         raise UsageError(f"--scale must be > 0, got {args.scale:g}")
 

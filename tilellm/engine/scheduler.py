@@ -195,7 +195,7 @@ def _order_for_kernels(out: SchedulerOutput) -> None:
     one-token rows would leave most of each tile's matrix work empty. The decode kernel's
     programs start in request order, so longest first is longest-processing-time-first
     scheduling: the grid's last wave holds short programs, not a long straggler (E1's decode
-    step: 3767 -> 3935 GB/s, benchmarks/RESULTS.md). Ties keep their order (stable sort).
+    step on an H200: 3767 -> 3935 GB/s). Ties keep their order (stable sort).
     """
     q = np.asarray(out.num_new_tokens, dtype=np.int64)
     if len(q) < 2:

@@ -1,4 +1,4 @@
-"""Attention kernels in Triton (SPEC section 2). Each has a PyTorch twin in `tilellm.kernels.reference`.
+"""Attention kernels in Triton and Gluon. Each has a PyTorch twin in `tilellm.kernels.reference`.
 
 - `store_kvcache`: this step's K/V into their slots of the paged cache (slot -1 = skip).
 - `prefill_attention`: packed varlen causal prefill over this step's contiguous K/V.

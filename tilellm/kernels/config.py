@@ -1,7 +1,7 @@
 """Tile shapes and launch settings shared by the kernels and their schedule report.
 
-One table per kernel family, chosen per head dim (and measured on an H200: see
-benchmarks/RESULTS.md). Keeping them here means `tilellm.kernels.schedule` describes exactly
+One table per kernel family, chosen per head dim from sweeps on an H200 (`tilellm bench kernels
+--sweep`). Keeping them here means the planner and the inspector's tile report describe exactly
 the tiles the kernels visit.
 """
 
@@ -50,11 +50,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30) -> TileConfig:
-    """Tiles for `prefill_attention`, from H200 sweeps (benchmarks/RESULTS.md).
+    """Tiles for `prefill_attention`, from H200 sweeps (`tilellm bench kernels --sweep`).
 
     Head dims 65-128 in half precision: 128x64 tiles, 4 warps, 2 stages. One program then
     needs little enough shared memory and registers for two to share an SM, and one's softmax
-    runs while the other's matmuls do (fourth session: P1 456 vs 424 TFLOP/s for 128x128 tiles of
+    runs while the other's matmuls do (P1 456 vs 424 TFLOP/s for 128x128 tiles of
     8 warps and 3 stages, one program per SM; the same pick as the Triton tutorial's autotuner).
     Batches of short requests (<= 1024 tokens): 64x64 tiles, so fewer rows of each request's last
     query tile are wasted (P3 284 vs 277 TFLOP/s). Longer batches on an H100/H200 with D = 128:
@@ -73,7 +73,7 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30)
     if max_seqlen <= 1024:
         return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     if head_dim == 128 and gluon_ok():
-        # sixth session, run 33: P1 480 / P2 607 TFLOP/s against 455 / 536 for the Triton kernel
+        # H200: P1 480 / P2 607 TFLOP/s against 455 / 536 for the Triton kernel
         # (and cuDNN's 457 / 595); for P3's short requests the Triton kernel stays ahead (283 vs 243)
         return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, kernel="gluon")
     if head_dim <= 64:
@@ -105,7 +105,7 @@ def paged_uses_gluon(
     num_sms_: int | None = None,
 ) -> bool:
     """Whether `paged_attention` runs the Gluon kernel of `hopper.py` (prompt chunks over a
-    cached prefix; sixth session, runs 34-35: C1 557-618 TFLOP/s against 347 for the Triton
+    cached prefix; on an H200 C1 557-618 TFLOP/s against 347 for the Triton
     kernel, and 515 vs 272 for 32 chunks of 128 tokens over 2048 cached).
 
     On an H100/H200, for D = 128 in half precision, pages that tile a 128-key slot
@@ -142,14 +142,14 @@ def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: in
     elif interpreting():
         rows, block_n, warps, stages = 16, 16, 4, 1
     elif max_seqlen_q * group <= 16:
-        # Decode: 2 warps per 16-row tile (E1D sweep, RESULTS.md run 8: 18% over 4 warps).
+        # Decode: 2 warps per 16-row tile (E1D sweep: 18% over 4 warps).
         rows, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 2, 3
     elif max_seqlen_q * group <= 64:
-        # Verification-sized tiles: 128-key tiles (V1 sweep, RESULTS.md run 18: 3657 vs 3089 GB/s).
+        # Verification-sized tiles: 128-key tiles (V1 sweep: 3657 vs 3089 GB/s).
         rows, block_n, warps, stages = 64, 128 if head_dim <= 128 else 32, 4, 3
     else:
-        # Chunks: 128 rows of 4 warps, 64-key tiles three deep (C1, fifth session, runs 25/26/28:
-        # 359 TFLOP/s on average; 352 for 32-key tiles four deep, 360 for 256-row tiles of 8
+        # Chunks: 128 rows of 4 warps, 64-key tiles three deep (C1 over three
+        # measurements: 359 TFLOP/s on average; 352 for 32-key tiles four deep, 360 for 256-row tiles of 8
         # warps, which waste twice the rows on a short chunk's last tile; ~300 for 128-key tiles
         # of 8 warps). It needs 128 KB of shared memory: GPUs with less (~99 KB on sm_86/89)
         # get the 32-key tile (96 KB).

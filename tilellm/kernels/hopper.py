@@ -44,7 +44,7 @@ reach valid rows. The engine's pool starts zeroed and only ever holds stored K/V
 masks these loads instead.
 
 GQA: a query head reads its KV head (`head // group`); heads of one group launch next to each
-other, so their K/V tiles come from L2. On an H200 (runs 33-34, `benchmarks/hopper_kernels.py`):
+other, so their K/V tiles come from L2. On an H200 (`tilellm bench kernels`):
 P2 607-611 TFLOP/s vs 527-536 for `prefill.py` and 581-595 for cuDNN; P1 480-482 vs 455 and
 445-457; C1 618 vs 347 for `paged.py`. Without ping-pong P2 varied from 529 to 622 between runs;
 an earlier lockstep version (one CTA barrier per tile, no producer warp) reached 508.

@@ -16,7 +16,7 @@ reaches memory. A query head reads its KV head (`head // group`) directly: GQA n
 Launch order: query tiles fastest, longest-first (the last tiles, with the most keys under the
 diagonal, start first), then heads (the heads of one KV group are neighbours), then requests. The
 programs running at any moment then read the K/V of one or a few heads, which stays in L2
-(H200, fourth session: P1 466 TFLOP/s in this order, 420 with heads fastest).
+(H200: P1 466 TFLOP/s in this order, 420 with heads fastest).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tilellm.kernels.config import (
 )
 from tilellm.kernels.config import num_sms as device_num_sms
 
-MIN_KEYS_PER_SPLIT = 1024  # shorter segments cost more in per-program work than they spread (E1D, RESULTS.md)
+MIN_KEYS_PER_SPLIT = 1024  # shorter segments cost more in per-program work than they spread (E1D)
 # No split below this many keys in the batch's longest context (two segments of the minimum).
 MIN_CONTEXT_TO_SPLIT = 2 * MIN_KEYS_PER_SPLIT
 MAX_SPLITS = 64
@@ -33,13 +33,13 @@ PROGRAMS_PER_SM = 16
 DECODE_ROWS = 16
 # Larger tiles (verification, chunks, the cascade prefix pass) do that many times the work per key
 # and stream 128-key tiles: about 1.5 waves of them fill the GPU, and every extra segment costs a
-# partial write and the merge. Measured on an H200 (RESULTS.md, fourth session): V1 (256 programs of
+# partial write and the merge. Measured on an H200: V1 (256 programs of
 # 32 rows) 1 segment 4066 GB/s, 2: 3872, 5: 3704; C1 1 segment 311, 2: 254 TFLOP/s; X1's prefix
 # pass 4 segments 126 us, 7: 136, 16: 205.
 LARGE_TILE_PROGRAMS_PER_SM = 1.5
 # No split when the unsplit programs already reach this share of the target (FlashAttention-2
 # uses 0.8 too): D1's 2048 decode programs against a target of 2112 ran 4319 GB/s unsplit and
-# 4142 in 2 segments (fourth session).
+# 4142 in 2 segments.
 FILL_SHARE = 0.8
 
 
@@ -145,7 +145,7 @@ def choose_num_splits(
 def query_tiles_first(q_tiles: int) -> bool:
     """Launch order of `paged_attention`: with several query tiles per request the tiles (x
     splits) run fastest, so a request's tiles run side by side and share its K/V in L2 (C1:
-    +2.5-19% over KV heads fastest, RESULTS.md run 25)."""
+    +2.5-19% over KV heads fastest on an H200)."""
     return q_tiles > 1
 
 

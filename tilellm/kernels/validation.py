@@ -1,4 +1,4 @@
-"""Input checks shared by the Triton kernels and their PyTorch twins (SPEC sections 1 and 2).
+"""Input checks shared by the Triton kernels and their PyTorch twins.
 
 Every check raises `ValueError` whose message starts with the public function's name and says
 which argument is wrong and how. Two levels:
@@ -9,7 +9,7 @@ which argument is wrong and how. Two levels:
   `block_table`, `slot_mapping`, `topk_indices`), which costs a device-to-host copy, so they run
   on CPU tensors and, on the GPU, only when `TILELLM_DEBUG=1`.
 
-Layouts (SPEC section 1):
+Layouts (docs/workloads.md uses the same):
     q: [T, Hq, D]        k, v: [T, Hkv, D]        k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     cu_seqlens: [B+1] int32    seq_lens: [B] int32    block_table: [B, max_blocks] int32
     slot_mapping: [T] int32/int64 (-1 = skip)      topk_indices: [T, K] int32 (-1 = empty)
