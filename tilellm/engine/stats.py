@@ -7,17 +7,21 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EngineStats:
-    """Engine state after the last step. Counts of sequences (samples), blocks and tokens."""
+    """Engine state after the last step. Counts of sequences (samples), blocks and tokens.
 
-    num_running: int
-    num_waiting: int
-    num_kv_blocks_total: int
-    num_kv_blocks_used: int
-    prefix_cache_queries: int  # tokens looked up in the prefix cache at admission
-    prefix_cache_hits: int  # of which found
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
+    The one record of these counts: the engine fills it (`LLMEngine.get_stats`), the server
+    publishes it to its metrics, test engines build one; all zero before the first step.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
 
 
 @dataclass
