@@ -20,6 +20,7 @@ from tests.server.conftest import (
 from tests.server.helpers import ServerThread
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
+LONG_TEXT = "hi " * 300  # more tokens than MAX_MODEL_LEN
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
@@ -58,7 +59,8 @@ def _metric(text: str, name: str) -> float:
         ("/v1/completions", {**COMPLETION, "prompt": [1, 10**6]}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": [1, -2]}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": [1] * MAX_MODEL_LEN}, "prompt"),
-        ("/v1/completions", {**COMPLETION, "prompt": [1] * 10, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "stop_token_ids": [10**6]}, "stop_token_ids"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG_TEXT}]}, "messages"),
         ("/v1/completions", {**COMPLETION, "seed": 2**70}, "seed"),
         ("/v1/completions", {**COMPLETION, "prompt": "ab\ud800"}, "prompt"),
         ("/v1/completions", {**COMPLETION, "stop": ["\udfff"]}, "stop"),

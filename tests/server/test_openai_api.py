@@ -17,10 +17,11 @@ def _chat_prompt_len(tokenizer, messages) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_models_list(client):
+def test_models_list(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].max_model_len == MAX_MODEL_LEN
+    assert models.data[0].vocab_size == server.engine.vocab_size  # bench serve draws prompt ids below it
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
 
 

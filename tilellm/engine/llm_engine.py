@@ -172,8 +172,9 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
     ) -> None:
-        """Queue a request. ValueError (nothing allocated, the engine unaffected) when the prompt is
-        empty, longer than max_model_len, has token ids outside the vocabulary, or the id is taken."""
+        """Queue a request. ValueError (nothing allocated, the engine unaffected) when the prompt has
+        token ids outside the vocabulary, the id is taken, or `SamplingParams.check_request` refuses
+        it (an empty prompt, one not shorter than max_model_len, a stop token outside the vocabulary)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -183,13 +184,8 @@ class LLMEngine:
             if request_id in self.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             text, ids = self._tokenize(prompt)
-            if not ids:
-                raise ValueError(f"request {request_id!r}: the prompt is empty")
-            if len(ids) > self.max_model_len:
-                raise ValueError(
-                    f"request {request_id!r}: the prompt ({len(ids)} tokens) is longer than "
-                    f"max_model_len ({self.max_model_len})"
-                )
+            # The rule the server applies too, before admission: one message for both.
+            params.check_request(len(ids), self.max_model_len, self.vocab_size)
             base = self._rng.getrandbits(64) if params.seed is None else params.seed & _MASK64
             seeds = [_sample_seed(base, i) for i in range(params.n)]
             if self.config.enable_prefix_caching:

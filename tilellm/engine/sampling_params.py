@@ -7,6 +7,7 @@ from dataclasses import dataclass
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow the logits.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 128  # samples per prompt (OpenAI's limit on `n`)
 # Stop strings are matched against every new token's text: bounded so that one request cannot
 # make every step slow (OpenAI allows 4; vLLM sets no bound).
 MAX_STOP_STRINGS = 64
@@ -62,8 +63,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if not _is_number(self.temperature) or not self.temperature >= 0 or self.temperature == float("inf"):
             raise bad("temperature", "must be a finite number >= 0")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -107,6 +108,32 @@ class SamplingParams:
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "must be a bool")
+
+    def check_request(self, num_prompt_tokens: int, max_model_len: int, vocab_size: int) -> int:
+        """The one rule for a request of a `num_prompt_tokens`-token prompt with these settings,
+        offline (`LLMEngine.add_request`) and in the server (before admission); returns how many
+        tokens it may generate at most.
+
+        The prompt must be non-empty and shorter than `max_model_len` (a prompt of exactly
+        max_model_len tokens leaves no room for one output token); `max_tokens` larger than the
+        room left is cut to it (generation then ends with finish_reason "length");
+        `stop_token_ids` must lie in [0, vocab_size). ValueError naming the field otherwise.
+        """
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= max_model_len:
+            how = "longer than" if num_prompt_tokens > max_model_len else "as long as"
+            raise ValueError(
+                f"the prompt ({num_prompt_tokens} tokens) is {how} max_model_len ({max_model_len}); "
+                "it must be shorter, to leave room for at least one output token: shorten the prompt"
+            )
+        bad = next((t for t in self.stop_token_ids or () if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})"
+            )
+        room = max_model_len - num_prompt_tokens
+        return room if self.max_tokens is None else min(self.max_tokens, room)
 
     @property
     def is_greedy(self) -> bool:

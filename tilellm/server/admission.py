@@ -47,9 +47,10 @@ class AdmissionLimits:
     engine_seqs: int = 512
 
 
-def request_cost(prompt_lens: list[int], n: int, max_tokens: int) -> tuple[int, int]:
-    """(sequences, tokens) of a request: prompts x n sequences, each prompt + max_tokens tokens."""
-    return len(prompt_lens) * n, sum(p + max_tokens for p in prompt_lens) * n
+def request_cost(prompt_lens: list[int], n: int, max_tokens: list[int]) -> tuple[int, int]:
+    """(sequences, tokens) of a request: prompts x n sequences, each prompt + its max_tokens tokens
+    (`max_tokens[i]`: what prompt i may generate, `SamplingParams.check_request`'s answer)."""
+    return len(prompt_lens) * n, sum(p + m for p, m in zip(prompt_lens, max_tokens)) * n
 
 
 @dataclass(eq=False)  # identity: tickets live in sets
@@ -60,8 +61,7 @@ class Ticket:
     n: int
     seqs: int
     tokens: int
-    max_tokens: int
-    pending: deque[tuple[int, EngineRequest]] = field(default_factory=deque)  # (tag, request)
+    pending: deque[tuple[int, EngineRequest, int]] = field(default_factory=deque)  # (tag, request, tokens)
     live: dict[int, list] = field(default_factory=dict)  # tag -> [request id, unfinished sequences]
     pending_tokens: int = 0
     closed: bool = False
@@ -93,11 +93,13 @@ class FairFeeder:
 
     # ---- admission ----
 
-    def admit(self, requests: list[EngineRequest], queue: asyncio.Queue, max_tokens: int) -> Ticket:
-        """Queue `requests` (tags 0..k-1, one `SamplingParams`); APIError 400 / 429 / 503 when not."""
+    def admit(self, requests: list[EngineRequest], queue: asyncio.Queue, max_tokens: list[int]) -> Ticket:
+        """Queue `requests` (tags 0..k-1, one `SamplingParams`; request i may generate
+        `max_tokens[i]` tokens); APIError 400 / 429 / 503 when not."""
         lim = self.limits
         n = requests[0].params.n
-        seqs, tokens = request_cost([len(r.prompt_token_ids) for r in requests], n, max_tokens)
+        prompt_lens = [len(r.prompt_token_ids) for r in requests]
+        seqs, tokens = request_cost(prompt_lens, n, max_tokens)
         max_seqs = min(lim.max_request_seqs, lim.max_waiting)
         if seqs > max_seqs:
             raise APIError.invalid(
@@ -124,7 +126,9 @@ class FairFeeder:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        ticket = Ticket(queue, n, seqs, tokens, max_tokens, deque(enumerate(requests)))
+        costs = [(p + m) * n for p, m in zip(prompt_lens, max_tokens)]  # each engine request's tokens
+        pending = deque((tag, req, cost) for tag, (req, cost) in enumerate(zip(requests, costs)))
+        ticket = Ticket(queue, n, seqs, tokens, pending)
         ticket.pending_tokens = tokens
         self.pending_seqs += seqs
         self.pending_tokens += tokens
@@ -147,7 +151,7 @@ class FairFeeder:
         their engine requests are aborted. Returns how many HTTP requests were failed."""
         tickets = list(self._tickets)
         for t in tickets:
-            tags = [tag for tag, _ in t.pending] + list(t.live)
+            tags = [tag for tag, _, _ in t.pending] + list(t.live)
             ids = [rid for rid, _ in t.live.values()]
             self._close(t)
             self.engine.abort(ids)
@@ -171,8 +175,8 @@ class FairFeeder:
             if self.engine_seqs and self.engine_seqs + ticket.n > budget:
                 return
             self._turns.rotate(-1)  # its next engine request waits for everyone else's turn
-            tag, req = ticket.pending.popleft()
-            self._feed(ticket, tag, req, (len(req.prompt_token_ids) + ticket.max_tokens) * ticket.n)
+            tag, req, tokens = ticket.pending.popleft()
+            self._feed(ticket, tag, req, tokens)
 
     def _feed(self, ticket: Ticket, tag: int, req: EngineRequest, tokens: int) -> None:
         ticket.pending_tokens -= tokens

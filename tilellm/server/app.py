@@ -212,6 +212,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
             "owned_by": "tilellm",
             "root": config.model_root or config.served_model_name,
             "max_model_len": serving.max_model_len,
+            "vocab_size": serving.vocab_size,
         }
         return {"object": "list", "data": [card]}
 

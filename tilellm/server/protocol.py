@@ -13,12 +13,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tilellm.engine.sampling_params import MAX_LOGPROBS, MAX_N
 from tilellm.server.errors import APIError
 
-# Bounds that keep a single request from asking the engine for something absurd; the engine's
-# SamplingParams checks the finer ranges (temperature >= 0, 0 < top_p <= 1, ...).
-MAX_N = 128  # OpenAI's own limit on `n`
-MAX_LOGPROBS = 20  # OpenAI's limit on `top_logprobs`
+# Bounds that keep a single request from asking the engine for something absurd (`n` and
+# `logprobs` are the engine's own limits); the engine's SamplingParams checks the finer ranges
+# (temperature >= 0, 0 < top_p <= 1, ...).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 TokenIds = list[Annotated[int, Field(ge=0)]]

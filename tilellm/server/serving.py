@@ -212,27 +212,13 @@ class OpenAIServing:
                 f"{param}: contains a lone UTF-16 surrogate (invalid Unicode)", param
             ) from None
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
-        if prompt_len == 0:
-            raise APIError.invalid(f"{prompt_param}: the prompt is empty", prompt_param)
-        if prompt_len >= self.max_model_len:
-            raise APIError.invalid(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has {prompt_len} tokens. Please reduce the length of the {prompt_param}.",
-                prompt_param,
-            )
-        if requested is None:
-            return self.max_model_len - prompt_len
-        if requested < 1:
-            raise APIError.invalid(f"{param} must be at least 1, got {requested}", param)
-        if prompt_len + requested > self.max_model_len:
-            raise APIError.invalid(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, {requested} for the "
-                f"completion). Please reduce the length of the {prompt_param} or of {param}.",
-                param,
-            )
-        return requested
+    def _check_request(self, params: Any, prompts: list[list[int]], renames: dict[str, str]) -> list[int]:
+        """The engine's own rule (`SamplingParams.check_request`, the offline API's too) for every
+        prompt, as a 400; returns what each prompt may generate (max_tokens cut to its room)."""
+        try:
+            return [params.check_request(len(ids), self.max_model_len, self.vocab_size) for ids in prompts]
+        except ValueError as exc:
+            raise _engine_value_error(exc, renames) from None
 
     def _sampling_params(
         self, req: Any, max_tokens: int, logprobs: int | None, renames: dict[str, str]
@@ -257,8 +243,6 @@ class OpenAIServing:
             logprobs=logprobs,
         )
         kwargs.update({k: v for k, v in optional.items() if v is not None})
-        if req.stop_token_ids:
-            self._check_token_ids(req.stop_token_ids, "stop_token_ids")
         if optional["stop"]:
             self._need_tokenizer("stop", "a stop string")
         for text in optional["stop"] or []:
@@ -268,11 +252,13 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             raise _engine_value_error(exc, renames) from None
 
-    def _submit(self, base_id: str, prompts: list[list[int]], params: Any) -> tuple[asyncio.Queue, Ticket]:
+    def _submit(
+        self, base_id: str, prompts: list[list[int]], params: Any, max_tokens: list[int]
+    ) -> tuple[asyncio.Queue, Ticket]:
         """Admit the request (400 / 429 / 503 when not); the feeder hands its prompts to the engine."""
         queue: asyncio.Queue = asyncio.Queue()
         reqs = [EngineRequest(f"{base_id}-{t}", ids, params) for t, ids in enumerate(prompts)]
-        return queue, self.feeder.admit(reqs, queue, params.max_tokens)
+        return queue, self.feeder.admit(reqs, queue, max_tokens)
 
     async def _collect(
         self, queue: asyncio.Queue, num_prompts: int, ticket: Ticket, raw: Request
@@ -359,12 +345,10 @@ class OpenAIServing:
         if req.echo:
             self._need_tokenizer("echo", "echo")
         prompts = await self._off_loop(self._completion_prompts, req)
-        max_tokens = min(
-            self._max_tokens(req.max_tokens, len(ids), "max_tokens", "prompt") for ids in prompts
-        )
-        params = self._sampling_params(req, max_tokens, req.logprobs, {})
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, {})
+        max_tokens = self._check_request(params, prompts, {})
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        queue, ticket = self._submit(base_id, prompts, params)
+        queue, ticket = self._submit(base_id, prompts, params, max_tokens)
         created = int(time.time())
         echo = [""] * len(prompts)
         if req.echo:
@@ -544,12 +528,12 @@ class OpenAIServing:
         prompt = await self._off_loop(self._chat_prompt, req)
         mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._max_tokens(requested, len(prompt), mt_param, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        renames = {"max_tokens": mt_param, "logprobs": "top_logprobs"}
-        params = self._sampling_params(req, max_tokens, top, renames)
+        renames = {"max_tokens": mt_param, "logprobs": "top_logprobs", "prompt": "messages"}
+        params = self._sampling_params(req, requested, top, renames)
+        max_tokens = self._check_request(params, [prompt], renames)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        queue, ticket = self._submit(base_id, [prompt], params)
+        queue, ticket = self._submit(base_id, [prompt], params, max_tokens)
         created = int(time.time())
         if req.stream:
             gen = self._chat_stream(req, base_id, created, prompt, queue, ticket)
