@@ -123,7 +123,7 @@ class LLM:
         last_refresh = 0.0
         try:
             while engine.has_unfinished_requests():
-                for out in engine._step(emit_partial=False):
+                for out in engine.step(emit_partial=False):
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:

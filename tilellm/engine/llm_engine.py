@@ -246,18 +246,15 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, emit_partial: bool = True) -> list[RequestOutput]:
         """One scheduler step; outputs of the requests that got new tokens or finished.
 
-        With asynchronous scheduling these are the tokens of the step launched by the previous
-        call (the first call after an idle period returns []); keep calling while
-        `has_unfinished_requests()`."""
-        return self._step(emit_partial=True)
-
-    def _step(self, emit_partial: bool) -> list[RequestOutput]:
-        """Schedule and launch a step, then finish the previous one (asynchronous scheduling) or
-        this one (synchronous). `emit_partial=False` (offline `LLM.generate`): only finished
-        requests are returned and text is decoded once at the end unless stop strings need it."""
+        Schedules and launches a step, then finishes the previous one (asynchronous scheduling)
+        or this one (synchronous). With asynchronous scheduling the outputs are the tokens of the
+        step launched by the previous call (the first call after an idle period returns []); keep
+        calling while `has_unfinished_requests()`. `emit_partial=False` (offline `LLM.generate`):
+        only finished requests are returned, and text is decoded once at the end unless stop
+        strings need it."""
         with self._lock:
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
