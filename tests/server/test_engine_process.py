@@ -189,7 +189,7 @@ def test_dead_engine_process_fails_requests_and_health(tiny_model_dir):
             os.kill(engine._proc.pid, signal.SIGKILL)
             rest = [ln for ln in lines if ln.startswith("data: ")]
         errors = [json.loads(ln[6:]) for ln in rest if ln != "data: [DONE]" and "error" in ln]
-        assert errors and errors[0]["error"]["code"] == "engine_error", rest[-3:]
+        assert errors and errors[0]["error"]["code"] == "engine_dead", rest[-3:]
         deadline = time.monotonic() + 10
         while httpx.get(s.url + "/health").status_code != 503:
             assert time.monotonic() < deadline

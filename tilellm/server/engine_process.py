@@ -9,18 +9,15 @@ falls behind the GPU, and the server delivered half of what the same engine does
     engine = EngineProcess("path/to/model", {"max_num_seqs": 256, ...})   # returns once built
     app = create_app(engine, config)                                      # as with an LLMEngine
 
-The engine process runs the same loop as the in-process `AsyncEngine` (commands in, one step,
-per-request deltas out); only the transport differs: one multiprocessing pipe each way, carrying
-compact tuples instead of `call_soon_threadsafe` callbacks. This side keeps, per HTTP request, its
-asyncio queue and the engine request ids that feed it; a reader thread turns the engine's
-messages into queue items on the event loop.
+The engine process runs the same `EngineLoop` as the in-process `AsyncEngine`, and this side is
+the same `EngineClient` (async_engine.py); only the transport differs: one multiprocessing pipe
+each way. Commands are pickled on the event loop (an error shows at once) and written by a sender
+thread, so a stopped engine process whose pipe is full never blocks the event loop; a reader
+thread hands the engine's messages to the client.
 
-Messages, this process -> engine: ("add", [(EngineRequest, tag)], qid, fid, arrival),
-("abort", [request_id]), ("call", fn, fid), ("stop",).
-Engine -> this process: ("ready", info) | ("failed", text) once at start, then ("updates",
-[(qid, update tuple)], StatsSnapshot) once per step that produced updates (the step's stats ride
-along), ("stats", StatsSnapshot) when stats changed without updates, ("resolve", fid, error,
-value), ("obs", method, args) for the metrics observer, ("exit", error or None) last.
+The messages are the loop's (async_engine.py), with each update packed as a plain tuple, plus
+("ready", info) | ("failed", text) once at start and ("obs", method, args) for the metrics
+observer.
 
 The engine process ignores SIGINT/SIGTERM (a Ctrl-C reaches the whole process group): the server
 process decides when it stops; if the server process dies, the pipe closes and the engine stops.
@@ -34,22 +31,15 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
 import weakref
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from tilellm.server.async_engine import (
-    AsyncEngine,
-    EngineRequest,
-    QueueFullError,
-    RequestUpdate,
-    SeqDelta,
-    StatsSnapshot,
-    _deliver,
-    _resolve,
-)
+from tilellm.server.async_engine import EngineClient, EngineLoop, RequestUpdate, SeqDelta
 
 logger = logging.getLogger("tilellm.server")
 
@@ -62,12 +52,22 @@ def _pack(update: RequestUpdate) -> tuple:
         (d.index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.final_text)
         for d in update.deltas
     ]
-    return (update.tag, deltas, update.finished, update.num_cached_tokens, update.error)
+    if update.error is None:
+        return (update.tag, deltas, update.finished, update.num_cached_tokens)
+    return (
+        update.tag,
+        deltas,
+        update.finished,
+        update.num_cached_tokens,
+        update.error,
+        update.status,
+        update.code,
+    )
 
 
 def _unpack(packed: tuple) -> RequestUpdate:
-    tag, deltas, finished, num_cached, error = packed
-    return RequestUpdate(tag, [SeqDelta(*d) for d in deltas], finished, num_cached, error)
+    tag, deltas, *rest = packed
+    return RequestUpdate(tag, [SeqDelta(*d) for d in deltas], *rest)
 
 
 def _portable(fid: int, error: BaseException | None, value: Any) -> tuple:
@@ -101,10 +101,9 @@ class _PipeObserver:
         self._send(("obs", "on_aborted", ()))
 
 
-class _EngineLoop(AsyncEngine):
-    """`AsyncEngine`'s engine-thread half inside the engine process: what it would hand to the
-    event loop goes down the pipe. Its `queue` handles are the server's queue ids (ints) and its
-    futures are the server's future ids."""
+class _ProcessLoop(EngineLoop):
+    """The `EngineLoop` inside the engine process: what it emits goes down the pipe, and a thread
+    of this process reads the server's commands into it."""
 
     def __init__(self, engine: Any, conn: Any):
         self._conn = conn
@@ -113,9 +112,15 @@ class _EngineLoop(AsyncEngine):
         self.send_s = 0.0  # time in pipe sends (pickling included)
         self.loop_step_s = 0.0  # time in `_step`: the engine step, building updates, sending them
         self.loop_steps = 0
-        self._in_step = False
-        self._stats_unsent = False
-        super().__init__(engine, max_waiting=1 << 62, observer=_PipeObserver(self._send))
+        super().__init__(engine, self._emit, observer=_PipeObserver(self._send))
+
+    def _emit(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "updates":
+            message = ("updates", [(qid, _pack(u)) for qid, u in message[1]], message[2])
+        elif kind == "resolve":
+            message = _portable(*message[1:])
+        self._send(message)
 
     def _send(self, message: tuple) -> None:
         if self.parent_gone:
@@ -128,46 +133,16 @@ class _EngineLoop(AsyncEngine):
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             # The server process is gone: stop at the loop's next turn, without a traceback.
             self.parent_gone = True
-            with self._cv:
-                self._stopping = True
-                self._cv.notify()
+            self.put(("stop",))
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        self._in_step = True
-        try:
-            super()._step()
-        finally:
-            self._in_step = False
-        if self._stats_unsent:  # a step that produced no update still reports its stats
-            self._send(("stats", self.stats))
-            self._stats_unsent = False
+        super()._step()
         self.loop_step_s += time.perf_counter() - t0
         self.loop_steps += 1
 
-    def _call_in_loop(self, fn, *args) -> None:
-        if fn is _deliver:
-            (routed,) = args
-            # The stats of this step travel with its updates: one message per step.
-            self._send(("updates", [(qid, _pack(update)) for qid, update in routed], self.stats))
-            self._stats_unsent = False
-        elif fn is _resolve:
-            fid, error, *value = args
-            self._send(_portable(fid, error, value[0] if value else None))
-        else:  # pragma: no cover - AsyncEngine hands nothing else to the loop
-            raise RuntimeError(f"unexpected loop callback {fn!r}")
-
-    def _publish_stats(self) -> None:
-        super()._publish_stats()
-        if self._in_step:
-            self._stats_unsent = True  # sent with the step's updates (or after the step)
-        else:
-            self._send(("stats", self.stats))
-
     def read_commands(self) -> None:
-        """Pipe -> inbox, in a thread of the engine process (the main thread runs `_run`)."""
-        from tilellm.server.async_engine import _AddBatch, _Call
-
+        """Pipe -> inbox, in a thread of the engine process (the main thread runs the loop)."""
         while True:
             try:
                 message = self._conn.recv()
@@ -176,20 +151,8 @@ class _EngineLoop(AsyncEngine):
             except Exception:  # one command that cannot be unpickled here: drop it, keep serving
                 logger.exception("engine process: a command from the server could not be read")
                 continue
-            kind = message[0]
-            with self._cv:
-                if kind == "add":
-                    _, requests, qid, fid, arrival = message
-                    self._pending_adds += len(requests)
-                    self._inbox.append(_AddBatch(requests, qid, fid, arrival))
-                elif kind == "abort":
-                    self._inbox.append(list(message[1]))
-                elif kind == "call":
-                    self._inbox.append(_Call(message[1], message[2]))
-                else:
-                    self._stopping = True
-                self._cv.notify()
-            if kind == "stop":
+            self.put(message)
+            if message[0] == "stop":
                 return
 
 
@@ -224,18 +187,18 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
     except (BrokenPipeError, OSError):  # the server process died while the engine was built
         engine.shutdown()
         return
-    loop = _EngineLoop(engine, conn)
-    loop._publish_stats()
+    loop = _ProcessLoop(engine, conn)
     reader = threading.Thread(target=loop.read_commands, name="tilellm-engine-commands", daemon=True)
     reader.start()
     try:
-        loop._run()
+        loop.run()  # its last message is ("exit", error)
         _log_step_times(engine, loop)
-        conn.send(("exit", loop.error))
-    except (BrokenPipeError, OSError):  # the server process is gone
-        pass
     finally:
         engine.shutdown()
+        # The heap frozen above goes back to the collector before the interpreter tears down:
+        # frozen objects are never collected, and Triton's nanobind reports each of its types and
+        # functions still alive at exit as "leaked".
+        gc.unfreeze()
         conn.close()
 
 
@@ -248,7 +211,7 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def _log_step_times(engine: Any, loop: _EngineLoop) -> None:
+def _log_step_times(engine: Any, loop: _ProcessLoop) -> None:
     """One line at exit: where the engine process's time went per step: the engine's host work,
     waiting for the device (near zero: host-bound), and the loop around it (turning outputs
     into updates and sending them; the send blocks when the server process reads too slowly)."""
@@ -275,7 +238,7 @@ def _log_step_times(engine: Any, loop: _EngineLoop) -> None:
 # -- server process ------------------------------------------------------------------------------
 
 
-class EngineProcess:
+class EngineProcess(EngineClient):
     """An `LLMEngine` in a child process, with `AsyncEngine`'s interface for the HTTP side.
 
     Construction starts the process and returns once the engine is built (model loaded, KV pool
@@ -285,6 +248,7 @@ class EngineProcess:
     """
 
     def __init__(self, model: str, engine_kwargs: dict, *, async_scheduling: bool | None = None):
+        super().__init__()
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
@@ -310,30 +274,22 @@ class EngineProcess:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.max_waiting = 1024
-        self.observer: Any = None
-        self.stats = StatsSnapshot()
-        self.error: str | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()  # sends come from the event loop and from stop()
-        self._pending_adds = 0
-        self._next_id = 0
-        self._queues: dict[int, tuple[asyncio.Queue, dict[int, str]]] = {}  # qid -> (queue, tag -> id)
-        self._qid_of: dict[str, int] = {}  # engine request id -> qid
-        self._futures: dict[int, tuple[asyncio.Future, int, int | None]] = {}  # fid -> (future, adds, qid)
-        self._stopping = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._pipe_broken = False
         self._reader: threading.Thread | None = None
+        self._sender = threading.Thread(target=self._write, name="tilellm-engine-sender", daemon=True)
+        self._sender.start()
 
-    def configure(self, *, max_waiting: int, observer: Any) -> None:
-        """The server's queue bound and metrics observer (`create_app` calls this)."""
-        self.max_waiting = max_waiting
-        self.observer = observer
+    @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._proc.pid
 
     # ---- lifecycle ----
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        self.last_heard = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="tilellm-engine-reader", daemon=True)
         self._reader.start()
 
@@ -342,9 +298,10 @@ class EngineProcess:
         with self._lock:
             self._stopping = True
         try:
-            self._conn.send(("stop",))
-        except (BrokenPipeError, OSError):
+            self._send(("stop",))
+        except RuntimeError:
             pass
+        self._outbox.put(None)  # the sender's end, after the stop command
         self._proc.join(timeout)
         if self._proc.is_alive():
             logger.warning("engine process still running %.0f s after stop: terminating it", timeout)
@@ -352,115 +309,45 @@ class EngineProcess:
             self._proc.join(5)
         if self._reader is not None:
             self._reader.join(5)
+        self._sender.join(5)
 
-    @property
-    def is_alive(self) -> bool:
-        return self._proc.is_alive() and self.error is None
+    def _transport_alive(self) -> bool:
+        return self._proc.is_alive()
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    # ---- requests (event loop side) ----
-
-    async def add_requests(
-        self, requests: list[EngineRequest], queue: Any, tags: list[int] | None = None
-    ) -> None:
-        """As `AsyncEngine.add_requests`: QueueFullError, or the engine's ValueError; then none runs."""
-        tags = list(range(len(requests))) if tags is None else tags
-        fut = asyncio.get_running_loop().create_future()
-        with self._lock:
-            if self._stopping or self.error is not None:
-                raise RuntimeError("the server is shutting down" if self._stopping else self.error)
-            if self._pending_adds + self.stats.num_waiting + len(requests) > self.max_waiting:
-                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
-            qid, fid = self._new_id(), self._new_id()
-            self._pending_adds += len(requests)
-            self._queues[qid] = (queue, {tag: r.request_id for tag, r in zip(tags, requests)})
-            for r in requests:
-                self._qid_of[r.request_id] = qid
-            self._futures[fid] = (fut, len(requests), qid)
-        try:
-            self._send(("add", list(zip(requests, tags)), qid, fid, _monotonic()))
-        except RuntimeError:
-            with self._lock:  # never reached the engine: undo the bookkeeping
-                self._futures.pop(fid, None)
-                self._pending_adds -= len(requests)
-                for r in requests:
-                    self._forget(r.request_id)
-            raise
-        try:
-            await fut
-        except asyncio.CancelledError:
-            self.abort([r.request_id for r in requests])
-            raise
-
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort these requests; never raises (with the engine process gone there is nothing to abort)."""
-        if not request_ids:
-            return
-        with self._lock:
-            for rid in request_ids:
-                self._forget(rid)
-        try:
-            self._send(("abort", list(request_ids)))
-        except RuntimeError:
-            pass
-
-    async def call(self, fn) -> Any:
-        """Run `fn(engine)` in the engine process between two steps; `fn` and its result must pickle."""
-        fut = asyncio.get_running_loop().create_future()
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the server is shutting down")
-            fid = self._new_id()
-            self._futures[fid] = (fut, 0, None)
-        try:
-            self._send(("call", fn, fid))
-        except RuntimeError:
-            with self._lock:
-                self._futures.pop(fid, None)
-            raise
-        return await fut
-
-    # ---- internals ----
-
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
-    def _forget(self, rid: str) -> None:
-        """Drop an engine request from the routing tables (caller holds the lock)."""
-        qid = self._qid_of.pop(rid, None)
-        if qid is None:
-            return
-        queue, tags = self._queues[qid]
-        for tag, r in list(tags.items()):
-            if r == rid:
-                del tags[tag]
-        if not tags:
-            del self._queues[qid]
+    # ---- transport ----
 
     def _send(self, message: tuple) -> None:
-        """RuntimeError when the message cannot go (engine process gone, or it does not pickle)."""
+        """Pickle here, write in the sender thread. RuntimeError when the message cannot go (the
+        engine process is gone, or it does not pickle)."""
+        if self._pipe_broken or not self._proc.is_alive():
+            raise RuntimeError(self.error or "the engine process is not running")
         try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (BrokenPipeError, OSError) as exc:
-            raise RuntimeError("the engine process is not running") from exc
-        except Exception as exc:  # pickling
+            data = bytes(ForkingPickler.dumps(message))
+        except Exception as exc:
             raise RuntimeError(f"cannot send to the engine process: {type(exc).__name__}: {exc}") from exc
+        self._outbox.put(data)
+
+    def _write(self) -> None:
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                return
+            try:
+                self._conn.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                self._pipe_broken = True  # the reader notices the process is gone
 
     def _read(self) -> None:
-        """Engine messages -> event loop, until the engine process exits."""
+        """Engine messages -> the client, until the engine process exits."""
         while True:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 if not self._stopping:
                     self._proc.join(5)
-                    self.error = f"the engine process exited unexpectedly (status {self._proc.exitcode})"
-                    logger.error(self.error)
+                    error = f"the engine process exited unexpectedly (status {self._proc.exitcode})"
+                    logger.error(error)
+                    self._engine_gone(error)
                 break
             except Exception:  # one message that cannot be unpickled here: drop it, keep serving
                 logger.exception("a message from the engine process could not be read")
@@ -468,75 +355,17 @@ class EngineProcess:
             try:
                 kind = message[0]
                 if kind == "updates":
-                    self.stats = message[2]
-                    self._route(message[1])
-                elif kind == "resolve":
-                    self._resolved(*message[1:])
-                elif kind == "stats":
-                    self.stats = message[1]
-                elif kind == "obs":
+                    message = ("updates", [(qid, _unpack(u)) for qid, u in message[1]], message[2])
+                if kind == "obs":
+                    self.last_heard = time.monotonic()
                     if self.observer is not None:
                         getattr(self.observer, message[1])(*message[2])
-                elif kind == "exit":
-                    if message[1] is not None:
-                        self.error = message[1]
-                    break
+                else:
+                    self._receive(message)
             except Exception:  # e.g. a metrics observer that raised: the reader must live on
                 logger.exception("handling a message from the engine process failed")
-        if self.error is not None:
-            self._fail_all(self.error)
-
-    def _route(self, packed: list[tuple[int, tuple]]) -> None:
-        routed = []
-        updates = [(qid, _unpack(item)) for qid, item in packed]  # outside the lock the event loop takes
-        with self._lock:
-            for qid, update in updates:
-                entry = self._queues.get(qid)
-                if entry is None:  # aborted here meanwhile
-                    continue
-                if update.finished:
-                    rid = entry[1].get(update.tag)
-                    if rid is not None:
-                        self._forget(rid)
-                routed.append((entry[0], update))
-        if routed:
-            self._call_in_loop(_deliver, routed)
-
-    def _resolved(self, fid: int, error: BaseException | None, value: Any) -> None:
-        with self._lock:
-            fut, adds, qid = self._futures.pop(fid, (None, 0, None))
-            self._pending_adds -= adds
-            if error is not None and qid is not None:  # rejected: none of its requests runs
-                for rid in list(self._queues.get(qid, (None, {}))[1].values()):
-                    self._forget(rid)
-        if fut is not None:
-            self._call_in_loop(_resolve, fut, error, value)
-
-    def _fail_all(self, message: str) -> None:
-        with self._lock:
-            queues, self._queues, self._qid_of = self._queues, {}, {}
-            futures, self._futures = self._futures, {}
-        routed = [
-            (queue, RequestUpdate(tag, [], True, error=message))
-            for queue, tags in queues.values()
-            for tag in tags
-        ]
-        if routed:
-            self._call_in_loop(_deliver, routed)
-        for fut, _, _ in futures.values():
-            self._call_in_loop(_resolve, fut, RuntimeError(message))
-
-    def _call_in_loop(self, fn, *args) -> None:
-        if self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed
-            pass
-
-
-def _monotonic() -> float:
-    return time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC is system-wide)
+            if kind == "exit":
+                break
 
 
 def _terminate(proc: Any) -> None:
