@@ -7,11 +7,13 @@ tilellm serve DIR                  # or: tilellm serve --model DIR
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import logging
 import os
 import socket
 import sys
+from typing import Any
 
 from tilellm.commands.common import (
     UsageError,
@@ -34,12 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: MODEL as given)"
     )
-    parser.add_argument(
-        "--max-waiting", type=int, default=1024, help="requests queued beyond the running batch; more get 429"
-    )
-    parser.add_argument(
-        "--max-request-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413"
-    )
+    _add_server_arguments(parser)
     parser.add_argument(
         "--graceful-shutdown-timeout",
         type=float,
@@ -77,6 +74,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _server_default(name: str) -> Any:
+    """A `ServerConfig` field's default: written once, there."""
+    from tilellm.server.app import ServerConfig
+
+    return next(f.default for f in dataclasses.fields(ServerConfig) if f.name == name)
+
+
+# (flag, ServerConfig field, type, help): the server's limits and timeouts.
+_SERVER_FLAGS = [
+    ("--max-waiting", "max_waiting", int, "sequences (prompts x n) queued, not running; more: 429"),
+    ("--max-waiting-tokens", "max_waiting_tokens", int, "tokens ((prompt + max_tokens) x n) queued: 429"),
+    ("--max-request-seqs", "max_request_seqs", int, "sequences (prompts x n) one request may ask; more: 400"),
+    ("--max-request-tokens", "max_request_tokens", int, "tokens one request may ask for; more: 400"),
+    ("--max-request-bytes", "max_request_bytes", int, "larger bodies get 413"),
+    ("--engine-seqs", "engine_seqs", int, "sequences kept inside the engine, the rest wait in the server "
+     "(fed round-robin); default: 2 x --max-num-seqs"),
+    ("--body-read-timeout", "body_read_timeout", float, "seconds to receive a request body; slower: 408"),
+    ("--timeout-keep-alive", "timeout_keep_alive", float, "seconds an idle keep-alive connection stays open"),
+    ("--header-timeout", "header_timeout", float, "seconds a connection may take to send a request head"),
+    ("--engine-stall-timeout", "engine_stall_timeout", float, "seconds of no progress with requests in "
+     "the engine before /health answers 503 and they fail with engine_stalled; 0: never"),
+    ("--request-timeout", "request_timeout", float, "seconds a request may take before it is aborted "
+     "with a 504; 0: no limit"),
+]  # fmt: skip
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, field, kind, help_ in _SERVER_FLAGS:
+        default = _server_default(field)
+        shown = "" if default is None else f" (default: {default})"
+        parser.add_argument(flag, type=kind, default=default, help=help_ + shown)
+
+
+def _check_server_arguments(args: argparse.Namespace) -> None:
+    for flag, field, _, _ in _SERVER_FLAGS:
+        value = getattr(args, field)
+        if value is None:
+            continue
+        may_be_zero = field in ("engine_stall_timeout", "request_timeout")
+        if value < 0 or (value == 0 and not may_be_zero):
+            raise UsageError(f"{flag} must be {'>= 0' if may_be_zero else 'positive'}, got {value:g}")
+
+
 def _resolve_model(model: str | None, **checks) -> tuple[str, str]:
     """(model directory, default served name); the embedded model when none is given."""
     path = resolve_model(model, "serve", **checks)
@@ -97,8 +137,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.uvicorn_log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.max_waiting < 1 or args.max_request_bytes < 1:
-        raise UsageError("--max-waiting and --max-request-bytes must be positive")
+    _check_server_arguments(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     kwargs = dict(
@@ -137,9 +176,8 @@ def main(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_name=args.served_model_name or default_name,
         api_key=args.api_key or None,
-        max_waiting=args.max_waiting,
-        max_request_bytes=args.max_request_bytes,
         model_root=model,
+        **{field: getattr(args, field) for _, field, _, _ in _SERVER_FLAGS},
     )
     app = create_app(engine, config)
     server = make_server(
@@ -149,6 +187,9 @@ def main(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         graceful_timeout=args.graceful_shutdown_timeout,
+        timeout_keep_alive=config.timeout_keep_alive,
+        header_timeout=config.header_timeout,
     )
     server.run(sockets=[sock])
-    return 0 if server.started else 1
+    # Non-zero when the engine died: a supervisor restarts the server (docs/serving.md).
+    return server.exit_code if server.started else 1

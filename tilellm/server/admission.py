@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,7 @@ class Ticket:
     live: dict[int, list] = field(default_factory=dict)  # tag -> [request id, unfinished sequences]
     pending_tokens: int = 0
     closed: bool = False
+    deadline: float | None = None  # monotonic time past which it fails with a 504 (request_timeout)
 
 
 class _TicketQueue:
@@ -81,9 +83,11 @@ class _TicketQueue:
 class FairFeeder:
     """Admits requests against `limits` and feeds `engine` (an `AsyncEngine` or `EngineProcess`)."""
 
-    def __init__(self, engine: Any, limits: AdmissionLimits):
+    def __init__(self, engine: Any, limits: AdmissionLimits, request_timeout: float | None = None):
         self.engine = engine
         self.limits = limits
+        self.request_timeout = request_timeout or None  # seconds an admitted request may take
+        self.stalled: str | None = None  # why new requests are refused while the engine is stalled
         self._turns: deque[Ticket] = deque()  # tickets with engine requests still to feed
         self._tickets: set[Ticket] = set()  # every open ticket
         self.pending_seqs = 0  # admitted, not yet handed to the engine
@@ -117,6 +121,8 @@ class FairFeeder:
             )
         if not self.engine.is_alive:
             raise _unavailable(self.engine)
+        if self.stalled is not None:
+            raise APIError(503, self.stalled, code="engine_stalled")
         waiting = self.pending_seqs + max(0, self.engine_seqs - int(self.engine.stats.num_running))
         if waiting + seqs > lim.max_waiting or self.pending_tokens + tokens > lim.max_waiting_tokens:
             raise APIError(
@@ -129,6 +135,8 @@ class FairFeeder:
         costs = [(p + m) * n for p, m in zip(prompt_lens, max_tokens)]  # each engine request's tokens
         pending = deque((tag, req, cost) for tag, (req, cost) in enumerate(zip(requests, costs)))
         ticket = Ticket(queue, n, seqs, tokens, pending)
+        if self.request_timeout is not None:
+            ticket.deadline = time.monotonic() + self.request_timeout
         ticket.pending_tokens = tokens
         self.pending_seqs += seqs
         self.pending_tokens += tokens
@@ -147,17 +155,34 @@ class FairFeeder:
         self._pump()
 
     def fail_all(self, status: int, code: str, message: str) -> int:
-        """Every open request gets this error (shutdown past its grace period, a stalled engine);
-        their engine requests are aborted. Returns how many HTTP requests were failed."""
+        """Every open request gets this error (shutdown past its grace period, a stalled or dead
+        engine); their engine requests are aborted. Returns how many HTTP requests were failed."""
         tickets = list(self._tickets)
-        for t in tickets:
-            tags = [tag for tag, _, _ in t.pending] + list(t.live)
-            ids = [rid for rid, _ in t.live.values()]
-            self._close(t)
-            self.engine.abort(ids)
-            for tag in tags:
-                t.queue.put_nowait(RequestUpdate(tag, [], True, error=message, status=status, code=code))
+        self.engine.abort([rid for t in tickets for rid in self._fail(t, status, code, message)])
         return len(tickets)
+
+    def expire(self, now: float) -> int:
+        """Requests past their deadline get a 504 `request_timeout`, their engine requests are
+        aborted (their KV blocks freed). Returns how many."""
+        late = [t for t in self._tickets if t.deadline is not None and t.deadline <= now]
+        if not late:
+            return 0
+        message = (
+            f"the request did not finish within {self.request_timeout:g} s (request_timeout) and "
+            "was aborted; ask for fewer tokens or retry later"
+        )
+        self.engine.abort([rid for t in late for rid in self._fail(t, 504, "request_timeout", message)])
+        self._pump()
+        return len(late)
+
+    def _fail(self, ticket: Ticket, status: int, code: str, message: str) -> list[str]:
+        """Close `ticket`, its handler gets the error; returns its engine request ids to abort."""
+        tags = [tag for tag, _, _ in ticket.pending] + list(ticket.live)
+        ids = [rid for rid, _ in ticket.live.values()]
+        self._close(ticket)
+        for tag in tags:
+            ticket.queue.put_nowait(RequestUpdate(tag, [], True, error=message, status=status, code=code))
+        return ids
 
     @property
     def num_open(self) -> int:

@@ -23,8 +23,13 @@ from tilellm.server.errors import APIError, error_body, install_error_handlers
 from tilellm.server.metrics import ServerMetrics
 from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest
 from tilellm.server.serving import OpenAIServing
+from tilellm.server.watchdog import EngineWatchdog
 
 logger = logging.getLogger("tilellm.server")
+
+_GRACE_OVER = (
+    "the server is shutting down and this request did not finish within the graceful shutdown period"
+)
 
 
 @dataclass(frozen=True)
@@ -34,12 +39,20 @@ class ServerConfig:
     max_waiting: int = 1024  # sequences (prompts x n) queued but not yet running; beyond this -> 429
     max_request_bytes: int = 8 * 1024 * 1024  # bodies over this -> 413
     body_read_timeout: float = 30.0  # seconds to receive a whole request body; slower -> 408
+    # Connections (`launcher.make_server`): an idle keep-alive one is closed after
+    # `timeout_keep_alive` s, one that sends no whole request head within `header_timeout` s too.
+    timeout_keep_alive: float = 5.0
+    header_timeout: float = 10.0
     model_root: str | None = None  # shown as `root` in /v1/models
     # Admission (see `admission.py`): tokens = (prompt + max_tokens) per sequence.
     max_waiting_tokens: int = 1 << 23  # tokens queued but not yet in the engine; beyond this -> 429
     max_request_seqs: int = 256  # sequences one request may ask for; beyond this -> 400
     max_request_tokens: int = 1 << 21  # tokens one request may ask for; beyond this -> 400
     engine_seqs: int | None = None  # sequences kept inside the engine; None: 2 x its max_num_seqs
+    # Seconds with requests in the engine and no word from it before it counts as stalled (/health
+    # 503, those requests failed with engine_stalled); 0: never.
+    engine_stall_timeout: float = 60.0
+    request_timeout: float = 0.0  # seconds a request may take before it is aborted with a 504; 0: no limit
 
     def limits(self, engine: Any) -> AdmissionLimits:
         engine_seqs = self.engine_seqs
@@ -155,7 +168,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         async_engine: AsyncEngine | EngineProcess = engine
     else:
         async_engine = AsyncEngine(engine, max_waiting=1 << 62, observer=metrics)
-    feeder = FairFeeder(async_engine, config.limits(engine))
+    feeder = FairFeeder(async_engine, config.limits(engine), request_timeout=config.request_timeout)
 
     def stats() -> Any:  # the engine's counts plus the sequences still queued in the server
         s = async_engine.stats
@@ -170,15 +183,33 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         _vocab_size(engine),
     )
 
+    def on_dead() -> None:  # the launcher's server, if any, exits non-zero (see docs/serving.md)
+        request_exit = getattr(app.state, "request_exit", None)
+        if request_exit is not None:
+            request_exit(1)
+
+    watchdog = EngineWatchdog(async_engine, feeder, config.engine_stall_timeout, on_dead)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         async_engine.start()
+        watching = asyncio.ensure_future(watchdog.run())
         try:
             yield
         finally:
+            watching.cancel()
             async_engine.stop()
 
+    def on_grace_expired() -> None:
+        """Shutdown's grace period is over: every request still open gets an OpenAI error (a
+        stream its final error event and [DONE]) instead of being cut off."""
+        n = feeder.fail_all(503, "shutting_down", _GRACE_OVER)
+        if n:
+            logger.warning("graceful shutdown period over: %d requests in flight got 503 shutting_down", n)
+
     app = FastAPI(title="tilellm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.on_grace_expired = on_grace_expired
+    app.state.watchdog = watchdog
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.state.serving = serving
@@ -191,6 +222,9 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         if not async_engine.is_alive:
             reason = async_engine.error or "the engine loop is not running"
             return JSONResponse(error_body(503, reason, code="engine_dead"), status_code=503)
+        if watchdog.stalled:
+            body = error_body(503, watchdog.stall_message(), code="engine_stalled")
+            return JSONResponse(body, status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")

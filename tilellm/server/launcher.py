@@ -9,6 +9,7 @@ A second SIGINT forces an immediate exit.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
@@ -19,10 +20,42 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tilellm.server.app import ServerConfig
+
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+# After the grace period the app fails what is still open (`app.state.on_grace_expired`): this is
+# how long its handlers then have to write those errors before uvicorn cancels them.
+WIND_DOWN_S = 5.0
+
+
 class GracefulServer(uvicorn.Server):
+    """`exit_code`: what the process should exit with (`request_exit` sets it, e.g. when the
+    engine died); 0 after a signal."""
+
+    exit_code = 0
+
+    def request_exit(self, code: int) -> None:
+        self.exit_code = code
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        hook = getattr(getattr(self.config.app, "state", None), "on_grace_expired", None)
+        grace = self.config.timeout_graceful_shutdown
+        if hook is None or grace is None:
+            return await super().shutdown(sockets)
+        # uvicorn waits `grace` s and then cancels every task (a plain-text 500, a stream cut
+        # short, a traceback each); instead the app answers them at the end of the grace period
+        # and uvicorn's own deadline comes WIND_DOWN_S later, with nothing left to cancel.
+        timer = asyncio.get_running_loop().call_later(grace, hook)
+        self.config.timeout_graceful_shutdown = grace + WIND_DOWN_S
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+            self.config.timeout_graceful_shutdown = grace
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
@@ -86,8 +119,8 @@ def make_server(
     log_level: str = "info",
     access_log: bool = True,
     graceful_timeout: float = 30.0,
-    timeout_keep_alive: float = 5.0,
-    header_timeout: float = 10.0,
+    timeout_keep_alive: float = ServerConfig.timeout_keep_alive,
+    header_timeout: float = ServerConfig.header_timeout,
 ) -> GracefulServer:
     """`timeout_keep_alive`: an idle keep-alive connection is closed after this many seconds;
     `header_timeout`: so is one that does not send a whole request head within this many."""
@@ -103,7 +136,11 @@ def make_server(
         http=protocol,
         lifespan="on",
     )
-    return GracefulServer(config)
+    server = GracefulServer(config)
+    state = getattr(app, "state", None)
+    if state is not None:  # the app asks the server to stop (a dead engine: `create_app`)
+        state.request_exit = server.request_exit
+    return server
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
