@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import MODEL_NAME, assert_error
 from tilellm.server.launcher import bind_socket
 
 
@@ -77,26 +78,76 @@ def test_serve_shuts_down_gracefully_on_signal(tiny_model_dir, sig, grace, max_t
             "ignore_eos": True,
             "stream": True,
         }
+        plain: list[httpx.Response] = []  # a non-streamed request in flight beside the stream
+        sender = threading.Thread(
+            target=lambda: plain.append(
+                httpx.post(
+                    url + "/v1/completions", json={**body, "stream": False}, headers=headers, timeout=60
+                )
+            )
+        )
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as resp:
             lines = resp.iter_lines()
             events.append(next(ln for ln in lines if ln.startswith("data: ")))
+            sender.start()
+            time.sleep(0.3)  # the plain request is in the engine too
             proc.send_signal(sig)  # mid-stream
-            try:
-                events += [ln for ln in lines if ln.startswith("data: ")]
-            except httpx.HTTPError:  # cut off when the grace period ends
-                pass
+            events += [ln for ln in lines if ln.startswith("data: ")]
+        sender.join(60)
         assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
         assert httpx_refused(url)
+        assert events[-1] == "data: [DONE]"
         if sig == signal.SIGTERM:  # allowed to finish
-            assert events[-1] == "data: [DONE]"
             assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
-        else:  # aborted once the grace period ran out
-            assert events[-1] != "data: [DONE]"
+            assert plain[0].status_code == 200
+        else:  # failed, not cut off, once the grace period ran out; one line in the log
+            assert json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+            assert assert_error(plain[0], 503)["code"] == "shutting_down"
+            assert log.count("graceful shutdown period over: 2 requests") == 1, log
+            assert "Traceback" not in log and "CancelledError" not in log, log
+        # The engine process unfreezes its heap before exit: no nanobind "leaked" report.
+        assert "leaked" not in log, log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_exits_nonzero_when_its_engine_dies(tiny_model_dir):
+    """kill -9 of the engine process: the request in flight gets a 503 engine_dead and `tilellm
+    serve` exits with status 1, for a supervisor to restart it."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start_serve(tiny_model_dir, port, "--served-model-name", MODEL_NAME)
+    try:
+        _wait_healthy(proc, url)
+        engine_pid = next(p for p in _children(proc.pid) if "spawn_main" in _cmdline(p))
+        headers = {"Authorization": "Bearer env-key"}
+        body = {"model": MODEL_NAME, "prompt": [4] * 10, "max_tokens": 240, "ignore_eos": True}
+        got: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: got.append(
+                httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+            )
+        )
+        sender.start()
+        time.sleep(1.0)
+        os.kill(engine_pid, signal.SIGKILL)
+        sender.join(60)
+        assert proc.wait(timeout=60) == 1
+        assert assert_error(got[0], 503)["code"] == "engine_dead"
+        assert "exit status 1" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
 
 
 def httpx_refused(url: str) -> bool:
