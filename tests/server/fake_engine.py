@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tilellm.engine.stats import EngineStats
+
 
 @dataclass
 class FakeCompletion:
@@ -33,19 +35,6 @@ class FakeOutput:
 
 
 @dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_kv_blocks_total: int = 64
-    num_kv_blocks_used: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-
-
-@dataclass
 class _Req:
     prompt: list[int]
     params: Any
@@ -59,7 +48,7 @@ class FakeEngine:
         self.model_config = type("Cfg", (), {"vocab_size": vocab_size})()
         self.reqs: dict[str, _Req] = {}
         self.fail_on_step = False
-        self.stats = FakeStats()
+        self.stats = EngineStats(num_kv_blocks_total=64)
 
     def add_request(self, request_id, prompt, params) -> None:
         if request_id in self.reqs:
@@ -73,7 +62,7 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
-    def get_stats(self) -> FakeStats:
+    def get_stats(self) -> EngineStats:
         self.stats.num_running = len(self.reqs)
         self.stats.num_kv_blocks_used = len(self.reqs)
         return self.stats
@@ -129,7 +118,7 @@ class BatchedFakeEngine(FakeEngine):
                 q.remove(request_id)
         return super().abort_request(request_id)
 
-    def get_stats(self) -> FakeStats:
+    def get_stats(self) -> EngineStats:
         self.stats.num_running = sum(self.reqs[r].params.n for r in self.running)
         self.stats.num_waiting = sum(self.reqs[r].params.n for r in self.waiting)
         return self.stats

@@ -563,12 +563,6 @@ def test_soak_short(serve):
     _run(serve, SHORT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the request body is validated on the event loop: pydantic's union for `prompt` "
-    "takes seconds on ~2.7M token ids (a body under the 8 MiB limit), and nothing else is served "
-    "meanwhile; once fixed, move the case into _huge_cases() and drop this marker",
-)
 def test_token_ids_near_body_limit_do_not_stall_health(serve):
     """A token-id prompt near the body limit is refused (400) without holding up /health."""
     ids = [5] * ((BODY_LIMIT - 64 * 1024) // 3)  # "5, " per id

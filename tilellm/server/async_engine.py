@@ -30,12 +30,15 @@ work steps and emits continuously, so silence while work is pending means a stal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tilellm.engine.stats import EngineStats
 
 logger = logging.getLogger("tilellm.server")
 
@@ -77,19 +80,8 @@ class EngineRequest:
     params: Any  # tilellm.SamplingParams
 
 
-@dataclass
-class StatsSnapshot:
-    """The engine's stats as the loop last published them."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_kv_blocks_total: int = 0
-    num_kv_blocks_used: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
+# The engine's counts as the loop last published them: the engine's own record.
+StatsSnapshot = EngineStats
 
 
 # -- the engine side -----------------------------------------------------------------------------
@@ -318,18 +310,8 @@ class EngineLoop:
         self._publish_stats()
 
     def _read_stats(self) -> StatsSnapshot:
-        s = self.engine.get_stats()
-        return StatsSnapshot(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_kv_blocks_total=s.num_kv_blocks_total,
-            num_kv_blocks_used=s.num_kv_blocks_used,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            prompt_tokens_total=s.prompt_tokens_total,
-            generation_tokens_total=s.generation_tokens_total,
-        )
+        # A copy: the engine may keep updating the record it returns.
+        return dataclasses.replace(self.engine.get_stats())
 
     def _publish_stats(self) -> None:
         self.stats = self._read_stats()

@@ -4,7 +4,7 @@ Why: at 20k+ output tokens/s the engine thread needs most of a step's time in Py
 input preparation, stop checks, one output per request per step), and the event loop needs ~20 us
 of Python for every streamed chunk: in one process they take turns on the GIL, the engine thread
 falls behind the GPU, and the server delivered half of what the same engine does offline
-(benchmarks/RESULTS.md, run 10). In its own process the engine keeps a whole GIL.
+(measured on an H200 with E1). In its own process the engine keeps a whole GIL.
 
     engine = EngineProcess("path/to/model", {"max_num_seqs": 256, ...})   # returns once built
     app = create_app(engine, config)                                      # as with an LLMEngine
