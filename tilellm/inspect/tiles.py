@@ -22,22 +22,14 @@ import torch
 from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, paged_config, prefill_config
 from tilellm.kernels.schedule import (
     SplitPlan,
+    as_list,
+    cdiv,
     hopper_plan,
     paged_grid,
     plan_paged,
     query_tiles_first,
     split_segment,
 )
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _as_list(x: torch.Tensor | Sequence[int]) -> list[int]:
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.detach().cpu().tolist()]
-    return [int(v) for v in x]
 
 
 @dataclass(frozen=True)
@@ -92,10 +84,10 @@ def prefill_schedule(
 ) -> TileSchedule:
     """Tiles of `prefill_attention`: grid (query tiles, heads, requests), query tiles issued
     longest-first."""
-    cu = _as_list(cu_seqlens)
+    cu = as_list(cu_seqlens)
     cfg = prefill_config(head_dim, dtype, max_seqlen)
     bm, bn = cfg.block_m, cfg.block_n
-    num_m = _cdiv(max(max_seqlen, 1), bm)
+    num_m = cdiv(max(max_seqlen, 1), bm)
     sched = TileSchedule("prefill_attention", (num_m, num_heads, len(cu) - 1), bm, bn)
     for req, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         for head in range(num_heads):
@@ -114,9 +106,9 @@ def _query_tile(req, head, q_tile, q_len, seq_len, bm, bn, causal=True) -> Progr
     if t0 >= q_len:
         return ProgramTiles(req, head, q_tile, 0, 0, 0, 0, -1, -1)
     context = seq_len - q_len
-    total = _cdiv(seq_len, bn)
+    total = cdiv(seq_len, bn)
     if causal:
-        full, visited = (context + t0 + 1) // bn, _cdiv(context + min(t0 + bm, q_len), bn)
+        full, visited = (context + t0 + 1) // bn, cdiv(context + min(t0 + bm, q_len), bn)
     else:
         full, visited = seq_len // bn, total
     return ProgramTiles(req, head, q_tile, 0, full, visited - full, total - visited, 0, visited - 1)
@@ -126,7 +118,7 @@ def gluon_paged_schedule(q_lens, lens, num_q_heads: int, num_sms: int | None = N
     """Tiles of `hopper.py`'s paged kernel: grid (query tiles, query heads, requests), programs of
     one query head's 128 tokens, 128-key tiles, no split."""
     bm, bn = GLUON_QUERY_TILE, GLUON_KEY_TILE
-    q_tiles = _cdiv(max(max(q_lens, default=1), 1), bm)
+    q_tiles = cdiv(max(max(q_lens, default=1), 1), bm)
     sched = TileSchedule(
         "paged_attention (hopper.py)",
         (q_tiles, num_q_heads, len(lens)),
@@ -161,8 +153,8 @@ def paged_schedule(
 
     `skipped` (future tiles of the request) is reported on each query tile's last segment.
     """
-    cu = _as_list(cu_seqlens_q)
-    lens = _as_list(seq_lens)
+    cu = as_list(cu_seqlens_q)
+    lens = as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
     group = num_q_heads // num_kv_heads
@@ -174,7 +166,7 @@ def paged_schedule(
         return gluon_paged_schedule(q_lens, lens, num_q_heads, num_sms)
     cfg, block_q = paged_config(head_dim, dtype, group, max_q)
     bn = cfg.block_n
-    q_tiles = _cdiv(max(max_q, 1), block_q)
+    q_tiles = cdiv(max(max_q, 1), block_q)
     plan = kernel_plan.split
     splits = plan.num_splits
     sched = TileSchedule(
@@ -187,7 +179,7 @@ def paged_schedule(
     )
     for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
         context = seq_len - q_len
-        total = _cdiv(seq_len, bn)
+        total = cdiv(seq_len, bn)
         for kv_head in range(num_kv_heads):
             for q_tile in range(q_tiles):
                 t0 = q_tile * block_q
@@ -205,9 +197,9 @@ def paged_schedule(
                         lo, hi = 0, kv_end
                     full_hi = max(min(full_end, hi), lo)
                     masked_lo = max(full_end, lo)
-                    full = _cdiv(full_hi - lo, bn)
-                    diag = _cdiv(max(hi - masked_lo, 0), bn)
-                    skipped = total - _cdiv(kv_end, bn) if split == splits - 1 else 0
+                    full = cdiv(full_hi - lo, bn)
+                    diag = cdiv(max(hi - masked_lo, 0), bn)
+                    skipped = total - cdiv(kv_end, bn) if split == splits - 1 else 0
                     first = lo // bn if full + diag else -1
                     last = first + full + diag - 1 if full + diag else -1
                     sched.programs.append(

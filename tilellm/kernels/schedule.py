@@ -62,11 +62,12 @@ class SplitPlan:
     min_keys_per_split: int = 0
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _as_list(x: torch.Tensor | Sequence[int]) -> list[int]:
+def as_list(x: torch.Tensor | Sequence[int]) -> list[int]:
+    """Lengths given as a tensor (any device) or a sequence, as Python ints."""
     if isinstance(x, torch.Tensor):
         return [int(v) for v in x.detach().cpu().tolist()]
     return [int(v) for v in x]
@@ -110,7 +111,7 @@ def choose_num_splits(
         n = int(num_splits)
         # A forced count never reads seq_lens: no host sync (CUDA-graph capture is legal).
         known = max_seqlen_k if max_seqlen_k is not None else _host_max(seq_lens, allow_device=False)
-        return SplitPlan(n, f"forced: num_splits={n}", sms, base, _cdiv(known, n) if known else 0)
+        return SplitPlan(n, f"forced: num_splits={n}", sms, base, cdiv(known, n) if known else 0)
     if max_seqlen_k is None:
         max_seqlen_k = _host_max(seq_lens, allow_device=True)
     if max_seqlen_k < MIN_CONTEXT_TO_SPLIT:
@@ -131,7 +132,7 @@ def choose_num_splits(
             base,
             max_seqlen_k,
         )
-    want = _cdiv(target, base)
+    want = cdiv(target, base)
     n = max(1, min(want, MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
     # n >= 2 here: base < FILL_SHARE * target makes want >= 2, and the context holds >= 2 segments.
     reason = (
@@ -139,7 +140,7 @@ def choose_num_splits(
         f"(target {per_sm} per SM, >= {MIN_KEYS_PER_SPLIT} keys per segment of the longest context, "
         f"cap {MAX_SPLITS})"
     )
-    return SplitPlan(n, reason, sms, base, _cdiv(max_seqlen_k, n), MIN_KEYS_PER_SPLIT)
+    return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), MIN_KEYS_PER_SPLIT)
 
 
 def query_tiles_first(q_tiles: int) -> bool:
@@ -160,8 +161,8 @@ def paged_grid(num_kv_heads: int, batch: int, q_tiles: int, num_splits: int, til
 def split_segment(num_keys: int, num_splits: int, block_n: int, min_keys: int) -> int:
     """Keys per segment of a program's key range (the kernel computes the same): equal parts in
     whole key tiles, but at least `min_keys` (rounded up to whole tiles)."""
-    seg = _cdiv(_cdiv(num_keys, num_splits), block_n) * block_n
-    return max(seg, _cdiv(min_keys, block_n) * block_n)
+    seg = cdiv(cdiv(num_keys, num_splits), block_n) * block_n
+    return max(seg, cdiv(min_keys, block_n) * block_n)
 
 
 def _host_max(seq_lens: torch.Tensor | Sequence[int] | None, *, allow_device: bool) -> int:
@@ -189,8 +190,8 @@ def plan_split_kv(
 ) -> SplitPlan:
     """The split-KV plan `paged_attention` would use for this batch (`plan_paged`'s; on Hopper,
     for the batches that `hopper.py` serves, its no-split plan)."""
-    cu = _as_list(cu_seqlens_q)
-    lens = _as_list(seq_lens)
+    cu = as_list(cu_seqlens_q)
+    lens = as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     plan = plan_paged(
         len(lens), num_q_heads, num_kv_heads, head_dim, dtype, block_size, max(q_lens, default=1),
@@ -263,13 +264,13 @@ def plan_paged(
         and gluon_serves(num_requests, num_q_heads, head_dim, dtype, page, max_q, num_tokens, num_sms)
     ):
         longest = max_seqlen_k if max_seqlen_k is not None else _host_max(seq_lens, allow_device=True)
-        gluon_tiles = _cdiv(max_q, GLUON_QUERY_TILE)
+        gluon_tiles = cdiv(max_q, GLUON_QUERY_TILE)
         return PagedPlan("gluon", hopper_plan(num_requests, num_q_heads, gluon_tiles, [longest], num_sms))
     cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, 1 if is_decode else max_q)
     split = choose_num_splits(
         num_requests,
         num_kv_heads,
-        1 if is_decode else _cdiv(max_q, block_q),
+        1 if is_decode else cdiv(max_q, block_q),
         seq_lens,
         num_splits=num_splits,
         max_seqlen_k=max_seqlen_k,
@@ -291,7 +292,7 @@ def gluon_serves(
 ) -> bool:
     """Whether `hopper.py` takes a paged batch of this shape (`config.paged_uses_gluon` on its
     programs: query tiles of 128 tokens x query heads x requests)."""
-    programs = _cdiv(max(max_seqlen_q, 1), GLUON_QUERY_TILE) * num_q_heads * num_requests
+    programs = cdiv(max(max_seqlen_q, 1), GLUON_QUERY_TILE) * num_q_heads * num_requests
     return paged_uses_gluon(
         head_dim, dtype, page, max_seqlen_q, programs, num_tokens=num_tokens, num_requests=num_requests,
         num_sms_=num_sms,
