@@ -9,17 +9,17 @@ import torch
 from tilellm import LLM
 from tilellm.worker import kv_pool
 
-SPEC = kv_pool.KVSpec(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+KV_SPEC = kv_pool.KVSpec(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
 
 
 def test_block_bytes_count_k_and_v_of_every_layer():
-    assert SPEC.block_bytes == 2 * 3 * 16 * 2 * 64 * 4
-    assert SPEC.bytes_per_token == SPEC.block_bytes // 16
+    assert KV_SPEC.block_bytes == 2 * 3 * 16 * 2 * 64 * 4
+    assert KV_SPEC.bytes_per_token == KV_SPEC.block_bytes // 16
 
 
 def test_cpu_pool_holds_max_num_seqs_requests_of_max_model_len():
-    assert kv_pool.cpu_num_blocks(SPEC, max_model_len=128, max_num_seqs=4) == 4 * 8
-    assert kv_pool.cpu_num_blocks(SPEC, max_model_len=130, max_num_seqs=1) == 9  # a partial block
+    assert kv_pool.cpu_num_blocks(KV_SPEC, max_model_len=128, max_num_seqs=4) == 4 * 8
+    assert kv_pool.cpu_num_blocks(KV_SPEC, max_model_len=130, max_num_seqs=1) == 9  # a partial block
     # capped by the byte budget, but never below one full-length request
     huge = kv_pool.KVSpec(64, 64, 256, 16, torch.float32)
     per_seq = -(-(1 << 20) // 16)
