@@ -121,7 +121,7 @@ def test_missing_prompts_file(tmp_path, capsys):
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--top-k", "-5"], "--top-k must be"),
         (["--max-tokens", "0"], "--max-tokens must be an integer >= 1, got 0"),
-        (["--n", "0"], "--n must be an integer >= 1"),
+        (["--n", "0"], "--n must be an integer in [1, 128]"),
         (["--block-size", "0"], "--block-size must be a positive integer"),
         (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be in (0, 1]"),
     ],
