@@ -225,7 +225,10 @@ def test_full_waiting_queue_is_429(one_slot_server):
     long = {**COMPLETION, "prompt": [3] * 8, "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=one_slot_server.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=long) as running:
-            next(running.iter_lines())  # the first request holds the only slot
+            # The first request holds the only slot. Keep its line iterator alive: a discarded
+            # httpx iterator closes the response, which the server takes as a disconnect.
+            lines = running.iter_lines()
+            next(lines)
             with c.stream("POST", "/v1/completions", json=long) as waiting:
                 assert waiting.status_code == 200  # accepted, queued
                 err = assert_error(c.post("/v1/completions", json=COMPLETION), 429)

@@ -73,6 +73,10 @@ HEALTH_INTERVAL_S = 0.05
 # A 2-core sandbox shared with other jobs, a server process and an engine process: /health is a
 # few milliseconds idle; under load the event loop also streams every chunk, so allow 0.5 s.
 HEALTH_P99_BOUND_S = 0.5
+# The longest /health may wait while one ~8 MB token-id body is parsed and refused: reading the
+# JSON and checking the ids take ~0.3 s of the event loop on this 2-core sandbox (more under a
+# loaded test run); the stall this guards against held it for ~3 s.
+HUGE_BODY_STALL_BOUND_S = 1.5
 ERROR_LATENCY_BOUND_S = 5.0  # a refused request is answered before any engine work
 DRAIN_TIMEOUT_S = 15.0
 # After warm-up, the tree holds ~950 MiB (torch, the model, Triton). glibc keeps freed memory of
@@ -590,7 +594,7 @@ def test_token_ids_near_body_limit_do_not_stall_health(serve):
 
     result, latencies = asyncio.run(run())
     assert result.problem is None, result.problem
-    assert max(latencies) < HEALTH_P99_BOUND_S, f"/health took {max(latencies):.2f} s during the request"
+    assert max(latencies) < HUGE_BODY_STALL_BOUND_S, f"/health took {max(latencies):.2f} s during the request"
 
 
 @pytest.mark.slow
