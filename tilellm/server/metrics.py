@@ -118,36 +118,30 @@ class ServerMetrics:
         self._get_stats: Callable[[], StatsSnapshot] = StatsSnapshot
         self.registry.register(_EngineCollector(lambda: self._get_stats(), model_name))
         labels = ["model_name"]
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                PREFIX + name, help_text, labels, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first generated token.", _TTFT_BUCKETS
+        )
         # vLLM's current names: inter-token latency per token interval (the deprecated
         # time_per_output_token_seconds), and each request's mean time per output token.
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+        self.itl = histogram(
+            "inter_token_latency_seconds",
             "Time between two consecutive output tokens of a request.",
-            labels,
-            buckets=_TPOT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.request_tpot = Histogram(
-            PREFIX + "request_time_per_output_token_seconds",
+            _TPOT_BUCKETS,
+        )
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
-            labels,
-            buckets=_TPOT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+            _TPOT_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", _E2E_BUCKETS
+        )
         self._success = Counter(
             PREFIX + "request_success",
             "Requests finished, by finish reason (abort: the client left or the server stopped).",

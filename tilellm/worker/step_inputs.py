@@ -25,6 +25,7 @@ C = 128) is 4 x 256 words (tokens, positions, slots, logits rows) + 128 (seq_len
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -186,11 +187,17 @@ HEADER_WORDS = _SHAPE_BASE + 2 * len(_ARRAYS)
 assert HEADER_WORDS <= CONTROL_WORDS
 
 
-def _layout(header: np.ndarray) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int]:
-    """[(name, dtype, shape, word offset)] of the arrays present, and the payload's length in words."""
+def _layout(header: np.ndarray) -> tuple[tuple[tuple[str, np.dtype, tuple[int, ...], int], ...], int]:
+    """((name, dtype, shape, word offset), ...) of the arrays present, and the payload's length in
+    words. Read once per step by each of header / write / from_payload: cached by the shapes."""
+    return _layout_of(tuple(int(x) for x in header[_SHAPE_BASE:HEADER_WORDS]))
+
+
+@functools.lru_cache(maxsize=512)
+def _layout_of(shapes: tuple[int, ...]) -> tuple[tuple[tuple[str, np.dtype, tuple[int, ...], int], ...], int]:
     layout, offset = [], 0
     for i, f in enumerate(_ARRAYS):
-        d0, d1 = (int(x) for x in header[_SHAPE_BASE + 2 * i : _SHAPE_BASE + 2 * i + 2])
+        d0, d1 = shapes[2 * i], shapes[2 * i + 1]
         if d0 < 0:
             continue  # an optional array this step does not have
         shape = (d0, d1) if f.metadata["ndim"] == 2 else (d0,)
@@ -199,7 +206,7 @@ def _layout(header: np.ndarray) -> tuple[list[tuple[str, np.dtype, tuple[int, ..
         layout.append((f.name, dtype, shape, offset))
         count = math.prod(shape)
         offset += count if dtype == _I64 else (count + 1) // 2
-    return layout, offset
+    return tuple(layout), offset
 
 
 # -- the builder ---------------------------------------------------------------------------------
