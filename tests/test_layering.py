@@ -22,6 +22,7 @@ LAYERS = {
     "distributed": 2,
     "worker": 3,
     "cache": 4,
+    "spec_decode": 4,  # proposers and their counters (host side)
     "engine": 5,
     "inspect": 6,
     "demo": 6,

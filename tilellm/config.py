@@ -7,15 +7,102 @@ help text is never restated. Checked once, when built: a bad value raises ValueE
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 
 def _arg(
-    default: Any, help: str, *, cli: bool = True, choices: tuple[str, ...] | None = None, short: str = ""
+    default: Any,
+    help: str,
+    *,
+    cli: bool = True,
+    choices: tuple[str, ...] | None = None,
+    short: str = "",
+    json_value: bool = False,
 ):
-    """A setting: its default, its help, whether the CLI exposes it, its choices."""
-    return field(default=default, metadata={"help": help, "cli": cli, "choices": choices, "short": short})
+    """A setting: its default, its help, whether the CLI exposes it, its choices, and whether its
+    flag takes a JSON value."""
+    metadata = {"help": help, "cli": cli, "choices": choices, "short": short, "json": json_value}
+    return field(default=default, metadata=metadata)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): a proposer drafts up to
+    `num_speculative_tokens` tokens per decoding sequence and one target forward verifies them.
+
+    method "ngram": prompt lookup. The last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`, longest first) are searched for in the sequence's earlier tokens (prompt
+    and output); the tokens after their most recent occurrence are the draft.
+    method "draft_model": `model`, a local Hugging Face directory with the target's vocabulary, run
+    on the same device with its own KV cache over the same blocks, drafts autoregressively.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                    raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+            # vLLM's defaults: 5 and 5 when neither is given, else the other equals the one given.
+            lo, hi = (lo or hi or 5), (hi or lo or 5)
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+                )
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            if self.model is not None:
+                raise ValueError("speculative_config.model is for method 'draft_model', not 'ngram'")
+        elif not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                "speculative_config.model must name the draft model's directory for method 'draft_model'"
+            )
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from a dict (vLLM's keys), a JSON string, or one already built;
+        None stays None. Unknown keys raise ValueError naming them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {unknown}; the keys are {sorted(known)}"
+            )
+        value = dict(value)
+        if "method" not in value and value.get("model"):
+            value["method"] = "draft_model"  # as vLLM infers it from a model
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if getattr(self, k) is not None}
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -56,6 +143,12 @@ class EngineConfig:
     num_kv_blocks: int | None = _arg(None, "fix the KV pool size (blocks) instead of sizing it")
     load_format: str = _arg("safetensors", "safetensors, or dummy (random weights)", cli=False)
     skip_tokenizer_init: bool = _arg(False, "token-id prompts only", cli=False)
+    speculative_config: SpeculativeConfig | None = _arg(
+        None,
+        "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+        "or '{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 3}'",
+        json_value=True,
+    )
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -63,6 +156,7 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             positive(name)
         for name in ("max_model_len", "num_kv_blocks"):

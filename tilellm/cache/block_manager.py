@@ -243,6 +243,23 @@ class BlockManager:
         self._forget(b)
         return b
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release `seq`'s blocks past the first `ceil(num_tokens / block_size)` (speculative
+        decoding: blocks that held only rejected draft tokens). Such blocks were allocated for
+        this sequence alone and never registered (`commit` registers computed, known tokens
+        only), so they go straight back to the pool."""
+        keep = _cdiv(num_tokens, self.block_size)
+        table = seq.block_table
+        if len(table) <= keep:
+            return
+        for b in reversed(table[keep:]):
+            rc = self.ref_counts[b] - 1
+            assert rc == 0 and self.block_hash[b] is None, f"block {b} of a rejected draft is shared or cached"
+            self.ref_counts[b] = 0
+            self.free_uncached.append(b)
+        self.block_tables[seq.row, keep : len(table)] = -1
+        del table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; unreferenced cached blocks stay reusable until evicted."""
         # Tail blocks first: they are evicted first (they are the least likely to be shared).

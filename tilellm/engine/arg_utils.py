@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any
@@ -32,6 +33,19 @@ def _value_type(f: dataclasses.Field) -> type:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = args[0]
     return hint
+
+
+def _json_flag(name: str):
+    """argparse type of a JSON-valued flag: the parsed object, or an error naming the flag."""
+
+    def parse(text: str) -> Any:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{_flag(name)} is not valid JSON ({e})") from None
+
+    parse.__name__ = "JSON"
+    return parse
 
 
 class EngineArgs:
@@ -66,6 +80,9 @@ class EngineArgs:
                 parser.add_argument(
                     *names, action=argparse.BooleanOptionalAction, default=default, help=help_text
                 )
+                continue
+            if f.metadata.get("json"):
+                parser.add_argument(*names, type=_json_flag(f.name), default=default, help=help_text, metavar="JSON")
                 continue
             choices = f.metadata.get("choices")
             parser.add_argument(

@@ -38,6 +38,7 @@ from tilellm.engine.sampling_params import SamplingParams
 from tilellm.engine.sampling_table import SamplingTable
 from tilellm.engine.scheduler import Scheduler, SchedulerOutput
 from tilellm.engine.stats import EngineStats, StepSnapshot, StepTimings
+from tilellm.spec_decode import SpecDecodingStats, make_proposer
 from tilellm.worker.model_runner import InputPatch, ModelRunner, StepHandle, StepResult, start_runner
 from tilellm.worker.sampler import HostSampling
 from tilellm.worker.step_inputs import StepInputs, build_step_inputs
@@ -95,6 +96,10 @@ class _InFlight:
     sampling: HostSampling
     positions: np.ndarray  # [N] position of each sampled row's new token (its placeholder)
     handle: StepHandle
+    # Speculative decoding: the draft each sampled sequence had verified ([N] counts and the
+    # lists); None when no sequence of the step had one (one logits row per sampled sequence).
+    num_drafts: np.ndarray | None = None
+    drafts: list[list[int]] | None = None
     times: list[float] = field(default_factory=list)  # schedule, prepare+launch seconds
 
 
@@ -156,6 +161,11 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         self._pending_src = np.zeros(cfg.max_num_seqs, dtype=np.int64)  # row -> index in its step
         self._last_step: StepSnapshot | None = None
+        spec = cfg.speculative_config
+        # Speculative decoding: drafts for decoding sequences, verified by the next step. Each step
+        # then needs the last one's tokens to draft from, so it runs synchronously.
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec is not None else 0)
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner (tests substitute one that needs no model); see `start_runner`."""
@@ -233,6 +243,8 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     seq.drop_pending()
+                    if self.proposer is not None:
+                        self.proposer.forget(seq.seq_id)
                     self.scheduler.abort(seq)
             return True
 
@@ -257,6 +269,8 @@ class LLMEngine:
         strings need it."""
         with self._lock:
             t0 = time.perf_counter()
+            if self.proposer is not None:
+                self._propose_drafts()
             sched = self.scheduler.schedule()
             launched: _InFlight | None = None
             if not sched.is_empty:
@@ -277,7 +291,7 @@ class LLMEngine:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler made no progress with requests pending")
                 return []
-            if self.async_scheduling:  # finish the step launched last time, while this one runs
+            if self.async_scheduling and self.proposer is None:  # finish the last step meanwhile
                 done, self._inflight = self._inflight, launched
             else:
                 done, self._inflight = (self._inflight or launched), None
@@ -295,6 +309,27 @@ class LLMEngine:
             self._record_timing(done, t4 - t3, t5 - t4, result.device_time_s)
             return outputs
 
+    # Back-off of a sequence whose drafts are all rejected: it skips 1, 3, 7, 15 steps before
+    # drafting again (a draft that is found but wrong costs a wider verification step).
+    _SPEC_MAX_WAIT = 15
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding sequence the draft its next step verifies (see `tilellm.spec_decode`).
+
+        A draft never reaches past the sequence's output limit: the step emits up to d + 1 tokens."""
+        proposer = self.proposer
+        assert proposer is not None
+        max_outputs = self.sampling_table.max_outputs
+        running = SequenceStatus.RUNNING
+        for seq in self.scheduler.running:
+            if seq.status is not running or seq.num_pending or seq.num_computed_tokens != len(seq.token_ids) - 1:
+                continue
+            if seq.spec_wait:
+                seq.spec_wait -= 1
+                continue
+            room = int(max_outputs[seq.row]) - seq.num_output_tokens - 1
+            seq.spec_token_ids = proposer.propose(seq.seq_id, seq.token_ids, room) if room > 0 else []
+
     def _launch(self, sched: SchedulerOutput) -> _InFlight:
         """Build the step's inputs (host arrays) and start it on the device.
 
@@ -303,6 +338,9 @@ class LLMEngine:
         """
         seqs = sched.seqs
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
+        drafts = None
+        if self.proposer is not None and any(sched.num_drafts):
+            drafts = [s.spec_token_ids if d else [] for s, d in zip(seqs, sched.num_drafts)]
         inputs = build_step_inputs(
             [s.token_ids for s in seqs],
             sched.starts,
@@ -311,13 +349,25 @@ class LLMEngine:
             sched.samples,
             self.block_manager.block_tables,
             self.block_manager.block_size,
+            draft_token_ids=drafts,
         )
         mask = np.asarray(sched.samples, dtype=bool)
         sampled = [s for s, smp in zip(seqs, sched.samples) if smp]
         # A sampled row ends its sequence's tokens: its seq_len is the new token's position.
         positions = inputs.seq_lens[mask].astype(np.int64)
         sampled_rows = rows[mask]
-        sampling = self.sampling_table.gather(sampled_rows, positions)
+        num_drafts = None
+        if drafts is None:
+            sampling = self.sampling_table.gather(sampled_rows, positions)
+        else:  # one logits row per draft token and one after: row j samples position p + j
+            num_drafts = np.asarray(sched.num_drafts, dtype=np.int64)[mask]
+            positions -= num_drafts
+            width = num_drafts + 1
+            offsets = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
+            sampling = self.sampling_table.gather(
+                np.repeat(sampled_rows, width), np.repeat(positions, width) + offsets
+            )
+            drafts = [d for d, smp in zip(drafts, sched.samples) if smp]
         patch = None
         pending = np.flatnonzero(inputs.input_ids < 0)
         if len(pending):
@@ -330,7 +380,7 @@ class LLMEngine:
             seq.token_ids.append(-1)
             seq.num_pending += 1
         self._pending_src[sampled_rows] = np.arange(len(sampled))
-        return _InFlight(sched, inputs, sampled, sampling, positions, handle)
+        return _InFlight(sched, inputs, sampled, sampling, positions, handle, num_drafts=num_drafts, drafts=drafts)
 
     def _record_timing(self, done: _InFlight, wait_s: float, post_s: float, device_s: float | None) -> None:
         tm = self.timings
@@ -353,6 +403,8 @@ class LLMEngine:
     # -- postprocess ----------------------------------------------------------------------------
 
     def _postprocess(self, done: _InFlight, result: StepResult, emit_partial: bool) -> list[RequestOutput]:
+        if done.num_drafts is not None:
+            return self._postprocess_verified(done, result, emit_partial)
         sampled, sampling = done.sampled, done.sampling
         tokens = result.token_ids.tolist()
         alive = np.ones(len(sampled), dtype=bool)
@@ -403,6 +455,77 @@ class LLMEngine:
                 result,
                 emit_partial,
             )
+        if emit_partial:
+            for req in touched.values():
+                req.metrics.last_token_time = now
+            return [self._make_output(req) for req in touched.values()]
+        return [self._make_output(req) for req in touched.values() if req.is_finished]
+
+    def _postprocess_verified(
+        self, done: _InFlight, result: StepResult, emit_partial: bool
+    ) -> list[RequestOutput]:
+        """`_postprocess` of a step that verified drafts: sequence k's rows are its draft's
+        positions and one after. Its draft is accepted while each draft token equals the token
+        sampled at that row (greedy: the argmax; sampled: a draw that the rejection sampler makes
+        equal to the draft exactly with the acceptance probability); the tokens emitted are the
+        sampled ones up to and including the first that differs (or the one after the draft).
+
+        Each emitted token then goes through the same checks as a decode step's, in order: a stop
+        inside the accepted run ends the sequence there. K/V is valid up to the last accepted
+        draft token: `num_computed_tokens` goes back there and blocks holding only rejected
+        tokens are released; only then are full blocks committed to the prefix cache."""
+        sampled, sampling = done.sampled, done.sampling
+        assert done.num_drafts is not None and done.drafts is not None
+        tokens = result.token_ids.tolist()
+        table = self.sampling_table
+        rows = sampling.rows
+        length_done = (sampling.steps + 1 >= table.max_outputs[rows]).tolist()
+        eos_done = (np.isin(result.token_ids, self._eos_array) & table.eos_stops[rows]).tolist()
+        special = (table.python_checks[rows] | (sampling.steps == 0)).tolist()
+        check_all = emit_partial and self.tokenizer is not None
+        width = done.num_drafts + 1
+        first_rows = (np.cumsum(width) - width).tolist()
+        bm, stats = self.block_manager, self.spec_stats
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        for k, seq in enumerate(sampled):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            r0, draft = first_rows[k], done.drafts[k]
+            accepted = 0
+            while accepted < len(draft) and tokens[r0 + accepted] == draft[accepted]:
+                accepted += 1
+            if draft:
+                stats.observe(len(draft), accepted)
+                if accepted:
+                    seq.spec_misses = 0
+                else:
+                    seq.spec_misses += 1
+                    seq.spec_wait = min((1 << seq.spec_misses) - 1, self._SPEC_MAX_WAIT)
+            seq.spec_token_ids = []
+            req = seq.request
+            touched[req.request_id] = req
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            pos = int(done.positions[k])
+            for j in range(accepted + 1):
+                r, token = r0 + j, tokens[r0 + j]
+                if j == 0:
+                    seq.token_ids[pos] = token
+                    seq.num_pending -= 1
+                else:
+                    seq.token_ids.append(token)
+                self.generation_tokens_total += 1
+                if check_all or length_done[r] or eos_done[r] or special[r]:
+                    self._check_stop(
+                        seq, token, pos + j, r, eos_done[r], length_done[r], result, emit_partial
+                    )
+                    if seq.status is SequenceStatus.FINISHED:
+                        break
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.num_computed_tokens = pos + accepted
+                bm.trim(seq, len(seq.token_ids))
+                bm.commit(seq)
         if emit_partial:
             for req in touched.values():
                 req.metrics.last_token_time = now
@@ -475,6 +598,9 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         seq.drop_pending()  # placeholders of a step still in flight: its tokens are dropped
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
+            seq.spec_token_ids = []
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq)

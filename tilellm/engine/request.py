@@ -11,7 +11,9 @@ Who sets what (one owner per fact):
     holds blocks, 0..max_num_seqs-1. The slot indexes every per-sequence array of the host side:
     its row of the block-table array, of the sampling table and of the engine's pending-token index.
   - engine (after a step): `token_ids` (appends; `num_pending` placeholders while a step is in
-    flight, removed only by `drop_pending`), finish fields, logprobs, detokenizer
+    flight, removed only by `drop_pending`), finish fields, logprobs, detokenizer, and the draft
+    (`spec_token_ids`) the proposer made for the next step; after a verification it sets
+    `num_computed_tokens` back to the tokens whose K/V is valid (the accepted ones)
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class Sequence:
         "text",
         "admit_order",
         "num_pending",
+        "spec_token_ids",
+        "spec_wait",
+        "spec_misses",
     )
 
     def __init__(self, request: Request, index: int, seed: int, cache_root: bytes | None):
@@ -94,6 +99,12 @@ class Sequence:
         self.text = ""  # final (or latest streamed) text; the detokenizer's text minus any stop string
         self.admit_order = -1  # when it last entered `running` (preemption takes the latest)
         self.num_pending = 0  # trailing placeholder tokens (-1) of launched steps not yet read back
+        # Speculative decoding: the draft the next step verifies (not part of `token_ids`; -1s
+        # are slots a model proposer fills on the device side), and the back-off of a sequence
+        # whose drafts keep being rejected: it drafts again after `spec_wait` more steps.
+        self.spec_token_ids: list[int] = []
+        self.spec_wait = 0
+        self.spec_misses = 0
 
     def drop_pending(self) -> None:
         """Remove the trailing placeholder tokens of launched steps (finish, abort)."""

@@ -33,12 +33,15 @@ class SchedulerOutput:
 
     `samples[i]` is True when that reaches the end of the sequence's known tokens, so the step
     samples its next token. `admitted` lists the sequences that entered `running` in this step.
+    `num_drafts[i]` (speculative decoding): the last that many of the sequence's new tokens are
+    its draft (`seq.spec_token_ids`), verified in this step; its logits are needed at each.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -110,6 +113,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids = []  # a draft is for the very next step only
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -125,16 +129,27 @@ class Scheduler:
         bs = bm.block_size
         running = self.running
         seqs, qlens, starts, samples = out.seqs, out.num_new_tokens, out.starts, out.samples
+        drafts = out.num_drafts
 
-        # Running sequences, oldest first: decodes (1 token) and prompt chunks.
+        # Running sequences, oldest first: decodes (1 token, or 1 + its draft) and prompt chunks.
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             start = seq.num_computed_tokens
             total = len(seq.token_ids)
-            n = min(total - start, budget)
+            num_drafts = 0
+            if seq.spec_token_ids:
+                if start == total - 1:  # decoding: the draft rides on its one new token
+                    num_drafts = min(len(seq.spec_token_ids), budget - 1)
+                if num_drafts < len(seq.spec_token_ids):
+                    seq.spec_token_ids = seq.spec_token_ids[:num_drafts]
+            n = min(total - start, budget) + num_drafts
             if start + n > len(seq.block_table) * bs:
-                while not bm.allocate(seq, n):
+                if num_drafts and not bm.allocate(seq, n):  # a draft never costs a preemption
+                    n -= num_drafts
+                    num_drafts = 0
+                    seq.spec_token_ids = []
+                while start + n > len(seq.block_table) * bs and not bm.allocate(seq, n):
                     victim = running.pop()
                     self._preempt(victim)
                     out.preempted.append(victim)
@@ -147,7 +162,8 @@ class Scheduler:
             seqs.append(seq)
             qlens.append(n)
             starts.append(start)
-            samples.append(start + n == total)
+            samples.append(start + n >= total)
+            drafts.append(num_drafts)
             seq.num_computed_tokens = start + n
             bm.commit(seq)
             budget -= n
@@ -179,6 +195,7 @@ class Scheduler:
                 qlens.append(n)
                 starts.append(num_cached)
                 samples.append(num_cached + n == total)
+                drafts.append(0)
                 seq.num_computed_tokens = num_cached + n
                 bm.commit(seq)  # later admissions of this step can share these blocks
                 budget -= n
@@ -206,6 +223,6 @@ def _order_for_kernels(out: SchedulerOutput) -> None:
     if (order == np.arange(len(q))).all():
         return
     order = order.tolist()
-    for name in ("seqs", "num_new_tokens", "starts", "samples"):
+    for name in ("seqs", "num_new_tokens", "starts", "samples", "num_drafts"):
         values = getattr(out, name)
         setattr(out, name, [values[i] for i in order])

@@ -257,6 +257,7 @@ def build_step_inputs(
     *,
     store: bool = True,
     cascade: bool = True,
+    draft_token_ids: list[list[int]] | None = None,
 ) -> StepInputs:
     """The `StepInputs` (host arrays) of one scheduled step; a pure function of its arguments.
 
@@ -267,6 +268,10 @@ def build_step_inputs(
     `samples[i]`, in batch order. `store=False`: every slot -1 (nothing is written: profiling and
     warm-up passes). `cascade=False`: never plan a shared prefix. Vectorised with numpy: no
     Python work per token, one list lookup per request.
+
+    Speculative decoding: `draft_token_ids[i]` (d tokens, may be empty) are the last d of request
+    i's `q_lens[i]` new tokens, after its known ones; a sampled request then has logits at each
+    of its last d + 1 rows (the draft's verification), listed in order in `logits_indices`.
     """
     num_reqs = len(q_lens)
     q = np.asarray(q_lens, dtype=np.int64)
@@ -277,8 +282,20 @@ def build_step_inputs(
     num_tokens = int(cu[-1])
 
     # -- input ids: only the tokens not computed yet --
+    num_drafts = None
+    if draft_token_ids is not None:
+        num_drafts = np.fromiter((len(d) for d in draft_token_ids), dtype=np.int64, count=num_reqs)
     if token_ids is None:
         ids = np.zeros(num_tokens, dtype=np.int64)
+    elif num_drafts is not None and num_drafts.any():
+        ids = np.fromiter(
+            itertools.chain.from_iterable(
+                itertools.chain(t[s : s + n - len(d)], d)
+                for t, s, n, d in zip(token_ids, starts, q_lens, draft_token_ids)  # type: ignore[arg-type]
+            ),
+            dtype=np.int64,
+            count=num_tokens,
+        )
     elif num_tokens == num_reqs:  # decode-like: one token per request
         ids = np.fromiter((t[s] for t, s in zip(token_ids, starts)), dtype=np.int64, count=num_reqs)
     else:
@@ -299,7 +316,13 @@ def build_step_inputs(
     else:
         slots = np.full(num_tokens, -1, dtype=np.int64)
 
-    logits_indices = cu[1:][np.asarray(samples, dtype=bool)] - 1
+    sampled = np.asarray(samples, dtype=bool)
+    logits_indices = cu[1:][sampled] - 1
+    if num_drafts is not None and num_drafts[sampled].any():
+        width = num_drafts[sampled] + 1  # logits rows of each sampled request
+        first = np.repeat(logits_indices - width + 1, width)
+        offsets = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
+        logits_indices = first + offsets
     kind = choose_batch_kind(start, q)
     prefix = shared_prefix_len(table, seq_lens, block_size) if cascade and kind is BatchKind.DECODE else 0
     return StepInputs(
