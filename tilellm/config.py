@@ -93,9 +93,7 @@ class SpeculativeConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(
-                f"speculative_config has unknown key(s) {unknown}; the keys are {sorted(known)}"
-            )
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; the keys are {sorted(known)}")
         value = dict(value)
         if "method" not in value and value.get("model"):
             value["method"] = "draft_model"  # as vLLM infers it from a model
@@ -145,8 +143,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = _arg(False, "token-id prompts only", cli=False)
     speculative_config: SpeculativeConfig | None = _arg(
         None,
-        "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
-        "or '{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 3}'",
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        'or \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'',
         json_value=True,
     )
 

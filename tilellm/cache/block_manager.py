@@ -254,7 +254,9 @@ class BlockManager:
             return
         for b in reversed(table[keep:]):
             rc = self.ref_counts[b] - 1
-            assert rc == 0 and self.block_hash[b] is None, f"block {b} of a rejected draft is shared or cached"
+            assert rc == 0 and self.block_hash[b] is None, (
+                f"block {b} of a rejected draft is shared or cached"
+            )
             self.ref_counts[b] = 0
             self.free_uncached.append(b)
         self.block_tables[seq.row, keep : len(table)] = -1

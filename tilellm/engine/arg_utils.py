@@ -82,7 +82,9 @@ class EngineArgs:
                 )
                 continue
             if f.metadata.get("json"):
-                parser.add_argument(*names, type=_json_flag(f.name), default=default, help=help_text, metavar="JSON")
+                parser.add_argument(
+                    *names, type=_json_flag(f.name), default=default, help=help_text, metavar="JSON"
+                )
                 continue
             choices = f.metadata.get("choices")
             parser.add_argument(

@@ -18,6 +18,7 @@ dropped. Outputs come one `step()` call later; nothing else changes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import numbers
 import pathlib
@@ -39,6 +40,8 @@ from tilellm.engine.sampling_table import SamplingTable
 from tilellm.engine.scheduler import Scheduler, SchedulerOutput
 from tilellm.engine.stats import EngineStats, StepSnapshot, StepTimings
 from tilellm.spec_decode import SpecDecodingStats, make_proposer
+from tilellm.spec_decode.proposer import DeviceProposer
+from tilellm.worker.draft_runner import DraftRequest
 from tilellm.worker.model_runner import InputPatch, ModelRunner, StepHandle, StepResult, start_runner
 from tilellm.worker.sampler import HostSampling
 from tilellm.worker.step_inputs import StepInputs, build_step_inputs
@@ -283,6 +286,8 @@ class LLMEngine:
                         self.eos_token_ids,
                         self.max_model_len,
                     )
+                if self.proposer is not None and self.proposer.needs_device and any(sched.num_drafts):
+                    self._draft_on_device(sched)
                 t1 = time.perf_counter()
                 launched = self._launch(sched)
                 t2 = time.perf_counter()
@@ -322,13 +327,45 @@ class LLMEngine:
         max_outputs = self.sampling_table.max_outputs
         running = SequenceStatus.RUNNING
         for seq in self.scheduler.running:
-            if seq.status is not running or seq.num_pending or seq.num_computed_tokens != len(seq.token_ids) - 1:
+            if (
+                seq.status is not running
+                or seq.num_pending
+                or seq.num_computed_tokens != len(seq.token_ids) - 1
+            ):
                 continue
             if seq.spec_wait:
                 seq.spec_wait -= 1
                 continue
             room = int(max_outputs[seq.row]) - seq.num_output_tokens - 1
             seq.spec_token_ids = proposer.propose(seq.seq_id, seq.token_ids, room) if room > 0 else []
+
+    def _draft_on_device(self, sched: SchedulerOutput) -> None:
+        """Fill the draft slots the scheduler kept for this step from the draft model."""
+        proposer = self.proposer
+        assert isinstance(proposer, DeviceProposer)
+        table = self.sampling_table
+        seqs, requests = [], []
+        for seq, d in zip(sched.seqs, sched.num_drafts):
+            if not d:
+                continue
+            row, known = seq.row, len(seq.token_ids)
+            requests.append(
+                DraftRequest(
+                    token_ids=seq.token_ids,
+                    num_computed=proposer.num_computed(seq.seq_id, seq.admit_order, known - 1),
+                    num_drafts=d,
+                    row=row,
+                    greedy=bool(table.greedy[row]),
+                    inv_temp=float(table.inv_temp[row]),
+                    seed_key=int(table.seed_key[row]),
+                    step=known - seq.num_prompt_tokens,
+                )
+            )
+            seqs.append(seq)
+        proposal = self.runner.propose_drafts(requests, self.block_manager.block_tables)
+        for seq, tokens, n in zip(seqs, proposal.token_ids, proposal.num_computed):
+            seq.spec_token_ids = tokens
+            proposer.record(seq.seq_id, seq.admit_order, n)
 
     def _launch(self, sched: SchedulerOutput) -> _InFlight:
         """Build the step's inputs (host arrays) and start it on the device.
@@ -375,12 +412,23 @@ class LLMEngine:
             cu = inputs.cu_seqlens_q
             req = np.searchsorted(cu, pending, side="right") - 1
             patch = InputPatch(pending, self._pending_src[rows[req]], self._inflight.handle)
-        handle = self.runner.launch(inputs, sampling, patch)
+        if drafts is None:
+            handle = self.runner.launch(inputs, sampling, patch)
+        else:  # the logits row checking each draft token, and the token
+            assert num_drafts is not None
+            first = np.repeat(np.cumsum(num_drafts + 1) - num_drafts - 1, num_drafts)
+            offsets = np.arange(int(num_drafts.sum())) - np.repeat(
+                np.cumsum(num_drafts) - num_drafts, num_drafts
+            )
+            ids = np.fromiter(itertools.chain.from_iterable(drafts), dtype=np.int64, count=len(offsets))
+            handle = self.runner.launch(inputs, sampling, patch, drafts=(first + offsets, ids))
         for seq in sampled:
             seq.token_ids.append(-1)
             seq.num_pending += 1
         self._pending_src[sampled_rows] = np.arange(len(sampled))
-        return _InFlight(sched, inputs, sampled, sampling, positions, handle, num_drafts=num_drafts, drafts=drafts)
+        return _InFlight(
+            sched, inputs, sampled, sampling, positions, handle, num_drafts=num_drafts, drafts=drafts
+        )
 
     def _record_timing(self, done: _InFlight, wait_s: float, post_s: float, device_s: float | None) -> None:
         tm = self.timings

@@ -62,14 +62,23 @@ def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] float32 Gumbel(0, 1) noise; row i depends only on keys[i] (int64 holding a uint32)."""
+def _uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] float32 uniforms in (0, 1); row i depends only on keys[i] (int64 holding a uint32)."""
     idx = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     k = keys.to(torch.int64)[:, None]
     h = _mix32_torch(idx[None, :] ^ k)
     h = _mix32_torch((h + k) & _MASK32)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
-    return -torch.log(-torch.log(u))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] float32 Gumbel(0, 1) noise; row i depends only on keys[i] (int64 holding a uint32)."""
+    return -torch.log(-torch.log(_uniforms(keys, vocab_size)))
+
+
+def uniform_noise(keys: torch.Tensor) -> torch.Tensor:
+    """[N] float32 uniforms in (0, 1), one per key (the hash's first entry of each row)."""
+    return _uniforms(keys, 1)[:, 0]
 
 
 def device_row_keys(seed_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

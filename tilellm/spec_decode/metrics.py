@@ -21,7 +21,9 @@ class SpecDecodingStats:
 
     def __post_init__(self) -> None:
         if len(self.num_accepted_tokens_per_pos) < self.num_spec_tokens:
-            self.num_accepted_tokens_per_pos += [0] * (self.num_spec_tokens - len(self.num_accepted_tokens_per_pos))
+            self.num_accepted_tokens_per_pos += [0] * (
+                self.num_spec_tokens - len(self.num_accepted_tokens_per_pos)
+            )
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One verified draft of `num_draft_tokens` tokens, the first `num_accepted` accepted."""

@@ -44,7 +44,23 @@ class KVSpec:
         return self.block_bytes // self.block_size
 
 
-def cpu_num_blocks(spec: KVSpec, max_model_len: int, max_num_seqs: int) -> int:
+@dataclass(frozen=True)
+class PooledSpec:
+    """Caches that share one set of block ids (a target model's and its draft model's): a block
+    id then costs a block in each, and the pool is sized by their sum."""
+
+    specs: tuple[KVSpec, ...]
+
+    @property
+    def block_size(self) -> int:
+        return self.specs[0].block_size
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(s.block_bytes for s in self.specs)
+
+
+def cpu_num_blocks(spec: KVSpec | PooledSpec, max_model_len: int, max_num_seqs: int) -> int:
     """Blocks for `max_num_seqs` requests of `max_model_len` tokens each (every running request
     can reach its limit), capped by CPU_POOL_BUDGET_BYTES but never below one full-length request."""
     per_seq = -(-max_model_len // spec.block_size)
@@ -53,7 +69,7 @@ def cpu_num_blocks(spec: KVSpec, max_model_len: int, max_num_seqs: int) -> int:
 
 
 def gpu_num_blocks(
-    spec: KVSpec,
+    spec: KVSpec | PooledSpec,
     *,
     peak_activation_bytes: int,
     gpu_memory_utilization: float,

@@ -39,6 +39,8 @@ from tilellm.config import EngineConfig
 from tilellm.distributed.driver import WorkerError
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
+from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
+from tilellm.worker.rejection import DraftVerification
 from tilellm.worker.sampler import HostSampling, Sampler, SamplerOutput
 from tilellm.worker.staging import PinnedStaging
 from tilellm.worker.step_inputs import NUM_WORDS, StepInputs, build_step_inputs
@@ -154,6 +156,13 @@ class ModelRunner:
             layer0.num_heads, num_kv_heads, head_dim, self.dtype, config.block_size
         )
         self.sampler = Sampler()
+        # Speculative decoding with a draft model: on rank 0 only (it alone samples); its cache
+        # shares the target's block ids, so the pool is sized by both (`kv_pool.PooledSpec`).
+        spec = config.speculative_config
+        self.draft: DraftRunner | None = None
+        if spec is not None and spec.method == "draft_model" and (group is None or group.is_driver):
+            self.draft = DraftRunner(config, self.device, self.dtype, self.vocab_size)
+        self._draft_probs: torch.Tensor | None = None  # q of the drafts the next step verifies
         if self.is_cuda:  # two of each: step N+1 is prepared while step N runs
             self._stagings = [PinnedStaging(self.device), PinnedStaging(self.device)]
             self._token_hosts = [
@@ -174,8 +183,17 @@ class ModelRunner:
         self.max_model_len = kv_pool.check_fits(
             num_blocks * self.block_size, model_len, explicit=config.max_model_len is not None
         )
+        if self.draft is not None and self.draft.max_model_len is not None:
+            if self.draft.max_model_len < self.max_model_len:
+                raise ValueError(
+                    f"speculative_config.model: the draft model's max_position_embeddings "
+                    f"({self.draft.max_model_len}) is below the engine's max_model_len "
+                    f"({self.max_model_len}); lower max_model_len or pick another draft"
+                )
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self._bind_kv_pool()
+        if self.draft is not None:
+            self.draft.bind_kv_pool(num_blocks)
 
         self.decode_graphs = DecodeGraphs(
             self.device,
@@ -215,9 +233,16 @@ class ModelRunner:
             self.driver.wait_event(event)
         torch.cuda.synchronize()
 
+    @property
+    def pool_spec(self) -> kv_pool.KVSpec | kv_pool.PooledSpec:
+        """What one block id costs: the target's block, and the draft model's when there is one."""
+        if self.draft is None:
+            return self.kv_spec
+        return kv_pool.PooledSpec((self.kv_spec, self.draft.kv_spec))
+
     def _auto_num_blocks(self, model_len: int) -> int:
         if not self.is_cuda:
-            return kv_pool.cpu_num_blocks(self.kv_spec, model_len, self.config.max_num_seqs)
+            return kv_pool.cpu_num_blocks(self.pool_spec, model_len, self.config.max_num_seqs)
         self._sync()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -231,7 +256,7 @@ class ModelRunner:
             rows = graph_logits_rows(self.config.max_num_seqs, self.config.enable_prefix_caching)
             reserve += rows * self.vocab_size * self.dtype.itemsize
         return kv_pool.gpu_num_blocks(
-            self.kv_spec,
+            self.pool_spec,
             peak_activation_bytes=peak - current,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             graph_reserve_bytes=reserve,
@@ -422,16 +447,35 @@ class ModelRunner:
         """Run one step and wait for its result (see `launch` / `wait`)."""
         return self.wait(self.launch(inputs, sampling))
 
+    def propose_drafts(self, requests: list[DraftRequest], block_tables: np.ndarray) -> DraftProposal:
+        """Draft tokens from the draft model for the next step (see `DraftRunner.propose`); their
+        proposal distributions stay here for that step's rejection sampler."""
+        assert self.draft is not None, "propose_drafts needs speculative_config's draft model"
+        proposal = self.draft.propose(requests, block_tables)
+        self._draft_probs = proposal.probs
+        return proposal
+
     @torch.inference_mode()
     def launch(
-        self, inputs: StepInputs, sampling: HostSampling, patch: InputPatch | None = None
+        self,
+        inputs: StepInputs,
+        sampling: HostSampling,
+        patch: InputPatch | None = None,
+        drafts: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> StepHandle:
         """Start the model on `inputs` (host arrays) and the sampler on its `logits_indices` rows.
 
         On CUDA this returns as soon as the work is queued: the host can prepare the next step
         while the device runs this one. `patch` fills input tokens from an earlier step's output.
         With tensor parallelism the step goes to every rank first (see the module docstring).
+        `drafts`: (logits rows, token ids) of the draft tokens this step verifies; with the draft
+        model's distributions from `propose_drafts` they are rejection-sampled.
         """
+        verification = None
+        probs, self._draft_probs = self._draft_probs, None
+        if drafts is not None and probs is not None:
+            rows, ids = (torch.from_numpy(a).to(self.device) for a in drafts)
+            verification = DraftVerification(rows, ids, probs)
         t0 = time.perf_counter()
         graphs = self.decode_graphs
         bucket = graphs.bucket(inputs.num_reqs) if inputs.kind is BatchKind.DECODE else None
@@ -444,12 +488,12 @@ class ModelRunner:
         self._step_id += 1
         header = inputs.header(self._step_id)
         if self.driver is None:
-            return self._launch(inputs, header, sampling, patch, t0)
+            return self._launch(inputs, header, sampling, patch, t0, verification)
         with self.driver.step_lock:
             self.driver.check_workers()
             with self._all_ranks():
                 self.driver.send_header(header)
-                return self._launch(inputs, header, sampling, patch, t0)
+                return self._launch(inputs, header, sampling, patch, t0, verification)
 
     @contextlib.contextmanager
     def _all_ranks(self, catch: type[BaseException] = BaseException) -> Iterator[None]:
@@ -471,9 +515,10 @@ class ModelRunner:
         sampling: HostSampling,
         patch: InputPatch | None,
         t0: float,
+        verification: DraftVerification | None = None,
     ) -> StepHandle:
         if not self.is_cuda:
-            return self._launch_cpu(inputs, header, sampling, patch)
+            return self._launch_cpu(inputs, header, sampling, patch, verification)
         parity, self._parity = self._parity, self._parity ^ 1
         st = self._stagings[parity]
         inputs.write(st.reserve((int(header[NUM_WORDS]),), np.int64)[1], header)  # item 0: the payload
@@ -498,7 +543,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         logits = self._forward(x)
         t3 = time.perf_counter()
-        out = self.sampler(logits, md)
+        out = self.sampler(logits, md, verification)
         handle = self._copy_out(out, parity)
         handle.start_event = start_ev
         t4 = time.perf_counter()
@@ -511,7 +556,12 @@ class ModelRunner:
         return handle
 
     def _launch_cpu(
-        self, inputs: StepInputs, header: np.ndarray, sampling: HostSampling, patch: InputPatch | None
+        self,
+        inputs: StepInputs,
+        header: np.ndarray,
+        sampling: HostSampling,
+        patch: InputPatch | None,
+        verification: DraftVerification | None = None,
     ) -> StepHandle:
         t0 = time.perf_counter()
         payload = torch.from_numpy(inputs.to_words(header))
@@ -521,7 +571,7 @@ class ModelRunner:
         if self.driver is not None:
             self.driver.broadcast_payload(payload)
         logits = self._forward(x)
-        out = self.sampler(logits, sampling.to_cpu_metadata())
+        out = self.sampler(logits, sampling.to_cpu_metadata(), verification)
 
         def host(t: torch.Tensor | None) -> np.ndarray | None:
             return None if t is None else t.numpy()

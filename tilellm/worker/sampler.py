@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tilellm.kernels.sampling import gumbel_argmax_torch, gumbel_argmax_triton
+from tilellm.worker.rejection import DraftVerification, rejection_sample
 
 # -- per-step inputs ----------------------------------------------------------------------------
 
@@ -154,7 +155,11 @@ class Sampler:
             return gumbel_argmax_triton(logits, md.inv_temperature, md.seed_keys, md.steps)
         return gumbel_argmax_torch(logits, md.inv_temperature, md.seed_keys, md.steps)
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, md: SamplingMetadata, drafts: DraftVerification | None = None
+    ) -> SamplerOutput:
+        """`drafts`: draft tokens with full proposal distributions to accept or replace
+        (`tilellm.worker.rejection`); point-mass drafts need nothing here."""
         # Plain greedy and temperature sampling read the model's logits as they are (bf16/fp16
         # widen exactly inside argmax and the Gumbel kernel): no float32 copy of [N, V], which at
         # 256 rows of a 152k vocabulary costs more than the draw itself. Filters, bans and
@@ -175,6 +180,13 @@ class Sampler:
                 if mask is not None:
                     logits = logits.masked_fill(mask, float("-inf"))
             tokens = self._gumbel_argmax(logits, md)
+            if drafts is not None:
+                rows = drafts.rows
+                target = torch.softmax(logits[rows].float() * inv_temp[rows, None], dim=-1)
+                checked = rejection_sample(
+                    target, drafts.token_ids, drafts.probs, md.seed_keys[rows], md.steps[rows]
+                )
+                tokens = tokens.index_copy(0, rows, checked)
             if md.greedy is not None:
                 tokens = torch.where(md.greedy, logits.argmax(dim=-1), tokens)
         out = SamplerOutput(token_ids=tokens)
