@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from tilellm.commands.common import UsageError, check_model_dir, resolve_device
+from tilellm.commands.common import UsageError, check_model_dir, flag_error, resolve_device
 
 E1_OUTPUT_TOKENS = 133966
 
@@ -190,7 +190,10 @@ def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_
     # Timestamps on stdout: a run cut by a time limit still shows how far the engine got.
     print(f"# building the engine (tensor_parallel_size={args.tensor_parallel_size}) ...", flush=True)
     t0 = time.perf_counter()
-    llm = LLM(model, **kwargs)
+    try:
+        llm = LLM(model, **kwargs)
+    except ValueError as e:  # the engine's documented error for a model it cannot run
+        raise flag_error(e) from None
     print(f"# engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     return llm
 

@@ -20,6 +20,7 @@ from tilellm.commands.common import (
     add_engine_arguments,
     add_sampling_arguments,
     engine_kwargs,
+    flag_error,
     resolve_model,
     sampling_kwargs,
 )
@@ -250,7 +251,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tilellm chat: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(model, **engine_kwargs(args))
+    try:
+        engine = LLMEngine(model, **engine_kwargs(args))
+    except ValueError as e:  # the engine's documented error for a model it cannot run
+        raise flag_error(e) from None
     session = ChatSession(engine, params, args.system)
     # Line editing only at a terminal: piped input needs none, and some readline builds write
     # escape codes to stdout as soon as they are imported.

@@ -89,6 +89,9 @@ def flag_error(
         return flags.get(name, "--" + name.replace("_", "-"))
 
     text = re.sub(r"\bSamplingParams\.(\w+)", lambda m: flag(m.group(1)), str(exc))
+    # A key of a JSON-valued flag: "speculative_config.method must" -> "--speculative-config's method must".
+    text = re.sub(r"\bspeculative_config\.(\w+)", r"--speculative-config's \1", text)
+    text = re.sub(r"\bspeculative_config\b", "--speculative-config", text)
     first = text.split(" ", 1)[0]
     if first in fields:
         text = flag(first) + text[len(first) :]

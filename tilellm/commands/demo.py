@@ -9,6 +9,7 @@ Exits 1 when the accuracy is below the threshold recorded with the model (tilell
     tilellm demo
     tilellm demo --num-kv-blocks 12          # a small pool: watch the scheduler preempt
     tilellm demo --device cuda --attention-backend triton --num-requests 256
+    tilellm demo --speculative               # n-gram speculative decoding on the record-editing model
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=2024, help="which held-out problems are asked")
     parser.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="n-gram speculative decoding (prompt lookup), with acceptance in every step line; the "
+        "default model is then the embedded record-editing one, whose answers copy the prompt",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="draft tokens per step (--speculative)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -47,6 +61,16 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--num-requests and --arrivals-per-step must be >= 1")
     if args.model is not None:
         check_demo_model(args.model)
+    engine_kwargs = None
+    if args.speculative:
+        if args.num_speculative_tokens < 1:
+            raise UsageError("--num-speculative-tokens must be >= 1")
+        if args.model is None:
+            from tilellm.assets import copy_model_path
+
+            args.model = str(copy_model_path())
+        spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+        engine_kwargs = {"speculative_config": {**spec, "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
     device = resolve_device(args.device)
     if args.attention_backend == "triton" and device == "cpu":
         # The Triton kernels run on the CPU only under the interpreter, set before triton loads.
@@ -65,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             seed=args.seed,
             out=None if args.quiet else sys.stdout,
+            engine_kwargs=engine_kwargs,
         )
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None

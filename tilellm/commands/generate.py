@@ -11,6 +11,7 @@ from tilellm.commands.common import (
     add_engine_arguments,
     add_sampling_arguments,
     engine_kwargs,
+    flag_error,
     resolve_model,
     sampling_params,
 )
@@ -54,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         llm = LLM(model, **kwargs)
     except ValueError as e:  # the engine's documented error for a model it cannot run
-        raise UsageError(str(e)) from None
+        raise flag_error(e) from None
     use_tqdm = not args.no_progress
     try:
         if args.chat:

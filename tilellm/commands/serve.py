@@ -19,6 +19,7 @@ from tilellm.commands.common import (
     UsageError,
     add_engine_arguments,
     engine_kwargs,
+    flag_error,
     merge_model_arguments,
     resolve_model,
 )
@@ -169,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             engine = LLMEngine(model, **kwargs)
         except ValueError as exc:  # the engine's documented error for a model it cannot run
-            raise UsageError(str(exc)) from None
+            raise flag_error(exc) from None
         # As `LLM` does on CUDA: outputs lag one step, nothing else changes (see LLMEngine).
         is_cuda = bool(getattr(engine.runner, "is_cuda", False))
         engine.async_scheduling = is_cuda if args.async_scheduling is None else args.async_scheduling

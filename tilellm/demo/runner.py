@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from tilellm.demo.task import Problem, problems_for_model
+from tilellm.demo import copy_task, task
+from tilellm.demo.task import Problem
 
 
 @dataclass
@@ -33,6 +34,8 @@ class StepLine:
     preemptions: int  # cumulative
     finished: int  # cumulative
     seconds: float
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified in this step
+    accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass
@@ -49,6 +52,9 @@ class DemoResult:
     preemptions: int = 0
     threshold: float = 0.0
     device: str = ""
+    num_drafts: int = 0  # speculative decoding: drafts verified, their tokens, accepted ones
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def num_correct(self) -> int:
@@ -61,6 +67,22 @@ class DemoResult:
     @property
     def passed(self) -> bool:
         return self.accuracy >= self.threshold
+
+
+def _prefill_tokens(snap) -> int:
+    """Prompt tokens of a step: rows of more than one token that are not a draft's verification,
+    and first tokens (a one-token prompt)."""
+    if snap is None:
+        return 0
+    drafts = snap.num_drafts or [0] * len(snap.query_lens)
+    return sum(q for q, s, d in zip(snap.query_lens, snap.seq_lens, drafts) if not d and (q > 1 or s <= q))
+
+
+def _problems(meta: dict, n: int, seed: int) -> list:
+    """Held-out problems of the model's task (its tilellm_demo.json says which)."""
+    if meta.get("task") == "record-edit":
+        return copy_task.problems_for_model(meta, n, seed)
+    return task.problems_for_model(meta, n, seed)
 
 
 def run_demo(
@@ -84,7 +106,7 @@ def run_demo(
 
     model_dir = Path(model) if model is not None else default_model_path()
     meta = demo_metadata(model_dir)
-    problems = problems_for_model(meta, num_requests, seed)
+    problems = _problems(meta, num_requests, seed)
     max_answer = max(len(p.answer) for p in problems)
     params = SamplingParams(temperature=0.0, max_tokens=max_answer + 2)
 
@@ -124,8 +146,16 @@ def run_demo(
         f"({prefix_tokens // block_size} full KV blocks of {block_size}); "
         f"KV pool {runner.num_kv_blocks} blocks; model loaded in {load_s:.1f}s"
     )
+    spec = engine.config.speculative_config
+    if spec is not None:
+        say(
+            f"  speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} draft tokens "
+            "per sequence and step; draft/accepted: this step's draft tokens and how many were accepted"
+        )
     say()
-    say(" step  kind     run  wait  seqs  tokens  prefill  cache-hit  kv blocks  preempt  done")
+    header = " step  kind     run  wait  seqs  tokens  prefill  cache-hit  kv blocks  preempt  done"
+    say(header + ("  draft  accepted" if spec is not None else ""))
+    prev_draft = prev_accepted = 0
 
     next_req = 0
     step = 0
@@ -155,20 +185,24 @@ def run_demo(
             num_waiting=stats.num_waiting,
             num_seqs=len(q_lens),
             num_tokens=sum(q_lens),
-            prefill_tokens=sum(q for q, s in zip(q_lens, snap.seq_lens) if q > 1 or s <= q) if snap else 0,
+            prefill_tokens=_prefill_tokens(snap),
             cache_hit_tokens=stats.prefix_cache_hits - prev_hits,
             kv_used=stats.num_kv_blocks_used,
             kv_total=stats.num_kv_blocks_total,
             preemptions=stats.num_preemptions,
             finished=finished,
             seconds=dt,
+            draft_tokens=stats.spec_decode_num_draft_tokens - prev_draft,
+            accepted_tokens=stats.spec_decode_num_accepted_tokens - prev_accepted,
         )
         prev_hits = stats.prefix_cache_hits
+        prev_draft, prev_accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
         result.steps.append(line)
         say(
             f"{line.step:5d}  {line.kind:7s} {line.num_running:4d} {line.num_waiting:5d} {line.num_seqs:5d} "
             f"{line.num_tokens:7d} {line.prefill_tokens:8d} {line.cache_hit_tokens:10d} "
             f"{line.kv_used:5d}/{line.kv_total:<5d} {line.preemptions:7d} {line.finished:5d}"
+            + (f"  {line.draft_tokens:5d}  {line.accepted_tokens:8d}" if spec is not None else "")
         )
     result.seconds = time.perf_counter() - start
     stats = engine.get_stats()
@@ -177,6 +211,9 @@ def run_demo(
     result.prefix_cache_queries = stats.prefix_cache_queries
     result.prefix_cache_hits = stats.prefix_cache_hits
     result.preemptions = stats.num_preemptions
+    result.draft_tokens = stats.spec_decode_num_draft_tokens
+    result.accepted_tokens = stats.spec_decode_num_accepted_tokens
+    result.num_drafts = stats.spec_decode_num_drafts
     if out is not None:
         _print_answers(result, out)
         _print_summary(result, out)
@@ -188,8 +225,11 @@ def _print_answers(result: DemoResult, out: TextIO) -> None:
     cells = []
     for i, p in enumerate(result.problems):
         got = result.answers.get(i, "").strip()
-        mark = "ok" if p.is_correct(got) else f"WRONG, expected {p.answer}"
-        cells.append(f"{p.question}={got} {mark}")
+        ok = p.is_correct(got)
+        if "\n" in p.question:  # a record edit: its first line names the change, the record is long
+            cells.append(f"{p.question.splitlines()[0]}: {'ok' if ok else 'WRONG'}")
+        else:
+            cells.append(f"{p.question}={got} {'ok' if ok else f'WRONG, expected {p.answer}'}")
     width = max(len(c) for c in cells) + 3
     per_line = max(1, 96 // width)
     for i in range(0, len(cells), per_line):
@@ -213,3 +253,10 @@ def _print_summary(result: DemoResult, out: TextIO) -> None:
         f"{result.preemptions} preemptions",
         file=out,
     )
+    if result.num_drafts:
+        print(
+            f"speculative decoding: {result.accepted_tokens}/{result.draft_tokens} draft tokens accepted "
+            f"({result.accepted_tokens / result.draft_tokens:.0%}), "
+            f"{1 + result.accepted_tokens / result.num_drafts:.2f} tokens per sequence per verifying step",
+            file=out,
+        )

@@ -42,7 +42,7 @@ def _json_flag(name: str):
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{_flag(name)} is not valid JSON ({e})") from None
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
 
     parse.__name__ = "JSON"
     return parse

@@ -16,6 +16,7 @@ from typing import Any
 
 from tilellm.config import EngineConfig
 from tilellm.engine.llm_engine import LLMEngine
+from tilellm.engine.metrics import Metric
 from tilellm.engine.outputs import RequestOutput
 from tilellm.engine.sampling_params import SamplingParams
 
@@ -35,7 +36,8 @@ class LLM:
         `block_size`, `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`,
         `gpu_memory_utilization`, `enable_prefix_caching`, `enforce_eager`,
         `tensor_parallel_size`, `seed`, `device`, `attention_backend`, `num_kv_blocks`,
-        `load_format`, `skip_tokenizer_init`, `fused_ops_backend`.
+        `load_format`, `skip_tokenizer_init`, `fused_ops_backend`, `speculative_config` (a dict
+        of vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}).
         """
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
         unknown = sorted(set(engine_args) - known)
@@ -55,6 +57,12 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics (vLLM's `LLM.get_metrics`): `Gauge` / `Counter` (`name`,
+        `value`) and `Vector` (`name`, `values`) objects, e.g. `tilellm:spec_decode_num_drafts`
+        and `tilellm:spec_decode_num_accepted_tokens_per_pos` with speculative decoding on."""
+        return self.llm_engine.get_metrics()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (idempotent; also done at exit and on GC)."""

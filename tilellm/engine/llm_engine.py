@@ -33,6 +33,7 @@ import numpy as np
 from tilellm.cache.block_manager import SHARED_ROOT, BlockManager, request_root
 from tilellm.config import EngineConfig
 from tilellm.engine.detokenizer import IncrementalDetokenizer
+from tilellm.engine.metrics import Metric, engine_metrics
 from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tilellm.engine.request import Request, Sequence, SequenceStatus
 from tilellm.engine.sampling_params import SamplingParams
@@ -746,7 +747,15 @@ class LLMEngine:
                 num_preemptions=sch.num_preemptions,
                 prompt_tokens_total=self.prompt_tokens_total,
                 generation_tokens_total=self.generation_tokens_total,
+                spec_decode_num_drafts=self.spec_stats.num_drafts,
+                spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+                spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.num_accepted_tokens_per_pos),
             )
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics, vLLM-shaped (`tilellm.engine.metrics`)."""
+        return engine_metrics(self.get_stats())
 
     @property
     def last_step(self) -> StepSnapshot | None:
@@ -764,5 +773,6 @@ class LLMEngine:
                 block_tables=[row[: -(-n // bs)] for row, n in zip(table, seq_lens)],
                 block_size=bs,
                 kind=inputs.kind.value,
+                num_drafts=list(sched.num_drafts),
             )
         return self._last_step

@@ -22,6 +22,11 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Speculative decoding (empty per-position list: it is off).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +44,7 @@ class StepSnapshot:
     block_tables: list[list[int]]
     block_size: int
     kind: str = ""  # "prefill" | "decode" | "mixed"
+    num_drafts: list[int] = field(default_factory=list)  # of query_lens[i]: draft tokens verified
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server (its own `CollectorRegistry`, so several apps can share a process).
 
 Engine-level numbers (running/waiting requests, KV blocks, prefix cache, preemptions, token
-counters) are read at scrape time from the stats snapshot the engine thread publishes; latency
-histograms are observed by the engine thread as requests get their first token and finish.
+counters, speculative decoding's drafts and acceptance) are read at scrape time from the stats
+snapshot the engine thread publishes; latency histograms are observed by the engine thread as
+requests get their first token and finish.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tilellm.engine.metrics import PREFIX, Gauge, Vector, engine_metrics
+from tilellm.engine.metrics import Counter as EngineCounter
 from tilellm.server.async_engine import StatsSnapshot
-
-PREFIX = "tilellm:"
 
 _TTFT_BUCKETS = (
     0.001,
@@ -78,35 +79,28 @@ _E2E_BUCKETS = (
 
 
 class _EngineCollector(Collector):
+    """The engine's metrics (`tilellm.engine.metrics.engine_metrics`, the names' one owner) at
+    scrape time, as Prometheus families; a vector is one counter labelled by position."""
+
     def __init__(self, get_stats: Callable[[], StatsSnapshot], model_name: str):
         self._get_stats = get_stats
         self._labels = {"model_name": model_name}
 
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-        g.add_metric(list(self._labels.values()), value)
-        return g
-
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-        c.add_metric(list(self._labels.values()), value)
-        return c
-
     def collect(self) -> Iterator[Metric]:
-        s = self._get_stats()
-        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        usage = s.num_kv_blocks_used / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0
-        yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield self._gauge("kv_blocks_used", "KV cache blocks in use.", s.num_kv_blocks_used)
-        yield self._gauge("kv_blocks_total", "KV cache blocks in the pool.", s.num_kv_blocks_total)
-        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", usage)
-        yield self._gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).", hit_rate)
-        yield self._counter("prefix_cache_queries", "Prefix cache lookups (tokens).", s.prefix_cache_queries)
-        yield self._counter("prefix_cache_hits", "Prefix cache hits (tokens).", s.prefix_cache_hits)
-        yield self._counter("num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
-        yield self._counter("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
-        yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        names, values = list(self._labels), list(self._labels.values())
+        for m in engine_metrics(self._get_stats(), self._labels):
+            if isinstance(m, Gauge):
+                family: Metric = GaugeMetricFamily(m.name, m.help, labels=names)
+                family.add_metric(values, m.value)
+            elif isinstance(m, EngineCounter):
+                family = CounterMetricFamily(m.name, m.help, labels=names)
+                family.add_metric(values, m.value)
+            else:
+                assert isinstance(m, Vector)
+                family = CounterMetricFamily(m.name, m.help, labels=names + ["position"])
+                for position, v in enumerate(m.values):
+                    family.add_metric(values + [str(position)], v)
+            yield family
 
 
 class ServerMetrics:
