@@ -468,39 +468,35 @@ def test_sampler_with_drafts_is_reproducible():
     assert torch.equal(a, b)
 
 
-# -- known defect -------------------------------------------------------------------------------
+# -- the noise is finite ---------------------------------------------------------------------
 
-# Seed key 3092827 at step 0: the hash's uniform for vocabulary index 5 is ((2**24 - 1) + 0.5)
-# / 2**24 computed in float32, which rounds to exactly 1.0, so its Gumbel noise is +inf.
+# Seed key 3092827 at step 0 once drew the largest 24-bit uniform at vocabulary index 5, which
+# float32 rounds to 1.0 (Gumbel noise +inf); the hash now keeps 23 bits, whose largest uniform is
+# exactly representable and below 1. These scenarios stay as regression tests.
 INF_KEY, INF_TOKEN = 3092827, 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_uniforms rounds ((h >> 8) + 0.5) / 2**24 to 1.0 in float32 when h >> 8 == 2**24 - 1: "
-    "Gumbel noise +inf (probability 2**-24 per vocabulary entry, V / 2**24 per sampled row)",
-)
+def test_largest_uniform_is_below_one():
+    from tilellm.kernels import sampling
+
+    top = torch.tensor([(1 << 23) - 1], dtype=torch.int64)
+    u = (top.to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+    assert u.item() < 1.0
+    noise = sampling.gumbel_noise(torch.arange(4096), 4096)  # 16M entries of the hash
+    assert torch.isfinite(noise).all()
+
+
 def test_gumbel_noise_is_finite():
     noise = gumbel_noise(device_row_keys(torch.tensor([INF_KEY]), torch.tensor([0])), 8)
     assert torch.isfinite(noise).all(), noise
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an infinite Gumbel noise makes the sampler emit a token the filters removed "
-    "(-inf + inf = nan wins the argmax)",
-)
 def test_sampler_never_emits_a_filtered_token():
     md = _full_metadata(torch.tensor([INF_KEY]), torch.tensor([0]), 1.0, top_k=1)
     tokens = Sampler()(LOGITS8[None, :], md).token_ids
     assert tokens.tolist() == [3]  # top-k = 1: only the argmax can be drawn
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an infinite Gumbel noise in the residual stream makes rejection_sample emit the "
-    "rejected draft token, whose residual (and here target) probability is 0",
-)
 def test_rejected_draft_is_never_emitted():
     p, q = PAIRS["p-zero-where-q-has-mass"]
     assert p[INF_TOKEN] == 0 < q[INF_TOKEN]
@@ -509,11 +505,6 @@ def test_rejected_draft_is_never_emitted():
     assert out.tolist() != [INF_TOKEN]  # p(5) = 0: always rejected, and the residual is 0 there
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the infinite Gumbel noise in an ordinary batch: 1 row of 200,000 (V = 8) emits a "
-    "token that top-k removed",
-)
 def test_sampler_with_top_k_never_emits_a_filtered_token_at_scale():
     keys, steps = keyed_rows("mixed", N, offset=41, check=False)  # row 32609: +inf at token 7
     md = _full_metadata(keys, steps, 1.0, top_k=4)

@@ -68,7 +68,9 @@ def _uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     k = keys.to(torch.int64)[:, None]
     h = _mix32_torch(idx[None, :] ^ k)
     h = _mix32_torch((h + k) & _MASK32)
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    # 23 bits: (2**23 - 1 + 0.5) / 2**23 is exact in float32 and below 1, so the noise is finite
+    # (24 bits would round the largest value up to 1.0, whose Gumbel noise is +inf).
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -137,7 +139,7 @@ def _gumbel_argmax_kernel(
         # -- noise: the same hash as gumbel_noise() --
         h = _mix32_tl(idx.to(tl.uint32) ^ key)
         h = _mix32_tl(h + key)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as _uniforms: below 1
         v = x.to(tl.float32) * inv_t - tl.log(-tl.log(u))
         v = tl.where(in_vocab, v, float("-inf"))
         better = v > lane_val  # strict: a lane keeps its first index on ties
