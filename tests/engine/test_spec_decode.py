@@ -244,3 +244,38 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_qwen3, tmp_path):
     other = make_tiny_model(tmp_path / "v", "Qwen3ForCausalLM", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(tiny_qwen3, num_kv_blocks=16, speculative_config={"model": str(other)})
+
+
+@pytest.mark.parametrize("setting", ["default", "tiny_pool_preempts", "chunked_16_tokens"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_self"])
+def test_asynchronous_scheduling_between_drafting_steps(tiny_qwen3, tiny_llama, kind, setting):
+    """With asynchronous scheduling (the CUDA default) a drafting step first finishes the step in
+    flight; steps between drafting tries run asynchronously. The tokens stay the oracle's."""
+    llm = LLM(tiny_qwen3, speculative_config=_spec(kind, tiny_qwen3, tiny_llama), **SETTINGS[setting])
+    llm.llm_engine.async_scheduling = True
+    assert generate(llm, GREEDY) == expected(tiny_qwen3)
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_drafting_backs_off_when_nothing_is_found(tiny_qwen3):
+    """A proposer that finds nothing: tries get 2, 4, ... 64 steps apart, and the steps between
+    run asynchronously; the output is unchanged."""
+    llm = LLM(tiny_qwen3, num_kv_blocks=96, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    engine.async_scheduling = True
+    asked: list[int] = []
+    engine.proposer.propose = lambda seq_id, token_ids, max_drafts: asked.append(seq_id) or []
+    tries = 0
+    real = engine._propose_drafts
+
+    def counted() -> bool:
+        nonlocal tries
+        tries += 1
+        return real()
+
+    engine._propose_drafts = counted
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert generate(llm, params) == expected(tiny_qwen3)
+    steps = engine.timings.num_steps
+    assert asked and steps >= MAX_TOKENS
+    assert tries <= 7  # steps 1, 3, 7, 15, 31, ...: about log2(steps) tries

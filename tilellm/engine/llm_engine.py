@@ -14,6 +14,12 @@ schedules and launches step N+1 before it reads back step N, so that the host's 
 the device's. A sequence sampled in step N then holds a placeholder token (-1) that step N+1 feeds
 to the model straight from the device; a sequence that step N finishes has its step N+1 token
 dropped. Outputs come one `step()` call later; nothing else changes.
+
+Speculative decoding (`speculative_config`): before scheduling, a proposer drafts tokens for
+decoding sequences (`tilellm.spec_decode`); the step computes each draft with its sequence's new
+token (one multi-token row of the paged kernel, logits at every position), and postprocessing
+accepts the draft up to its first token that differs from the sampled one, then rolls the K/V
+of the rejected ones back (`_postprocess_verified`).
 """
 
 from __future__ import annotations
@@ -170,6 +176,8 @@ class LLMEngine:
         # then needs the last one's tokens to draft from, so it runs synchronously.
         self.proposer = make_proposer(spec) if spec is not None else None
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec is not None else 0)
+        self._spec_probe_gap = 1  # steps from one drafting try to the next (see `step`)
+        self._spec_probe_in = 0  # steps until the next try
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner (tests substitute one that needs no model); see `start_runner`."""
@@ -270,11 +278,25 @@ class LLMEngine:
         step launched by the previous call (the first call after an idle period returns []); keep
         calling while `has_unfinished_requests()`. `emit_partial=False` (offline `LLM.generate`):
         only finished requests are returned, and text is decoded once at the end unless stop
-        strings need it."""
+        strings need it.
+
+        Speculative decoding: a step that drafts needs every token of the step before, so it runs
+        synchronously (a step in flight is finished first). Drafting is tried every step while
+        drafts are found; after a step in which no sequence got one, the next try waits 2, 4, ...
+        up to 64 steps, which run asynchronously in between (`_SPEC_MAX_PROBE_GAP`)."""
         with self._lock:
             t0 = time.perf_counter()
+            drained: list[RequestOutput] = []
+            speculate = self.proposer is not None and self._spec_probe_in <= 1
             if self.proposer is not None:
-                self._propose_drafts()
+                self._spec_probe_in -= 1
+            if speculate:
+                if self._inflight is not None:  # its tokens are what the drafts follow
+                    done, self._inflight = self._inflight, None
+                    drained = self._finish_step(done, emit_partial)
+                found = self._propose_drafts()
+                self._spec_probe_gap = 1 if found else min(2 * self._spec_probe_gap, self._SPEC_MAX_PROBE_GAP)
+                self._spec_probe_in = self._spec_probe_gap
             sched = self.scheduler.schedule()
             launched: _InFlight | None = None
             if not sched.is_empty:
@@ -296,37 +318,47 @@ class LLMEngine:
             elif self._inflight is None:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler made no progress with requests pending")
-                return []
-            if self.async_scheduling and self.proposer is None:  # finish the last step meanwhile
+                return drained
+            verifies = launched is not None and launched.num_drafts is not None
+            if self.async_scheduling and not verifies:  # finish the last step meanwhile
                 done, self._inflight = self._inflight, launched
             else:
                 done, self._inflight = (self._inflight or launched), None
                 if done is not launched and launched is not None:  # async was just switched off
                     self._inflight = launched
             if done is None:
-                return []
-            t3 = time.perf_counter()
-            result = self.runner.wait(done.handle)
-            t4 = time.perf_counter()
-            outputs = self._postprocess(done, result, emit_partial)
-            t5 = time.perf_counter()
-            self._last_step_data = (done.sched, done.inputs)
-            self._last_step = None
-            self._record_timing(done, t4 - t3, t5 - t4, result.device_time_s)
-            return outputs
+                return drained
+            return drained + self._finish_step(done, emit_partial)
+
+    def _finish_step(self, done: _InFlight, emit_partial: bool) -> list[RequestOutput]:
+        """Wait for a launched step, then its postprocessing; its outputs."""
+        t3 = time.perf_counter()
+        result = self.runner.wait(done.handle)
+        t4 = time.perf_counter()
+        outputs = self._postprocess(done, result, emit_partial)
+        t5 = time.perf_counter()
+        self._last_step_data = (done.sched, done.inputs)
+        self._last_step = None
+        self._record_timing(done, t4 - t3, t5 - t4, result.device_time_s)
+        return outputs
+
+    # Steps between two drafting tries, at most, after tries that found no draft for any sequence.
+    _SPEC_MAX_PROBE_GAP = 64
 
     # Back-off of a sequence whose drafts are all rejected: it skips 1, 3, 7, 15 steps before
     # drafting again (a draft that is found but wrong costs a wider verification step).
     _SPEC_MAX_WAIT = 15
 
-    def _propose_drafts(self) -> None:
-        """Give each decoding sequence the draft its next step verifies (see `tilellm.spec_decode`).
+    def _propose_drafts(self) -> bool:
+        """Give each decoding sequence the draft its next step verifies (see `tilellm.spec_decode`);
+        True when any sequence got one.
 
         A draft never reaches past the sequence's output limit: the step emits up to d + 1 tokens."""
         proposer = self.proposer
         assert proposer is not None
         max_outputs = self.sampling_table.max_outputs
         running = SequenceStatus.RUNNING
+        found = False
         for seq in self.scheduler.running:
             if (
                 seq.status is not running
@@ -339,6 +371,8 @@ class LLMEngine:
                 continue
             room = int(max_outputs[seq.row]) - seq.num_output_tokens - 1
             seq.spec_token_ids = proposer.propose(seq.seq_id, seq.token_ids, room) if room > 0 else []
+            found = found or bool(seq.spec_token_ids)
+        return found
 
     def _draft_on_device(self, sched: SchedulerOutput) -> None:
         """Fill the draft slots the scheduler kept for this step from the draft model."""
