@@ -25,7 +25,7 @@ def run(batch: int, spec: dict | None, problems_warm, problems) -> dict:
     from tilellm import LLM, SamplingParams
     from tilellm.assets import copy_model_path
 
-    kwargs = {"max_num_seqs": batch}
+    kwargs = {"max_num_seqs": batch, "gpu_memory_utilization": 0.3}  # one engine alive at a time
     if spec is not None:
         kwargs["speculative_config"] = spec
     llm = LLM(str(copy_model_path()), **kwargs)
@@ -58,7 +58,13 @@ def run(batch: int, spec: dict | None, problems_warm, problems) -> dict:
         "texts": texts,
     }
     llm.shutdown()
-    del llm
+    del llm, engine, outs
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
     return result
 
 

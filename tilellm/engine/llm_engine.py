@@ -295,8 +295,10 @@ class LLMEngine:
                     done, self._inflight = self._inflight, None
                     drained = self._finish_step(done, emit_partial)
                 found = self._propose_drafts()
-                self._spec_probe_gap = 1 if found else min(2 * self._spec_probe_gap, self._SPEC_MAX_PROBE_GAP)
-                self._spec_probe_in = self._spec_probe_gap
+                if found is not None:  # None: no sequence was decoding, try again next step
+                    gap = 1 if found else min(2 * self._spec_probe_gap, self._SPEC_MAX_PROBE_GAP)
+                    self._spec_probe_gap = gap
+                self._spec_probe_in = self._spec_probe_gap if found is not None else 1
             sched = self.scheduler.schedule()
             launched: _InFlight | None = None
             if not sched.is_empty:
@@ -349,16 +351,16 @@ class LLMEngine:
     # drafting again (a draft that is found but wrong costs a wider verification step).
     _SPEC_MAX_WAIT = 15
 
-    def _propose_drafts(self) -> bool:
+    def _propose_drafts(self) -> bool | None:
         """Give each decoding sequence the draft its next step verifies (see `tilellm.spec_decode`);
-        True when any sequence got one.
+        True when any sequence got one, None when no sequence was decoding (nothing was tried).
 
         A draft never reaches past the sequence's output limit: the step emits up to d + 1 tokens."""
         proposer = self.proposer
         assert proposer is not None
         max_outputs = self.sampling_table.max_outputs
         running = SequenceStatus.RUNNING
-        found = False
+        found: bool | None = None
         for seq in self.scheduler.running:
             if (
                 seq.status is not running
@@ -366,6 +368,7 @@ class LLMEngine:
                 or seq.num_computed_tokens != len(seq.token_ids) - 1
             ):
                 continue
+            found = found or False
             if seq.spec_wait:
                 seq.spec_wait -= 1
                 continue
