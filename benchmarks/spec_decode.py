@@ -55,6 +55,7 @@ def run(batch: int, spec: dict | None, problems_warm, problems) -> dict:
         "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "accuracy": sum(p.is_correct(t) for p, t in zip(problems, texts)) / len(problems),
+        "graph_replays": dict(getattr(engine.runner, "graph_replays", {})),
         "texts": texts,
     }
     llm.shutdown()

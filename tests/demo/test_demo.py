@@ -51,3 +51,21 @@ def test_cli_exit_codes(tmp_path, capsys):
     (model / "tilellm_demo.json").write_text(json.dumps(meta))
     assert main(["demo", "--model", str(model), "--num-requests", "4", "--quiet"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_speculative_demo_shows_acceptance_in_its_step_lines():
+    import io
+
+    from tilellm.assets import copy_model_path
+    from tilellm.demo import run_demo
+
+    out = io.StringIO()
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    result = run_demo(
+        model=copy_model_path(), num_requests=8, out=out, engine_kwargs={"speculative_config": spec}
+    )
+    assert result.passed
+    assert result.accepted_tokens > 0.5 * result.draft_tokens > 0
+    text = out.getvalue()
+    assert "draft  accepted" in text and "draft tokens accepted" in text
+    assert sum(line.accepted_tokens for line in result.steps) == result.accepted_tokens

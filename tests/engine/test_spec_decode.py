@@ -101,11 +101,10 @@ def test_llama_greedy_matches_hf_with_speculation(tiny_qwen3, tiny_llama, kind):
 
 def test_triton_kernels_verify_drafts(tiny_qwen3):
     """The verification step through the Triton paged kernel (interpreter, fp32)."""
-    prompts = _prompts()[:2]
+    prompts = _prompts()[:3]
     llm = LLM(tiny_qwen3, num_kv_blocks=32, attention_backend="triton", speculative_config=NGRAM)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    assert generate(llm, params, prompts) == [w[:16] for w in expected(tiny_qwen3)[:2]]
-    assert llm.llm_engine.spec_stats.num_drafts > 0
+    assert generate(llm, GREEDY, prompts) == expected(tiny_qwen3)[:3]
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
 
 
 def test_max_tokens_is_never_exceeded(tiny_qwen3):
@@ -280,3 +279,25 @@ def test_drafting_backs_off_when_nothing_is_found(tiny_qwen3):
     steps = engine.timings.num_steps
     assert asked and steps >= MAX_TOKENS
     assert tries <= 7  # steps 1, 3, 7, 15, 31, ...: about log2(steps) tries
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_self"])
+def test_padded_verification_steps(tiny_qwen3, tiny_llama, kind, monkeypatch):
+    """Verification steps in the verification graphs' shape (every draft padded to k tokens that
+    store nothing: `build_step_inputs(pad_drafts_to=k)`), run eagerly here: the same tokens."""
+    from tilellm.worker.model_runner import ModelRunner
+
+    spec = _spec(kind, tiny_qwen3, tiny_llama)
+    k = spec["num_speculative_tokens"]
+    monkeypatch.setattr(ModelRunner, "verify_pad", property(lambda self: (k, 64)))
+    llm = LLM(tiny_qwen3, speculative_config=spec, **SETTINGS["tiny_pool_preempts"])
+    padded = []
+    real = llm.llm_engine.runner.launch
+
+    def launch(inputs, *args, **kwargs):
+        padded.append(inputs.verify_width)
+        return real(inputs, *args, **kwargs)
+
+    llm.llm_engine.runner.launch = launch
+    assert generate(llm, GREEDY) == expected(tiny_qwen3)
+    assert (k + 1) in padded  # some steps were padded verification steps

@@ -405,6 +405,19 @@ class LLMEngine:
             seq.spec_token_ids = tokens
             proposer.record(seq.seq_id, seq.admit_order, n)
 
+    def _verification_pad(self, sched: SchedulerOutput) -> int:
+        """k when this verification step is best padded to k draft tokens per request (the runner
+        replays such steps from a CUDA graph: every request decodes, few enough of them, and k
+        more positions fit each), else 0."""
+        k, most = getattr(self.runner, "verify_pad", (0, 0))
+        if not k or len(sched.seqs) > most:
+            return 0
+        if any(q != 1 + d for q, d in zip(sched.num_new_tokens, sched.num_drafts)):
+            return 0  # a prompt chunk in the step: eager
+        if max(sched.starts) + k + 1 > self.block_manager.max_blocks_per_seq * self.block_manager.block_size:
+            return 0
+        return k
+
     def _launch(self, sched: SchedulerOutput) -> _InFlight:
         """Build the step's inputs (host arrays) and start it on the device.
 
@@ -414,8 +427,10 @@ class LLMEngine:
         seqs = sched.seqs
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         drafts = None
+        pad = 0
         if self.proposer is not None and any(sched.num_drafts):
             drafts = [s.spec_token_ids if d else [] for s, d in zip(seqs, sched.num_drafts)]
+            pad = self._verification_pad(sched)
         inputs = build_step_inputs(
             [s.token_ids for s in seqs],
             sched.starts,
@@ -425,11 +440,12 @@ class LLMEngine:
             self.block_manager.block_tables,
             self.block_manager.block_size,
             draft_token_ids=drafts,
+            pad_drafts_to=pad,
         )
         mask = np.asarray(sched.samples, dtype=bool)
         sampled = [s for s, smp in zip(seqs, sched.samples) if smp]
         # A sampled row ends its sequence's tokens: its seq_len is the new token's position.
-        positions = inputs.seq_lens[mask].astype(np.int64)
+        positions = (np.asarray(sched.starts, dtype=np.int64) + np.asarray(sched.num_new_tokens))[mask]
         sampled_rows = rows[mask]
         num_drafts = None
         if drafts is None:
@@ -799,7 +815,7 @@ class LLMEngine:
         """The last step's batch (built on first access after each step)."""
         if self._last_step is None and self._last_step_data is not None:
             sched, inputs = self._last_step_data
-            seq_lens = inputs.seq_lens.tolist()
+            seq_lens = [s + q for s, q in zip(sched.starts, sched.num_new_tokens)]
             bs = self.block_manager.block_size
             table = inputs.block_table.tolist()
             self._last_step = StepSnapshot(

@@ -10,6 +10,10 @@ is too short to split (the plan's own rule), which saves the merge kernel and th
 outputs on most steps. With prefix caching, a third "cascade" variant per bucket (from the
 smallest batch that cascade decode ever serves) reads a shared prefix once for the batch.
 
+With speculative decoding, a "verify" variant per bucket up to VERIFY_GRAPH_MAX_BATCH replays
+verification steps: every request with W = k + 1 new tokens (its draft padded to k,
+`build_step_inputs(pad_drafts_to=k)`), through the paged kernel, logits at every row.
+
 Under tensor parallelism every rank captures the same buckets and variants, agreeing after each
 bucket, so no rank waits in a collective for a peer that stopped capturing.
 """
@@ -40,14 +44,25 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def graph_logits_rows(max_num_seqs: int, enable_prefix_caching: bool) -> int:
+# Verification graphs keep [bucket * W, V] logits each: only batches up to this size get one
+# (speculation pays most at small batches, where a step is launch-bound).
+VERIFY_GRAPH_MAX_BATCH = 64
+
+
+def verify_batch_sizes(max_num_seqs: int) -> list[int]:
+    return [bs for bs in graph_batch_sizes(max_num_seqs) if bs <= VERIFY_GRAPH_MAX_BATCH]
+
+
+def graph_logits_rows(max_num_seqs: int, enable_prefix_caching: bool, verify_width: int = 0) -> int:
     """Rows of logits the captured graphs keep alive (each graph's output, [bucket, V]): the plain
-    and the no-split graph of every bucket at most, and the cascade graph of every bucket from
-    CASCADE_MIN_REQUESTS when prefix caching is on. The KV pool's sizing reserves them."""
+    and the no-split graph of every bucket at most, the cascade graph of every bucket from
+    CASCADE_MIN_REQUESTS when prefix caching is on, and with speculative decoding the verify
+    graphs' [bucket * verify_width, V]. The KV pool's sizing reserves them."""
     sizes = graph_batch_sizes(max_num_seqs)
     rows = 2 * sum(sizes)
     if enable_prefix_caching:
         rows += sum(bs for bs in sizes if bs >= CASCADE_MIN_REQUESTS)
+    rows += verify_width * sum(verify_batch_sizes(max_num_seqs))
     return rows
 
 
@@ -68,6 +83,7 @@ class DecodeGraphs:
         forward: Callable[[StepInputs], torch.Tensor],
         decode_splits: Callable[[int, int], int],
         group: TPGroup | None = None,
+        verify_width: int = 0,
     ):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -92,13 +108,32 @@ class DecodeGraphs:
             logits_indices=torch.arange(n, dtype=torch.int64, device=device),
             cascade_prefix_len=torch.zeros(1, dtype=torch.int32, device=device),
         )
-        # bucket -> (graph, its logits output [bucket, V]), by variant
+        self.verify_width = w = verify_width
+        if w:  # verification steps: W tokens per request
+            self.verify_static = StepInputs(
+                kind=BatchKind.MIXED,
+                num_reqs=n,
+                max_seqlen_q=w,
+                max_seqlen_k=max_model_len,
+                num_decodes=0,
+                graph_size=n,
+                input_ids=torch.zeros(n * w, dtype=torch.int64, device=device),
+                positions=torch.zeros(n * w, dtype=torch.int64, device=device),
+                slot_mapping=torch.full((n * w,), -1, dtype=torch.int64, device=device),
+                seq_lens=torch.full((n,), w, dtype=torch.int32, device=device),
+                block_table=torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device),
+                cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=device) * w,
+                logits_indices=torch.arange(n * w, dtype=torch.int64, device=device),
+                verify_width=w,
+            )
+        # bucket -> (graph, its logits output [bucket, V]; [bucket * W, V] for "verify"), by variant
         self.variants: dict[str, dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {
             "plain": {},
             "short": {},
             "cascade": {},
+            "verify": {},
         }
-        self.replays = {"plain": 0, "short": 0, "cascade": 0}  # decode steps by graph variant
+        self.replays = {"plain": 0, "short": 0, "cascade": 0, "verify": 0}  # steps by graph variant
 
     def __bool__(self) -> bool:
         return bool(self.variants["plain"])
@@ -129,22 +164,34 @@ class DecodeGraphs:
                 logger.exception("cascade graph capture failed: cascade decode steps run eagerly")
                 self.clear("cascade")
                 torch.cuda.synchronize()
+        if self.verify_width:
+            try:
+                self._capture_variant("verify", verify_batch_sizes(self.max_num_seqs), pool, verify=True)
+            except WorkerError:
+                raise
+            except Exception:  # verification steps then run eagerly
+                logger.exception("verification graph capture failed: verification steps run eagerly")
+                self.clear("verify")
+                torch.cuda.synchronize()
         sync()
         logger.info(
-            "captured %d decode graphs (+%d without split-KV, +%d cascade) in %.1f s",
+            "captured %d decode graphs (+%d without split-KV, +%d cascade, +%d verify) in %.1f s",
             len(self.variants["plain"]),
             len(self.variants["short"]),
             len(self.variants["cascade"]),
+            len(self.variants["verify"]),
             time.perf_counter() - t0,
         )
 
-    def _capture_variant(self, variant: str, sizes: list[int], pool, *, max_seqlen_k=None, cascade=False):
+    def _capture_variant(
+        self, variant: str, sizes: list[int], pool, *, max_seqlen_k=None, cascade=False, verify=False
+    ):
         """Capture one graph per batch size; returns the memory pool the graphs share."""
         # Under tensor parallelism NCCL's watchdog thread queries events while this thread
         # captures: only this thread's own calls need to be capture-safe.
         capture_mode = "thread_local" if self.group is not None else "global"
         for bs in reversed(sizes):
-            new_pool = self._capture_one(variant, bs, pool, max_seqlen_k, cascade, capture_mode)
+            new_pool = self._capture_one(variant, bs, pool, max_seqlen_k, cascade, capture_mode, verify)
             captured = new_pool is not None
             if self.group is not None:
                 # Every rank stops at the same bucket: a rank that went on alone would wait in the
@@ -155,8 +202,26 @@ class DecodeGraphs:
             pool = new_pool
         return pool
 
-    def _inputs(self, bs: int, max_seqlen_k: int | None, cascade: bool) -> StepInputs:
+    def _inputs(self, bs: int, max_seqlen_k: int | None, cascade: bool, verify: bool = False) -> StepInputs:
         """The static inputs of bucket `bs`, as the step the graph replays."""
+        if verify:
+            v, w = self.verify_static, self.verify_width
+            return StepInputs(
+                kind=BatchKind.MIXED,
+                num_reqs=bs,
+                max_seqlen_q=w,
+                max_seqlen_k=self.max_model_len,
+                num_decodes=0,
+                graph_size=bs,
+                input_ids=v.input_ids[: bs * w],
+                positions=v.positions[: bs * w],
+                slot_mapping=v.slot_mapping[: bs * w],
+                seq_lens=v.seq_lens[:bs],
+                block_table=v.block_table[:bs],
+                cu_seqlens_q=v.cu_seqlens_q[: bs + 1],
+                logits_indices=v.logits_indices[: bs * w],
+                verify_width=w,
+            )
         s = self.static
         return StepInputs(
             kind=BatchKind.DECODE,
@@ -175,10 +240,10 @@ class DecodeGraphs:
             cascade_prefix_len=s.cascade_prefix_len if cascade else None,
         )
 
-    def _capture_one(self, variant, bs, pool, max_seqlen_k, cascade, capture_mode):
+    def _capture_one(self, variant, bs, pool, max_seqlen_k, cascade, capture_mode, verify=False):
         """Warm up and capture the graph of `bs` requests. Returns the memory pool the graphs
         share, or None (logged) when this rank failed."""
-        inputs = self._inputs(bs, max_seqlen_k, cascade)
+        inputs = self._inputs(bs, max_seqlen_k, cascade, verify)
         try:
             self.forward(inputs)  # warm-up: compiles the kernels outside the capture
             self._sync()
@@ -211,9 +276,29 @@ class DecodeGraphs:
     def has_cascade(self, bucket: int | None) -> bool:
         return bucket in self.variants["cascade"]
 
+    def verify_bucket(self, num_reqs: int) -> int | None:
+        """The batch size whose verification graph replays a uniform verification step, or None."""
+        graphs = self.variants["verify"]
+        return next((bs for bs in sorted(graphs) if bs >= num_reqs), None)
+
+    def _replay_verify(self, x: StepInputs) -> torch.Tensor:
+        bucket, v, w = x.graph_size, self.verify_static, self.verify_width
+        nb = x.block_table.shape[1]
+        v.input_ids[: bucket * w].copy_(x.input_ids)
+        v.positions[: bucket * w].copy_(x.positions)
+        v.slot_mapping[: bucket * w].copy_(x.slot_mapping)
+        v.seq_lens[:bucket].copy_(x.seq_lens)
+        v.block_table[:bucket, :nb].copy_(x.block_table)
+        self.replays["verify"] += 1
+        graph, logits = self.variants["verify"][bucket]
+        graph.replay()
+        return logits[x.logits_indices]
+
     def replay(self, x: StepInputs) -> torch.Tensor:
         """Copy the step's device inputs into the static buffers, replay, return the logits of
         its sampled rows."""
+        if x.verify_width:
+            return self._replay_verify(x)
         bucket, s = x.graph_size, self.static
         nb = x.block_table.shape[1]
         s.input_ids[:bucket].copy_(x.input_ids)

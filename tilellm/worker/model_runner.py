@@ -203,6 +203,7 @@ class ModelRunner:
             forward=self._forward_all_rows,
             decode_splits=self.decode_splits,
             group=group,
+            verify_width=spec.num_speculative_tokens + 1 if spec is not None else 0,
         )
         if self.is_cuda:
             self._warmup_kernels()
@@ -253,7 +254,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         reserve = kv_pool.GRAPH_RESERVE_BYTES
         if not self.config.enforce_eager:  # the captured graphs' logits outputs
-            rows = graph_logits_rows(self.config.max_num_seqs, self.config.enable_prefix_caching)
+            spec = self.config.speculative_config
+            width = spec.num_speculative_tokens + 1 if spec is not None else 0
+            rows = graph_logits_rows(self.config.max_num_seqs, self.config.enable_prefix_caching, width)
             reserve += rows * self.vocab_size * self.dtype.itemsize
         return kv_pool.gpu_num_blocks(
             self.pool_spec,
@@ -402,6 +405,16 @@ class ModelRunner:
             graphs.clear("cascade")  # likewise for the cascade variant
 
     @property
+    def verify_pad(self) -> tuple[int, int]:
+        """(k, most requests): verification steps of at most that many decoding requests are
+        best launched with every draft padded to k tokens, the shape the verification graphs
+        replay; (0, 0) when there are none."""
+        graphs = self.decode_graphs
+        if not graphs.variants["verify"]:
+            return 0, 0
+        return graphs.verify_width - 1, max(graphs.variants["verify"])
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one KV block over every layer of this rank, K and V."""
         return self.kv_spec.block_bytes
@@ -485,6 +498,8 @@ class ModelRunner:
             inputs = dataclasses.replace(inputs, cascade_prefix_len=None)
         if bucket is not None:
             inputs = inputs.padded_to(bucket)
+        elif inputs.verify_width and (vb := graphs.verify_bucket(inputs.num_reqs)) is not None:
+            inputs = inputs.padded_requests_to(vb)
         self._step_id += 1
         header = inputs.header(self._step_id)
         if self.driver is None:

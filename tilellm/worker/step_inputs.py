@@ -71,6 +71,8 @@ class StepInputs:
     num_decodes: MIXED steps, the leading requests with exactly one new token (the scheduler lists
       them first; the attention backend runs them through the decode kernel). 0 otherwise.
     graph_size: 0 for an eager forward, else the CUDA-graph batch size it replays.
+    verify_width: 0, or W for a verification step whose every request has exactly W new tokens
+      (its one token and a draft padded to W - 1: the shape a verification graph replays).
     """
 
     kind: BatchKind = field(metadata=_SCALAR)
@@ -87,6 +89,7 @@ class StepInputs:
     cu_seqlens_q: Any = _array(_I32)
     logits_indices: Any = _array(_I64)
     cascade_prefix_len: Any = _array(_I32, optional=True)
+    verify_width: int = field(default=0, metadata=_SCALAR)
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +108,28 @@ class StepInputs:
             positions=np.pad(self.positions, (0, pad)),
             slot_mapping=np.pad(self.slot_mapping, (0, pad), constant_values=-1),
             seq_lens=np.pad(self.seq_lens, (0, pad), constant_values=1),
+        )
+
+    def padded_requests_to(self, graph_size: int) -> StepInputs:
+        """This uniform verification step (host arrays, `verify_width` W) padded with requests
+        of W tokens that store nothing and attend to W keys of block 0, for the verification
+        graph of `graph_size` requests."""
+        w = self.verify_width
+        if not w or graph_size < self.num_reqs:
+            raise ValueError(
+                f"a verification graph step needs a uniform batch of at most {graph_size} requests"
+            )
+        pad = graph_size - self.num_reqs
+        return dataclasses.replace(
+            self,
+            num_reqs=graph_size,
+            graph_size=graph_size,
+            input_ids=np.pad(self.input_ids, (0, pad * w)),
+            positions=np.pad(self.positions, (0, pad * w)),
+            slot_mapping=np.pad(self.slot_mapping, (0, pad * w), constant_values=-1),
+            seq_lens=np.pad(self.seq_lens, (0, pad), constant_values=w),
+            block_table=np.pad(self.block_table, ((0, pad), (0, 0))),
+            cu_seqlens_q=np.arange(graph_size + 1, dtype=np.int32) * w,
         )
 
     # -- serialization ----------------------------------------------------------------------
@@ -258,6 +283,7 @@ def build_step_inputs(
     store: bool = True,
     cascade: bool = True,
     draft_token_ids: list[list[int]] | None = None,
+    pad_drafts_to: int = 0,
 ) -> StepInputs:
     """The `StepInputs` (host arrays) of one scheduled step; a pure function of its arguments.
 
@@ -272,7 +298,17 @@ def build_step_inputs(
     Speculative decoding: `draft_token_ids[i]` (d tokens, may be empty) are the last d of request
     i's `q_lens[i]` new tokens, after its known ones; a sampled request then has logits at each
     of its last d + 1 rows (the draft's verification), listed in order in `logits_indices`.
+    `pad_drafts_to` k (every request then decodes, with at most k draft tokens): each draft is
+    padded to k tokens that store nothing (slot -1), so that every request has k + 1 rows
+    (`verify_width`), the shape a verification CUDA graph replays. A padding row's position is
+    its request's last real one and its keys run on past its sequence through block 0 (the
+    table's unallocated entries): it reads finite values, and only padding rows read them.
     """
+    if pad_drafts_to:
+        assert draft_token_ids is not None
+        return _padded_verification(
+            token_ids, starts, q_lens, rows, samples, block_tables, block_size, draft_token_ids, pad_drafts_to
+        )
     num_reqs = len(q_lens)
     q = np.asarray(q_lens, dtype=np.int64)
     start = np.asarray(starts, dtype=np.int64)
@@ -340,4 +376,53 @@ def build_step_inputs(
         cu_seqlens_q=cu.astype(np.int32),
         logits_indices=logits_indices,
         cascade_prefix_len=np.array([prefix], dtype=np.int32) if prefix else None,
+    )
+
+
+def _padded_verification(
+    token_ids, starts, q_lens, rows, samples, block_tables, block_size, draft_token_ids, k
+) -> StepInputs:
+    """`build_step_inputs(..., pad_drafts_to=k)`: see there."""
+    num_reqs = len(q_lens)
+    w = k + 1
+    d = np.fromiter((len(x) for x in draft_token_ids), dtype=np.int64, count=num_reqs)
+    start = np.asarray(starts, dtype=np.int64)
+    assert (np.asarray(q_lens) == d + 1).all() and (d <= k).all(), (
+        "every request must decode, with <= k drafts"
+    )
+    ids = np.zeros((num_reqs, w), dtype=np.int64)
+    for i, (t, s, x) in enumerate(zip(token_ids, starts, draft_token_ids)):
+        ids[i, 0] = t[s]
+        ids[i, 1 : 1 + len(x)] = x
+    col = np.arange(w)[None, :]
+    real = col <= d[:, None]  # [B, W] rows holding a real token
+    positions = start[:, None] + np.minimum(col, d[:, None])
+    seq_lens = start + w  # as if every draft had k tokens
+    num_blocks = int(((seq_lens + block_size - 1) // block_size).max())
+    table = block_tables[np.asarray(rows, dtype=np.int64), :num_blocks]
+    table = np.maximum(table, 0)  # entries past a sequence's blocks: block 0 (padding rows only)
+    req = np.repeat(np.arange(num_reqs), w)
+    flat_pos = positions.reshape(-1)
+    slots = table[req, flat_pos // block_size].astype(np.int64) * block_size + flat_pos % block_size
+    slots = np.where(real.reshape(-1), slots, -1)
+    sampled = np.asarray(samples, dtype=bool)
+    width = d[sampled] + 1
+    first = np.repeat(np.flatnonzero(sampled) * w, width)
+    offsets = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
+    return StepInputs(
+        kind=BatchKind.MIXED,
+        num_reqs=num_reqs,
+        max_seqlen_q=w,
+        max_seqlen_k=int(seq_lens.max()),
+        num_decodes=0,
+        graph_size=0,
+        input_ids=ids.reshape(-1),
+        positions=flat_pos,
+        slot_mapping=slots,
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=np.ascontiguousarray(table, dtype=np.int32),
+        cu_seqlens_q=(np.arange(num_reqs + 1) * w).astype(np.int32),
+        logits_indices=first + offsets,
+        cascade_prefix_len=None,
+        verify_width=w,
     )
