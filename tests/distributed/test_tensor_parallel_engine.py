@@ -236,3 +236,25 @@ def test_workers_end_with_the_driver_process(tiny_qwen3_kv2, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_two_ranks_with_speculative_decoding(tiny_qwen3_kv2, method):
+    """Speculative decoding under tensor parallelism: drafts (from rank 0's n-gram lookup, or its
+    draft model) ride in the step's payload to every rank; the tokens are the single rank's
+    without speculation."""
+    motif = [5, 17, 33, 2, 91, 4]
+    prompts = [motif * 5, [7] * 12 + motif, list(range(40, 60))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    single = LLM(tiny_qwen3_kv2, tensor_parallel_size=1, **ENGINE)
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": tiny_qwen3_kv2})
+    llm = LLM(tiny_qwen3_kv2, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+    _assert_no_workers()

@@ -178,6 +178,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec is not None else 0)
         self._spec_probe_gap = 1  # steps from one drafting try to the next (see `step`)
         self._spec_probe_in = 0  # steps until the next try
+        self._spec_misses = 0  # tries in a row that found no draft
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner (tests substitute one that needs no model); see `start_runner`."""
@@ -282,8 +283,8 @@ class LLMEngine:
 
         Speculative decoding: a step that drafts needs every token of the step before, so it runs
         synchronously (a step in flight is finished first). Drafting is tried every step while
-        drafts are found; after a step in which no sequence got one, the next try waits 2, 4, ...
-        up to 64 steps, which run asynchronously in between (`_SPEC_MAX_PROBE_GAP`)."""
+        drafts are found; after `_SPEC_PATIENCE` tries in a row in which no sequence got one, the
+        tries space out (2, 4, ... up to 64 steps apart), and the steps between run asynchronously."""
         with self._lock:
             t0 = time.perf_counter()
             drained: list[RequestOutput] = []
@@ -296,8 +297,9 @@ class LLMEngine:
                     drained = self._finish_step(done, emit_partial)
                 found = self._propose_drafts()
                 if found is not None:  # None: no sequence was decoding, try again next step
-                    gap = 1 if found else min(2 * self._spec_probe_gap, self._SPEC_MAX_PROBE_GAP)
-                    self._spec_probe_gap = gap
+                    self._spec_misses = 0 if found else self._spec_misses + 1
+                    gap = 1 if self._spec_misses < self._SPEC_PATIENCE else 2 * self._spec_probe_gap
+                    self._spec_probe_gap = min(gap, self._SPEC_MAX_PROBE_GAP)
                 self._spec_probe_in = self._spec_probe_gap if found is not None else 1
             sched = self.scheduler.schedule()
             launched: _InFlight | None = None
@@ -344,7 +346,9 @@ class LLMEngine:
         self._record_timing(done, t4 - t3, t5 - t4, result.device_time_s)
         return outputs
 
-    # Steps between two drafting tries, at most, after tries that found no draft for any sequence.
+    # Drafting tries in a row that may find no draft for any sequence before the tries space out
+    # (2, 4, ... steps apart), and the widest gap between two tries.
+    _SPEC_PATIENCE = 8
     _SPEC_MAX_PROBE_GAP = 64
 
     # Back-off of a sequence whose drafts are all rejected: it skips 1, 3, 7, 15 steps before
