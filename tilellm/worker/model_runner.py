@@ -176,7 +176,14 @@ class ModelRunner:
         self.host_times: dict[str, float] = {}
 
         model_len = self._model_len()
-        num_blocks = config.num_kv_blocks or self._auto_num_blocks(model_len)
+        try:
+            num_blocks = config.num_kv_blocks or self._auto_num_blocks(model_len)
+        except RuntimeError as e:
+            if self.draft is None:
+                raise
+            raise ValueError(
+                f"speculative_config.model: with the draft model loaded, {e}; pick a smaller draft"
+            ) from None
         if group is not None:  # the same block ids on every rank: the pool any rank can hold
             num_blocks = group.agree_min(num_blocks)
         self.num_kv_blocks = num_blocks
