@@ -43,9 +43,9 @@ from train_tiny_model import (  # noqa: E402
     EOS,
     PAD,
     UNK,
-    add_legacy_config_keys,
     build_tokenizer,
     lr_at,
+    save_candidate,
 )
 
 from tilellm.demo.copy_task import (  # noqa: E402
@@ -324,22 +324,8 @@ def train(args: argparse.Namespace) -> int:
     train_s = time.time() - start
 
     # Save in 16-bit, then measure the accuracy of exactly what was saved.
-    # Written next to --out first; it replaces --out only if it reaches --min-accuracy, so a failed
-    # run never overwrites the shipped model.
     final = Path(args.out)
-    out = final.with_name(final.name + ".new")
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    model = model.to("cpu").to(torch.bfloat16)
-    model.config.torch_dtype = torch.bfloat16
-    model.generation_config.eos_token_id = eos_id
-    model.generation_config.pad_token_id = pad_id
-    model.generation_config.bos_token_id = None
-    model.generation_config.do_sample = False
-    model.save_pretrained(out, safe_serialization=True)
-    add_legacy_config_keys(out / "config.json")
-    save_tokenizer(tok, out)
+    out = save_candidate(model, tok, final, eos_id, pad_id, save_tokenizer)
 
     reloaded = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32).to(device)
     eval_start = time.time()
