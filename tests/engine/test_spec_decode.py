@@ -79,6 +79,9 @@ def test_qwen3_greedy_matches_hf_with_speculation(tiny_qwen3, tiny_llama, kind, 
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
     if kind == "draft_self":  # the target drafting for itself: every draft token is accepted
         assert stats.num_accepted_tokens == stats.num_draft_tokens
+    draft = engine.runner.draft
+    if draft is not None and engine.runner.is_cuda:  # its decode steps replay its CUDA graphs
+        assert draft.graphs is not None and sum(draft.graphs.replays.values()) > 0
     if kind == "draft_other":  # an unrelated random model: (almost) nothing accepted
         assert stats.acceptance_rate < 0.3
     if kind == "ngram":

@@ -9,7 +9,8 @@ the target's K/V in the target's cache and the draft's in this one, so one block
 slot mapping serve both and the block manager needs to know nothing of the draft. Its cache is
 filled lazily: when a sequence drafts, the draft model first computes the tokens it has not
 seen (the whole prompt the first time, afterwards the one or two tokens the last verification
-emitted), then runs one decode step per further draft token. Which of its K/V are valid is
+emitted), then runs one decode step per further draft token (replayed from its own CUDA graphs
+on the GPU, `capture_graphs`). Which of its K/V are valid is
 tracked per sequence (`DraftState`); what it writes for rejected tokens is overwritten later,
 like the target's.
 
@@ -32,6 +33,7 @@ from tilellm.attention import AttentionSpec, attention_context, get_attention_ba
 from tilellm.config import EngineConfig
 from tilellm.kernels.sampling import device_row_keys, gumbel_noise
 from tilellm.worker import kv_pool
+from tilellm.worker.cuda_graphs import DecodeGraphs
 from tilellm.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -109,11 +111,43 @@ class DraftRunner:
         self.attn_backend = get_attention_backend(config.attention_backend, device)
         self.attn_spec = AttentionSpec(layer0.num_heads, num_kv_heads, head_dim, dtype, config.block_size)
         self.max_model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs of its decode steps (`capture_graphs`)
 
     def bind_kv_pool(self, num_blocks: int) -> None:
         self.kv_cache = kv_pool.allocate_kv_pool(self.kv_spec, num_blocks, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+
+    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, sync) -> None:
+        """CUDA graphs of the draft model's decode steps, per batch-size bucket as the target's
+        (`DecodeGraphs`); a failed capture leaves its decode steps eager."""
+        graphs = DecodeGraphs(
+            self.device,
+            max_num_seqs,
+            max_blocks_per_seq,
+            max_model_len,
+            forward=self._forward_all_rows,
+            decode_splits=self._decode_splits,
+        )
+        try:
+            graphs.capture(sync, enable_cascade=False)
+        except Exception:
+            logger.exception("draft model graph capture failed: its decode steps run eagerly")
+            graphs.clear()
+            torch.cuda.synchronize()
+        self.graphs = graphs if graphs else None
+
+    def _decode_splits(self, num_reqs: int, max_seqlen_k: int) -> int:
+        plan = self.attn_backend.plan_paged(
+            self.attn_spec, num_reqs, 1, num_reqs, max_seqlen_k, is_decode=True
+        )
+        return 1 if plan is None else plan.num_splits
+
+    def _forward_all_rows(self, x: StepInputs) -> torch.Tensor:
+        """Logits [T, V] of every row (what a decode graph captures)."""
+        with attention_context(self.attn_backend.plan(x.attention_metadata(), self.attn_spec)):
+            hidden = self.model(x.input_ids, x.positions)
+        return self.model.compute_logits(hidden)
 
     # -- drafting ---------------------------------------------------------------------------
 
@@ -219,6 +253,9 @@ class DraftRunner:
             tables, self.block_size, cascade=False,
         )  # fmt: skip
         x.input_ids = np.asarray([drafts[i][-1] for i in active], dtype=np.int64)
+        bucket = self.graphs.bucket(len(active)) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.replay(self._to_device(x.padded_to(bucket))).float()
         return self._forward(self._to_device(x))
 
     def _sample(

@@ -216,6 +216,10 @@ class ModelRunner:
             self._warmup_kernels()
         if self.is_cuda and not config.enforce_eager:
             self._capture_graphs()
+            if self.draft is not None:
+                self.draft.capture_graphs(
+                    config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self._sync
+                )
         if self.driver is not None:  # the workers stop when this runner goes (or at exit)
             weakref.finalize(self, self.driver.shutdown)
 
@@ -264,6 +268,8 @@ class ModelRunner:
             spec = self.config.speculative_config
             width = spec.num_speculative_tokens + 1 if spec is not None else 0
             rows = graph_logits_rows(self.config.max_num_seqs, self.config.enable_prefix_caching, width)
+            if self.draft is not None:  # its decode graphs (plain and no-split variants)
+                rows += graph_logits_rows(self.config.max_num_seqs, False)
             reserve += rows * self.vocab_size * self.dtype.itemsize
         return kv_pool.gpu_num_blocks(
             self.pool_spec,
