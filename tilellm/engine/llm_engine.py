@@ -305,14 +305,18 @@ class LLMEngine:
             launched: _InFlight | None = None
             if not sched.is_empty:
                 for seq in sched.admitted:
+                    params = seq.request.params
                     self.sampling_table.set_row(
                         seq.row,
-                        seq.request.params,
+                        params,
                         seq.seed,
                         seq.num_prompt_tokens,
                         self.eos_token_ids,
                         self.max_model_len,
                     )
+                    if params.has_penalties:  # the slot's token counts, from what it has so far
+                        outputs = [t for t in seq.output_token_ids if t >= 0]
+                        self.runner.reset_penalty_row(seq.row, seq.request.prompt_token_ids, outputs)
                 if self.proposer is not None and self.proposer.needs_device and any(sched.num_drafts):
                     self._draft_on_device(sched)
                 t1 = time.perf_counter()
@@ -375,6 +379,8 @@ class LLMEngine:
             found = found or False
             if seq.spec_wait:
                 seq.spec_wait -= 1
+                continue
+            if seq.request.params.has_penalties:  # each position's penalties need the ones before
                 continue
             room = int(max_outputs[seq.row]) - seq.num_output_tokens - 1
             seq.spec_token_ids = proposer.propose(seq.seq_id, seq.token_ids, room) if room > 0 else []

@@ -31,6 +31,13 @@ class SamplingParams:
     end generation and are cut from the text; `stop_token_ids` end it and stay in `token_ids`.
     `min_tokens` suppresses EOS and `stop_token_ids` until that many tokens exist. `logprobs=k`
     returns the sampled token's log-probability plus the top-k of each step (raw model distribution).
+
+    Logits processing, before temperature and the filters (vLLM's definitions):
+    `repetition_penalty` r (1 = off) divides the positive logits and multiplies the negative ones
+    of every token seen in the prompt or the output; `frequency_penalty` f and `presence_penalty`
+    p (0 = off, in [-2, 2]) subtract f x (times the token was generated) and p x (whether it was);
+    `logit_bias` {token id: bias in [-100, 100]} adds to logits; `allowed_token_ids` keeps only
+    those tokens.
     Invalid values raise ValueError naming the field; an unknown keyword raises TypeError naming it.
     """
 
@@ -47,11 +54,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._check()
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
+        self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
         if self.temperature < GREEDY_EPS:
             # Greedy: the other filters cannot change an argmax.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
@@ -108,6 +122,26 @@ class SamplingParams:
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "must be a bool")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise bad(name, "must be a number in [-2, 2]")
+        r = self.repetition_penalty
+        if not _is_number(r) or not 0 < r <= 100 or r != r:
+            raise bad("repetition_penalty", "must be a number in (0, 100] (1 = off)")
+        lb = self.logit_bias
+        if lb is not None and (
+            not isinstance(lb, dict)
+            or not all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in lb.items())
+        ):
+            raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, (list, tuple))
+            or not allowed
+            or not all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
 
     def check_request(self, num_prompt_tokens: int, max_model_len: int, vocab_size: int) -> int:
         """The one rule for a request of a `num_prompt_tokens`-token prompt with these settings,
@@ -127,14 +161,29 @@ class SamplingParams:
                 f"the prompt ({num_prompt_tokens} tokens) is {how} max_model_len ({max_model_len}); "
                 "it must be shorter, to leave room for at least one output token: shorten the prompt"
             )
-        bad = next((t for t in self.stop_token_ids or () if t >= vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})"
-            )
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids or ()),
+            ("logit_bias", self.logit_bias or ()),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"SamplingParams.{name}: token id {bad} is outside the vocabulary [0, {vocab_size})"
+                )
         room = max_model_len - num_prompt_tokens
         return room if self.max_tokens is None else min(self.max_tokens, room)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Presence, frequency or repetition penalty on (they depend on the tokens so far)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything that changes the logits before sampling besides temperature and the filters."""
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None

@@ -37,6 +37,13 @@ class SamplingTable:
         self.max_outputs = np.zeros(max_rows, dtype=np.int64)  # finished ("length") at this many outputs
         self.eos_stops = np.zeros(max_rows, dtype=bool)  # EOS ends it (not ignore_eos)
         self.python_checks = np.zeros(max_rows, dtype=bool)  # stop strings/ids, logprobs, n > 1
+        # -- logits processing --
+        self.penalized = np.zeros(max_rows, dtype=bool)
+        self.presence = np.zeros(max_rows, dtype=np.float32)
+        self.frequency = np.zeros(max_rows, dtype=np.float32)
+        self.repetition = np.ones(max_rows, dtype=np.float32)
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> token ids, biases
+        self.allowed: dict[int, np.ndarray] = {}  # row -> the only token ids it may draw
 
     def set_row(
         self,
@@ -67,6 +74,17 @@ class SamplingTable:
         self.python_checks[row] = bool(
             params.stop or params.stop_token_ids or params.logprobs is not None or params.n > 1
         )
+        self.penalized[row] = params.has_penalties
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.logit_bias.pop(row, None)
+        if params.logit_bias:
+            ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
+            self.logit_bias[row] = (ids, np.fromiter(params.logit_bias.values(), dtype=np.float32))
+        self.allowed.pop(row, None)
+        if params.allowed_token_ids is not None:
+            self.allowed[row] = np.unique(np.asarray(params.allowed_token_ids, dtype=np.int64))
 
     def gather(self, rows: np.ndarray, num_tokens: np.ndarray) -> HostSampling:
         """Inputs for `rows` sampling their token number `num_tokens - num_prompt`."""
@@ -92,6 +110,25 @@ class SamplingTable:
             min_p = self.min_p[rows]
             if (min_p > 0).any():
                 out.min_p = min_p
+        if self.penalized[rows].any():
+            out.penalty_rows = rows
+            out.presence, out.frequency = self.presence[rows], self.frequency[rows]
+            out.repetition = self.repetition[rows]
+        if self.logit_bias:
+            pairs = [(i, self.logit_bias[r]) for i, r in enumerate(rows.tolist()) if r in self.logit_bias]
+            if pairs:
+                out.bias_pairs = np.concatenate(
+                    [np.stack([np.full(len(ids), i), ids]) for i, (ids, _) in pairs], axis=1
+                )
+                out.bias_values = np.concatenate([v for _, (_, v) in pairs])
+        if self.allowed:
+            which = [(i, self.allowed[r]) for i, r in enumerate(rows.tolist()) if r in self.allowed]
+            if which:
+                out.allowed_pairs = np.concatenate(
+                    [np.stack([np.full(len(ids), i), ids]) for i, ids in which], axis=1
+                )
+                out.allowed_rows = np.zeros(len(rows), dtype=bool)
+                out.allowed_rows[[i for i, _ in which]] = True
         if self.min_tokens_ban:
             short = np.nonzero(steps < self.min_tokens[rows])[0]
             pairs = [(i, t) for i in short.tolist() for t in self.min_tokens_ban.get(int(rows[i]), [])]

@@ -40,6 +40,7 @@ from tilellm.distributed.driver import WorkerError
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
 from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
+from tilellm.worker.logits_processors import PenaltyState
 from tilellm.worker.rejection import DraftVerification
 from tilellm.worker.sampler import HostSampling, Sampler, SamplerOutput
 from tilellm.worker.staging import PinnedStaging
@@ -155,7 +156,9 @@ class ModelRunner:
         self.attn_spec = AttentionSpec(
             layer0.num_heads, num_kv_heads, head_dim, self.dtype, config.block_size
         )
-        self.sampler = Sampler()
+        # Token counts of every sequence slot for penalties (allocated when first needed).
+        self.penalties = PenaltyState(config.max_num_seqs, self.vocab_size, self.device)
+        self.sampler = Sampler(penalties=self.penalties)
         # Speculative decoding with a draft model: on rank 0 only (it alone samples); its cache
         # shares the target's block ids, so the pool is sized by both (`kv_pool.PooledSpec`).
         spec = config.speculative_config
@@ -271,6 +274,7 @@ class ModelRunner:
             if self.draft is not None:  # its decode graphs (plain and no-split variants)
                 rows += graph_logits_rows(self.config.max_num_seqs, False)
             reserve += rows * self.vocab_size * self.dtype.itemsize
+        reserve += self.config.max_num_seqs * self.vocab_size * 5  # penalties' counts and prompt masks
         return kv_pool.gpu_num_blocks(
             self.pool_spec,
             peak_activation_bytes=peak - current,
@@ -472,6 +476,11 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, sampling: HostSampling) -> StepResult:
         """Run one step and wait for its result (see `launch` / `wait`)."""
         return self.wait(self.launch(inputs, sampling))
+
+    @torch.inference_mode()
+    def reset_penalty_row(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """A sequence with penalties took slot `row`: its prompt and the tokens it generated before."""
+        self.penalties.reset_row(row, prompt_ids, output_ids)
 
     def propose_drafts(self, requests: list[DraftRequest], block_tables: np.ndarray) -> DraftProposal:
         """Draft tokens from the draft model for the next step (see `DraftRunner.propose`); their

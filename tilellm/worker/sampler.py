@@ -4,9 +4,11 @@ Greedy rows take the argmax. Random rows use the Gumbel-max trick (`tilellm.kern
 the token is `argmax(logits / temperature + g)`, with noise from a counter-based hash of the
 sequence's seed and the index of the token, so seeded sequences are reproducible in any batch.
 
-Filters (applied before the draw, in vLLM's order): min-p, then top-k and top-p; each sets the
-excluded logits to -inf. `min_tokens` bans EOS and the stop tokens of the rows that have not
-reached it. Logprobs are of the raw model distribution (before temperature and filters).
+Logits processing first (`tilellm.worker.logits_processors`, vLLM's order): repetition,
+frequency and presence penalties, logit bias, allowed tokens. Then filters (applied before the
+draw, in vLLM's order): min-p, then top-k and top-p; each sets the excluded logits to -inf.
+`min_tokens` bans EOS and the stop tokens of the rows that have not reached it. Logprobs are of
+the raw model distribution (before processing, temperature and filters), as vLLM's by default.
 
 Host-side decisions (which filters any row uses, the largest top-k, how many logprobs) arrive
 as plain Python values in `SamplingMetadata`, so nothing here reads a device value. The host
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from tilellm.kernels.sampling import gumbel_argmax_torch, gumbel_argmax_triton
+from tilellm.worker.logits_processors import PenaltyState, apply_bias_and_allowed, apply_penalties
 from tilellm.worker.rejection import DraftVerification, rejection_sample
 
 # -- per-step inputs ----------------------------------------------------------------------------
@@ -48,6 +51,15 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
+    # Logits processing (None: no row uses it). penalty_rows: [N] int64 sequence slot of each row
+    # (its token counts in the PenaltyState); presence / frequency / repetition: [N] float32.
+    penalty_rows: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids: all a row may draw
+    allowed_rows: torch.Tensor | None = None  # [N] bool: rows restricted to `allowed`
 
 
 @dataclass
@@ -82,11 +94,24 @@ class HostSampling:
     min_p: np.ndarray | None = None
     banned: np.ndarray | None = None  # [2, K]: rows, token ids
     max_num_logprobs: int = -1
+    penalty_rows: np.ndarray | None = None  # [N] int64 slots, with presence / frequency / repetition
+    presence: np.ndarray | None = None
+    frequency: np.ndarray | None = None
+    repetition: np.ndarray | None = None
+    bias_pairs: np.ndarray | None = None  # [2, K] int64: rows, token ids
+    bias_values: np.ndarray | None = None  # [K] float32
+    allowed_pairs: np.ndarray | None = None  # [2, K] int64: rows, token ids
+    allowed_rows: np.ndarray | None = None  # [N] bool
+
+    _DEVICE = (
+        "inv_temp", "seed_keys", "steps", "greedy", "top_k", "top_p", "min_p", "banned",
+        "penalty_rows", "presence", "frequency", "repetition", "bias_pairs", "bias_values",
+        "allowed_pairs", "allowed_rows",
+    )  # fmt: skip
 
     def device_arrays(self) -> dict[str, np.ndarray]:
         """The arrays the sampler needs on the device, by name."""
-        names = ("inv_temp", "seed_keys", "steps", "greedy", "top_k", "top_p", "min_p", "banned")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {n: getattr(self, n) for n in self._DEVICE if getattr(self, n) is not None}
 
     def to_metadata(self, dev: dict[str, torch.Tensor]) -> SamplingMetadata:
         """Assemble the SamplingMetadata from the device copies of `device_arrays()`."""
@@ -103,6 +128,17 @@ class HostSampling:
             min_p=dev.get("min_p"),
             banned=None if banned is None else (banned[0], banned[1]),
             max_num_logprobs=self.max_num_logprobs,
+            penalty_rows=dev.get("penalty_rows"),
+            presence=dev.get("presence"),
+            frequency=dev.get("frequency"),
+            repetition=dev.get("repetition"),
+            bias=None
+            if "bias_pairs" not in dev
+            else (dev["bias_pairs"][0], dev["bias_pairs"][1], dev["bias_values"]),
+            allowed=None
+            if "allowed_pairs" not in dev
+            else (dev["allowed_pairs"][0], dev["allowed_pairs"][1]),
+            allowed_rows=dev.get("allowed_rows"),
         )
 
     def to_cpu_metadata(self) -> SamplingMetadata:
@@ -146,8 +182,9 @@ def _filter_mask(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | N
 class Sampler:
     """logits [N, V] -> SamplerOutput, all on the logits' device; no host sync."""
 
-    def __init__(self, use_triton: bool | None = None):
+    def __init__(self, use_triton: bool | None = None, penalties: PenaltyState | None = None):
         self.use_triton = use_triton
+        self.penalties = penalties  # token counts of every sequence slot (penalties need them)
 
     def _gumbel_argmax(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         use_triton = self.use_triton if self.use_triton is not None else logits.is_cuda
@@ -165,9 +202,19 @@ class Sampler:
         # 256 rows of a 152k vocabulary costs more than the draw itself. Filters, bans and
         # logprobs compute in float32.
         filters = md.min_p is not None or md.top_k is not None or md.top_p is not None
-        if filters or md.banned is not None or md.max_num_logprobs >= 0:
+        processing = md.penalty_rows is not None or md.bias is not None or md.allowed is not None
+        if filters or processing or md.banned is not None or md.max_num_logprobs >= 0:
             logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs >= 0 else None
+        if md.penalty_rows is not None:
+            st = self.penalties
+            assert st is not None and st.counts is not None, "penalty rows without their token counts"
+            rows = md.penalty_rows
+            logits = apply_penalties(
+                logits, st.counts[rows], st.in_prompt[rows], md.presence, md.frequency, md.repetition
+            )
+        if md.bias is not None or md.allowed is not None:
+            logits = apply_bias_and_allowed(logits, md.bias, md.allowed, md.allowed_rows)
         if md.banned is not None:  # a fill kernel, not a host scalar copied to the device
             logits = logits.clone()
             logits[md.banned] = float("-inf")
@@ -189,6 +236,8 @@ class Sampler:
                 tokens = tokens.index_copy(0, rows, checked)
             if md.greedy is not None:
                 tokens = torch.where(md.greedy, logits.argmax(dim=-1), tokens)
+        if md.penalty_rows is not None:  # the tokens counted for the next steps' penalties
+            self.penalties.add_tokens(md.penalty_rows, tokens)
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:
             sampled = raw_logprobs.gather(1, tokens[:, None])

@@ -1,0 +1,85 @@
+"""Logits processing before sampling: penalties, logit bias, allowed tokens (vLLM's definitions).
+
+    state = PenaltyState(max_rows, vocab_size, device)   # per-slot token counts, on the device
+    state.reset_row(row, prompt_ids, output_ids)          # when a sequence takes a slot
+    logits = apply_penalties(logits, state, md)           # every step, batched, no host sync
+    state.add_tokens(rows, tokens)                        # the step's sampled tokens
+
+Penalties need, for each sequence, how often each token has been generated and whether it is in
+the prompt. Both live on the device as one row per sequence slot (`[max_num_seqs, V]`, allocated
+the first time a request asks for a penalty): a slot is reset when a sequence is admitted to it
+(from its prompt and the tokens it generated before, after a preemption) and counts each token
+the sampler draws for it, straight from the device, so no step waits for the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PenaltyState:
+    """Generated-token counts and prompt-token presence per sequence slot (see the module docstring)."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, device
+        self.counts: torch.Tensor | None = None  # [max_rows, V] int32
+        self.in_prompt: torch.Tensor | None = None  # [max_rows, V] bool
+
+    def _ensure(self) -> None:
+        if self.counts is None:
+            shape = (self.max_rows, self.vocab_size)
+            self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.in_prompt = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
+    def reset_row(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        self._ensure()
+        assert self.counts is not None and self.in_prompt is not None
+        self.counts[row].zero_()
+        self.in_prompt[row].zero_()
+        if prompt_ids:
+            self.in_prompt[row, torch.tensor(prompt_ids, dtype=torch.int64).to(self.device)] = True
+        if output_ids:
+            ids = torch.tensor(output_ids, dtype=torch.int64).to(self.device)
+            self.counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+
+    def add_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count `tokens[i]` for slot `rows[i]` ([N] int64 each, on the device)."""
+        if self.counts is None:
+            return
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    in_prompt: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """logits [N, V] float32 with the penalties applied (vLLM's order: repetition, then frequency
+    and presence). counts [N, V] int32 generated-token counts, in_prompt [N, V] bool; presence,
+    frequency, repetition: [N] float32 (0, 0, 1 = off)."""
+    generated = counts > 0
+    seen = generated | in_prompt
+    rep = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * generated
+
+
+def apply_bias_and_allowed(
+    logits: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    allowed: tuple[torch.Tensor, torch.Tensor] | None,
+    allowed_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """logits [N, V] float32 plus `bias` (rows, token ids, values) and, for `allowed_rows` ([N]
+    bool), -inf outside the `allowed` (rows, token ids) pairs."""
+    if bias is not None:
+        rows, ids, values = bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)
+    if allowed is not None and allowed_rows is not None:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[allowed] = True
+        logits = logits.masked_fill(allowed_rows[:, None] & ~keep, float("-inf"))
+    return logits
