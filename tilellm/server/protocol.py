@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), as OpenAI defines them plus vLLM's extras.
 
-Fields the engine cannot honour are accepted only at their neutral value (`presence_penalty: 0`,
-`logit_bias: {}`, ...); anything else is a 400 that names the field, raised by `check_unsupported`.
+Fields the engine cannot honour are accepted only at their neutral value (`best_of` equal to `n`,
+`response_format` text, ...); anything else is a 400 that names the field, raised by
+`check_unsupported`.
 Unknown fields are ignored, as OpenAI's own server does for forward compatibility. Types are
 strict, as OpenAI's are: `"5"`, `4.0` or `true` is not an integer, `"0.5"` not a number and `"yes"`
 not a boolean (an integer is a valid number); the offline `SamplingParams` rejects the same.
@@ -54,6 +55,7 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: TokenIds | None = None
     repetition_penalty: float | None = None
+    allowed_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
 
 
@@ -118,17 +120,23 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as JSON object keys) with integer keys; 400 naming it."""
+    if not bias:
+        return None
+    try:
+        out = {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise APIError.invalid(
+            "logit_bias keys must be token ids (integers as strings)", "logit_bias"
+        ) from None
+    if any(k < 0 for k in out):
+        raise APIError.invalid("logit_bias keys must be token ids >= 0", "logit_bias")
+    return out
+
+
 def check_unsupported(req: _SamplingFields) -> None:
     """400 for OpenAI features this engine does not implement, unless left at their neutral value."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError.invalid(f"{name} is not supported by this server; leave it unset or 0", name)
-    if req.repetition_penalty not in (None, 1.0):
-        raise APIError.invalid(
-            "repetition_penalty is not supported by this server; leave it unset or 1", "repetition_penalty"
-        )
-    if req.logit_bias:
-        raise APIError.invalid("logit_bias is not supported by this server", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError.invalid("stream_options is only allowed when stream is true", "stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])

@@ -24,7 +24,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tilellm.server.admission import FairFeeder, Ticket
 from tilellm.server.async_engine import EngineRequest, RequestUpdate, SeqDelta
 from tilellm.server.errors import APIError
-from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
+from tilellm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_unsupported,
+    logit_bias_ids,
+)
 
 logger = logging.getLogger("tilellm.server")
 
@@ -42,6 +47,11 @@ _PARAM_NAMES = (
     "logprobs",
     "n",
     "prompt",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
 )
 
 
@@ -241,6 +251,11 @@ class OpenAIServing:
             stop=[req.stop] if isinstance(req.stop, str) else req.stop,
             stop_token_ids=req.stop_token_ids,
             logprobs=logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=logit_bias_ids(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
         )
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         if optional["stop"]:

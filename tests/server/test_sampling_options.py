@@ -1,0 +1,60 @@
+"""Penalties, logit_bias and allowed_token_ids through the server: the tokens of the offline
+engine with the same SamplingParams (greedy), for completions and chat."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import ENGINE_KWARGS, MODEL_NAME, assert_serving
+from tilellm import LLM, SamplingParams
+
+OPTIONS = [
+    {"presence_penalty": 1.2},
+    {"frequency_penalty": 0.8, "presence_penalty": -0.3},
+    {"repetition_penalty": 1.5},
+    {"logit_bias": {"11": 30.0, "12": -100}},
+    {"allowed_token_ids": [3, 4, 5, 200]},
+]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    return LLM(tiny_model_dir, **ENGINE_KWARGS)
+
+
+def _params(options: dict) -> SamplingParams:
+    kw = dict(options)
+    if "logit_bias" in kw:
+        kw["logit_bias"] = {int(k): v for k, v in kw["logit_bias"].items()}
+    return SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o))
+def test_completion_tokens_equal_offline(http, offline, options):
+    body = {"model": MODEL_NAME, "prompt": "Hello hello hello", "max_tokens": 10, "temperature": 0}
+    body.update(ignore_eos=True, return_token_ids=True, **options)
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["token_ids"]
+    want = offline.generate(["Hello hello hello"], _params(options), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    plain = offline.generate(["Hello hello hello"], _params({}), use_tqdm=False)[0].outputs[0].token_ids
+    assert got != plain  # the option changed the output: the test would see it ignored
+
+
+def test_chat_takes_the_penalties_through_the_openai_client(client):
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "say it again and again"}],
+        max_tokens=8,
+        temperature=0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logit_bias={"7": 2.0},
+        extra_body={"repetition_penalty": 1.2},
+    )
+    assert out.choices[0].message.content is not None
+
+
+def test_a_neutral_request_still_serves(http):
+    assert_serving(http)
