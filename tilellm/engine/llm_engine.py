@@ -110,6 +110,8 @@ class _InFlight:
     # lists); None when no sequence of the step had one (one logits row per sampled sequence).
     num_drafts: np.ndarray | None = None
     drafts: list[list[int]] | None = None
+    # Prompt logprobs: (request, first, end) whose positions [first, end) this step scores.
+    prompt_rows: list[tuple[Request, int, int]] | None = None
     times: list[float] = field(default_factory=list)  # schedule, prepare+launch seconds
 
 
@@ -179,6 +181,7 @@ class LLMEngine:
         self._spec_probe_gap = 1  # steps from one drafting try to the next (see `step`)
         self._spec_probe_in = 0  # steps until the next try
         self._spec_misses = 0  # tries in a row that found no draft
+        self._collecting: set[str] = set()  # requests whose prompt logprobs are not complete yet
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner (tests substitute one that needs no model); see `start_runner`."""
@@ -217,6 +220,8 @@ class LLMEngine:
                 root = request_root(request_id) if params.n > 1 else None
             req = Request(request_id, text, ids, params, seeds, root, time.perf_counter())
             self.requests[request_id] = req
+            if req.prompt_logprobs is not None:
+                self._collecting.add(request_id)
             self.scheduler.add(req.seqs[0])
             self.prompt_tokens_total += len(ids)
 
@@ -252,6 +257,7 @@ class LLMEngine:
             req = self.requests.pop(request_id, None)
             if req is None:
                 return False
+            self._collecting.discard(request_id)
             for seq in req.seqs:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
@@ -415,6 +421,54 @@ class LLMEngine:
             seq.spec_token_ids = tokens
             proposer.record(seq.seq_id, seq.admit_order, n)
 
+    def _prompt_rows(
+        self, sched: SchedulerOutput
+    ) -> tuple[list[tuple[int, int] | None] | None, list[tuple[Request, int, int]] | None]:
+        """Positions whose logits give prompt logprobs, per scheduled sequence (for
+        `build_step_inputs`), and the same as (request, first, end) for the postprocessing.
+        Position p predicts prompt token p + 1; the next one a request lacks is token
+        len(request.prompt_logprobs)."""
+        rows: list[tuple[int, int] | None] = []
+        of: list[tuple[Request, int, int]] = []
+        for seq, start, n in zip(sched.seqs, sched.starts, sched.num_new_tokens):
+            req = seq.request
+            r = None
+            if seq.index == 0 and req.request_id in self._collecting:
+                first = max(start, len(req.prompt_logprobs) - 1)
+                end = min(start + n, seq.num_prompt_tokens - 1)
+                if first < end:
+                    r = (first, end)
+                    of.append((req, first, end))
+            rows.append(r)
+        return (rows, of) if of else (None, None)
+
+    def _add_prompt_logprobs(self, done: _InFlight, result: StepResult) -> None:
+        """Append the step's prompt logprobs to their requests, in order (a row scored twice, by a
+        step in flight when its sequence was preempted and recomputed, is appended once)."""
+        res = result.prompt
+        assert res is not None and done.prompt_rows is not None
+        lps, ranks = res.token_logprobs.tolist(), res.ranks.tolist()
+        top_lp, top_ids = res.top_logprobs.tolist(), res.top_token_ids.tolist()
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        row = 0
+        for req, first, end in done.prompt_rows:
+            entries = req.prompt_logprobs
+            k = req.params.prompt_logprobs
+            for p in range(first, end):
+                if p + 1 == len(entries) and req.request_id in self._collecting:
+                    token = req.prompt_token_ids[p + 1]
+                    entry = {token: Logprob(lps[row], ranks[row])}
+                    for rank, (tid, v) in enumerate(zip(top_ids[row][:k], top_lp[row][:k]), start=1):
+                        if tid not in entry:
+                            entry[tid] = Logprob(v, rank)
+                    if decode is not None:
+                        for tid, item in entry.items():
+                            item.decoded_token = decode([tid])
+                    entries.append(entry)
+                row += 1
+            if len(entries) == len(req.prompt_token_ids):
+                self._collecting.discard(req.request_id)
+
     def _verification_pad(self, sched: SchedulerOutput) -> int:
         """k when this verification step is best padded to k draft tokens per request (the runner
         replays such steps from a CUDA graph: every request decodes, few enough of them, and k
@@ -438,6 +492,7 @@ class LLMEngine:
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         drafts = None
         pad = 0
+        prompt_rows, prompt_of = self._prompt_rows(sched) if self._collecting else (None, None)
         if self.proposer is not None and any(sched.num_drafts):
             drafts = [s.spec_token_ids if d else [] for s, d in zip(seqs, sched.num_drafts)]
             pad = self._verification_pad(sched)
@@ -451,6 +506,7 @@ class LLMEngine:
             self.block_manager.block_size,
             draft_token_ids=drafts,
             pad_drafts_to=pad,
+            prompt_rows=prompt_rows,
         )
         mask = np.asarray(sched.samples, dtype=bool)
         sampled = [s for s, smp in zip(seqs, sched.samples) if smp]
@@ -469,6 +525,8 @@ class LLMEngine:
                 np.repeat(sampled_rows, width), np.repeat(positions, width) + offsets
             )
             drafts = [d for d, smp in zip(drafts, sched.samples) if smp]
+        if prompt_of:
+            sampling.max_num_prompt_logprobs = max(req.params.prompt_logprobs for req, _, _ in prompt_of)
         patch = None
         pending = np.flatnonzero(inputs.input_ids < 0)
         if len(pending):
@@ -491,8 +549,9 @@ class LLMEngine:
             seq.num_pending += 1
         self._pending_src[sampled_rows] = np.arange(len(sampled))
         return _InFlight(
-            sched, inputs, sampled, sampling, positions, handle, num_drafts=num_drafts, drafts=drafts
-        )
+            sched, inputs, sampled, sampling, positions, handle, num_drafts=num_drafts, drafts=drafts,
+            prompt_rows=prompt_of,
+        )  # fmt: skip
 
     def _record_timing(self, done: _InFlight, wait_s: float, post_s: float, device_s: float | None) -> None:
         tm = self.timings
@@ -515,6 +574,8 @@ class LLMEngine:
     # -- postprocess ----------------------------------------------------------------------------
 
     def _postprocess(self, done: _InFlight, result: StepResult, emit_partial: bool) -> list[RequestOutput]:
+        if done.prompt_rows is not None:
+            self._add_prompt_logprobs(done, result)
         if done.num_drafts is not None:
             return self._postprocess_verified(done, result, emit_partial)
         sampled, sampling = done.sampled, done.sampling
@@ -723,6 +784,7 @@ class LLMEngine:
         if req.is_finished:
             req.metrics.finished_time = time.perf_counter()
             self.requests.pop(req.request_id, None)
+            self._collecting.discard(req.request_id)
 
     def _append_logprobs(self, seq: Sequence, k: int, token: int, result: StepResult) -> None:
         lp = float(result.sampled_logprobs[k])
@@ -743,6 +805,12 @@ class LLMEngine:
     def _make_output(self, req: Request) -> RequestOutput:
         sample = self._delta_output if self.output_deltas else self._cumulative_output
         seqs = req.seqs
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is not None and self.output_deltas:  # handed out once, complete
+            if req.prompt_logprobs_sent or len(prompt_logprobs) < len(req.prompt_token_ids):
+                prompt_logprobs = None
+            else:
+                req.prompt_logprobs_sent = True
         return RequestOutput(
             req.request_id,
             req.prompt,
@@ -751,6 +819,7 @@ class LLMEngine:
             req.is_finished,
             seqs[0].num_cached_tokens,
             req.metrics,
+            prompt_logprobs,
         )
 
     @staticmethod

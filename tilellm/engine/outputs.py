@@ -64,3 +64,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob}
+    # (the prompt's token and the top k). With delta outputs only the first output carries it.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -160,6 +160,9 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.seqs = [Sequence(self, i, seeds[i], cache_root) for i in range(params.n)]
         self.siblings_queued = params.n == 1
+        # Prompt logprobs, filled in order by sample 0's prefill (None: not asked for).
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False  # delta outputs: handed out once, when complete
 
     @property
     def is_finished(self) -> bool:

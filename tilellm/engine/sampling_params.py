@@ -37,7 +37,9 @@ class SamplingParams:
     of every token seen in the prompt or the output; `frequency_penalty` f and `presence_penalty`
     p (0 = off, in [-2, 2]) subtract f x (times the token was generated) and p x (whether it was);
     `logit_bias` {token id: bias in [-100, 100]} adds to logits; `allowed_token_ids` keeps only
-    those tokens.
+    those tokens. `prompt_logprobs=k`: each prompt token's log-probability given the tokens before
+    it, with the top k (the first token has none); such a request skips the prefix cache, whose
+    blocks hold no logits.
     Invalid values raise ValueError naming the field; an unknown keyword raises TypeError naming it.
     """
 
@@ -59,6 +61,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -122,6 +125,9 @@ class SamplingParams:
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "must be a bool")
+        plp = self.prompt_logprobs
+        if plp is not None and (not _is_int(plp) or not 0 <= plp <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -2 <= v <= 2:

@@ -175,7 +175,9 @@ class Scheduler:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 seq = waiting[0]
-                hits = bm.lookup_prefix(seq)
+                # Prompt logprobs need logits at every prompt position: no cached prefix.
+                wants_logits = seq.request.prompt_logprobs is not None and seq.index == 0
+                hits = [] if wants_logits else bm.lookup_prefix(seq)
                 num_cached = len(hits) * bs
                 total = len(seq.token_ids)
                 n = min(total - num_cached, budget)

@@ -23,6 +23,7 @@ from tilellm.server.errors import APIError, error_body, install_error_handlers
 from tilellm.server.metrics import ServerMetrics
 from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest
 from tilellm.server.serving import OpenAIServing
+from tilellm.server.tokenize import register as register_tokenizer_routes
 from tilellm.server.watchdog import EngineWatchdog
 
 logger = logging.getLogger("tilellm.server")
@@ -268,6 +269,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes, timeout=config.body_read_timeout)
     if config.api_key:
         app.add_middleware(_APIKeyCheck, api_key=config.api_key)
+    register_tokenizer_routes(app, serving, config.api_key)  # last: its key check runs first
     return app
 
 

@@ -68,6 +68,9 @@ class RequestUpdate:
     deltas: list[SeqDelta]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = (
+        None  # once, when the engine has them (SamplingParams.prompt_logprobs)
+    )
     error: str | None = None  # the engine failed this request; the message is safe to show
     status: int = 500  # the HTTP status of `error`
     code: str | None = "engine_error"  # the OpenAI error code of `error`
@@ -282,7 +285,11 @@ class EngineLoop:
             reason = out.outputs[0].finish_reason if out.outputs else None
             self.observer.on_finished(now - tracked.arrival, tpot, reason or "abort", max_tokens)
         return RequestUpdate(
-            tracked.tag, deltas, bool(out.finished), getattr(out, "num_cached_tokens", 0) or 0
+            tracked.tag,
+            deltas,
+            bool(out.finished),
+            getattr(out, "num_cached_tokens", 0) or 0,
+            getattr(out, "prompt_logprobs", None),
         )
 
     def _fail_all(self, message: str, status: int = 500, code: str = "engine_error") -> None:

@@ -90,6 +90,8 @@ class CompletionRequest(_SamplingFields):
     # vLLM extra: each choice (and each streamed chunk's choice) also carries its `token_ids`;
     # always on when the server runs without a tokenizer
     return_token_ids: bool = False
+    # vLLM extra: each choice carries the prompt's logprobs (None first, then {token id: ...})
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class ContentPart(_Request):
@@ -149,8 +151,6 @@ def check_unsupported(req: _SamplingFields) -> None:
             raise APIError.invalid(
                 "best_of is not supported by this server; leave it unset or equal to n", "best_of"
             )
-        if req.echo and req.logprobs is not None:
-            raise APIError.invalid("echo together with logprobs (prompt logprobs) is not supported", "echo")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise APIError.invalid("tools (function calling) are not supported by this server", "tools")

@@ -231,7 +231,12 @@ class OpenAIServing:
             raise _engine_value_error(exc, renames) from None
 
     def _sampling_params(
-        self, req: Any, max_tokens: int, logprobs: int | None, renames: dict[str, str]
+        self,
+        req: Any,
+        max_tokens: int,
+        logprobs: int | None,
+        renames: dict[str, str],
+        prompt_logprobs: int | None = None,
     ) -> Any:
         from tilellm import SamplingParams
 
@@ -256,6 +261,7 @@ class OpenAIServing:
             repetition_penalty=req.repetition_penalty,
             logit_bias=logit_bias_ids(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
+            prompt_logprobs=prompt_logprobs,
         )
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         if optional["stop"]:
@@ -276,9 +282,15 @@ class OpenAIServing:
         return queue, self.feeder.admit(reqs, queue, max_tokens)
 
     async def _collect(
-        self, queue: asyncio.Queue, num_prompts: int, ticket: Ticket, raw: Request
+        self,
+        queue: asyncio.Queue,
+        num_prompts: int,
+        ticket: Ticket,
+        raw: Request,
+        prompt_logprobs: dict[int, list] | None = None,
     ) -> tuple[dict[tuple[int, int], _Choice], list[int]]:
-        """Wait for every engine request to finish; abort them all if the client goes away."""
+        """Wait for every engine request to finish; abort them all if the client goes away.
+        `prompt_logprobs` (when given) receives each prompt's logprobs by tag."""
         choices: dict[tuple[int, int], _Choice] = {}
         cached = [0] * num_prompts
 
@@ -286,6 +298,8 @@ class OpenAIServing:
             async for batch in _updates(queue, num_prompts):
                 for u in batch:
                     cached[u.tag] = u.num_cached_tokens
+                    if prompt_logprobs is not None and u.prompt_logprobs is not None:
+                        prompt_logprobs[u.tag] = u.prompt_logprobs
                 for key, d in _merge(batch).items():
                     c = choices.setdefault(key, _Choice())
                     c.text.append(d.text)
@@ -360,7 +374,11 @@ class OpenAIServing:
         if req.echo:
             self._need_tokenizer("echo", "echo")
         prompts = await self._off_loop(self._completion_prompts, req)
-        params = self._sampling_params(req, req.max_tokens, req.logprobs, {})
+        # echo with logprobs scores the prompt's tokens too (lm-eval's loglikelihood requests).
+        want_prompt = req.logprobs if req.echo and req.logprobs is not None else None
+        if req.prompt_logprobs is not None:
+            want_prompt = max(want_prompt or 0, req.prompt_logprobs)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, {}, want_prompt)
         max_tokens = self._check_request(params, prompts, {})
         base_id = f"cmpl-{uuid.uuid4().hex}"
         queue, ticket = self._submit(base_id, prompts, params, max_tokens)
@@ -371,13 +389,19 @@ class OpenAIServing:
         if req.stream:
             gen = self._completion_stream(req, base_id, created, prompts, echo, queue, ticket)
             return _sse_response(self._guarded_stream(gen, base_id, ticket))
-        choices, _ = await self._collect(queue, len(prompts), ticket, raw)
+        prompt_lps: dict[int, list] = {}
+        choices, _ = await self._collect(queue, len(prompts), ticket, raw, prompt_lps)
         out = []
         for (tag, idx), c in sorted(choices.items()):
             text = c.final_text if c.final_text is not None else "".join(c.text)
             lp = None
             if req.logprobs is not None:
+                echoed = None
+                if req.echo:
+                    echoed = self._prompt_logprobs_part(prompts[tag], prompt_lps.get(tag), req.logprobs, c)
                 lp = self._completion_logprobs(c.logprobs, c.token_ids, req.logprobs, c)
+                if echoed is not None:
+                    lp = {key: echoed[key] + lp[key] for key in lp}
             out.append(
                 {
                     "index": tag * req.n + idx,
@@ -389,6 +413,10 @@ class OpenAIServing:
             )
             if self._return_token_ids(req):
                 out[-1].update(prompt_token_ids=prompts[tag], token_ids=c.token_ids)
+            if req.prompt_logprobs is not None:
+                out[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                    prompt_lps.get(tag), req.prompt_logprobs
+                )
         body = {
             "id": base_id,
             "object": "text_completion",
@@ -402,6 +430,49 @@ class OpenAIServing:
     def _return_token_ids(self, req: CompletionRequest) -> bool:
         """Choices carry `token_ids` when asked (vLLM's `return_token_ids`) or when there is no text."""
         return req.return_token_ids or self.tokenizer is None
+
+    def _prompt_logprobs_part(
+        self, prompt_ids: list[int], entries: list | None, k: int, c: _Choice
+    ) -> dict[str, Any]:
+        """The echoed prompt's part of a completion's `logprobs` (OpenAI's legacy shape: the first
+        token has no logprob, `null`), advancing the choice's text offset past the prompt."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        entries = entries or [None] * len(prompt_ids)
+        for i, (tid, entry) in enumerate(zip(prompt_ids, entries)):
+            s = self._token_str(tid)
+            tokens.append(s)
+            offsets.append(c.text_offset)
+            c.text_offset += len(s)
+            if i == 0 or entry is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            lp, top = split_logprob_entry(entry, tid, k)
+            token_lps.append(_finite(lp))
+            tops.append({self._token_str(t): _finite(v) for t, v in top} if k > 0 else None)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(self, entries: list | None, k: int) -> list[Any] | None:
+        """vLLM's `prompt_logprobs` of a choice: None for the first token, then {token id (string):
+        {"logprob", "rank", "decoded_token"}} holding the prompt's token and the top k."""
+        if entries is None:
+            return None
+        out: list[Any] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            out.append(
+                {
+                    str(t): {
+                        "logprob": _finite(v.logprob),
+                        "rank": v.rank,
+                        "decoded_token": self._token_str(t),
+                    }
+                    for t, v in entry.items()
+                }
+            )
+        return out
 
     def _completion_logprobs(
         self, entries: list[Any], token_ids: list[int], k: int, c: _Choice
@@ -463,7 +534,10 @@ class OpenAIServing:
             include_usage,
         )
 
-        if req.echo:
+        # echo: the prompt's text first; with logprobs it waits for the prompt's logprobs, which
+        # come with the request's first update.
+        echo_scored = req.echo and req.logprobs is not None
+        if req.echo and not echo_scored:
             for tag, text in enumerate(echo):
                 for idx in range(req.n):
                     state[(tag, idx)] = _Choice(text_offset=len(text))
@@ -478,6 +552,23 @@ class OpenAIServing:
                         ]
                     )
         async for batch in _updates(queue, len(prompts)):
+            if echo_scored:
+                for u in batch:
+                    if u.prompt_logprobs is None or (u.tag, 0) in state:
+                        continue
+                    first = []
+                    for idx in range(req.n):
+                        c = state[(u.tag, idx)] = _Choice()
+                        lp = self._prompt_logprobs_part(prompts[u.tag], u.prompt_logprobs, req.logprobs, c)
+                        first.append(
+                            {
+                                "index": u.tag * req.n + idx,
+                                "text": echo[u.tag],
+                                "logprobs": lp,
+                                "finish_reason": None,
+                            }
+                        )
+                    yield chunk(first)
             out = []
             for (tag, idx), d in _merge(batch).items():
                 c = state.setdefault((tag, idx), _Choice())

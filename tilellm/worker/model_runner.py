@@ -42,7 +42,7 @@ from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
 from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
 from tilellm.worker.logits_processors import PenaltyState
 from tilellm.worker.rejection import DraftVerification
-from tilellm.worker.sampler import HostSampling, Sampler, SamplerOutput
+from tilellm.worker.sampler import HostSampling, PromptLogprobs, Sampler, SamplerOutput, prompt_logprobs_of
 from tilellm.worker.staging import PinnedStaging
 from tilellm.worker.step_inputs import NUM_WORDS, StepInputs, build_step_inputs
 
@@ -72,6 +72,7 @@ class StepResult:
     top_logprobs: np.ndarray | None = None  # [N, K] float32
     top_token_ids: np.ndarray | None = None  # [N, K] int64
     device_time_s: float | None = None  # H2D + forward + sampling + D2H (CUDA events), when timed
+    prompt: PromptLogprobs | None = None  # numpy arrays: the step's prompt logprobs rows
 
 
 @dataclass
@@ -465,13 +466,30 @@ class ModelRunner:
             hidden = self.model(x.input_ids, x.positions)
         return self.model.compute_logits(hidden)
 
-    def _forward(self, x: StepInputs) -> torch.Tensor:
-        """Logits [N, V] of the step's sampled rows; every rank runs this on the same inputs."""
+    # Prompt logprobs: rows of logits computed at once (a 152k vocabulary makes 1024 rows 0.6 GB).
+    PROMPT_LOGITS_CHUNK = 1024
+
+    def _forward(
+        self, x: StepInputs, num_prompt_logprobs: int = -1
+    ) -> tuple[torch.Tensor, PromptLogprobs | None]:
+        """Logits [N, V] of the step's sampled rows, and the prompt logprobs of its
+        `prompt_logits_indices` rows (the top `num_prompt_logprobs`; -1 on the workers, which only
+        take part in the LM head's collectives). Every rank runs this on the same inputs."""
         if x.graph_size:
-            return self.decode_graphs.replay(x)
+            return self.decode_graphs.replay(x), None
         with attention_context(self._plan(x)):
             hidden = self.model(x.input_ids, x.positions)
-        return self.model.compute_logits(hidden[x.logits_indices])
+        logits = self.model.compute_logits(hidden[x.logits_indices])
+        if x.prompt_logits_indices is None:
+            return logits, None
+        parts = []
+        rows, targets = x.prompt_logits_indices, x.prompt_logits_targets
+        for start in range(0, rows.shape[0], self.PROMPT_LOGITS_CHUNK):
+            end = start + self.PROMPT_LOGITS_CHUNK
+            chunk = self.model.compute_logits(hidden[rows[start:end]])
+            if num_prompt_logprobs >= 0:
+                parts.append(prompt_logprobs_of(chunk, targets[start:end], num_prompt_logprobs))
+        return logits, PromptLogprobs.cat(parts) if parts else None
 
     def execute(self, inputs: StepInputs, sampling: HostSampling) -> StepResult:
         """Run one step and wait for its result (see `launch` / `wait`)."""
@@ -578,9 +596,10 @@ class ModelRunner:
         if self.driver is not None:  # patched first: the workers get the tokens of the step before
             self.driver.broadcast_payload(payload)
         t2 = time.perf_counter()
-        logits = self._forward(x)
+        logits, prompt = self._forward(x, sampling.max_num_prompt_logprobs)
         t3 = time.perf_counter()
         out = self.sampler(logits, md, verification)
+        out.prompt = prompt
         handle = self._copy_out(out, parity)
         handle.start_event = start_ev
         t4 = time.perf_counter()
@@ -607,8 +626,9 @@ class ModelRunner:
             x.input_ids[torch.from_numpy(patch.dst)] = patch.prev.tokens_dev[torch.from_numpy(patch.src)]
         if self.driver is not None:
             self.driver.broadcast_payload(payload)
-        logits = self._forward(x)
+        logits, prompt = self._forward(x, sampling.max_num_prompt_logprobs)
         out = self.sampler(logits, sampling.to_cpu_metadata(), verification)
+        out.prompt = prompt
 
         def host(t: torch.Tensor | None) -> np.ndarray | None:
             return None if t is None else t.numpy()
@@ -620,6 +640,7 @@ class ModelRunner:
             top_logprobs=host(out.top_logprobs),
             top_token_ids=host(out.top_token_ids),
             device_time_s=time.perf_counter() - t0 if self.time_device else None,
+            prompt=out.prompt.map(lambda t: t.numpy()) if out.prompt is not None else None,
         )
         return StepHandle(tokens_dev=out.token_ids, out=out, host=result)
 
@@ -635,7 +656,7 @@ class ModelRunner:
             buf = self._recv_payload = torch.empty(size, dtype=torch.int64, device=self.device)
         payload = buf[:num_words]
         self.group.broadcast_payload(payload)
-        self._forward(StepInputs.from_payload(header, payload))
+        self._forward(StepInputs.from_payload(header, payload))  # the logits are rank 0's
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0; idempotent); nothing on one device."""
@@ -663,6 +684,7 @@ class ModelRunner:
             sampled_ranks=host(out.sampled_ranks),
             top_logprobs=host(out.top_logprobs),
             top_token_ids=host(out.top_token_ids),
+            prompt=out.prompt.map(host) if out.prompt is not None else None,
         )
         event = torch.cuda.Event(enable_timing=self.time_device)
         event.record()

@@ -18,6 +18,7 @@ builds each step's `HostSampling` from its per-row table (`tilellm.engine.sampli
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,40 @@ class SamplingMetadata:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt logprobs of M rows: each row's next prompt token's logprob and rank, and the top k.
+
+    token_logprobs: [M] float32; ranks: [M] int64; top_logprobs / top_token_ids: [M, K] (K may
+    be 0). Device tensors from the runner, numpy arrays on the host (`map`)."""
+
+    token_logprobs: Any
+    ranks: Any
+    top_logprobs: Any
+    top_token_ids: Any
+
+    def map(self, fn: Any) -> PromptLogprobs:
+        return PromptLogprobs(
+            *(fn(getattr(self, f)) for f in ("token_logprobs", "ranks", "top_logprobs", "top_token_ids"))
+        )
+
+    @staticmethod
+    def cat(parts: list[PromptLogprobs]) -> PromptLogprobs:
+        if len(parts) == 1:
+            return parts[0]
+        names = ("token_logprobs", "ranks", "top_logprobs", "top_token_ids")
+        return PromptLogprobs(*(torch.cat([getattr(p, n) for p in parts]) for n in names))
+
+
+def prompt_logprobs_of(logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptLogprobs:
+    """logits [M, V] of prompt rows, targets [M] the prompt tokens they predict; the top `k`."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    target = lp.gather(1, targets[:, None])
+    ranks = (lp > target).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], targets[:, None][:, :0])
+    return PromptLogprobs(target[:, 0], ranks, top_lp, top_ids)
+
+
+@dataclass
 class SamplerOutput:
     """Device tensors: sampled tokens, and when asked the sampled token's logprob and rank and
     the top-k logprobs of every row."""
@@ -72,6 +107,7 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None  # [N] int64
     top_logprobs: torch.Tensor | None = None  # [N, K] float32
     top_token_ids: torch.Tensor | None = None  # [N, K] int64
+    prompt: PromptLogprobs | None = None  # set by the runner: the step's prompt logprobs
 
 
 @dataclass
@@ -102,6 +138,7 @@ class HostSampling:
     bias_values: np.ndarray | None = None  # [K] float32
     allowed_pairs: np.ndarray | None = None  # [2, K] int64: rows, token ids
     allowed_rows: np.ndarray | None = None  # [N] bool
+    max_num_prompt_logprobs: int = -1  # the top k of the step's prompt logprobs (-1: none asked)
 
     _DEVICE = (
         "inv_temp", "seed_keys", "steps", "greedy", "top_k", "top_p", "min_p", "banned",

@@ -68,6 +68,8 @@ class StepInputs:
                       the LM head), in batch order
       cascade_prefix_len: [1] int32, DECODE steps whose requests share their first blocks: the
                       shared key count (cascade attention reads it once for the batch), else None
+      prompt_logits_indices: [M] int64, rows whose logits give prompt logprobs (each predicts the
+                      prompt token in prompt_logits_targets [M] int64), or None
     num_decodes: MIXED steps, the leading requests with exactly one new token (the scheduler lists
       them first; the attention backend runs them through the decode kernel). 0 otherwise.
     graph_size: 0 for an eager forward, else the CUDA-graph batch size it replays.
@@ -89,6 +91,8 @@ class StepInputs:
     cu_seqlens_q: Any = _array(_I32)
     logits_indices: Any = _array(_I64)
     cascade_prefix_len: Any = _array(_I32, optional=True)
+    prompt_logits_indices: Any = _array(_I64, optional=True)
+    prompt_logits_targets: Any = _array(_I64, optional=True)
     verify_width: int = field(default=0, metadata=_SCALAR)
 
     @property
@@ -284,6 +288,7 @@ def build_step_inputs(
     cascade: bool = True,
     draft_token_ids: list[list[int]] | None = None,
     pad_drafts_to: int = 0,
+    prompt_rows: list[tuple[int, int] | None] | None = None,
 ) -> StepInputs:
     """The `StepInputs` (host arrays) of one scheduled step; a pure function of its arguments.
 
@@ -298,6 +303,8 @@ def build_step_inputs(
     Speculative decoding: `draft_token_ids[i]` (d tokens, may be empty) are the last d of request
     i's `q_lens[i]` new tokens, after its known ones; a sampled request then has logits at each
     of its last d + 1 rows (the draft's verification), listed in order in `logits_indices`.
+    `prompt_rows[i]` (first, end): request i needs the logits at its positions [first, end) for
+    prompt logprobs (`prompt_logits_indices`, each predicting the token after it).
     `pad_drafts_to` k (every request then decodes, with at most k draft tokens): each draft is
     padded to k tokens that store nothing (slot -1), so that every request has k + 1 rows
     (`verify_width`), the shape a verification CUDA graph replays. A padding row's position is
@@ -361,6 +368,16 @@ def build_step_inputs(
         logits_indices = first + offsets
     kind = choose_batch_kind(start, q)
     prefix = shared_prefix_len(table, seq_lens, block_size) if cascade and kind is BatchKind.DECODE else 0
+    prompt_idx = prompt_tgt = None
+    if prompt_rows is not None and any(r is not None for r in prompt_rows):
+        assert token_ids is not None
+        idx, tgt = [], []
+        for i, r in enumerate(prompt_rows):
+            if r is not None:
+                first, end = r
+                idx.extend(range(int(cu[i]) + first - starts[i], int(cu[i]) + end - starts[i]))
+                tgt.extend(token_ids[i][first + 1 : end + 1])
+        prompt_idx, prompt_tgt = np.asarray(idx, dtype=np.int64), np.asarray(tgt, dtype=np.int64)
     return StepInputs(
         kind=kind,
         num_reqs=num_reqs,
@@ -376,6 +393,8 @@ def build_step_inputs(
         cu_seqlens_q=cu.astype(np.int32),
         logits_indices=logits_indices,
         cascade_prefix_len=np.array([prefix], dtype=np.int32) if prefix else None,
+        prompt_logits_indices=prompt_idx,
+        prompt_logits_targets=prompt_tgt,
     )
 
 
