@@ -1,0 +1,206 @@
+"""vLLM's tokenizer endpoints: POST /tokenize and POST /detokenize (GET /version is in `app.py`).
+
+`/tokenize` takes one of two bodies, told apart by the `messages` key:
+
+- text: `{"prompt": str, "add_special_tokens": true}`, encoded as /v1/completions encodes a text prompt;
+- chat: `{"messages": [...], "add_generation_prompt": true}`, rendered and encoded by the very
+  function /v1/chat/completions uses (`OpenAIServing._chat_prompt`), so the ids are the prompt a
+  chat completion would run on. vLLM's `continue_final_message`, `chat_template_kwargs` and
+  `add_special_tokens` are accepted at their neutral values only (false, unset or `{}`, false):
+  the chat path does not implement them, and a count for a prompt other than the one served would
+  mislead; anything else is a 400 naming the field.
+
+Both answer `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs`: the vocabulary
+entries of the ids when `return_token_strs` is true, else null). `/detokenize` answers
+`{"prompt": str}` for `{"tokens": [int]}`; an id outside [0, vocab_size) is a 400 naming `tokens`.
+
+The checks are those of the other endpoints: the model name (404 `model_not_found`), strict
+types and ignored unknown fields (`protocol.py`), a text too long to ever fit in `max_model_len`
+refused before it is tokenized, the tokenizer's work off the event loop, and the API key
+(`Authorization: Bearer`) checked before any of the body is read.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute, APIRouter
+from pydantic import BaseModel, Discriminator, Field, Tag
+
+from tilellm.server.errors import APIError, error_body
+from tilellm.server.protocol import ChatCompletionRequest, ChatMessage, TokenIds, _Request
+from tilellm.server.serving import OpenAIServing, _encode
+
+PATHS = ("/tokenize", "/detokenize")
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+def _form(body: Any) -> str:
+    """The /tokenize body's kind: chat when it has `messages`, text otherwise."""
+    if isinstance(body, dict):
+        return "messages" if "messages" in body else "prompt"
+    return "messages" if isinstance(body, TokenizeChatRequest) else "prompt"
+
+
+_FORMS = ("prompt", "messages")
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("prompt")] | Annotated[TokenizeChatRequest, Tag("messages")],
+    Discriminator(_form),
+]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class _UntaggedRoute(APIRoute):
+    """Validation errors without the union's tag: pydantic locates an error of the chat body at
+    `("body", "messages", "messages", 0, "role")`; the field the client sent is `messages[0].role`."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def untagged(request: Request) -> Any:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                errors = [_untag(e) for e in exc.errors()]
+                raise RequestValidationError(errors, body=exc.body) from None
+
+        return untagged
+
+
+def _untag(error: Any) -> Any:
+    loc = tuple(error.get("loc", ())) if isinstance(error, dict) else ()
+    if len(loc) >= 2 and loc[0] == "body" and loc[1] in _FORMS:
+        return {**error, "loc": (loc[0], *loc[2:])}
+    return error
+
+
+def _check_chat_options(req: TokenizeChatRequest) -> None:
+    """400 for vLLM's chat options that the chat completions path does not implement."""
+    if req.continue_final_message:
+        raise APIError.invalid(
+            "continue_final_message is not supported by this server; leave it unset or false",
+            "continue_final_message",
+        )
+    if req.chat_template_kwargs:
+        raise APIError.invalid(
+            "chat_template_kwargs is not supported by this server; leave it unset or {}",
+            "chat_template_kwargs",
+        )
+    if req.add_special_tokens:
+        raise APIError.invalid(
+            "add_special_tokens: true is not supported with messages (the chat template writes the "
+            "model's special tokens); leave it unset or false",
+            "add_special_tokens",
+        )
+
+
+def _tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+    """The response body; runs in the serving's tokenizer pool."""
+    if isinstance(req, TokenizeChatRequest):
+        chat = ChatCompletionRequest.model_construct(
+            messages=req.messages, add_generation_prompt=req.add_generation_prompt
+        )
+        ids = serving._chat_prompt(chat)
+    else:  # the checks /v1/completions makes of a text prompt, in its order
+        serving._need_tokenizer("prompt", "a text prompt")
+        serving._check_chars(len(req.prompt), "prompt")
+        serving._check_text(req.prompt, "prompt")
+        ids = _encode(serving.tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
+    strs = serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+class _TokenizerKeyCheck:
+    """ASGI middleware: app.py's API-key check, with the same 401 bodies, for `PATHS` (which lie
+    outside the /v1 prefix that app.py guards)."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] in PATHS:
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not token:
+                message = "missing API key: send `Authorization: Bearer <key>`"
+            elif not secrets.compare_digest(token.strip(), self.api_key):
+                message = "incorrect API key provided"
+            else:
+                return await self.app(scope, receive, send)
+            body = error_body(401, message, code="invalid_api_key")
+            return await JSONResponse(body, status_code=401)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def register(app: FastAPI, serving: OpenAIServing, api_key: str | None = None) -> None:
+    """Add /tokenize and /detokenize to `app`, and their key check when `api_key` is set.
+
+    Call it after app.py's own middlewares: the middleware added last runs first, so the key is
+    checked before the body limit reads any of the body.
+    """
+    from tilellm.server.app import _guarded  # (app.py imports this module)
+
+    router = APIRouter(route_class=_UntaggedRoute)
+
+    @router.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        async def run() -> JSONResponse:
+            serving.check_model(body.model)
+            if isinstance(body, TokenizeChatRequest):
+                _check_chat_options(body)
+            return JSONResponse(await serving._off_loop(_tokenize, serving, body))
+
+        return await _guarded(run())
+
+    @router.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        async def run() -> JSONResponse:
+            serving.check_model(body.model)
+            serving._need_tokenizer("tokens", "detokenizing")
+            serving._check_token_ids(body.tokens, "tokens")
+            text = await serving._off_loop(serving.tokenizer.decode, body.tokens)
+            return JSONResponse({"prompt": text})
+
+        return await _guarded(run())
+
+    app.include_router(router)
+    if api_key:
+        app.add_middleware(_TokenizerKeyCheck, api_key=api_key)
