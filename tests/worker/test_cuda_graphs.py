@@ -36,18 +36,18 @@ class OtherRank:
 class StandInCapture(DecodeGraphs):
     """Records the buckets it is asked to capture; fails at `fails_here`."""
 
-    def __init__(self, group=None, fails_here=None, forward=None):
+    def __init__(self, group=None, fails_here=None, forward=None, verify_width=0):
         super().__init__(
             torch.device("cpu"), MAX_SEQS, 4, 64, forward=forward or (lambda x: None),
-            decode_splits=lambda bs, n: 1, group=group,
+            decode_splits=lambda bs, n: 1, group=group, verify_width=verify_width,
         )  # fmt: skip
         self.attempted: list[int] = []
         self.fails_here = fails_here
         self.use_stand_in = forward is None
 
-    def _capture_one(self, variant, bs, pool, max_seqlen_k, cascade, capture_mode):
+    def _capture_one(self, variant, bs, pool, max_seqlen_k, cascade, capture_mode, verify=False):
         if not self.use_stand_in:
-            return super()._capture_one(variant, bs, pool, max_seqlen_k, cascade, capture_mode)
+            return super()._capture_one(variant, bs, pool, max_seqlen_k, cascade, capture_mode, verify)
         self.attempted.append(bs)
         if self.group is not None:
             self.group.bucket = bs
@@ -67,6 +67,21 @@ def test_all_buckets_captured_largest_first():
     graphs.capture(lambda: None, enable_cascade=False)
     assert graphs.attempted == SIZES[::-1] and sorted(graphs.graphs_of("plain")) == SIZES
     assert graphs.bucket(3) == 4 and graphs.bucket(17) == 24 and graphs.bucket(MAX_SEQS + 1) is None
+
+
+def test_verification_buckets_with_speculative_decoding():
+    """With a verify width W (k + 1), every bucket up to VERIFY_GRAPH_MAX_BATCH gets a verify graph
+    of W tokens per request; a uniform verification step finds the next one up."""
+    from tilellm.worker.cuda_graphs import VERIFY_GRAPH_MAX_BATCH, graph_logits_rows
+
+    graphs = StandInCapture(verify_width=5)
+    graphs.capture(lambda: None, enable_cascade=False)
+    want = [bs for bs in SIZES if bs <= VERIFY_GRAPH_MAX_BATCH]
+    assert sorted(graphs.graphs_of("verify")) == want
+    assert graphs.verify_bucket(3) == 4 and graphs.verify_bucket(want[-1] + 1) is None
+    assert graphs.verify_static.input_ids.shape[0] == MAX_SEQS * 5
+    assert graph_logits_rows(MAX_SEQS, False, 5) == graph_logits_rows(MAX_SEQS, False) + 5 * sum(want)
+    assert not StandInCapture().graphs_of("verify")  # none without speculative decoding
 
 
 def test_cascade_buckets_start_where_cascade_decode_may_run():
