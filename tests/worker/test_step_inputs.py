@@ -142,3 +142,33 @@ def test_store_false_writes_nothing():
         None, [0, 5], [3, 1], [0, 1], [True, True], np.zeros((2, 4), np.int32), 4, store=False
     )
     assert x.slot_mapping.tolist() == [-1] * 4 and x.input_ids.tolist() == [0] * 4
+
+
+def test_drafts_and_their_padded_verification_shape():
+    """A draft rides after its request's known token, with logits at each of its rows; padded to
+    k, every request has k + 1 rows, the padding stores nothing and only real rows are sampled."""
+    import numpy as np
+
+    from tilellm.worker.step_inputs import build_step_inputs
+
+    tables = np.full((4, 8), -1, dtype=np.int32)
+    tables[0, :2], tables[1, :1] = [5, 6], [7]
+    tokens = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    drafts = [[21, 22], []]
+    x = build_step_inputs(tokens, [9, 2], [3, 1], [0, 1], [True, True], tables, 8, draft_token_ids=drafts)
+    assert x.input_ids.tolist() == [10, 21, 22, 13]
+    assert x.positions.tolist() == [9, 10, 11, 2]
+    assert x.logits_indices.tolist() == [0, 1, 2, 3]
+    assert x.slot_mapping.tolist() == [6 * 8 + 1, 6 * 8 + 2, 6 * 8 + 3, 7 * 8 + 2]
+    p = build_step_inputs(
+        tokens, [9, 2], [3, 1], [0, 1], [True, True], tables, 8, draft_token_ids=drafts, pad_drafts_to=3
+    )
+    assert p.verify_width == 4 and p.cu_seqlens_q.tolist() == [0, 4, 8]
+    assert p.input_ids.tolist() == [10, 21, 22, 0, 13, 0, 0, 0]
+    assert p.slot_mapping.tolist()[3] == -1 and p.slot_mapping.tolist()[5:] == [-1, -1, -1]
+    assert p.slot_mapping.tolist()[:3] == x.slot_mapping.tolist()[:3]
+    assert p.seq_lens.tolist() == [13, 6]  # as if each draft had 3 tokens
+    assert p.logits_indices.tolist() == [0, 1, 2, 4]
+    assert (p.block_table >= 0).all()  # unallocated entries read block 0 (padding rows only)
+    padded = p.padded_requests_to(4)
+    assert padded.num_reqs == 4 and padded.input_ids.shape[0] == 16 and padded.seq_lens.tolist()[2:] == [4, 4]

@@ -36,7 +36,7 @@ _GRACE_OVER = (
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
-    api_key: str | None = None  # when set, /v1/* and /inspect need `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set, /v1/*, /inspect and /tokenize need `Authorization: Bearer <key>`
     max_waiting: int = 1024  # sequences (prompts x n) queued but not yet running; beyond this -> 429
     max_request_bytes: int = 8 * 1024 * 1024  # bodies over this -> 413
     body_read_timeout: float = 30.0  # seconds to receive a whole request body; slower -> 408
@@ -123,15 +123,19 @@ class _BodyLimit:
         return f"request body is larger than the limit of {self.limit} bytes"
 
 
+_GUARDED_PATHS = ("/inspect", "/tokenize", "/detokenize")  # besides /v1/*
+
+
 class _APIKeyCheck:
-    """ASGI middleware: 401 on /v1/* and /inspect without `Authorization: Bearer <key>`."""
+    """ASGI middleware: 401 on /v1/*, /inspect, /tokenize and /detokenize without
+    `Authorization: Bearer <key>`."""
 
     def __init__(self, app: Any, api_key: str):
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] == "/inspect"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in _GUARDED_PATHS):
             auth = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not token:
@@ -269,7 +273,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes, timeout=config.body_read_timeout)
     if config.api_key:
         app.add_middleware(_APIKeyCheck, api_key=config.api_key)
-    register_tokenizer_routes(app, serving, config.api_key)  # last: its key check runs first
+    register_tokenizer_routes(app, serving)
     return app
 
 

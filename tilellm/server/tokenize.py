@@ -22,7 +22,6 @@ refused before it is tokenized, the tokenizer's work off the event loop, and the
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -32,7 +31,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute, APIRouter
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from tilellm.server.errors import APIError, error_body
+from tilellm.server.errors import APIError
 from tilellm.server.protocol import ChatCompletionRequest, ChatMessage, TokenIds, _Request
 from tilellm.server.serving import OpenAIServing, _encode
 
@@ -147,35 +146,8 @@ def _tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeC
     return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": strs}
 
 
-class _TokenizerKeyCheck:
-    """ASGI middleware: app.py's API-key check, with the same 401 bodies, for `PATHS` (which lie
-    outside the /v1 prefix that app.py guards)."""
-
-    def __init__(self, app: Any, api_key: str):
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in PATHS:
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not token:
-                message = "missing API key: send `Authorization: Bearer <key>`"
-            elif not secrets.compare_digest(token.strip(), self.api_key):
-                message = "incorrect API key provided"
-            else:
-                return await self.app(scope, receive, send)
-            body = error_body(401, message, code="invalid_api_key")
-            return await JSONResponse(body, status_code=401)(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-def register(app: FastAPI, serving: OpenAIServing, api_key: str | None = None) -> None:
-    """Add /tokenize and /detokenize to `app`, and their key check when `api_key` is set.
-
-    Call it after app.py's own middlewares: the middleware added last runs first, so the key is
-    checked before the body limit reads any of the body.
-    """
+def register(app: FastAPI, serving: OpenAIServing) -> None:
+    """Add /tokenize and /detokenize to `app` (app.py's API-key check guards them as /v1/*)."""
     from tilellm.server.app import _guarded  # (app.py imports this module)
 
     router = APIRouter(route_class=_UntaggedRoute)
@@ -202,5 +174,3 @@ def register(app: FastAPI, serving: OpenAIServing, api_key: str | None = None) -
         return await _guarded(run())
 
     app.include_router(router)
-    if api_key:
-        app.add_middleware(_TokenizerKeyCheck, api_key=api_key)
