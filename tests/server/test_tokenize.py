@@ -175,18 +175,31 @@ def test_neutral_values_of_the_chat_options_are_accepted(http, tokenizer):
     assert _tokenize(http, messages=CHAT, chat_template_kwargs=None)["tokens"] == out["tokens"]
 
 
+def test_chat_template_options_reach_the_template(http, tokenizer):
+    """chat_template_kwargs (Qwen3's enable_thinking) and continue_final_message, as the chat
+    completions path renders them."""
+    no_think = _tokenize(http, messages=CHAT, chat_template_kwargs={"enable_thinking": False})["tokens"]
+    text = tokenizer.apply_chat_template(
+        _plain(CHAT), tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert no_think == tokenizer.encode(text, add_special_tokens=False)
+    assert no_think != _chat_ids(tokenizer, CHAT)  # the template saw it
+    cont = _tokenize(http, messages=CHAT, add_generation_prompt=False, continue_final_message=True)["tokens"]
+    text = tokenizer.apply_chat_template(_plain(CHAT), tokenize=False, continue_final_message=True)
+    assert cont == tokenizer.encode(text, add_special_tokens=False)
+
+
 @pytest.mark.parametrize(
-    "option",
+    "option, param",
     [
-        {"continue_final_message": True, "add_generation_prompt": False},
-        {"chat_template_kwargs": {"enable_thinking": False}},
-        {"add_special_tokens": True},
+        ({"continue_final_message": True}, "continue_final_message"),  # needs add_generation_prompt false
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"add_special_tokens": True}, "add_special_tokens"),
     ],
 )
-def test_chat_options_the_chat_path_lacks_are_a_400(http, option):
+def test_chat_options_that_cannot_apply_are_a_400(http, option, param):
     r = http.post("/tokenize", json={"model": MODEL_NAME, "messages": CHAT, **option})
-    err = assert_error(r, 400, next(iter(option)))
-    assert "not supported" in err["message"]
+    assert_error(r, 400, param)
 
 
 # ---- /detokenize ----

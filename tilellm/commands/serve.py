@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: MODEL as given)"
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's",
+    )
     _add_server_arguments(parser)
     parser.add_argument(
         "--graceful-shutdown-timeout",
@@ -118,6 +124,22 @@ def _check_server_arguments(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be {'>= 0' if may_be_zero else 'positive'}, got {value:g}")
 
 
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a template (vLLM's rule:
+    anything with Jinja markup is a template, anything else must be a readable file)."""
+    if value is None:
+        return None
+    if any(mark in value for mark in ("{{", "{%")):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise UsageError(
+            f"--chat-template {value}: not a template and not a readable file ({e.strerror})"
+        ) from None
+
+
 def _resolve_model(model: str | None, **checks) -> tuple[str, str]:
     """(model directory, default served name); the embedded model when none is given."""
     path = resolve_model(model, "serve", **checks)
@@ -178,6 +200,7 @@ def main(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or default_name,
         api_key=args.api_key or None,
         model_root=model,
+        chat_template=_chat_template(args.chat_template),
         **{field: getattr(args, field) for _, field, _, _ in _SERVER_FLAGS},
     )
     app = create_app(engine, config)

@@ -54,6 +54,7 @@ class ServerConfig:
     # 503, those requests failed with engine_stalled); 0: never.
     engine_stall_timeout: float = 60.0
     request_timeout: float = 0.0  # seconds a request may take before it is aborted with a 504; 0: no limit
+    chat_template: str | None = None  # Jinja chat template used instead of the tokenizer's
 
     def limits(self, engine: Any) -> AdmissionLimits:
         engine_seqs = self.engine_seqs
@@ -186,6 +187,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         config.served_model_name,
         int(engine.max_model_len),
         _vocab_size(engine),
+        config.chat_template,
     )
 
     def on_dead() -> None:  # the launcher's server, if any, exits non-zero (see docs/serving.md)

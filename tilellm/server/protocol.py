@@ -120,6 +120,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     # vLLM extras
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # a Jinja template for this request (else the server's)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (Qwen3)
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -55,6 +55,14 @@ _PARAM_NAMES = (
 )
 
 
+# Arguments of `apply_chat_template` that chat_template_kwargs may not override.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "chat_template", "tools", "documents", "return_dict", "return_tensors", "padding", "truncation",
+     "max_length"}
+)  # fmt: skip
+
+
 @dataclass
 class _Choice:
     """Accumulated output of one choice (non-streaming) or its running state (streaming)."""
@@ -155,9 +163,16 @@ def _finite(x: float) -> float:
 
 class OpenAIServing:
     def __init__(
-        self, feeder: FairFeeder, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int
+        self,
+        feeder: FairFeeder,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        chat_template: str | None = None,
     ):
         self.feeder = feeder
+        self.chat_template = chat_template  # `--chat-template`: instead of the tokenizer's
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -618,11 +633,35 @@ class OpenAIServing:
             messages.append({"role": m.role, "content": content})
         self._need_tokenizer("messages", "a chat request")
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise APIError.invalid("this model has no chat template; use /v1/completions", "messages")
+        template = getattr(req, "chat_template", None) or self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError.invalid(
+                "this model has no chat template; use /v1/completions, or start the server with "
+                "--chat-template",
+                "messages",
+            )
+        kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+        reserved = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise APIError.invalid(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: they are request fields or the "
+                "template's own inputs",
+                "chat_template_kwargs",
+            )
+        continue_final = getattr(req, "continue_final_message", False)
+        if continue_final and req.add_generation_prompt:
+            raise APIError.invalid(
+                "continue_final_message needs add_generation_prompt false (the last message is continued)",
+                "continue_final_message",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=continue_final,
+                chat_template=template,
+                **kwargs,
             )
         except Exception as exc:  # the template's own checks (e.g. role order) raise jinja errors
             raise APIError.invalid(f"messages: the chat template rejected them: {exc}", "messages") from None

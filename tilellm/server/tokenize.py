@@ -5,10 +5,9 @@
 - text: `{"prompt": str, "add_special_tokens": true}`, encoded as /v1/completions encodes a text prompt;
 - chat: `{"messages": [...], "add_generation_prompt": true}`, rendered and encoded by the very
   function /v1/chat/completions uses (`OpenAIServing._chat_prompt`), so the ids are the prompt a
-  chat completion would run on. vLLM's `continue_final_message`, `chat_template_kwargs` and
-  `add_special_tokens` are accepted at their neutral values only (false, unset or `{}`, false):
-  the chat path does not implement them, and a count for a prompt other than the one served would
-  mislead; anything else is a 400 naming the field.
+  chat completion would run on (`continue_final_message` and `chat_template_kwargs` too).
+  `add_special_tokens` is accepted at its neutral value only (false): the chat template writes
+  the model's special tokens, and a count for a prompt other than the one served would mislead.
 
 Both answer `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs`: the vocabulary
 entries of the ids when `return_token_strs` is true, else null). `/detokenize` answers
@@ -112,16 +111,6 @@ def _untag(error: Any) -> Any:
 
 def _check_chat_options(req: TokenizeChatRequest) -> None:
     """400 for vLLM's chat options that the chat completions path does not implement."""
-    if req.continue_final_message:
-        raise APIError.invalid(
-            "continue_final_message is not supported by this server; leave it unset or false",
-            "continue_final_message",
-        )
-    if req.chat_template_kwargs:
-        raise APIError.invalid(
-            "chat_template_kwargs is not supported by this server; leave it unset or {}",
-            "chat_template_kwargs",
-        )
     if req.add_special_tokens:
         raise APIError.invalid(
             "add_special_tokens: true is not supported with messages (the chat template writes the "
@@ -134,7 +123,10 @@ def _tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeC
     """The response body; runs in the serving's tokenizer pool."""
     if isinstance(req, TokenizeChatRequest):
         chat = ChatCompletionRequest.model_construct(
-            messages=req.messages, add_generation_prompt=req.add_generation_prompt
+            messages=req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
         )
         ids = serving._chat_prompt(chat)
     else:  # the checks /v1/completions makes of a text prompt, in its order
