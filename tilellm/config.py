@@ -141,6 +141,10 @@ class EngineConfig:
     num_kv_blocks: int | None = _arg(None, "fix the KV pool size (blocks) instead of sizing it")
     load_format: str = _arg("safetensors", "safetensors, or dummy (random weights)", cli=False)
     skip_tokenizer_init: bool = _arg(False, "token-id prompts only", cli=False)
+    generation_config: str = _arg(
+        "auto",
+        "default sampling values: auto (the model's generation_config.json), vllm (none), or a directory",
+    )
     speculative_config: SpeculativeConfig | None = _arg(
         None,
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '

@@ -58,3 +58,41 @@ def test_chat_takes_the_penalties_through_the_openai_client(client):
 
 def test_a_neutral_request_still_serves(http):
     assert_serving(http)
+
+
+def test_generation_config_defaults_fill_unset_fields(tiny_model_dir, tmp_path):
+    """A server on a model whose generation_config.json asks for greedy decoding: requests that
+    leave temperature unset are greedy; a request's own temperature wins."""
+    import json
+    import shutil
+
+    import httpx
+
+    from tests.server.conftest import API_KEY, make_engine
+    from tests.server.helpers import ServerThread
+    from tilellm.server import ServerConfig, create_app
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0}))
+    app = create_app(make_engine(str(path)), ServerConfig(MODEL_NAME, api_key=API_KEY))
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon",
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    with ServerThread(app) as s:
+        with httpx.Client(base_url=s.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+            runs = [
+                http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] for _ in range(3)
+            ]
+            assert runs[0] == runs[1] == runs[2]  # greedy
+            hot = {**body, "temperature": 1.5}
+            sampled = {
+                tuple(http.post("/v1/completions", json=hot).json()["choices"][0]["token_ids"])
+                for _ in range(4)
+            }
+            assert len(sampled) > 1

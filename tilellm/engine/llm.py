@@ -58,6 +58,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's; see
+        `generation_config`), what `generate` uses when given none."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def get_metrics(self) -> list[Metric]:
         """The engine's metrics (vLLM's `LLM.get_metrics`): `Gauge` / `Counter` (`name`,
         `value`) and `Vector` (`name`, `values`) objects, e.g. `tilellm:spec_decode_num_drafts`
@@ -86,7 +91,7 @@ class LLM:
         outputs come back in the prompts' order. One SamplingParams for all, or one per prompt."""
         prompts = _normalize_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -39,6 +39,7 @@ import numpy as np
 from tilellm.cache.block_manager import SHARED_ROOT, BlockManager, request_root
 from tilellm.config import EngineConfig
 from tilellm.engine.detokenizer import IncrementalDetokenizer
+from tilellm.engine.generation_config import default_sampling_values
 from tilellm.engine.metrics import Metric, engine_metrics
 from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tilellm.engine.request import Request, Sequence, SequenceStatus
@@ -125,6 +126,8 @@ class LLMEngine:
     def __init__(self, model: str, **llm_kwargs: Any):
         self.config = EngineConfig(model=str(model), **llm_kwargs)
         cfg = self.config
+        # What a request leaves unset (`LLM.generate` without sampling_params, the server).
+        self.default_sampling = default_sampling_values(cfg.model, cfg.generation_config)
         self.runner = self._make_runner(cfg)
         self.model_config = self.runner.hf_config
         self.max_model_len: int = self.runner.max_model_len

@@ -188,6 +188,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         int(engine.max_model_len),
         _vocab_size(engine),
         config.chat_template,
+        dict(getattr(engine, "default_sampling", None) or {}),
     )
 
     def on_dead() -> None:  # the launcher's server, if any, exits non-zero (see docs/serving.md)

@@ -175,6 +175,7 @@ def _engine_main(conn: Any, model: str, engine_kwargs: dict, async_scheduling: b
     info = {
         "max_model_len": int(engine.max_model_len),
         "vocab_size": int(engine.vocab_size),
+        "default_sampling": dict(engine.default_sampling),
         "max_num_seqs": int(engine.config.max_num_seqs),
     }
     # Everything built so far (model modules, tokenizer, graphs) lives as long as the process:
@@ -268,6 +269,7 @@ class EngineProcess(EngineClient):
             raise RuntimeError(f"the engine failed to start: {info}")
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
+        self.default_sampling: dict = info.get("default_sampling", {})
         self.max_num_seqs: int = info["max_num_seqs"]
         self.tokenizer = None
         if not engine_kwargs.get("skip_tokenizer_init", False):

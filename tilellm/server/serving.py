@@ -170,9 +170,12 @@ class OpenAIServing:
         max_model_len: int,
         vocab_size: int,
         chat_template: str | None = None,
+        default_sampling: dict[str, Any] | None = None,
     ):
         self.feeder = feeder
         self.chat_template = chat_template  # `--chat-template`: instead of the tokenizer's
+        # The model's generation_config.json values for fields a request leaves unset.
+        self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k != "max_tokens"}
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -255,25 +258,30 @@ class OpenAIServing:
     ) -> Any:
         from tilellm import SamplingParams
 
+        defaults = self.default_sampling
         kwargs: dict[str, Any] = dict(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=defaults.get("temperature", 1.0) if req.temperature is None else req.temperature,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
             skip_special_tokens=req.skip_special_tokens,
         )
         optional = dict(
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
+            top_p=defaults.get("top_p") if req.top_p is None else req.top_p,
+            top_k=defaults.get("top_k") if req.top_k is None else req.top_k,
+            min_p=defaults.get("min_p") if req.min_p is None else req.min_p,
             seed=req.seed,
             stop=[req.stop] if isinstance(req.stop, str) else req.stop,
             stop_token_ids=req.stop_token_ids,
             logprobs=logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
+            repetition_penalty=(
+                defaults.get("repetition_penalty")
+                if req.repetition_penalty is None
+                else req.repetition_penalty
+            ),
             logit_bias=logit_bias_ids(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             prompt_logprobs=prompt_logprobs,
