@@ -122,7 +122,13 @@ def test_fields_that_are_neutral_or_unknown_are_accepted(http):
         "user": "u",
         "x_extra": 1,
     }
-    assert http.post("/v1/completions", json=body).status_code == 200
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    assert r.headers["x-ignored-fields"] == "x_extra"  # named, never silently dropped
+    chat = {**CHAT, "guided_json": {}, "messages": [{"role": "user", "content": "hi", "weight": 1}]}
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "guided_json, messages[0].weight"
+    assert "x-ignored-fields" not in http.post("/v1/completions", json=COMPLETION).headers
 
 
 def test_missing_or_wrong_api_key_is_401(server, http):

@@ -9,6 +9,7 @@ import json
 import logging
 import secrets
 import time
+import urllib.parse
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,12 @@ from tilellm.server.async_engine import AsyncEngine
 from tilellm.server.engine_process import EngineProcess
 from tilellm.server.errors import APIError, error_body, install_error_handlers
 from tilellm.server.metrics import ServerMetrics
-from tilellm.server.protocol import ChatCompletionRequest, CompletionRequest
+from tilellm.server.protocol import (
+    IGNORED_FIELDS_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ignored_fields,
+)
 from tilellm.server.serving import OpenAIServing
 from tilellm.server.tokenize import register as register_tokenizer_routes
 from tilellm.server.watchdog import EngineWatchdog
@@ -265,11 +271,11 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await _guarded(serving.completions(body, raw))
+        return _name_ignored(body, await _guarded(serving.completions(body, raw)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await _guarded(serving.chat(body, raw))
+        return _name_ignored(body, await _guarded(serving.chat(body, raw)))
 
     _mount_inspect(app, async_engine)
     # The last added runs first: the key is checked before any of the body is read.
@@ -278,6 +284,17 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         app.add_middleware(_APIKeyCheck, api_key=config.api_key)
     register_tokenizer_routes(app, serving)
     return app
+
+
+def _name_ignored(body: Any, response: Any) -> Any:
+    """Unknown request fields, which change nothing: a warning and a response header naming them."""
+    names = ignored_fields(body)
+    if names:
+        shown = ", ".join(names[:16]) + (f" (+{len(names) - 16} more)" if len(names) > 16 else "")
+        logger.warning("request fields ignored (unknown to this server): %s", shown)
+        # A header is latin-1 text: names are percent-encoded beyond printable ASCII.
+        response.headers[IGNORED_FIELDS_HEADER] = urllib.parse.quote(shown, safe=" ,()+[]._-")
+    return response
 
 
 async def _guarded(handler: Awaitable[Any]) -> Any:

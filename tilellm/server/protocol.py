@@ -26,7 +26,26 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    # Unknown fields are kept aside (`model_extra`), never used: the server names them in a
+    # warning and a response header (`ignored_fields`), so that a dropped option is visible.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+
+
+def ignored_fields(req: BaseModel, prefix: str = "") -> list[str]:
+    """The request's unknown fields, nested ones as `messages[0].x`, in body order."""
+    out = [prefix + k for k in req.model_extra or {}]
+    for name in type(req).model_fields:
+        value = getattr(req, name)
+        if isinstance(value, BaseModel):
+            out += ignored_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    out += ignored_fields(item, f"{prefix}{name}[{i}].")
+    return out
 
 
 class StreamOptions(_Request):
