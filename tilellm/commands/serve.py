@@ -23,6 +23,7 @@ from tilellm.commands.common import (
     merge_model_arguments,
     resolve_model,
 )
+from tilellm.server.reasoning import reasoning_parser_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE_OR_TEMPLATE",
         help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=reasoning_parser_names(),
+        help="split the model's thinking from its answer: chat responses carry it as reasoning_content",
     )
     _add_server_arguments(parser)
     parser.add_argument(
@@ -201,6 +208,7 @@ def main(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         model_root=model,
         chat_template=_chat_template(args.chat_template),
+        reasoning_parser=args.reasoning_parser,
         **{field: getattr(args, field) for _, field, _, _ in _SERVER_FLAGS},
     )
     app = create_app(engine, config)

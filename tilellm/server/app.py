@@ -61,6 +61,7 @@ class ServerConfig:
     engine_stall_timeout: float = 60.0
     request_timeout: float = 0.0  # seconds a request may take before it is aborted with a 504; 0: no limit
     chat_template: str | None = None  # Jinja chat template used instead of the tokenizer's
+    reasoning_parser: str | None = None  # e.g. "qwen3": chat answers carry `reasoning_content`
 
     def limits(self, engine: Any) -> AdmissionLimits:
         engine_seqs = self.engine_seqs
@@ -195,6 +196,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         _vocab_size(engine),
         config.chat_template,
         dict(getattr(engine, "default_sampling", None) or {}),
+        config.reasoning_parser,
     )
 
     def on_dead() -> None:  # the launcher's server, if any, exits non-zero (see docs/serving.md)

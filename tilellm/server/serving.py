@@ -30,6 +30,7 @@ from tilellm.server.protocol import (
     check_unsupported,
     logit_bias_ids,
 )
+from tilellm.server.reasoning import get_reasoning_parser
 
 logger = logging.getLogger("tilellm.server")
 
@@ -74,6 +75,7 @@ class _Choice:
     stop_reason: int | str | None = None
     final_text: str | None = None
     text_offset: int = 0  # completions logprobs: characters before the next token
+    reasoning: Any = None  # chat streaming with a reasoning parser: its stream state
     started: bool = False  # chat streaming: role chunk sent
 
 
@@ -171,8 +173,11 @@ class OpenAIServing:
         vocab_size: int,
         chat_template: str | None = None,
         default_sampling: dict[str, Any] | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.feeder = feeder
+        # `--reasoning-parser`: chat answers carry the model's thinking as `reasoning_content`.
+        self.reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.chat_template = chat_template  # `--chat-template`: instead of the tokenizer's
         # The model's generation_config.json values for fields a request leaves unset.
         self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k != "max_tokens"}
@@ -696,10 +701,13 @@ class OpenAIServing:
         for (_, idx), c in sorted(choices.items()):
             text = c.final_text if c.final_text is not None else "".join(c.text)
             lp = self._chat_logprobs(c.logprobs, c.token_ids, top) if top is not None else None
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning is not None:
+                message["reasoning_content"], message["content"] = self.reasoning.split(text)
             out.append(
                 {
                     "index": idx,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": lp,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -714,6 +722,25 @@ class OpenAIServing:
             "usage": self._usage([prompt], choices),
         }
         return JSONResponse(body)
+
+    def _reasoning_choice(self, c: _Choice, idx: int, d: Any, lp: Any) -> dict[str, Any]:
+        """A streamed chat choice with the delta split into reasoning_content and content."""
+        if c.reasoning is None:
+            assert self.reasoning is not None
+            c.reasoning = self.reasoning.stream()
+        reasoning, content = c.reasoning.feed(d.text)
+        if d.finish_reason is not None:
+            r, t = c.reasoning.flush()
+            reasoning, content = reasoning + r, content + t
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content or (not reasoning and d.finish_reason is None):
+            delta["content"] = content
+        out: dict[str, Any] = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        if d.finish_reason is not None:
+            out["stop_reason"] = d.stop_reason
+        return out
 
     def _chat_logprobs(self, entries: list[Any], token_ids: list[int], k: int) -> dict[str, Any]:
         content = []
@@ -773,6 +800,9 @@ class OpenAIServing:
                 lp = None
                 if top is not None and d.logprobs is not None:
                     lp = self._chat_logprobs(d.logprobs, d.token_ids, top)
+                if self.reasoning is not None:
+                    out.append(self._reasoning_choice(c, idx, d, lp))
+                    continue
                 if lp is None and d.finish_reason is None:
                     out.append(plain_choice(idx, "delta", d.text))
                     continue
