@@ -11,16 +11,24 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from tilellm.engine.llm import LLM
     from tilellm.engine.outputs import CompletionOutput, RequestOutput
-    from tilellm.engine.sampling_params import SamplingParams
+    from tilellm.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "tilellm.engine.llm",
     "SamplingParams": "tilellm.engine.sampling_params",
+    "StructuredOutputsParams": "tilellm.engine.sampling_params",
     "RequestOutput": "tilellm.engine.outputs",
     "CompletionOutput": "tilellm.engine.outputs",
 }

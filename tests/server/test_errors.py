@@ -89,7 +89,7 @@ def _metric(text: str, name: str) -> float:
             {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
             "tools",
         ),
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
         (
             "/v1/chat/completions",
             {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -47,6 +47,7 @@ from tilellm.engine.sampling_params import SamplingParams
 from tilellm.engine.sampling_table import SamplingTable
 from tilellm.engine.scheduler import Scheduler, SchedulerOutput
 from tilellm.engine.stats import EngineStats, StepSnapshot, StepTimings
+from tilellm.engine.structured_output import GrammarBackend
 from tilellm.spec_decode import SpecDecodingStats, make_proposer
 from tilellm.spec_decode.proposer import DeviceProposer
 from tilellm.worker.draft_runner import DraftRequest
@@ -185,6 +186,8 @@ class LLMEngine:
         self._spec_probe_in = 0  # steps until the next try
         self._spec_misses = 0  # tries in a row that found no draft
         self._collecting: set[str] = set()  # requests whose prompt logprobs are not complete yet
+        self._grammar: GrammarBackend | None = None  # structured outputs (made on first use)
+        self._constrained: set[int] = set()  # unfinished sequences with a grammar (their steps are sync)
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner (tests substitute one that needs no model); see `start_runner`."""
@@ -222,11 +225,23 @@ class LLMEngine:
             else:  # only the samples of this request share blocks
                 root = request_root(request_id) if params.n > 1 else None
             req = Request(request_id, text, ids, params, seeds, root, time.perf_counter())
+            if params.structured_outputs is not None:  # compiled now: a bad grammar allocates nothing
+                backend = self._grammar_backend()
+                for seq in req.seqs:
+                    seq.matcher = backend.matcher(params.structured_outputs)
+                self._constrained.update(seq.seq_id for seq in req.seqs)
             self.requests[request_id] = req
             if req.prompt_logprobs is not None:
                 self._collecting.add(request_id)
             self.scheduler.add(req.seqs[0])
             self.prompt_tokens_total += len(ids)
+
+    def _grammar_backend(self) -> GrammarBackend:
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init=True)")
+            self._grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -265,6 +280,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     seq.drop_pending()
+                    self._constrained.discard(seq.seq_id)
                     if self.proposer is not None:
                         self.proposer.forget(seq.seq_id)
                     self.scheduler.abort(seq)
@@ -300,10 +316,12 @@ class LLMEngine:
             speculate = self.proposer is not None and self._spec_probe_in <= 1
             if self.proposer is not None:
                 self._spec_probe_in -= 1
+            # A grammar's mask follows the token drawn last: such steps run synchronously too.
+            synchronous = bool(self._constrained)
+            if (speculate or synchronous) and self._inflight is not None:
+                done, self._inflight = self._inflight, None  # its tokens are what this step follows
+                drained = self._finish_step(done, emit_partial)
             if speculate:
-                if self._inflight is not None:  # its tokens are what the drafts follow
-                    done, self._inflight = self._inflight, None
-                    drained = self._finish_step(done, emit_partial)
                 found = self._propose_drafts()
                 if found is not None:  # None: no sequence was decoding, try again next step
                     self._spec_misses = 0 if found else self._spec_misses + 1
@@ -337,7 +355,7 @@ class LLMEngine:
                     raise RuntimeError("the scheduler made no progress with requests pending")
                 return drained
             verifies = launched is not None and launched.num_drafts is not None
-            if self.async_scheduling and not verifies:  # finish the last step meanwhile
+            if self.async_scheduling and not verifies and not synchronous:  # finish the last step meanwhile
                 done, self._inflight = self._inflight, launched
             else:
                 done, self._inflight = (self._inflight or launched), None
@@ -389,8 +407,8 @@ class LLMEngine:
             if seq.spec_wait:
                 seq.spec_wait -= 1
                 continue
-            if seq.request.params.has_penalties:  # each position's penalties need the ones before
-                continue
+            if seq.request.params.has_penalties or seq.matcher is not None:
+                continue  # each position's penalties, or grammar mask, needs the tokens before it
             room = int(max_outputs[seq.row]) - seq.num_output_tokens - 1
             seq.spec_token_ids = proposer.propose(seq.seq_id, seq.token_ids, room) if room > 0 else []
             found = found or bool(seq.spec_token_ids)
@@ -530,6 +548,13 @@ class LLMEngine:
             drafts = [d for d, smp in zip(drafts, sched.samples) if smp]
         if prompt_of:
             sampling.max_num_prompt_logprobs = max(req.params.prompt_logprobs for req, _, _ in prompt_of)
+        if self._constrained and any(s.matcher is not None for s in sampled):
+            assert self._grammar is not None
+            row_matchers: list = []
+            widths = num_drafts.tolist() if num_drafts is not None else [0] * len(sampled)
+            for s, d in zip(sampled, widths):
+                row_matchers += [s.matcher] + [None] * d  # (constrained sequences never draft)
+            sampling.token_bitmask = self._grammar.bitmasks(row_matchers)
         patch = None
         pending = np.flatnonzero(inputs.input_ids < 0)
         if len(pending):
@@ -726,6 +751,11 @@ class LLMEngine:
             self._append_logprobs(seq, k, token, result)
         reason: str | None = None
         stop_reason: int | str | None = None
+        if seq.matcher is not None:
+            # The mask let only this token through; a grammar that is complete ends the output
+            # (at its stop token, even with ignore_eos: nothing may follow it).
+            if not seq.matcher.accept_token(token) or seq.matcher.is_terminated():
+                eos_done = True
         if eos_done:
             reason = "stop"
         elif token in params.stop_token_ids:
@@ -774,6 +804,9 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         seq.drop_pending()  # placeholders of a step still in flight: its tokens are dropped
+        if seq.matcher is not None:
+            self._constrained.discard(seq.seq_id)
+            seq.matcher = None
         if self.proposer is not None:
             self.proposer.forget(seq.seq_id)
             seq.spec_token_ids = []

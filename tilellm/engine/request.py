@@ -71,6 +71,7 @@ class Sequence:
         "spec_token_ids",
         "spec_wait",
         "spec_misses",
+        "matcher",
     )
 
     def __init__(self, request: Request, index: int, seed: int, cache_root: bytes | None):
@@ -105,6 +106,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.spec_wait = 0
         self.spec_misses = 0
+        self.matcher = None  # structured outputs: the grammar matcher of this sample's output
 
     def drop_pending(self) -> None:
         """Remove the trailing placeholder tokens of launched steps (finish, abort)."""

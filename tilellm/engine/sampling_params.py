@@ -14,6 +14,57 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # their total length
 
 
+@dataclass
+class StructuredOutputsParams:
+    """What the output must be (vLLM's `StructuredOutputsParams`; exactly one field set).
+
+    json: a JSON schema (dict or JSON string); json_object: any JSON object; regex: a regular
+    expression; choice: one of these strings; grammar: an EBNF grammar (xgrammar's GBNF).
+    JSON is compact (no whitespace between tokens) unless `whitespace` is True, so that a weak
+    model cannot run away in spaces.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        chosen += ["json_object"] if self.json_object else []
+        if len(chosen) != 1:
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {chosen or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (a dict or a JSON string)")
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (its cache key)."""
+        import json as _json
+
+        schema = (
+            self.json
+            if isinstance(self.json, str) or self.json is None
+            else _json.dumps(self.json, sort_keys=True)
+        )
+        return (schema, self.regex, tuple(self.choice or ()), self.grammar, self.json_object, self.whitespace)
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -37,9 +88,10 @@ class SamplingParams:
     of every token seen in the prompt or the output; `frequency_penalty` f and `presence_penalty`
     p (0 = off, in [-2, 2]) subtract f x (times the token was generated) and p x (whether it was);
     `logit_bias` {token id: bias in [-100, 100]} adds to logits; `allowed_token_ids` keeps only
-    those tokens. `prompt_logprobs=k`: each prompt token's log-probability given the tokens before
-    it, with the top k (the first token has none); such a request skips the prefix cache, whose
-    blocks hold no logits.
+    those tokens. `structured_outputs` (`StructuredOutputsParams`): the output follows a JSON
+    schema, a regex, a choice or a grammar (token masks from xgrammar). `prompt_logprobs=k`: each
+    prompt token's log-probability given the tokens before it, with the top k (the first token
+    has none); such a request skips the prefix cache, whose blocks hold no logits.
     Invalid values raise ValueError naming the field; an unknown keyword raises TypeError naming it.
     """
 
@@ -62,6 +114,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -125,6 +178,9 @@ class SamplingParams:
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "must be a bool")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         plp = self.prompt_logprobs
         if plp is not None and (not _is_int(plp) or not 0 <= plp <= MAX_LOGPROBS):
             raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")

@@ -72,7 +72,11 @@ class SamplingTable:
         self.max_outputs[row] = min(max_tokens, max_model_len - num_prompt)
         self.eos_stops[row] = not params.ignore_eos and bool(eos_ids)
         self.python_checks[row] = bool(
-            params.stop or params.stop_token_ids or params.logprobs is not None or params.n > 1
+            params.stop
+            or params.stop_token_ids
+            or params.logprobs is not None
+            or params.n > 1
+            or params.structured_outputs is not None
         )
         self.penalized[row] = params.has_penalties
         self.presence[row] = params.presence_penalty

@@ -76,6 +76,8 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     allowed_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -124,8 +126,26 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
+class JSONSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` extra field: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -134,7 +154,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     # vLLM extras
@@ -159,6 +178,35 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+def structured_outputs_params(req: _SamplingFields) -> Any:
+    """The request's `StructuredOutputsParams` (from `structured_outputs` or `response_format`),
+    or None; 400 naming the field when it is malformed."""
+    from tilellm.engine.sampling_params import StructuredOutputsParams
+
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise APIError.invalid("give response_format or structured_outputs, not both", "structured_outputs")
+    try:
+        if so is not None:
+            return StructuredOutputsParams(
+                json=so.json_,
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=so.json_object,
+            )
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError.invalid("response_format json_schema needs json_schema.schema", "response_format")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    except ValueError as e:
+        param = "structured_outputs" if so is not None else "response_format"
+        raise APIError.invalid(str(e).replace("StructuredOutputsParams", param), param) from None
+
+
 def check_unsupported(req: _SamplingFields) -> None:
     """400 for OpenAI features this engine does not implement, unless left at their neutral value."""
     if req.stream_options is not None and not req.stream:
@@ -176,7 +224,5 @@ def check_unsupported(req: _SamplingFields) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise APIError.invalid("tools (function calling) are not supported by this server", "tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError.invalid("only response_format type 'text' is supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError.invalid("top_logprobs requires logprobs to be true", "top_logprobs")

@@ -29,6 +29,7 @@ from tilellm.server.protocol import (
     CompletionRequest,
     check_unsupported,
     logit_bias_ids,
+    structured_outputs_params,
 )
 from tilellm.server.reasoning import get_reasoning_parser
 
@@ -186,6 +187,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self._token_str_cache: dict[int, str] = {}
+        self._grammar: Any = None  # compiles structured outputs to check them (`_check_grammar`)
         # Tokenizing and chat templates run here, off the event loop: a multi-megabyte prompt
         # takes seconds of CPU. Two workers: enough to overlap, few enough to bound their memory.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tilellm-tokenize")
@@ -245,6 +247,25 @@ class OpenAIServing:
                 f"{param}: contains a lone UTF-16 surrogate (invalid Unicode)", param
             ) from None
 
+    def _check_grammar(self, params: Any, req: Any) -> None:
+        """400 for a structured output the grammar backend cannot compile (compiled here, off the
+        event loop, before admission; the engine compiles it again, from its cache when it is in
+        this process)."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        self._need_tokenizer("structured_outputs", "structured outputs")
+        from tilellm.engine.structured_output import GrammarBackend, GrammarError
+
+        if self._grammar is None:
+            eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            self._grammar = GrammarBackend(self.tokenizer, self.vocab_size, eos)
+        try:
+            self._grammar.compile(so)
+        except GrammarError as e:
+            param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+            raise APIError.invalid(str(e).replace("structured_outputs", param, 1), param) from None
+
     def _check_request(self, params: Any, prompts: list[list[int]], renames: dict[str, str]) -> list[int]:
         """The engine's own rule (`SamplingParams.check_request`, the offline API's too) for every
         prompt, as a 400; returns what each prompt may generate (max_tokens cut to its room)."""
@@ -290,6 +311,7 @@ class OpenAIServing:
             logit_bias=logit_bias_ids(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs_params(req),
         )
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         if optional["stop"]:
@@ -407,6 +429,7 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             want_prompt = max(want_prompt or 0, req.prompt_logprobs)
         params = self._sampling_params(req, req.max_tokens, req.logprobs, {}, want_prompt)
+        await self._off_loop(self._check_grammar, params, req)
         max_tokens = self._check_request(params, prompts, {})
         base_id = f"cmpl-{uuid.uuid4().hex}"
         queue, ticket = self._submit(base_id, prompts, params, max_tokens)
@@ -689,6 +712,7 @@ class OpenAIServing:
         top = (req.top_logprobs or 0) if req.logprobs else None
         renames = {"max_tokens": mt_param, "logprobs": "top_logprobs", "prompt": "messages"}
         params = self._sampling_params(req, requested, top, renames)
+        await self._off_loop(self._check_grammar, params, req)
         max_tokens = self._check_request(params, [prompt], renames)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         queue, ticket = self._submit(base_id, [prompt], params, max_tokens)

@@ -1,4 +1,5 @@
-"""Logits processing before sampling: penalties, logit bias, allowed tokens (vLLM's definitions).
+"""Logits processing before sampling: penalties, logit bias, allowed tokens (vLLM's definitions),
+and structured outputs' token bitmasks.
 
     state = PenaltyState(max_rows, vocab_size, device)   # per-slot token counts, on the device
     state.reset_row(row, prompt_ids, output_ids)          # when a sequence takes a slot
@@ -83,3 +84,11 @@ def apply_bias_and_allowed(
         keep[allowed] = True
         logits = logits.masked_fill(allowed_rows[:, None] & ~keep, float("-inf"))
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] with -inf where `bitmask` ([N, ceil(V / 32)] int32, bit j of word w allows
+    token 32 w + j: xgrammar's layout) forbids the token."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    return logits.masked_fill(~allowed[:, : logits.shape[1]], float("-inf"))

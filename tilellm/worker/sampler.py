@@ -24,7 +24,12 @@ import numpy as np
 import torch
 
 from tilellm.kernels.sampling import gumbel_argmax_torch, gumbel_argmax_triton
-from tilellm.worker.logits_processors import PenaltyState, apply_bias_and_allowed, apply_penalties
+from tilellm.worker.logits_processors import (
+    PenaltyState,
+    apply_bias_and_allowed,
+    apply_penalties,
+    apply_token_bitmask,
+)
 from tilellm.worker.rejection import DraftVerification, rejection_sample
 
 # -- per-step inputs ----------------------------------------------------------------------------
@@ -61,6 +66,7 @@ class SamplingMetadata:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids: all a row may draw
     allowed_rows: torch.Tensor | None = None  # [N] bool: rows restricted to `allowed`
+    token_bitmask: torch.Tensor | None = None  # [N, ceil(V / 32)] int32: structured outputs' allowed tokens
 
 
 @dataclass
@@ -139,11 +145,12 @@ class HostSampling:
     allowed_pairs: np.ndarray | None = None  # [2, K] int64: rows, token ids
     allowed_rows: np.ndarray | None = None  # [N] bool
     max_num_prompt_logprobs: int = -1  # the top k of the step's prompt logprobs (-1: none asked)
+    token_bitmask: np.ndarray | None = None  # [N, ceil(V / 32)] int32 (structured outputs)
 
     _DEVICE = (
         "inv_temp", "seed_keys", "steps", "greedy", "top_k", "top_p", "min_p", "banned",
         "penalty_rows", "presence", "frequency", "repetition", "bias_pairs", "bias_values",
-        "allowed_pairs", "allowed_rows",
+        "allowed_pairs", "allowed_rows", "token_bitmask",
     )  # fmt: skip
 
     def device_arrays(self) -> dict[str, np.ndarray]:
@@ -176,6 +183,7 @@ class HostSampling:
             if "allowed_pairs" not in dev
             else (dev["allowed_pairs"][0], dev["allowed_pairs"][1]),
             allowed_rows=dev.get("allowed_rows"),
+            token_bitmask=dev.get("token_bitmask"),
         )
 
     def to_cpu_metadata(self) -> SamplingMetadata:
@@ -239,7 +247,12 @@ class Sampler:
         # 256 rows of a 152k vocabulary costs more than the draw itself. Filters, bans and
         # logprobs compute in float32.
         filters = md.min_p is not None or md.top_k is not None or md.top_p is not None
-        processing = md.penalty_rows is not None or md.bias is not None or md.allowed is not None
+        processing = (
+            md.penalty_rows is not None
+            or md.bias is not None
+            or md.allowed is not None
+            or md.token_bitmask is not None
+        )
         if filters or processing or md.banned is not None or md.max_num_logprobs >= 0:
             logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs >= 0 else None
@@ -252,6 +265,8 @@ class Sampler:
             )
         if md.bias is not None or md.allowed is not None:
             logits = apply_bias_and_allowed(logits, md.bias, md.allowed, md.allowed_rows)
+        if md.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, md.token_bitmask)
         if md.banned is not None:  # a fill kernel, not a host scalar copied to the device
             logits = logits.clone()
             logits[md.banned] = float("-inf")
