@@ -172,11 +172,11 @@ def test_driver_failure_in_a_step_stops_every_rank(tiny_qwen3_kv2):
     forward = runner._forward
     calls = []
 
-    def failing_forward(inputs):
+    def failing_forward(inputs, *args):
         calls.append(1)
         if len(calls) == 2:  # the workers are already inside this step's collectives
             raise RuntimeError("rank 0 failed on purpose")
-        return forward(inputs)
+        return forward(inputs, *args)
 
     runner._forward = failing_forward
     with pytest.raises(RuntimeError, match="rank 0 failed on purpose"):
