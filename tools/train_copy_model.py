@@ -47,6 +47,7 @@ from train_tiny_model import (  # noqa: E402
     lr_at,
     save_candidate,
 )
+from train_tiny_model import save_tokenizer as save_arith_tokenizer  # noqa: E402
 
 from tilellm.demo.copy_task import (  # noqa: E402
     KEYS,
@@ -100,24 +101,8 @@ def model_config(vocab_size: int, layers: int):
 
 
 def save_tokenizer(tok, out: Path) -> None:
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "unk_token": UNK,
-        "bos_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MAX_POSITIONS,
-        "padding_side": "left",
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": EOS, "pad_token": PAD, "unk_token": UNK}, indent=2) + "\n"
-    )
+    """The trainer's tokenizer files, with this task's chat template and context length."""
+    save_arith_tokenizer(tok, out, MAX_POSITIONS, CHAT_TEMPLATE)
 
 
 # --- data ----------------------------------------------------------------------------------------

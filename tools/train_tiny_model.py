@@ -101,7 +101,8 @@ def build_tokenizer():
     return tok
 
 
-def save_tokenizer(tok, out: Path) -> None:
+def save_tokenizer(tok, out: Path, max_positions: int = 128, chat_template: str = CHAT_TEMPLATE) -> None:
+    """tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json."""
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -112,9 +113,9 @@ def save_tokenizer(tok, out: Path) -> None:
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 128,
+        "model_max_length": max_positions,
         "padding_side": "left",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(
