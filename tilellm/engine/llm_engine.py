@@ -53,7 +53,7 @@ from tilellm.spec_decode.proposer import DeviceProposer
 from tilellm.worker.draft_runner import DraftRequest
 from tilellm.worker.model_runner import InputPatch, ModelRunner, StepHandle, StepResult, start_runner
 from tilellm.worker.sampler import HostSampling
-from tilellm.worker.step_inputs import StepInputs, build_step_inputs
+from tilellm.worker.step_inputs import StepInputs, build_step_inputs, concat_ranges
 
 _MASK64 = (1 << 64) - 1
 
@@ -541,9 +541,8 @@ class LLMEngine:
             num_drafts = np.asarray(sched.num_drafts, dtype=np.int64)[mask]
             positions -= num_drafts
             width = num_drafts + 1
-            offsets = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
             sampling = self.sampling_table.gather(
-                np.repeat(sampled_rows, width), np.repeat(positions, width) + offsets
+                np.repeat(sampled_rows, width), concat_ranges(positions, width)
             )
             drafts = [d for d, smp in zip(drafts, sched.samples) if smp]
         if prompt_of:
@@ -566,12 +565,9 @@ class LLMEngine:
             handle = self.runner.launch(inputs, sampling, patch)
         else:  # the logits row checking each draft token, and the token
             assert num_drafts is not None
-            first = np.repeat(np.cumsum(num_drafts + 1) - num_drafts - 1, num_drafts)
-            offsets = np.arange(int(num_drafts.sum())) - np.repeat(
-                np.cumsum(num_drafts) - num_drafts, num_drafts
-            )
-            ids = np.fromiter(itertools.chain.from_iterable(drafts), dtype=np.int64, count=len(offsets))
-            handle = self.runner.launch(inputs, sampling, patch, drafts=(first + offsets, ids))
+            rows = concat_ranges(np.cumsum(num_drafts + 1) - num_drafts - 1, num_drafts)
+            ids = np.fromiter(itertools.chain.from_iterable(drafts), dtype=np.int64, count=len(rows))
+            handle = self.runner.launch(inputs, sampling, patch, drafts=(rows, ids))
         for seq in sampled:
             seq.token_ids.append(-1)
             seq.num_pending += 1

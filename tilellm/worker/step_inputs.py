@@ -257,6 +257,14 @@ def shared_prefix_len(block_table: np.ndarray, seq_lens: np.ndarray, block_size:
     return prefix if prefix >= CASCADE_MIN_PREFIX else 0
 
 
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[sum(lengths)] int64: range(starts[0], starts[0] + lengths[0]), then the next range, ...
+    (the rows of every request's run, without a Python loop)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(np.asarray(starts, dtype=np.int64), lengths) + offsets
+
+
 def num_leading_decodes(q_lens) -> int:
     """How many requests at the front of a batch compute exactly one token (`q_lens`: [B] ints)."""
     for i, n in enumerate(q_lens):
@@ -363,9 +371,7 @@ def build_step_inputs(
     logits_indices = cu[1:][sampled] - 1
     if num_drafts is not None and num_drafts[sampled].any():
         width = num_drafts[sampled] + 1  # logits rows of each sampled request
-        first = np.repeat(logits_indices - width + 1, width)
-        offsets = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
-        logits_indices = first + offsets
+        logits_indices = concat_ranges(logits_indices - width + 1, width)
     kind = choose_batch_kind(start, q)
     prefix = shared_prefix_len(table, seq_lens, block_size) if cascade and kind is BatchKind.DECODE else 0
     prompt_idx = prompt_tgt = None
@@ -425,9 +431,7 @@ def _padded_verification(
     slots = table[req, flat_pos // block_size].astype(np.int64) * block_size + flat_pos % block_size
     slots = np.where(real.reshape(-1), slots, -1)
     sampled = np.asarray(samples, dtype=bool)
-    width = d[sampled] + 1
-    first = np.repeat(np.flatnonzero(sampled) * w, width)
-    offsets = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
+    logits_indices = concat_ranges(np.flatnonzero(sampled) * w, d[sampled] + 1)
     return StepInputs(
         kind=BatchKind.MIXED,
         num_reqs=num_reqs,
@@ -441,7 +445,7 @@ def _padded_verification(
         seq_lens=seq_lens.astype(np.int32),
         block_table=np.ascontiguousarray(table, dtype=np.int32),
         cu_seqlens_q=(np.arange(num_reqs + 1) * w).astype(np.int32),
-        logits_indices=first + offsets,
+        logits_indices=logits_indices,
         cascade_prefix_len=None,
         verify_width=w,
     )
