@@ -1,14 +1,290 @@
 """Fused mixture-of-experts layer (the routed experts of DeepSeek-V2/V3, Qwen3-MoE) in Triton.
 
-The Triton kernels land in this module next; `check_fused_moe` (the input checks shared with the
-PyTorch twin in `tilellm.kernels.reference.moe`) is here already.
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
+    e = topk_ids[t, k]
+
+Shapes: hidden_states x [T, H]; w13 [E, 2I, H] (rows [0, I) gate_proj, [I, 2I) up_proj: HF's fused
+gate_up_proj); w2 [E, H, I] (down_proj); topk_weights [T, K] float32; topk_ids [T, K] int. A
+tensor-parallel rank passes its shard of I (both halves of w13, the columns of w2) and all-reduces
+the partial sums itself. The design is vLLM's / SGLang's fused_moe: the T*K (token, k) pairs, pair
+p = t * K + k, are grouped by expert so that each program multiplies a block of rows that all
+belong to one expert by that expert's weights.
+
+1. `moe_align_block_size` (torch ops on the device, no host sync, so CUDA graphs can capture it):
+   sorted_token_ids [max_padded] int32 lists the pairs expert by expert, each expert's group
+   padded with the invalid pair T*K to a multiple of block_m; expert_ids [max_blocks] int32 is
+   the expert of each block of block_m entries; num_tokens_post_padded [1] int32 the padded total.
+   The buffers are sized by the bound max_padded = T*K + min(E, T*K) * (block_m - 1) (at most
+   min(E, T*K) experts receive pairs, each pads by block_m - 1 at most), known on the host.
+2. `_fused_moe_kernel`, GATED: inter [T*K, I] = silu(x[p // K] @ w13[e, :I]^T) * (x[p // K] @ w13[e, I:]^T).
+   One program = one block of block_m sorted pairs x one tile of BLOCK_N intermediate columns; it
+   walks H in BLOCK_K steps with two fp32 accumulators (gate rows n, up rows I + n of the same
+   expert), applies SiLU-and-mul in the epilogue and writes row p of inter (in x's dtype).
+3. `_fused_moe_kernel` again, with the routing weight: down [T*K, H] = topk_weights[p] *
+   (inter[p] @ w2[e]^T), scaled in fp32 before rounding to x's dtype. With K = 1 the rows are the
+   tokens and it writes `out` directly.
+4. `_moe_sum_kernel`: out [T, H] = sum_k down[t * K + k] in fp32, rounded once to x's dtype.
+
+Grid of both GEMMs: cdiv(max_padded, block_m) x cdiv(N, BLOCK_N) programs, fixed by T, K, E and
+the config; programs whose block starts past num_tokens_post_padded (the bound's slack) return at
+once. Program ids walk GROUP_M row blocks across all column tiles before moving on (the
+L2-friendly order of Triton's matmul tutorial). Experts that receive no pair own no block.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
 
 from tilellm.kernels import validation
+from tilellm.kernels.config import dot_precision, interpreting
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int  # sorted pairs per program (one expert each); the alignment of moe_align_block_size
+    block_n: int  # output columns per program (for the gated GEMM: gate and up columns each)
+    block_k: int  # reduction step (H for the first GEMM, I for the second)
+    group_m: int  # row blocks per L2 group of the program order
+    num_warps: int
+    num_stages: int
+
+
+# Tiles by the average number of pairs per expert, T * K / E: that is the row count of an
+# expert's GEMM, so it decides how much of a block_m block is padding. Decode (a few rows per
+# expert) reads every touched expert's weights once and is bandwidth bound: 16-row blocks (the
+# smallest tl.dot) keep the padding low and long BLOCK_K loads keep bytes in flight. As rows per
+# expert grow the GEMMs become compute bound: 64/128-row blocks reuse each weight tile across
+# more rows and let Hopper's warpgroup MMA (64 rows per warpgroup) run at full width. Shared
+# memory per stage (gated GEMM, bf16): (block_m + 2 * block_n) * block_k * 2 bytes, <= 48 KiB,
+# so 3 stages fit in an H200's 227 KiB. Starting points near vLLM's tuned H200 tables for
+# these shapes (whose first GEMM is unfused: one [block_n, block_k] weight tile where ours reads
+# two), not yet swept on the GPU: `tilellm.bench.moe` times them.
+#   max rows/expert  block_m block_n block_k group_m warps stages
+MOE_CONFIGS = (
+    (16, MoeConfig(16, 64, 128, 1, 4, 3)),
+    (64, MoeConfig(32, 64, 128, 8, 4, 3)),
+    (256, MoeConfig(64, 128, 64, 8, 4, 3)),
+    (None, MoeConfig(128, 128, 64, 8, 8, 3)),
+)
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """The tile config for T tokens routed to K of E experts (see MOE_CONFIGS)."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    for limit, cfg in MOE_CONFIGS:
+        if limit is None or rows_per_expert <= limit:
+            return cfg
+    raise AssertionError("unreachable: the last entry has no limit")
+
+
+# ----------------------------------------------------------------------------------------------
+# Alignment: the (token, k) pairs grouped by expert, each group padded to a multiple of block_m
+# ----------------------------------------------------------------------------------------------
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups the pairs p = t * K + k of topk_ids [T, K] by expert, each group padded to block_m.
+
+    Returns (sorted_token_ids [max_padded] int32, expert_ids [max_blocks] int32,
+    num_tokens_post_padded [1] int32), max_padded = T*K + min(E, T*K) * (block_m - 1) and
+    max_blocks = cdiv(max_padded, block_m). Within an expert the pairs keep their order; padding
+    entries (and everything past num_tokens_post_padded) are T*K. expert_ids[b] is the expert of
+    entries [b * block_m, (b + 1) * block_m); blocks past num_tokens_post_padded hold E. Torch ops
+    only, no host sync; ids must lie in [0, E) (checked by `fused_moe` under TILELLM_DEBUG=1).
+    """
+    flat = topk_ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    max_padded = n + min(num_experts, n) * (block_m - 1)
+    max_blocks = triton.cdiv(max_padded, block_m)
+    # scatter_add_, not bincount: CUDA's bincount reads max(ids) on the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    # -- pair order[j] goes to its expert's padded start + its rank among that expert's pairs --
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[experts]
+    dest = (padded_end - padded)[experts] + rank
+    sorted_token_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
+    sorted_token_ids.scatter_(0, dest, order.to(torch.int32))
+    # -- block b starts at entry b * block_m: its expert is the first whose padded end lies past it --
+    block_starts = torch.arange(max_blocks, device=dev) * block_m
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    num_tokens_post_padded = padded_end[-1:].to(torch.int32)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped GEMM over the sorted pairs
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+def _fused_moe_kernel(
+    A, B, C, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+    N, K, num_pairs, num_blocks_m,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """C[p, :N] = A[p // A_ROW_DIV] @ B[e, :N]^T for the block's sorted pairs p of expert e.
+
+    A [rows, K], B [E, N (x2 if GATED), K], C [num_pairs, N]. GATED: B holds N gate rows then N
+    up rows and C = silu(A @ gate^T) * (A @ up^T). MUL_ROUTED_WEIGHT: C rows scaled by topk_weights[p].
+    """
+    # -- program id -> (row block, column tile), GROUP_M row blocks at a time --
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_size = min(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_size
+    pid_n = (pid % pids_per_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded):
+        return  # past the padded total: the slack of the grid's upper bound
+
+    # -- the block's pairs (padding = num_pairs) and its expert --
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_token_ids + offs_m)
+    pair_ok = pairs < num_pairs
+    expert = tl.load(expert_ids + pid_m).to(tl.int64)
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_bn = offs_n % N  # wrapped columns past N load valid rows and are never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = (
+        B + expert * stride_be + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    )  # [BLOCK_K, BLOCK_N]
+
+    # -- acc [BLOCK_M, BLOCK_N] = A rows @ B[e]^T over K (for GATED, the up rows into acc_up) --
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # -- epilogue in fp32: SiLU-and-mul or the routing weight, one rounding to C's dtype --
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(g) = g * sigmoid(g)
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights + pairs, mask=pair_ok, other=0.0)
+        acc = acc * w[:, None]
+    c_ptrs = C + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_sum_kernel(
+    X, Out, T, H, stride_xt, stride_xk, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Out[t] = sum_k X[t, k] for X [T, K, H], in fp32, rounded once to Out's dtype."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = (rows < T)[:, None] & (cols < H)[None, :]
+    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xt + cols[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(x_ptrs + k * stride_xk, mask=ok, other=0.0).to(tl.float32)
+    o_ptrs = Out + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed experts of a MoE layer, no host sync (CUDA-graph safe).
+
+    Args:
+        hidden_states: [T, H] float32/float16/bfloat16.
+        w13: [E, 2I, H], hidden dtype: rows [0, I) gate_proj, rows [I, 2I) up_proj of each expert.
+        w2: [E, H, I], hidden dtype: down_proj of each expert.
+        topk_weights: [T, K] float32 routing weights (already normalised / scaled by the router).
+        topk_ids: [T, K] int32/int64 expert ids in [0, E).
+        out: optional [T, H] output buffer (hidden dtype, last dim contiguous).
+
+    Returns out [T, H] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)).
+    """
+    check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, out)
+    T, H = hidden_states.shape
+    E, I, K = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    dtype, dev = hidden_states.dtype, hidden_states.device
+    if out is None:
+        out = torch.empty((T, H), dtype=dtype, device=dev)
+    if T * K == 0:
+        return out.zero_()
+    cfg = moe_config(T, K, E)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, cfg.block_m)
+    routing = (topk_weights.reshape(-1), sorted_ids, expert_ids, num_post)
+    inter = torch.empty((T * K, I), dtype=dtype, device=dev)
+    _grouped_gemm(hidden_states, w13, inter, routing, cfg, a_row_div=K, gated=True)
+    down = out if K == 1 else torch.empty((T * K, H), dtype=dtype, device=dev)
+    _grouped_gemm(inter, w2, down, routing, cfg, a_row_div=1, mul_routed_weight=True)
+    if K > 1:
+        _moe_sum(down.view(T, K, H), out)
+    return out
+
+
+def _grouped_gemm(a, w, c, routing, cfg: MoeConfig, *, a_row_div: int, gated=False, mul_routed_weight=False):
+    """c [pairs, N] = a[pair // a_row_div] @ w[e]^T (see `_fused_moe_kernel`); N = c.shape[1]."""
+    topk_weights, sorted_ids, expert_ids, num_post = routing
+    n, k = c.shape[1], a.shape[1]
+    # Tiles no wider than the problem (tiny test models have H, I of 16..64); tl.dot needs >= 16.
+    block_n = max(16, min(cfg.block_n, triton.next_power_of_2(n)))
+    block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
+    if a.element_size() == 4 and not interpreting():
+        block_k = max(16, block_k // 2)  # fp32 operands: the same shared memory per stage as bf16
+    num_blocks_m = expert_ids.numel()
+    grid = (num_blocks_m * triton.cdiv(n, block_n),)
+    _fused_moe_kernel[grid](
+        a, w, c, topk_weights, sorted_ids, expert_ids, num_post,
+        n, k, topk_weights.numel(), num_blocks_m,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        A_ROW_DIV=a_row_div, GATED=gated, MUL_ROUTED_WEIGHT=mul_routed_weight,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        PRECISION=dot_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _moe_sum(down: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H] = down [T, K, H] summed over K; tiles of about 4K elements."""
+    T, K, H = down.shape
+    block_h = min(1024, triton.next_power_of_2(H))
+    block_t = min(max(1, 4096 // block_h), triton.next_power_of_2(T))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    _moe_sum_kernel[grid](
+        down, out, T, H, down.stride(0), down.stride(1), out.stride(0),
+        TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+
 
 # ----------------------------------------------------------------------------------------------
 # Input checks (shared with the PyTorch twin)
