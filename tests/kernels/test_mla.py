@@ -28,7 +28,7 @@ SCALE = 0.15
 MIXED = [(1, 37), (3, 20), (17, 40), (0, 7), (1, 1)]
 
 
-def make(pairs, heads, dims, block_size=16, dtype=torch.float32, device="cpu", seed=0, **kw):
+def make(pairs, heads, dims, device, block_size=16, dtype=torch.float32, seed=0, **kw):
     """A batch over a latent cache: `make_paged_batch` with one KV head of kv_lora_rank + rope_dim."""
     lora, rope = dims
     return make_paged_batch(pairs, heads, 1, lora + rope, block_size, dtype, device, seed=seed, **kw)
@@ -82,20 +82,20 @@ def forced(b, dims, config, num_splits):
 @pytest.mark.parametrize("heads", [1, 4, 16])
 def test_decode(heads, dims, device):
     """Contexts of 1, one block - 1, one block, one block + 1 and 37 keys; one segment and three."""
-    b = make([(1, n) for n in (1, 15, 16, 17, 37)], heads, dims, seed=heads)
+    b = make([(1, n) for n in (1, 15, 16, 17, 37)], heads, dims, device, seed=heads)
     for splits in (1, 3):
         check_decode(b, dims[0], device, f"H={heads} dims={dims} splits={splits}", num_splits=splits)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decode_block_size_one(batch, device):
-    b = make([(1, n) for n in (9, 1, 2)[:batch]], 4, DIMS[0], block_size=1, seed=batch)
+    b = make([(1, n) for n in (9, 1, 2)[:batch]], 4, DIMS[0], device, block_size=1, seed=batch)
     for splits in (1, 3):
         check_decode(b, 32, device, f"block_size=1 B={batch} splits={splits}", num_splits=splits)
 
 
 def test_decode_matches_paged_with_one_token_per_request(device):
-    b = make([(1, n) for n in (20, 3, 33)], 4, DIMS[1], seed=2)
+    b = make([(1, n) for n in (20, 3, 33)], 4, DIMS[1], device, seed=2)
     o = check_decode(b, 48, device, "decode")
     o_paged = mla.mla_paged_attention(*paged_args(b), kv_lora_rank=48, scale=SCALE)
     assert_close(o, o_paged, tolerance(torch.float32, device), "decode vs paged")
@@ -103,7 +103,7 @@ def test_decode_matches_paged_with_one_token_per_request(device):
 
 def test_decode_graph_padding_rows(device):
     """CUDA-graph padding: rows with seq_len 1 over block 0 (`StepInputs.padded_to`) are harmless."""
-    b = make([(1, 30), (1, 5), (1, 1), (1, 1)], 4, DIMS[0], seed=3)
+    b = make([(1, 30), (1, 5), (1, 1), (1, 1)], 4, DIMS[0], device, seed=3)
     b.block_table[2:] = 0
     for splits in (1, 3):
         o = check_decode(b, 32, device, f"padded splits={splits}", num_splits=splits)
@@ -118,32 +118,34 @@ def test_decode_graph_padding_rows(device):
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"{d[0]}+{d[1]}")
 @pytest.mark.parametrize("heads", [1, 4])
 def test_paged_mixed_batch(heads, dims, device):
-    b = make(MIXED, heads, dims, seed=10 + heads)
+    b = make(MIXED, heads, dims, device, seed=10 + heads)
     for splits in (1, 3):
         check_paged(b, dims[0], device, f"H={heads} dims={dims} splits={splits}", num_splits=splits)
 
 
 def test_paged_many_heads(device):
     """16 heads: a tile of one token x 16 heads, 17-token chunks in 17 query tiles."""
-    b = make([(1, 40), (3, 18), (17, 33)], 16, DIMS[1], seed=12)
+    b = make([(1, 40), (3, 18), (17, 33)], 16, DIMS[1], device, seed=12)
     check_paged(b, 48, device, "H=16")
-    check_paged(make([(2, 40), (3, 18)], 16, DIMS[0], seed=13), 32, device, "H=16 split", num_splits=3)
+    check_paged(
+        make([(2, 40), (3, 18)], 16, DIMS[0], device, seed=13), 32, device, "H=16 split", num_splits=3
+    )
 
 
 def test_paged_block_size_one(device):
-    b = make([(1, 5), (3, 3), (4, 19), (0, 2)], 4, DIMS[1], block_size=1, seed=14)
+    b = make([(1, 5), (3, 3), (4, 19), (0, 2)], 4, DIMS[1], device, block_size=1, seed=14)
     for splits in (1, 3):
         check_paged(b, 48, device, f"block_size=1 splits={splits}", num_splits=splits)
 
 
 def test_paged_no_tokens(device):
-    b = make([(0, 5), (0, 9)], 4, DIMS[0])
+    b = make([(0, 5), (0, 9)], 4, DIMS[0], device)
     assert mla.mla_paged_attention(*paged_args(b), kv_lora_rank=32, scale=SCALE).shape == (0, 4, 32)
     assert ref.mla_paged_attention(*paged_args(b), kv_lora_rank=32, scale=SCALE).shape == (0, 4, 32)
 
 
 def test_paged_max_seqlen_q_larger_than_needed(device):
-    b = make([(3, 20), (1, 9)], 4, DIMS[0], seed=15)
+    b = make([(3, 20), (1, 9)], 4, DIMS[0], device, seed=15)
     b.max_seqlen_q = 40
     check_paged(b, 32, device, "max_seqlen_q=40")
 
@@ -162,7 +164,7 @@ CONFIGS = [
 @pytest.mark.parametrize("config", CONFIGS)
 def test_tile_configs(config, device):
     """Head tiles narrower than H (the last one partial), several tokens per tile, value halves."""
-    b = make([(1, 37), (6, 17), (0, 3)], 5, DIMS[0], seed=16)
+    b = make([(1, 37), (6, 17), (0, 3)], 5, DIMS[0], device, seed=16)
     for splits in (1, 3):
         check_paged(b, 32, device, f"{config} splits={splits}", num_splits=forced(b, DIMS[0], config, splits))
 
@@ -170,14 +172,14 @@ def test_tile_configs(config, device):
 def test_value_halves_with_padded_rank(device):
     """kv_lora_rank 48 in two halves of 32: the second half partly masked; split and merged."""
     config = mla.MlaConfig(16, 16, 16, 4, 1, value_splits=2)
-    b = make([(1, 37), (1, 5), (1, 20)], 4, DIMS[1], seed=17)
+    b = make([(1, 37), (1, 5), (1, 20)], 4, DIMS[1], device, seed=17)
     for splits in (1, 3):
         check_decode(b, 48, device, f"halves splits={splits}", num_splits=forced(b, DIMS[1], config, splits))
 
 
 def test_planned_split_on_long_context(device):
     """num_splits=None plans from the block table's width (no device read) and splits one long request."""
-    b = make([(1, 700), (1, 3)], 4, DIMS[0], seed=18)
+    b = make([(1, 700), (1, 3)], 4, DIMS[0], device, seed=18)
     bound = b.block_table.shape[1] * b.k_cache.shape[1]
     plan = mla.plan_mla(2, 4, 1, bound, torch.float32, 16, kv_lora_rank=32, rope_dim=16)
     assert plan.num_splits > 1, plan.reason
@@ -189,7 +191,7 @@ def test_plan_rules():
     """The planner on DeepSeek's shapes (132 SMs): a wave of programs is not split, small batches are."""
     kw = dict(kv_lora_rank=512, rope_dim=64, num_sms_=132, config=mla.WIDE)
     m1 = mla.plan_mla(64, 128, 1, 4096, torch.bfloat16, 64, **kw)
-    assert m1.num_splits == 1 and m1.programs == 128, m1.reason
+    assert m1.num_splits == 1 and m1.programs == 64 * 2 * 2, m1.reason  # 2 head tiles x 2 value halves
     m2 = mla.plan_mla(8, 128, 1, 32768, torch.bfloat16, 64, **kw)
     assert m2.num_splits > 1 and m2.num_splits * m2.programs <= 2 * 132, m2.reason
     assert 32768 / m2.num_splits >= m2.min_keys_per_split and m2.min_keys_per_split % 64 == 0
@@ -210,14 +212,14 @@ def test_plan_rules():
 
 def test_large_scores(device):
     """Scores in the hundreds: the online softmax must rescale, not overflow exp2."""
-    b = make([(1, 37), (3, 20)], 4, DIMS[0], seed=19)
+    b = make([(1, 37), (3, 20)], 4, DIMS[0], device, seed=19)
     b.q = b.q * 30
     check_paged(b, 32, device, "large scores")
     check_paged(b, 32, device, "large scores, split", num_splits=3)
 
 
 def test_fp16(device):
-    b = make([(1, 37), (3, 20), (0, 4)], 4, DIMS[1], dtype=torch.float16, seed=20)
+    b = make([(1, 37), (3, 20), (0, 4)], 4, DIMS[1], device, dtype=torch.float16, seed=20)
     check_paged(b, 48, device, "fp16")
     check_paged(b, 48, device, "fp16 split", num_splits=3)
 
@@ -225,7 +227,7 @@ def test_fp16(device):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_strided_q_and_out(splits, device):
     """q a view of a wider projection, out a view of a wider buffer (the merge's copy path too)."""
-    b = make([(1, 37), (3, 20)], 4, DIMS[0], seed=21)
+    b = make([(1, 37), (3, 20)], 4, DIMS[0], device, seed=21)
     T, H, D = b.q.shape
     wide_q = torch.randn(T, H + 2, D + 8, device=device)
     wide_q[:, 1 : H + 1, :D] = b.q
@@ -240,7 +242,7 @@ def test_strided_q_and_out(splits, device):
 
 
 def test_inputs_unchanged(device):
-    b = make([(1, 30), (4, 20)], 4, DIMS[0], seed=22)
+    b = make([(1, 30), (4, 20)], 4, DIMS[0], device, seed=22)
     before = [t.clone() for t in paged_args(b)[:5]]
     mla.mla_paged_attention(*paged_args(b), kv_lora_rank=32, scale=SCALE, num_splits=2)
     ref.mla_paged_attention(*paged_args(b), kv_lora_rank=32, scale=SCALE)
@@ -253,7 +255,16 @@ def test_block_ids_past_int32_offsets(device):
     its top blocks written): int32 offsets would read the wrong rows."""
     lora, rope = DIMS[1]
     first = (1 << 31) // (16 * (lora + rope)) + 8
-    b = make([(1, 40), (3, 21)], 4, DIMS[1], dtype=torch.float16, seed=23, first_block=first, spare_blocks=1)
+    b = make(
+        [(1, 40), (3, 21)],
+        4,
+        DIMS[1],
+        device,
+        dtype=torch.float16,
+        seed=23,
+        first_block=first,
+        spare_blocks=1,
+    )
     assert b.block_table.min() * b.k_cache.stride(0) >= 2**31
     check_paged(b, lora, device, "huge block ids")
 
@@ -273,7 +284,7 @@ def test_absorption_matches_up_projected_attention(device):
     gen = torch.Generator().manual_seed(24)
     lora, rope, qk_nope, v_dim, H = 32, 16, 24, 20, 4
     pairs = [(1, 29), (3, 17), (5, 5)]
-    b = make(pairs, H, (lora, rope), seed=24)
+    b = make(pairs, H, (lora, rope), device, seed=24)
     w_uk = torch.randn(H, qk_nope, lora, generator=gen) / math.sqrt(lora)
     w_uv = torch.randn(H, lora, v_dim, generator=gen) / math.sqrt(lora)
     T = b.q.shape[0]
@@ -285,7 +296,7 @@ def test_absorption_matches_up_projected_attention(device):
     start = 0
     for i, (q_len, kv_len) in enumerate(pairs):
         pos = torch.arange(kv_len)
-        rows = b.k_cache[b.block_table[i].long()[pos // 16], pos % 16, 0]  # [N, lora + rope]
+        rows = b.k_cache.cpu()[b.block_table[i].cpu().long()[pos // 16], pos % 16, 0]  # [N, lora + rope]
         c, k_pe = rows[:, :lora], rows[:, lora:]
         keys = torch.cat([torch.einsum("hdc,nc->nhd", w_uk, c), k_pe[:, None].expand(-1, H, -1)], -1)
         values = torch.einsum("hcv,nc->nhv", w_uv, c)
@@ -300,7 +311,9 @@ def test_absorption_matches_up_projected_attention(device):
     for impl in (ref, mla):
         latent = impl.mla_paged_attention(*paged_args(b), kv_lora_rank=lora, scale=scale)
         got = torch.einsum("thc,hcv->thv", latent.cpu(), w_uv)
-        assert_close(got, expected, 1e-4, f"absorbed ({impl.__name__}) vs up-projected")
+        assert_close(
+            got, expected, tolerance(torch.float32, device), f"absorbed ({impl.__name__}) vs up-projected"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +322,7 @@ def test_absorption_matches_up_projected_attention(device):
 
 
 def _bad_cases():
-    b = make([(1, 20), (2, 9)], 4, DIMS[0], seed=25)
+    b = make([(1, 20), (2, 9)], 4, DIMS[0], "cpu", seed=25)
     q, kv, bt, cu, seq, mq = paged_args(b)
     other = torch.empty(0, device="meta")
     return [
@@ -343,7 +356,7 @@ def _bad_cases():
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
 def test_errors(case, impl):
     _, change, message = case
-    b = make([(1, 20), (2, 9)], 4, DIMS[0], seed=25)
+    b = make([(1, 20), (2, 9)], 4, DIMS[0], "cpu", seed=25)
     q, kv, bt, cu, seq, mq = paged_args(b)
     args = dict(q=q, kv_cache=kv, block_table=bt, cu_seqlens_q=cu, seq_lens=seq, max_seqlen_q=mq)
     kw = dict(kv_lora_rank=32, scale=SCALE)
@@ -356,7 +369,7 @@ def test_errors(case, impl):
 
 @pytest.mark.parametrize("impl", [mla, ref], ids=["triton", "reference"])
 def test_decode_errors(impl):
-    b = make([(1, 20), (1, 9)], 4, DIMS[0], seed=26)
+    b = make([(1, 20), (1, 9)], 4, DIMS[0], "cpu", seed=26)
     q, kv, bt, seq = decode_args(b)
     with pytest.raises(ValueError, match="mla_decode_attention: block_table must have B = 1 rows"):
         impl.mla_decode_attention(q[:1], kv, bt, seq[:1], kv_lora_rank=32, scale=SCALE)
@@ -371,6 +384,8 @@ def test_decode_errors(impl):
 # ----------------------------------------------------------------------------------------------
 
 DEEPSEEK = (512, 64)
+# the table's pick, 64 rows in one piece, 16-row tiles in value halves (the bench sweeps the rest)
+GPU_CONFIGS = [None, mla.MID, mla.MlaConfig(16, 16, 32, 4, 3, value_splits=2)]
 
 
 @pytest.mark.gpu
@@ -379,16 +394,16 @@ DEEPSEEK = (512, 64)
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_gpu_decode_deepseek(num_splits, heads, dtype, device):
     lens = [1, 63, 64, 65, 4097, 300, 2048]
-    b = make([(1, n) for n in lens], heads, DEEPSEEK, block_size=64, dtype=dtype, device=device)
+    b = make([(1, n) for n in lens], heads, DEEPSEEK, device, block_size=64, dtype=dtype)
     check_decode(b, 512, device, f"gpu decode H={heads} splits={num_splits}", num_splits=num_splits)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("config", [None, *mla.SWEEP_CONFIGS], ids=str)
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=str)
 def test_gpu_paged_deepseek(config, heads, device):
-    b = make([(1, 1000), (2, 513), (4, 64), (130, 700), (0, 9)], heads, DEEPSEEK, block_size=64,
-             dtype=torch.bfloat16, device=device)  # fmt: skip
+    b = make([(1, 1000), (2, 513), (4, 64), (130, 700), (0, 9)], heads, DEEPSEEK, device, block_size=64,
+             dtype=torch.bfloat16)  # fmt: skip
     plans = [None] if config is None else [forced(b, DEEPSEEK, config, n) for n in (1, 3)]
     for plan in plans:
         check_paged(b, 512, device, f"gpu paged H={heads} {plan}", num_splits=plan)
@@ -397,8 +412,7 @@ def test_gpu_paged_deepseek(config, heads, device):
 @pytest.mark.gpu
 def test_gpu_decode_cuda_graph(device):
     """mla_decode_attention as called (no plan, no max_seqlen_k) captures and replays in a graph."""
-    b = make([(1, n) for n in (5000, 17, 900, 1)], 16, DEEPSEEK, block_size=64, dtype=torch.bfloat16,
-             device=device)  # fmt: skip
+    b = make([(1, n) for n in (5000, 17, 900, 1)], 16, DEEPSEEK, device, block_size=64, dtype=torch.bfloat16)
     out = torch.empty(4, 16, 512, dtype=torch.bfloat16, device=device)
 
     def step():

@@ -75,38 +75,55 @@ class MlaConfig:
     num_stages: int
     value_splits: int = 1
 
+    def __post_init__(self):
+        if self.value_splits not in (1, 2):
+            raise ValueError(f"MlaConfig: value_splits must be 1 or 2, got {self.value_splits}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"MlaConfig: block_n must be a power of two >= 16 (tl.dot), got {self.block_n}")
+        if self.block_h < 1 or self.rows < 1:
+            raise ValueError(f"MlaConfig: block_h and rows must be >= 1, got {self.block_h}, {self.rows}")
 
-# Hopper (H100/H200), half precision, DeepSeek's 512 + 64. Not measured yet: `tilellm.bench.mla
-# --sweep` times these and SWEEP_CONFIGS on the M1-M4 / V workloads.
-# - WIDE (>= 64 rows: 128 or 64 heads, or tokens x heads of a verification): 64 rows over 8 warps
-#   (two warpgroups: wgmma tiles are 64 rows per warpgroup, and the [64, 512] fp32 accumulator is
-#   128 registers a thread over 256 threads, as in FlashMLA's two warpgroups); 32-key tiles two
-#   deep: [32, 576] bf16 = 36 KB a stage, plus q's 72 KB, leaves room under 227 KB.
-# - NARROW (16 or 32 rows: 16-32 heads decoding): 4 warps (the [16, 512] accumulator is 64
-#   registers a thread), 64-key tiles two deep (72 KB a stage): the bytes in flight per SM keep
-#   HBM busy when a program has few rows to compute on.
-# - kv_lora_rank > 512: two value halves per tile of rows (halves the accumulator).
+
+# Hopper (H100/H200), half precision, DeepSeek's 512 + 64. Not timed yet: `python -m
+# tilellm.bench.mla --sweep` times these and SWEEP_CONFIGS on M1-M4 / V1. Chosen so that no
+# thread spills: registers and spills below are ptxas's for sm_90a (Triton 3.9, compiled off the
+# GPU, `cuobjdump --dump-resource-usage`), decode, 128 or 16 heads.
+# - WIDE (>= 64 rows: 64+ heads, or tokens x heads of a verification): 64 rows over 8 warps
+#   (two warpgroups of wgmma), 32-key tiles two deep (144 KB of shared memory), the 512 values
+#   in two halves: 214 registers, no spill. In one piece the [64, 512] fp32 accumulator (128
+#   registers a thread) and q spill 104-384 bytes a thread in every variant tried (bn 16-64,
+#   4 or 8 warps, 1-3 stages); halves cost a second pass of the scores (q_nope . c is 512 of
+#   the 1088 MACs a head does per key), which FlashMLA avoids by handing P between its two
+#   warpgroups through shared memory (not expressible in tl).
+# - MID (32 rows: 32 heads): 8 warps, 32-key tiles two deep: 189 registers (4 warps spill).
+# - NARROW (16 rows: <= 16 heads decoding): mma.sync tiles, 4 warps, 32-key tiles three deep
+#   (56 KB): 206 registers, two programs per SM fit. 64-key tiles spill (mma.sync holds the
+#   whole [64, 512] value operand in registers), as do 2 warps.
+# - kv_lora_rank > 512: value halves for every tile.
 # - fp32 (tests on a GPU): [16, 512] accumulators and 16-key tiles (a stage is 36 KB).
 # - the interpreter: the smallest tiles (it runs every program in Python).
-WIDE = MlaConfig(block_h=64, rows=64, block_n=32, num_warps=8, num_stages=2)
-NARROW = MlaConfig(block_h=64, rows=64, block_n=64, num_warps=4, num_stages=2)
+WIDE = MlaConfig(block_h=64, rows=64, block_n=32, num_warps=8, num_stages=2, value_splits=2)
+MID = MlaConfig(block_h=64, rows=64, block_n=32, num_warps=8, num_stages=2)
+NARROW = MlaConfig(block_h=64, rows=64, block_n=32, num_warps=4, num_stages=3)
 FP32 = MlaConfig(block_h=16, rows=16, block_n=16, num_warps=4, num_stages=2)
 INTERPRETER = MlaConfig(block_h=16, rows=16, block_n=16, num_warps=4, num_stages=1)
-# What `tilellm.bench.mla --sweep` times beside the table's pick.
+# What `tilellm.bench.mla --sweep` times beside the table's pick (registers / spilled bytes as above).
 SWEEP_CONFIGS = [
     WIDE,
+    MID,  # 64 rows: 255 / 168
     NARROW,
-    MlaConfig(64, 64, 32, 8, 3),
-    MlaConfig(64, 64, 64, 8, 2),
-    MlaConfig(64, 64, 16, 4, 3),
-    MlaConfig(64, 64, 32, 4, 2),
-    MlaConfig(64, 64, 32, 8, 2, value_splits=2),
-    MlaConfig(64, 64, 64, 4, 2, value_splits=2),
-    MlaConfig(32, 32, 32, 4, 2),
-    MlaConfig(32, 32, 64, 4, 2),
-    MlaConfig(16, 16, 64, 4, 2),
-    MlaConfig(16, 16, 32, 4, 3),
-    MlaConfig(128, 128, 32, 8, 2, value_splits=2),
+    MlaConfig(64, 64, 16, 8, 2, value_splits=2),  # 64 rows: 192 / 0
+    MlaConfig(64, 64, 32, 8, 3, value_splits=2),  # 64 rows: 226 / 0
+    MlaConfig(64, 64, 64, 8, 2, value_splits=2),  # 64 rows: 255 / 80
+    MlaConfig(64, 64, 16, 8, 2),  # 64 rows: 255 / 104
+    MlaConfig(64, 64, 64, 8, 2),  # 64 rows: 255 / 384
+    MlaConfig(128, 128, 32, 8, 2, value_splits=2),  # 128 heads in one tile: 222 / 0, 216 KB
+    MlaConfig(32, 32, 32, 8, 2),  # 32-head tiles: 189 / 0
+    MlaConfig(16, 16, 32, 4, 3),  # 16-head tiles: 206 / 0
+    MlaConfig(16, 16, 32, 8, 3),  # 16 rows: 133 / 0
+    MlaConfig(16, 16, 16, 4, 3),  # 16 rows: 190 / 0
+    MlaConfig(16, 16, 32, 4, 3, value_splits=2),  # 16 rows: 158 / 0
+    MlaConfig(16, 16, 64, 4, 2),  # 16 rows: 255 / 312
 ]
 
 # Split-KV. Programs of these tiles are heavy (a stage of latent rows is 36-72 KB of shared
@@ -117,7 +134,7 @@ MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256
 # A segment's partial output (rows x kv_lora_rank fp32, written, then read by the merge) should
 # cost at most this share of the latent bytes the segment reads: segments of a 64-row tile are
-# then >= ~1800 keys of 576 bf16 values.
+# then >= ~900 keys of 576 bf16 values, those of a 16-row tile >= MIN_KEYS_PER_SPLIT.
 PARTIAL_SHARE = 0.25
 
 
@@ -129,10 +146,10 @@ def mla_config(
         return INTERPRETER
     if dtype == torch.float32:
         return FP32
-    _, _, block_m = tile_shape(WIDE, num_heads, max_seqlen_q)
-    cfg = WIDE if block_m >= 64 else NARROW
-    if kv_lora_rank > 512:
-        cfg = MlaConfig(cfg.block_h, cfg.rows, min(cfg.block_n, 32), cfg.num_warps, cfg.num_stages, 2)
+    _, _, block_m = tile_shape(WIDE, num_heads, max_seqlen_q)  # WIDE, MID, NARROW: the same tiles
+    cfg = WIDE if block_m >= 64 else MID if block_m >= 32 else NARROW
+    if kv_lora_rank > 512 and cfg.value_splits == 1:
+        cfg = MlaConfig(cfg.block_h, cfg.rows, cfg.block_n, cfg.num_warps, cfg.num_stages, value_splits=2)
     return cfg
 
 
