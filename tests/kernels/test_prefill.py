@@ -1,7 +1,9 @@
 """`prefill_attention` (Triton) against its PyTorch twin: packed varlen requests over their own K/V.
 
 Lengths mix 1, tile sizes +- 1, primes and empty requests in one launch, causal and full, GQA,
-every head dim; outputs are poisoned so a query tile the kernel skips shows up.
+every head dim, and v's head dim apart from q's and k's (MLA's 192 / 128, tiny models' 24 / 16,
+checked against a naive formula too); outputs are poisoned so a query tile the kernel skips
+shows up.
 """
 
 from __future__ import annotations
@@ -103,3 +105,154 @@ def test_inputs_unchanged(device):
 def test_gpu_real_shapes(heads, head_dim, dtype, device):
     lengths = [2048, 1, 127, 128, 129, 1000, 3]
     run_and_check(make(lengths, heads, head_dim, dtype, device, seed=head_dim), device, "gpu")
+
+
+# -- unequal and non-power-of-two head dims (DeepSeek MLA's prefill: Dqk 192 = 128 + 64, Dv 128) --
+
+# (Dqk, Dv): MLA's own, then tiny models' (24 = 16 + a 16-wide tail holding 8 columns), and equal
+HEAD_DIMS = [(192, 128), (96, 64), (24, 16), (48, 32), (64, 64)]
+MLA_LENGTHS = [1, 17, 0, 40]
+
+
+def make_dims(lengths, heads, dims, dtype, device, seed=0):
+    """q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv]."""
+    gen = torch.Generator().manual_seed(seed)
+    T, (Hq, Hkv), (dqk, dv) = sum(lengths), heads, dims
+    q = randn((T, Hq, dqk), dtype, device, gen)
+    k = randn((T, Hkv, dqk), dtype, device, gen)
+    v = randn((T, Hkv, dv), dtype, device, gen)
+    return q, k, v, cu_seqlens(lengths, device), max(lengths, default=0)
+
+
+def naive_prefill(q, k, v, cu, causal=True, scale=None):
+    """softmax(q k^T * scale + causal mask) v per request in float64, KV heads repeated for GQA."""
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qi = q[start:end].double().cpu().transpose(0, 1)  # [Hq, n, Dqk]
+        ki = k[start:end].double().cpu().repeat_interleave(group, dim=1).transpose(0, 1)
+        vi = v[start:end].double().cpu().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = qi @ ki.transpose(1, 2) * scale  # [Hq, n, n]
+        if causal:
+            n = end - start
+            future = torch.ones(n, n, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        out[start:end] = (torch.softmax(scores, dim=-1) @ vi).transpose(0, 1)
+    return out.to(q.dtype)
+
+
+def check_dims(args, device, what, **kw):
+    """The kernel into a poisoned `out` [T, Hq, Dv] against its twin and the naive formula."""
+    q, v = args[0], args[2]
+    out = torch.full((*q.shape[:2], v.shape[2]), float("nan"), dtype=q.dtype, device=device)
+    o = tk.prefill_attention(*args, out=out, **kw)
+    assert o is out
+    tol = tolerance(q.dtype, device)
+    assert_close(o, ref.prefill_attention(*args, **kw), tol, f"{what} vs reference")
+    assert_close(o.cpu(), naive_prefill(*args[:4], **kw), tol, f"{what} vs naive")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1), (8, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"qk{d[0]}v{d[1]}")
+def test_unequal_head_dims(dims, heads, causal, device):
+    args = make_dims(MLA_LENGTHS, heads, dims, torch.float32, device, seed=dims[0] + heads[1])
+    check_dims(args, device, f"dims={dims} heads={heads} causal={causal}", causal=causal)
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (24, 16)], ids=lambda d: f"qk{d[0]}v{d[1]}")
+def test_unequal_head_dims_fp16(dims, device):
+    args = make_dims(MLA_LENGTHS, (8, 2), dims, torch.float16, device, seed=dims[1])
+    check_dims(args, device, f"fp16 dims={dims}")
+
+
+def test_unequal_head_dims_default_scale_is_dqk(device):
+    q, k, v, cu, max_len = make_dims([5, 20], (4, 2), (192, 128), torch.float32, device, seed=1)
+    o = tk.prefill_attention(q, k, v, cu, max_len)
+    assert o.shape == (25, 4, 128)
+    expected = tk.prefill_attention(q, k, v, cu, max_len, scale=192**-0.5)
+    assert torch.equal(o, expected)
+    check_dims((q, k, v, cu, max_len), device, "custom scale", scale=0.03)
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # head 1's NaNs, in numpy
+@pytest.mark.parametrize("dims", [(24, 16), (40, 24)], ids=lambda d: f"qk{d[0]}v{d[1]}")
+def test_padded_blocks_ignore_the_next_heads_columns(dims, device):
+    """A padded tail block (24: columns 16..31, 40: 32..47) and a padded V block read the next
+    head's first columns: scaled by 100 on odd heads, they would swamp the even heads' scores."""
+    q, k, v, cu, max_len = make_dims([3, 33], (4, 4), dims, torch.float32, device, seed=2)
+    loud = torch.tensor([1.0, 100.0, 1.0, 100.0], device=device)[None, :, None]
+    q, k, v = q * loud, k * loud, v * loud
+    check_dims((q, k, v, cu, max_len), device, f"loud neighbours {dims}")
+    # infinite keys in head 1's first columns reach no other head
+    k[:, 1, :8] = float("inf")
+    o = tk.prefill_attention(q, k, v, cu, max_len)
+    others = [0, 2, 3]
+    expected = naive_prefill(q[:, others], k[:, others], v[:, others], cu)
+    assert_close(o[:, others].cpu(), expected, tolerance(q.dtype, device), f"infinite neighbour {dims}")
+
+
+def test_padded_v_block_writes_only_dv_columns(device):
+    """Dv = 24 runs in a 32-wide block: a strided `out` whose rows are wider keeps its other columns."""
+    q, k, v, cu, max_len = make_dims([1, 17, 40], (8, 2), (48, 24), torch.float32, device, seed=3)
+    wide = torch.full((q.shape[0], 8, 40), float("nan"), device=device)
+    o = tk.prefill_attention(q, k, v, cu, max_len, out=wide[:, :, 8:32])
+    assert_close(o, ref.prefill_attention(q, k, v, cu, max_len), tolerance(torch.float32, device), "Dv=24")
+    assert torch.isnan(wide[..., :8]).all() and torch.isnan(wide[..., 32:]).all(), "wrote outside out's view"
+
+
+def test_mla_shaped_inputs_from_expanded_latents(device):
+    """As MLA's prefill builds them: k = [k_nope | k_pe broadcast over heads], v a slice of one
+    up-projection (made contiguous), q = [q_nope | q_pe]."""
+    lengths, H, dn, dr, dv = [1, 17, 40], 4, 128, 64, 128
+    T = sum(lengths)
+    gen = torch.Generator().manual_seed(4)
+    kv = randn((T, H, dn + dv), torch.float32, device, gen)
+    k_pe = randn((T, 1, dr), torch.float32, device, gen)
+    q = randn((T, H, dn + dr), torch.float32, device, gen)
+    k_nope, v = kv.split([dn, dv], dim=-1)
+    k = torch.cat((k_nope, k_pe.expand(-1, H, -1)), dim=-1)
+    check_dims((q, k, v.contiguous(), cu_seqlens(lengths, device), max(lengths)), device, "MLA shapes")
+
+
+def test_unequal_head_dims_never_route_to_gluon(monkeypatch):
+    """On an H100/H200 with Gluon, only Dqk = Dv = 128 takes hopper.py; 192/128 (MLA), unequal
+    dims and non-power-of-two dims take the Triton kernel."""
+    from tilellm.kernels import config
+
+    monkeypatch.setattr(config, "hopper", lambda device_index=None: True)
+    monkeypatch.setattr(config, "interpreting", lambda: False)  # the tile tables of a real GPU
+    monkeypatch.setattr(config, "_gluon_disabled", None)
+    if config.gluon_unavailable() is not None:
+        pytest.skip(f"this Triton cannot build hopper.py: {config.gluon_unavailable()}")
+    bf16 = torch.bfloat16
+    assert config.prefill_config(128, bf16, 32768).kernel == "gluon"
+    assert config.prefill_config(128, bf16, 32768, v_head_dim=128).kernel == "gluon"
+    for dqk, dv in [(192, 128), (128, 64), (64, 128), (96, 96), (96, 64), (24, 16)]:
+        cfg = config.prefill_config(dqk, bf16, 32768, v_head_dim=dv)
+        assert cfg.kernel == "triton", (dqk, dv, cfg)
+    assert config.prefill_config(192, bf16, 32768, v_head_dim=128).block_m == 128
+
+
+def test_head_dim_blocks():
+    from tilellm.kernels.prefill import head_dim_blocks
+
+    cases = {192: (128, 64), 96: (64, 32), 24: (16, 16), 48: (32, 16), 40: (32, 16), 128: (128, 0)}
+    for head_dim, blocks in cases.items():
+        assert head_dim_blocks(head_dim) == blocks, head_dim
+    for head_dim in range(16, 257, 8):
+        main, tail = head_dim_blocks(head_dim)
+        assert main + tail >= head_dim and main + tail <= 1 << (head_dim - 1).bit_length()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads", [(16, 16), (32, 8)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("dims", [(192, 128), (96, 64), (24, 16)], ids=lambda d: f"qk{d[0]}v{d[1]}")
+def test_gpu_unequal_head_dims(dims, heads, dtype, device):
+    lengths = [2048, 1, 127, 128, 129, 1000, 3]
+    args = make_dims(lengths, heads, dims, dtype, device, seed=dims[0])
+    for causal in (True, False):
+        check_dims(args, device, f"gpu dims={dims} causal={causal}", causal=causal)

@@ -175,6 +175,14 @@ def both(keys, fn):
     return mutate
 
 
+def chain(*mutations):
+    def mutate(a):
+        for m in mutations:
+            m(a)
+
+    return mutate
+
+
 def set_value(key, index, value):
     def mutate(a):
         t = a[key].clone()
@@ -444,7 +452,46 @@ CASES = [
         "prefill",
         "head_dim",
         both(("q", "k", "v"), lambda t: torch.cat([t, t[..., :4]], -1)),
-        r"power of two in 16..256, got D = 20",
+        r"head dim Dqk must be a multiple of 8 in 16..256, got Dqk = 20",
+    ),
+    (
+        "prefill",
+        "head_dim_v",
+        set_item("v", lambda v: torch.cat([v, v[..., :4]], -1)),
+        r"head dim Dv must be a multiple of 8 in 16..256, got Dv = 20",
+    ),
+    (
+        "prefill",
+        "head_dim_too_small",
+        both(("q", "k"), lambda t: t[..., :8].contiguous()),
+        r"head dim Dqk must be a multiple of 8 in 16..256, got Dqk = 8",
+    ),
+    (
+        "prefill",
+        "head_dim_v_too_big",
+        set_item("v", lambda v: v.repeat(1, 1, 17)),
+        r"head dim Dv must be a multiple of 8 in 16..256, got Dv = 272",
+    ),
+    (
+        "prefill",
+        "head_dim_k_vs_q",
+        set_item("k", lambda k: torch.cat([k, k[..., :8]], -1)),
+        r"head dim of k \(24\) differs from q's \(16\)",
+    ),
+    (
+        "prefill",
+        "out_shape_dv",
+        set_kw("out", lambda a: torch.empty(12, 4, 24)),
+        r"prefill_attention: out must have shape \(12, 4, 16\), got \(12, 4, 24\)",
+    ),
+    (
+        "prefill",
+        "out_shape_dqk",
+        chain(
+            set_item("v", lambda v: v[..., :8].repeat(1, 1, 3)),
+            set_kw("out", lambda a: torch.empty(12, 4, 16)),
+        ),
+        r"out must have shape \(12, 4, 24\), got \(12, 4, 16\)",  # [T, Hq, Dv]
     ),
     ("prefill", "cu_int64", set_item("cu_seqlens", lambda t: t.long()), r"cu_seqlens must be int32"),
     ("prefill", "cu_2d", set_item("cu_seqlens", lambda t: t[None]), r"cu_seqlens must be 1-D \[B\+1\]"),
@@ -748,6 +795,21 @@ def test_empty_requests_are_valid(mod):
     a = prefill_args()
     a["cu_seqlens"] = torch.tensor([0, 0, 3, 3, 12, 12], dtype=I32, device=DEVICE)
     call_prefill(mod, a)
+
+
+@pytest.mark.parametrize("mod", MODULES)
+@pytest.mark.parametrize("dims", [(24, 16), (16, 24), (192, 128), (40, 40)], ids=lambda d: f"qk{d[0]}v{d[1]}")
+def test_prefill_takes_its_own_v_head_dim(mod, dims):
+    """v's head dim may differ from q's and k's, and prefill head dims need only be multiples of 8:
+    the output is [T, Hq, Dv], into a fresh tensor or a checked `out`."""
+    dqk, dv = dims
+    gen = torch.Generator().manual_seed(1)
+    a = prefill_args()
+    a["q"], a["k"] = randn((12, 4, dqk), F32, DEVICE, gen), randn((12, 2, dqk), F32, DEVICE, gen)
+    a["v"] = randn((12, 2, dv), F32, DEVICE, gen)
+    assert call_prefill(mod, a).shape == (12, 4, dv)
+    a["kw"]["out"] = torch.empty(12, 4, dv, device=DEVICE)
+    assert call_prefill(mod, a) is a["kw"]["out"]
 
 
 def test_resolve_scale():

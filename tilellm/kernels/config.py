@@ -49,34 +49,47 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30) -> TileConfig:
+def prefill_config(
+    head_dim: int, dtype: torch.dtype, max_seqlen: int = 1 << 30, *, v_head_dim: int | None = None
+) -> TileConfig:
     """Tiles for `prefill_attention`, from H200 sweeps (`tilellm bench kernels --sweep`).
 
+    `head_dim` is q's and k's (Dqk), `v_head_dim` v's (Dv, default: the same).
     Head dims 65-128 in half precision: 128x64 tiles, 4 warps, 2 stages. One program then
     needs little enough shared memory and registers for two to share an SM, and one's softmax
     runs while the other's matmuls do (P1 456 vs 424 TFLOP/s for 128x128 tiles of
     8 warps and 3 stages, one program per SM; the same pick as the Triton tutorial's autotuner).
     Batches of short requests (<= 1024 tokens): 64x64 tiles, so fewer rows of each request's last
-    query tile are wasted (P3 284 vs 277 TFLOP/s). Longer batches on an H100/H200 with D = 128:
-    the Gluon kernel of `hopper.py` (128x128 tiles, two consumer warpgroups + a producer
-    warp, 3 K/V stages); `kernel` says which, and causal=False calls take the Triton kernel with
-    the same tiles.
+    query tile are wasted (P3 284 vs 277 TFLOP/s). Longer batches on an H100/H200 with
+    Dqk = Dv = 128: the Gluon kernel of `hopper.py` (128x128 tiles, two consumer warpgroups + a
+    producer warp, 3 K/V stages); `kernel` says which, and causal=False calls take the Triton
+    kernel with the same tiles. Unequal head dims, and dims that are not powers of two, always
+    take the Triton kernel (`hopper.py` serves one power-of-two head dim for q, k and v).
     """
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    widest = max(head_dim, v_head_dim)
     if "prefill" in _overrides:
         return _overrides["prefill"]
     if interpreting():
         return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if head_dim > 128:
+    if 128 < head_dim <= 192 and v_head_dim <= 128:
+        # MLA's prefill (Dqk 192 = 128 + 64, Dv 128), not yet timed: FlashAttention-2's tiles for
+        # head dim 192 (128x64, 8 warps). Built for sm_90a: 254 registers, no stack, 129 KB of
+        # shared memory (Q 48 KB + 2 stages of K 48 KB and V 32 KB), so one program per SM; the
+        # same tiles with 4 warps spill (336 B of stack); 64x64 tiles of 4 warps (242 registers,
+        # 105 KB, two programs per SM) are the alternative to time against it.
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    if widest > 128:
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if max_seqlen <= 1024:
         return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-    if head_dim == 128 and gluon_ok():
+    if head_dim == 128 and v_head_dim == 128 and gluon_ok():
         # H200: P1 480 / P2 607 TFLOP/s against 455 / 536 for the Triton kernel
         # (and cuDNN's 457 / 595); for P3's short requests the Triton kernel stays ahead (283 vs 243)
         return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, kernel="gluon")
-    if head_dim <= 64:
+    if widest <= 64:
         return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     return TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2)
 

@@ -13,6 +13,17 @@ tokens), softmax is computed online (running max `m_i`, running sum `l_i`, resca
 base 2 with the softmax scale folded into one multiplier, and nothing of the score matrix
 reaches memory. A query head reads its KV head (`head // group`) directly: GQA never copies K/V.
 
+Head dims: q and k share `Dqk`, v has its own `Dv` (DeepSeek MLA's up-projected prefill: Dqk = 192
+= 128 nope + 64 rope, Dv = 128); both multiples of 8 in 16..256. A tile's dims must be powers of
+two, so the kernel covers `Dqk` with two column blocks, `QK_MAIN` (the largest power of two <= Dqk)
+and `QK_TAIL` (the rest rounded up to a power of two >= 16, or none), and computes the scores as
+two dots into one accumulator: Q[:, :main] K[:, :main]^T + Q[:, main:] K[:, main:]^T. For 192
+that is 128 + 64 with nothing padded, where padding to 256 would load, hold and multiply a third
+more of Q and K (a fifth more tensor-core work per key tile, counting P V). A tail that is padded
+(24 = 16 + 8 in a 16-wide block) reads the next head's columns (or zeros past the row): they are
+zeroed in registers, in Q once per program and in each K tile. `Dv` is padded to one power-of-two
+block (`V_BLOCK`); its extra columns only reach accumulator columns that are never stored.
+
 Launch order: query tiles fastest, longest-first (the last tiles, with the most keys under the
 diagonal, start first), then heads (the heads of one KV group are neighbours), then requests. The
 programs running at any moment then read the K/V of one or a few heads, which stays in L2
@@ -32,8 +43,9 @@ from tilellm.kernels.config import LOG2_E, dot_precision, launch_gluon, prefill_
 
 @triton.jit
 def _attend_tiles(
-    acc, l_i, m_i, q, k_desc, v_desc,
-    kv_row0, kv_col, offs_m, offs_n, seq_len, n_start, n_end, qk_scale,
+    acc, l_i, m_i, q, q_tail, k_desc, k_tail_desc, v_desc,
+    kv_row0, k_col, v_col, offs_m, offs_n, seq_len, n_start, n_end, qk_scale,
+    QK_DIM: tl.constexpr, QK_MAIN: tl.constexpr, QK_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles [n_start, n_end) of one request (local key positions).
@@ -44,9 +56,14 @@ def _attend_tiles(
     always masked out, never used.
     """
     for n in tl.range(n_start, n_end, BLOCK_N):
-        # -- scores: Q [BLOCK_M, D] @ K^T [D, BLOCK_N] --
-        k = k_desc.load([kv_row0 + n, kv_col])
+        # -- scores: Q [BLOCK_M, Dqk] @ K^T [Dqk, BLOCK_N], the main columns then the tail's --
+        k = k_desc.load([kv_row0 + n, k_col])
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if QK_TAIL > 0:
+            k_tail = k_tail_desc.load([kv_row0 + n, k_col + QK_MAIN])
+            if QK_MAIN + QK_TAIL > QK_DIM:  # padded: the block's last columns are not this head's
+                k_tail = tl.where((tl.arange(0, QK_TAIL) < QK_DIM - QK_MAIN)[None, :], k_tail, 0.0)
+            qk = tl.dot(q_tail, tl.trans(k_tail), qk, input_precision=PRECISION)
         if MASKED:
             visible = ((n + offs_n) < seq_len)[None, :]
             if CAUSAL:
@@ -58,7 +75,7 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- accumulate P @ V --
-        v = v_desc.load([kv_row0 + n, kv_col])
+        v = v_desc.load([kv_row0 + n, v_col])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_ij
@@ -66,20 +83,28 @@ def _attend_tiles(
 
 
 @triton.jit
-def _store_rows(O, acc, l_i, seq_start, offs_m, seq_len, head, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+def _store_rows(
+    O, acc, l_i, seq_start, offs_m, seq_len, head, stride_ot, stride_oh,
+    V_DIM: tl.constexpr, V_BLOCK: tl.constexpr,
+):  # fmt: skip
     """Normalise the accumulator by the softmax sum and store this tile's rows of one head
-    (rows past the request's end are not written)."""
+    (rows past the request's end, and the columns of a padded `V_BLOCK` past `V_DIM`, are not
+    written)."""
     acc = acc / l_i[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, V_BLOCK)
     o_ptrs = O + (seq_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
+    mask = (offs_m < seq_len)[:, None]
+    if V_BLOCK > V_DIM:
+        mask = mask & (offs_d < V_DIM)[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _prefill_kernel(
-    q_desc, k_desc, v_desc, O, cu_seqlens, stats,
+    q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, O, cu_seqlens, stats,
     qk_scale, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, QK_DIM: tl.constexpr, QK_MAIN: tl.constexpr, QK_TAIL: tl.constexpr,
+    V_DIM: tl.constexpr, V_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-first
@@ -95,12 +120,18 @@ def _prefill_kernel(
     offs_m = m_start + tl.arange(0, BLOCK_M)  # local query positions
     offs_n = tl.arange(0, BLOCK_N)
     # Q, K, V are 2-D views [T, heads * D]: a head is a column block; GQA reads KV head head // GROUP.
-    q = q_desc.load([seq_start + m_start, head * HEAD_DIM])
-    kv_col = (head // GROUP) * HEAD_DIM
+    q = q_desc.load([seq_start + m_start, head * QK_DIM])
+    q_tail = q
+    if QK_TAIL > 0:
+        q_tail = q_tail_desc.load([seq_start + m_start, head * QK_DIM + QK_MAIN])
+        if QK_MAIN + QK_TAIL > QK_DIM:  # padded: zero the next head's columns
+            q_tail = tl.where((tl.arange(0, QK_TAIL) < QK_DIM - QK_MAIN)[None, :], q_tail, 0.0)
+    k_col = (head // GROUP) * QK_DIM
+    v_col = (head // GROUP) * V_DIM
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_BLOCK], dtype=tl.float32)
 
     if CAUSAL:
         # Key tiles ending at or before this tile's first query are wholly visible.
@@ -110,15 +141,15 @@ def _prefill_kernel(
         full_end = seq_len // BLOCK_N * BLOCK_N
         diag_end = seq_len
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
-        0, full_end, qk_scale, BLOCK_N, False, CAUSAL, PRECISION,
+        acc, l_i, m_i, q, q_tail, k_desc, k_tail_desc, v_desc, seq_start, k_col, v_col, offs_m, offs_n,
+        seq_len, 0, full_end, qk_scale, QK_DIM, QK_MAIN, QK_TAIL, BLOCK_N, False, CAUSAL, PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_desc, v_desc, seq_start, kv_col, offs_m, offs_n, seq_len,
-        full_end, diag_end, qk_scale, BLOCK_N, True, CAUSAL, PRECISION,
+        acc, l_i, m_i, q, q_tail, k_desc, k_tail_desc, v_desc, seq_start, k_col, v_col, offs_m, offs_n,
+        seq_len, full_end, diag_end, qk_scale, QK_DIM, QK_MAIN, QK_TAIL, BLOCK_N, True, CAUSAL, PRECISION,
     )  # fmt: skip
 
-    _store_rows(O, acc, l_i, seq_start, offs_m, seq_len, head, stride_ot, stride_oh, HEAD_DIM)
+    _store_rows(O, acc, l_i, seq_start, offs_m, seq_len, head, stride_ot, stride_oh, V_DIM, V_BLOCK)
 
     if RECORD_STATS:
         # The kernel's own account of its tiles: [full, diagonal] per program.
@@ -141,17 +172,18 @@ def prefill_attention(
     """Causal attention of packed requests over their own K/V (no cache).
 
     Args:
-        q: [T, Hq, D]; k, v: [T, Hkv, D] (Hq % Hkv == 0), same dtype and device.
+        q: [T, Hq, Dqk]; k: [T, Hkv, Dqk]; v: [T, Hkv, Dv] (Hq % Hkv == 0; Dqk, Dv multiples
+            of 8 in 16..256, Dv may differ from Dqk), same dtype and device.
         cu_seqlens: [B+1] int32 request boundaries in the packed rows.
         max_seqlen: the longest request (sizes the grid's query-tile axis).
         causal: mask future keys (local positions); False gives full attention per request.
-        scale: softmax scale, default D ** -0.5.
-        out: optional [T, Hq, D] output buffer.
+        scale: softmax scale, default Dqk ** -0.5.
+        out: optional [T, Hq, Dv] output buffer.
     Returns:
-        o: [T, Hq, D] in q.dtype.
+        o: [T, Hq, Dv] in q.dtype.
     """
     validation.check_prefill("prefill_attention", q, k, v, cu_seqlens, max_seqlen)
-    o = validation.output_like("prefill_attention", q, out)
+    o = validation.prefill_output("prefill_attention", q, v, out)
     _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(scale, q.shape[-1]))
     return o
 
@@ -170,8 +202,8 @@ def prefill_tile_stats(
     Programs whose tile lies past their request's end record nothing (zeros).
     """
     validation.check_prefill("prefill_attention", q, k, v, cu_seqlens, max_seqlen)
-    o = torch.empty_like(q)
-    cfg = prefill_config(q.shape[-1], q.dtype, max_seqlen)
+    o = validation.prefill_output("prefill_attention", q, v, None)
+    cfg = prefill_config(q.shape[-1], q.dtype, max_seqlen, v_head_dim=v.shape[-1])
     num_m = triton.cdiv(max(max_seqlen, 1), cfg.block_m)
     stats = torch.zeros((cu_seqlens.numel() - 1) * q.shape[1] * num_m * 2, dtype=torch.int32, device=q.device)
     _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(None, q.shape[-1]), stats)
@@ -185,13 +217,26 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
 
 
+def head_dim_blocks(head_dim: int) -> tuple[int, int]:
+    """The power-of-two column blocks (main, tail) that cover a head dim: main is the largest
+    power of two <= head_dim, tail the rest rounded up to a power of two >= 16 (0 when nothing
+    is left). 192 -> (128, 64), 96 -> (64, 32), 24 -> (16, 16), 128 -> (128, 0)."""
+    main = 1 << (head_dim.bit_length() - 1)
+    rest = head_dim - main
+    return main, 0 if rest == 0 else max(16, 1 << (rest - 1).bit_length())
+
+
 def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> None:
     T, Hq, D = q.shape
+    Dv = v.shape[-1]
     batch = cu_seqlens.numel() - 1
     if T == 0 or batch == 0:
         return
-    cfg = prefill_config(D, q.dtype, max_seqlen)
-    if cfg.kernel == "gluon" and causal and q.is_cuda:
+    cfg = prefill_config(D, q.dtype, max_seqlen, v_head_dim=Dv)
+    # hopper.py serves one power-of-two head dim for q, k and v: other shapes never reach it,
+    # even under a forced `config.override(prefill=...)`
+    gluon_dims = D == Dv and D & (D - 1) == 0
+    if cfg.kernel == "gluon" and causal and q.is_cuda and gluon_dims:
         # same tiles and causal walk, FlashAttention-3's schedule (see hopper.py)
         q_rows, k_rows, v_rows = rows_view(q), rows_view(k), rows_view(v)
         if launch_gluon(lambda hopper: hopper.launch_prefill(
@@ -199,15 +244,23 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
             block_n=cfg.block_n, stages=cfg.num_stages, stats=stats,
         )):  # fmt: skip
             return
-        cfg = prefill_config(D, q.dtype, max_seqlen)  # this Triton cannot build it: the portable kernel
-    q_desc = TensorDescriptor.from_tensor(rows_view(q), [cfg.block_m, D])
-    k_desc = TensorDescriptor.from_tensor(rows_view(k), [cfg.block_n, D])
-    v_desc = TensorDescriptor.from_tensor(rows_view(v), [cfg.block_n, D])
+        cfg = prefill_config(
+            D, q.dtype, max_seqlen, v_head_dim=Dv
+        )  # this Triton cannot build it: the portable kernel
+    qk_main, qk_tail = head_dim_blocks(D)
+    v_block = max(16, triton.next_power_of_2(Dv))
+    q_rows, k_rows = rows_view(q), rows_view(k)
+    q_desc = TensorDescriptor.from_tensor(q_rows, [cfg.block_m, qk_main])
+    k_desc = TensorDescriptor.from_tensor(k_rows, [cfg.block_n, qk_main])
+    # without a tail the kernel never reads these: the main descriptors stand in
+    q_tail_desc = TensorDescriptor.from_tensor(q_rows, [cfg.block_m, qk_tail]) if qk_tail else q_desc
+    k_tail_desc = TensorDescriptor.from_tensor(k_rows, [cfg.block_n, qk_tail]) if qk_tail else k_desc
+    v_desc = TensorDescriptor.from_tensor(rows_view(v), [cfg.block_n, v_block])
     grid = (triton.cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
     _prefill_kernel[grid](
-        q_desc, k_desc, v_desc, o, cu_seqlens, stats if stats is not None else cu_seqlens,
-        scale * LOG2_E, o.stride(0), o.stride(1),
-        GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, RECORD_STATS=stats is not None, PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, o, cu_seqlens,
+        stats if stats is not None else cu_seqlens, scale * LOG2_E, o.stride(0), o.stride(1),
+        GROUP=Hq // k.shape[1], QK_DIM=D, QK_MAIN=qk_main, QK_TAIL=qk_tail, V_DIM=Dv, V_BLOCK=v_block,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, RECORD_STATS=stats is not None,
+        PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -86,10 +86,16 @@ def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def check_prefill(name, q, k, v, cu_seqlens, max_seqlen) -> None:
+    """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]: v's head dim may differ from q's and k's
+    (MLA's prefill), and prefill head dims need not be powers of two (`_check_prefill_head_dim`)."""
     _check_rank(name, "q", q, 3, "[T, Hq, D]")
     _check_rank(name, "k", k, 3, "[T, Hkv, D]")
-    _check_rank(name, "v", v, 3, "[T, Hkv, D]")
-    _check_same_shape(name, "v", v, "k", k)
+    _check_rank(name, "v", v, 3, "[T, Hkv, Dv]")
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"{name}: v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)} in [T, Hkv] "
+            "(only its head dim Dv may differ)"
+        )
     _check_float(name, {"q": q, "k": k, "v": v})
     _check_rank(name, "cu_seqlens", cu_seqlens, 1, "[B+1]")
     _check_int32(name, {"cu_seqlens": cu_seqlens})
@@ -102,13 +108,23 @@ def check_prefill(name, q, k, v, cu_seqlens, max_seqlen) -> None:
     if k.shape[2] != D:
         raise ValueError(f"{name}: head dim of k ({k.shape[2]}) differs from q's ({D})")
     _check_heads(name, Hq, k.shape[1])
-    _check_head_dim(name, D)
+    _check_prefill_head_dim(name, "Dqk", D)
+    _check_prefill_head_dim(name, "Dv", v.shape[2])
     _check_last_dim_stride(name, {"q": q, "k": k, "v": v})
     _check_cu_seqlens_len(name, "cu_seqlens", cu_seqlens)
     _check_max_seqlen_type(name, "max_seqlen", max_seqlen)
     if deep_checks_enabled(q):
         lens = _check_cu_seqlens_values(name, "cu_seqlens", cu_seqlens, T)
         _check_max_seqlen_value(name, "max_seqlen", max_seqlen, lens)
+
+
+def prefill_output(name, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The output of a prefill call, [T, Hq, Dv] in q's dtype: `out` once checked, else a new one."""
+    shape = (*q.shape[:2], v.shape[2])
+    if out is None:
+        return q.new_empty(shape)
+    check_out(name, out, shape, q.dtype, q.device)
+    return out
 
 
 def check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q) -> None:
@@ -392,6 +408,20 @@ def _check_head_dim(name, head_dim) -> None:
     if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM) or head_dim & (head_dim - 1):
         raise ValueError(
             f"{name}: head dim D must be a power of two in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got D = {head_dim}"
+        )
+
+
+PREFILL_HEAD_DIM_MULTIPLE = 8  # 16-byte rows for 16-bit dtypes, which the kernel's TMA tiles need
+
+
+def _check_prefill_head_dim(name, arg, head_dim) -> None:
+    """Prefill's head dims: multiples of 8 in 16..256 (its kernel covers one with at most two
+    power-of-two column blocks, the second padded where needed: 192 = 128 + 64, 24 = 16 + 16)."""
+    m = PREFILL_HEAD_DIM_MULTIPLE
+    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM) or head_dim % m:
+        raise ValueError(
+            f"{name}: head dim {arg} must be a multiple of {m} in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, "
+            f"got {arg} = {head_dim}"
         )
 
 

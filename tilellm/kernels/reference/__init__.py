@@ -48,11 +48,12 @@ def prefill_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of packed requests over their own K/V: q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]."""
+    """Attention of packed requests over their own K/V: q [T, Hq, Dqk], k [T, Hkv, Dqk],
+    v [T, Hkv, Dv] -> o [T, Hq, Dv]; the scale defaults to Dqk ** -0.5."""
     name = "prefill_attention"
     validation.check_prefill(name, q, k, v, cu_seqlens, max_seqlen)
     scale = validation.resolve_scale(scale, q.shape[-1])
-    o = validation.output_like(name, q, out)
+    o = validation.prefill_output(name, q, v, out)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -217,12 +218,14 @@ def _paged(q, k_cache, v_cache, block_table, bounds, kv_lens, scale, o) -> None:
 
 
 def _attend(q, k, v, q_positions, scale) -> torch.Tensor:
-    """q [M, Hq, D] over k/v [N, Hkv, D]; row m sees keys 0..q_positions[m] (all keys if None)."""
+    """q [M, Hq, D] over k [N, Hkv, D], v [N, Hkv, Dv] -> [M, Hq, Dv]; row m sees keys
+    0..q_positions[m] (all keys if None)."""
     M, Hq, D = q.shape
     N, Hkv, _ = k.shape
+    Dv = v.shape[-1]
     group = Hq // Hkv
     k32, v32 = k.float(), v.float()
-    out = torch.empty(M, Hq, D, dtype=q.dtype, device=q.device)
+    out = torch.empty(M, Hq, Dv, dtype=q.dtype, device=q.device)
     rows = max(1, _MAX_SCORE_ELEMENTS // max(1, N * Hq))
     for lo in range(0, M, rows):
         hi = min(M, lo + rows)
@@ -233,7 +236,7 @@ def _attend(q, k, v, q_positions, scale) -> torch.Tensor:
         else:
             visible = torch.arange(N, device=q.device)[None, :] <= q_positions[lo:hi, None]
         probs = _masked_softmax(scores, visible)
-        out[lo:hi] = torch.einsum("hgmn,nhd->mhgd", probs, v32).reshape(hi - lo, Hq, D).to(q.dtype)
+        out[lo:hi] = torch.einsum("hgmn,nhd->mhgd", probs, v32).reshape(hi - lo, Hq, Dv).to(q.dtype)
     return out
 
 
