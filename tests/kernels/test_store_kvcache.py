@@ -100,3 +100,25 @@ def test_slots_past_int32_offsets(slot_dtype, device):
 @pytest.mark.gpu
 def test_gpu_real_shapes(device):
     check(*make(8192, 8, 128, 2048, 16, torch.bfloat16, device, torch.int64, seed=5))
+
+
+@pytest.mark.parametrize("dtype", STORE_DTYPES, ids=str)
+@pytest.mark.parametrize(("D", "block_size"), [(48, 16), (576, 64), (576, 1)])
+def test_one_cache_of_rows_matches_reference(device, dtype, D, block_size):
+    """v = v_cache = None: MLA's latent rows (one "head" of any width, e.g. 512 + 64) alone."""
+    k, _, cache, _, slots = make(37, 1, D, -(-48 // block_size) + 1, block_size, dtype, device)
+    expected = cache.clone()
+    ref.store_kvcache(k, None, expected, None, slots)
+    tk.store_kvcache(k, None, cache, None, slots)
+    assert torch.equal(torch.isnan(cache), torch.isnan(expected))
+    assert torch.equal(cache[~torch.isnan(cache)], expected[~torch.isnan(expected)])
+    assert (slots >= 0).any() and torch.isnan(cache).any()  # some written, some left alone
+
+
+@pytest.mark.parametrize("impl", [tk.store_kvcache, ref.store_kvcache], ids=["triton", "reference"])
+def test_one_cache_needs_both_none(device, impl):
+    k, v, k_cache, v_cache, slots = make(4, 1, 48, 4, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="both be None"):
+        impl(k, v, k_cache, None, slots)
+    with pytest.raises(ValueError, match="power of two"):  # K and V caches keep the kernels' head dims
+        impl(k, v, k_cache, v_cache, slots)

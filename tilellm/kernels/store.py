@@ -1,7 +1,7 @@
 """Write this step's K/V rows into their slots of the paged cache.
 
 One program per token: it reads the token's slot from `slot_mapping` and copies the token's
-`Hkv x D` K and V values there. Slot -1 marks padding (e.g. the dummy rows of a CUDA-graph
+`Hkv x D` K and V values there (or, with no V, one row: MLA's latent cache). Slot -1 marks padding (e.g. the dummy rows of a CUDA-graph
 batch): the program returns without touching the cache.
 """
 
@@ -29,6 +29,7 @@ def _store_kernel(
     HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_V: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping + tok).to(tl.int64)
@@ -39,19 +40,25 @@ def _store_kernel(
     head = offs // HEAD_DIM
     d = offs % HEAD_DIM
     k = tl.load(K + tok.to(tl.int64) * stride_kt + head * stride_kh + d, mask=ok)
-    v = tl.load(V + tok.to(tl.int64) * stride_vt + head * stride_vh + d, mask=ok)
     # Cache rows are [Hkv, D] contiguous: a slot is one row of Hkv * D values.
     tl.store(K_cache + slot * stride_cslot + offs, k, mask=ok)
-    tl.store(V_cache + slot * stride_cslot + offs, v, mask=ok)
+    if HAS_V:
+        v = tl.load(V + tok.to(tl.int64) * stride_vt + head * stride_vh + d, mask=ok)
+        tl.store(V_cache + slot * stride_cslot + offs, v, mask=ok)
 
 
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Store K/V rows in the paged cache.
 
     Args:
-        k, v: [T, Hkv, D] this step's keys and values (the last dim contiguous).
+        k, v: [T, Hkv, D] this step's keys and values (the last dim contiguous); v None (with
+            v_cache None) stores k alone: MLA's latent rows, any D up to 4096.
         k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous.
         slot_mapping: [T] int32/int64 slot of each token (`block * block_size + offset`); -1 skips it.
     """
@@ -59,19 +66,21 @@ def store_kvcache(
     T, Hkv, D = k.shape
     if T == 0:
         return
+    has_v = v is not None
     _store_kernel[(T,)](
         k,
-        v,
+        v if has_v else k,
         k_cache,
-        v_cache,
+        v_cache if has_v else k_cache,
         slot_mapping,
         k.stride(0),
         k.stride(1),
-        v.stride(0),
-        v.stride(1),
+        v.stride(0) if has_v else 0,
+        v.stride(1) if has_v else 0,
         k_cache.stride(1),
         HEADS=Hkv,
         HEAD_DIM=D,
         BLOCK=triton.next_power_of_2(Hkv * D),
+        HAS_V=has_v,
         num_warps=4 if Hkv * D >= 1024 else 1,
     )

@@ -48,29 +48,45 @@ def deep_checks_enabled(t: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
+STORE_MAX_ROW = 4096  # values per cache row the store kernel copies in one program
+
+
 def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """K and V into their caches, or (v and v_cache None) one cache of rows: MLA's latent rows,
+    whose width (kv_lora_rank + rope dims, 576 in DeepSeek) need not be a power of two."""
     name = "store_kvcache"
     _check_rank(name, "k", k, 3, "[T, Hkv, D]")
-    _check_rank(name, "v", v, 3, "[T, Hkv, D]")
-    _check_same_shape(name, "v", v, "k", k)
-    _check_cache_pair(name, k_cache, v_cache)
-    _check_float(name, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache})
+    if (v is None) != (v_cache is None):
+        raise ValueError(f"{name}: v and v_cache must both be given, or both be None (one cache of rows)")
+    if v is not None:
+        _check_rank(name, "v", v, 3, "[T, Hkv, D]")
+        _check_same_shape(name, "v", v, "k", k)
+        _check_cache_pair(name, k_cache, v_cache)
+    else:
+        _check_rank(name, "k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
+    pair = (
+        {"k": k, "k_cache": k_cache}
+        if v is None
+        else {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
+    )
+    _check_float(name, pair)
     _check_rank(name, "slot_mapping", slot_mapping, 1, "[T]")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    _check_device(
-        name, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
-    )
+    _check_device(name, {**pair, "slot_mapping": slot_mapping})
     T, Hkv, D = k.shape
     if tuple(k_cache.shape[2:]) != (Hkv, D):
         raise ValueError(
             f"{name}: k_cache [num_blocks, block_size, Hkv, D] has (Hkv, D) = {tuple(k_cache.shape[2:])}, "
             f"but k has (Hkv, D) = {(Hkv, D)}"
         )
-    _check_head_dim(name, D)
+    if v is not None:
+        _check_head_dim(name, D)
+    elif not 1 <= D <= STORE_MAX_ROW:
+        raise ValueError(f"{name}: a cache row holds 1..{STORE_MAX_ROW} values, got D = {D}")
     if slot_mapping.shape[0] != T:
         raise ValueError(f"{name}: slot_mapping has {slot_mapping.shape[0]} entries, but k has {T} tokens")
-    _check_last_dim_stride(name, {"k": k, "v": v})
+    _check_last_dim_stride(name, {"k": k} if v is None else {"k": k, "v": v})
     _check_contiguous(name, {"slot_mapping": slot_mapping})
     if not deep_checks_enabled(k) or T == 0:
         return

@@ -25,16 +25,22 @@ _MAX_SCORE_ELEMENTS = 1 << 26
 
 
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
 ) -> None:
-    """Writes token t's K/V ([T, Hkv, D]) into slot `slot_mapping[t]` of the caches; -1 skips the token."""
+    """Writes token t's K/V ([T, Hkv, D]) into slot `slot_mapping[t]` of the caches; -1 skips the
+    token. v and v_cache None: k alone into k_cache (MLA's latent rows)."""
     validation.check_store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]
+    if v is not None:
+        v_cache[blocks, offsets] = v[keep]
 
 
 def prefill_attention(
