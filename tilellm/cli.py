@@ -29,7 +29,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "tilellm.bench.kernels",
         "Time attention kernels on workloads P1-P3, D1-D4, V1, C1, S1.",
     ),
-    "throughput": ("tilellm.bench.throughput", "Offline engine throughput on workloads E1-E3."),
+    "mla": ("tilellm.bench.mla", "Time the MLA (latent-cache) decode and verification kernels, M1-M4."),
+    "moe": ("tilellm.bench.moe", "Time the fused MoE layer on DeepSeek-V2-Lite and Qwen3-30B-A3B shapes."),
+    "throughput": (
+        "tilellm.bench.throughput",
+        "Offline engine throughput on workloads E1-E3 (E5: E1 on an MoE --model-shape).",
+    ),
     "serve": ("tilellm.bench.serve", "Drive a running server with a request rate and report latencies."),
 }
 

@@ -284,3 +284,262 @@ QWEN3_8B_CONFIG = {
     "num_key_value_heads": 8,
     "tie_word_embeddings": False,
 }
+
+
+# -- mixture-of-experts and MLA models ---------------------------------------------------------
+
+# name -> model_type of the tiny MoE checkpoints `make_tiny_moe_model` writes
+_MOE_ARCHS = {
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+def _moe_config(arch: str, *, vocab_size: int, eos_id: int, q_lora_rank: int | None, rope_scaling) -> dict:
+    """A small config of `arch`, spelled as its released checkpoints spell theirs."""
+    common = {
+        "architectures": [arch],
+        "model_type": _MOE_ARCHS[arch],
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 96,  # the dense layers'
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "use_cache": True,
+    }
+    if arch == "Qwen3MoeForCausalLM":
+        return {
+            **common,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],  # a dense layer between two sparse ones
+            "norm_topk_prob": True,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+    deepseek = {
+        **common,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": q_lora_rank,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 24,  # unequal to the qk head dim (32), as DeepSeek's 128 vs 192
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 4,
+        "topk_group": 2,
+    }
+    if arch == "DeepseekV2ForCausalLM":
+        return {
+            **deepseek,
+            "topk_method": "group_limited_greedy",
+            "scoring_func": "softmax",
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0,
+        }
+    return {
+        **deepseek,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rope_interleave": True,
+    }
+
+
+def _moe_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights with HF names, scaled as `_make_state_dict`'s (O(1) activations, spread logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, hq, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"]
+
+    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        return _normal((out_f, in_f), gain / math.sqrt(in_f), gen)
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + _normal((n,), 0.1, gen)
+
+    def mlp(prefix: str, inter: int) -> None:
+        sd[prefix + "gate_proj.weight"] = linear(inter, h)
+        sd[prefix + "up_proj.weight"] = linear(inter, h)
+        sd[prefix + "down_proj.weight"] = linear(h, inter, gain=2.0)
+
+    is_qwen = cfg["model_type"] == "qwen3_moe"
+    num_experts = cfg["num_experts"] if is_qwen else cfg["n_routed_experts"]
+    sd = {"model.embed_tokens.weight": _normal((vocab, h), 0.25, gen)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        sd[p + "input_layernorm.weight"] = norm(h)
+        sd[p + "post_attention_layernorm.weight"] = norm(h)
+        a = p + "self_attn."
+        if is_qwen:
+            d, hkv = cfg["head_dim"], cfg["num_key_value_heads"]
+            sd[a + "q_proj.weight"] = linear(hq * d, h)
+            sd[a + "k_proj.weight"] = linear(hkv * d, h)
+            sd[a + "v_proj.weight"] = linear(hkv * d, h)
+            sd[a + "o_proj.weight"] = linear(h, hq * d, gain=2.0)
+            sd[a + "q_norm.weight"] = norm(d)
+            sd[a + "k_norm.weight"] = norm(d)
+            sparse = layer not in cfg["mlp_only_layers"] and (layer + 1) % cfg["decoder_sparse_step"] == 0
+        else:
+            dn, dr, dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+            rank, q_rank = cfg["kv_lora_rank"], cfg["q_lora_rank"]
+            if q_rank is None:
+                sd[a + "q_proj.weight"] = linear(hq * (dn + dr), h)
+            else:
+                sd[a + "q_a_proj.weight"] = linear(q_rank, h)
+                sd[a + "q_a_layernorm.weight"] = norm(q_rank)
+                sd[a + "q_b_proj.weight"] = linear(hq * (dn + dr), q_rank)
+            sd[a + "kv_a_proj_with_mqa.weight"] = linear(rank + dr, h)
+            sd[a + "kv_a_layernorm.weight"] = norm(rank)
+            sd[a + "kv_b_proj.weight"] = linear(hq * (dn + dv), rank)
+            sd[a + "o_proj.weight"] = linear(h, hq * dv, gain=2.0)
+            sparse = layer >= cfg["first_k_dense_replace"] and layer % cfg["moe_layer_freq"] == 0
+        m = p + "mlp."
+        if not sparse:
+            mlp(m, cfg["intermediate_size"])
+            continue
+        # a router with spread logits, so that different tokens pick different experts
+        sd[m + "gate.weight"] = linear(num_experts, h, gain=3.0)
+        if cfg["model_type"] == "deepseek_v3":
+            sd[m + "gate.e_score_correction_bias"] = _normal((num_experts,), 0.1, gen)
+        for e in range(num_experts):
+            mlp(f"{m}experts.{e}.", cfg["moe_intermediate_size"])
+        if not is_qwen and cfg["n_shared_experts"]:
+            mlp(m + "shared_experts.", cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+    sd["model.norm.weight"] = norm(h)
+    sd["lm_head.weight"] = _normal((vocab, h), 0.5, gen)
+    return sd
+
+
+def make_tiny_moe_model(
+    path: str | pathlib.Path,
+    arch: str = "DeepseekV2ForCausalLM",
+    *,
+    seed: int = 0,
+    vocab_size: int = 384,
+    q_lora_rank: int | None = None,
+    rope_scaling: dict | None = None,
+) -> pathlib.Path:
+    """Write a random DeepSeek-V2 / V3 (MLA + MoE) or Qwen3-MoE model plus tokenizer into `path`.
+
+    Three layers (DeepSeek: one dense, then two MoE; Qwen3-MoE: MoE, dense, MoE), 8 routed
+    experts of width 32, top-2. DeepSeek: 4 heads, kv_lora_rank 32, 16 nope + 16 rotary query
+    dims, value head dim 24, one shared expert, 4 expert groups of which 2 compete.
+    `q_lora_rank` (DeepSeek only): None = one q_proj (as DeepSeek-V2-Lite), else q_a/q_b.
+    """
+    if arch not in _MOE_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(_MOE_ARCHS)}")
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = _save_tokenizer(path, vocab_size, 512)
+    eos_id = ids[EOS_TOKEN]
+    config = _moe_config(
+        arch, vocab_size=vocab_size, eos_id=eos_id, q_lora_rank=q_lora_rank, rope_scaling=rope_scaling
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    gen_cfg = {"eos_token_id": [eos_id, ids[IM_END]], "pad_token_id": eos_id, "do_sample": False}
+    (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    _save_weights(path, {k: v.contiguous() for k, v in _moe_state_dict(config, seed).items()}, 1)
+    return path
+
+
+# DeepSeek-V2-Lite's architecture (E5 in docs/workloads.md): MLA with a 512 + 64 latent, 64 routed
+# experts (top-6) of width 1408 plus 2 shared, the first layer dense; 15.7 B parameters.
+DEEPSEEK_V2_LITE_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+}
+
+# Qwen3-30B-A3B's architecture (E5): 48 layers of GQA (32 / 4 heads of 128) and 128 experts
+# (top-8) of width 768, no shared expert; 30.5 B parameters, 3.3 B active per token.
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}

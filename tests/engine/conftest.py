@@ -23,6 +23,35 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM", seed=2))
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2(tmp_path_factory) -> str:
+    """MLA with one q_proj (as DeepSeek-V2-Lite), group-limited softmax router, YaRN rope."""
+    from tilellm.testing import make_tiny_moe_model
+
+    yarn = {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+    }  # fmt: skip
+    path = tmp_path_factory.mktemp("deepseek_v2")
+    return str(make_tiny_moe_model(path, "DeepseekV2ForCausalLM", seed=3, rope_scaling=yarn))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory) -> str:
+    """MLA with q_a/q_b (q_lora_rank), sigmoid router with correction bias and groups."""
+    from tilellm.testing import make_tiny_moe_model
+
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    return str(make_tiny_moe_model(path, "DeepseekV3ForCausalLM", seed=4, q_lora_rank=48))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    from tilellm.testing import make_tiny_moe_model
+
+    return str(make_tiny_moe_model(tmp_path_factory.mktemp("qwen3_moe"), "Qwen3MoeForCausalLM", seed=5))
+
+
 _HF_CACHE: dict[str, object] = {}
 
 

@@ -79,3 +79,29 @@ def test_pool_at_step_counts_back_released_and_drops_later_blocks():
         live=[("c", [4]), ("a", [0, 1, 2])],
     )
     assert refs == [2, 1, 0, 1, 1] and released == 1
+
+
+def test_mla_engine_step_shows_the_latent_cache(tmp_path):
+    """A DeepSeek (MLA) engine's step: one KV "head" of the latent row's width, the latent
+    kernel's schedule, and the cache's bytes per token (a third of a GQA cache of this size)."""
+    from tilellm import LLM, SamplingParams
+    from tilellm.inspect import inspect_engine
+    from tilellm.testing import make_tiny_moe_model
+
+    model = make_tiny_moe_model(tmp_path / "deepseek", "DeepseekV2ForCausalLM")
+    llm = LLM(str(model), num_kv_blocks=16)
+    engine = llm.llm_engine
+    engine.add_request("a", list(range(1, 21)), SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()  # the prompt: prefill on the expanded heads (qk 32, v 24)
+    prefill = inspect_engine(engine)
+    assert prefill.schedule.kernel == "prefill_attention"
+    engine.step()  # one decode token: the latent kernel
+    insp = inspect_engine(engine)
+    assert (insp.num_q_heads, insp.num_kv_heads, insp.head_dim) == (4, 1, 32 + 16)
+    assert insp.schedule.kernel == "mla_decode_attention"
+    assert len(insp.schedule.programs) == insp.schedule.grid[0] * insp.schedule.grid[1]
+    assert insp.schedule.num_full + insp.schedule.num_diagonal >= 1
+    assert any("MLA" in n for n in insp.notes)
+    per_token = 3 * (32 + 16) * 4  # 3 layers x one fp32 row of 48
+    assert any(f"{per_token:,} bytes per token" in n for n in insp.notes)
+    assert per_token * 3 < 3 * 2 * 4 * (32 + 24) * 4  # MHA's K and V of the same heads

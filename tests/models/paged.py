@@ -25,7 +25,10 @@ class PagedKV:
         dtype = next(model.parameters()).dtype
         for layer in attn:
             shape = (num_blocks, block_size, a0.num_kv_heads, a0.head_dim)
-            layer.bind_kv_cache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            if hasattr(layer, "kv_lora_rank"):  # MLA: one cache of latent rows
+                layer.bind_kv_cache(torch.zeros(shape, dtype=dtype))
+            else:
+                layer.bind_kv_cache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
         self.cached = [0] * num_requests  # tokens already in the cache, per request
 
     def slot(self, req: int, pos: int) -> int:

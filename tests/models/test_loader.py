@@ -62,7 +62,36 @@ def test_unknown_architecture(tmp_path, tiny):
         load_model(d, device="cpu")
     with pytest.raises(ValueError, match="FooForCausalLM"):
         get_model_class("FooForCausalLM")
-    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert supported_architectures() == [
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ]
+
+
+def test_missing_expert_weight_is_named(tmp_path):
+    """Each expert's matrices land in slices of the stacked parameters; one missing is named
+    with its checkpoint name."""
+    from safetensors.torch import load_file, save_file
+
+    from tilellm.testing import make_tiny_moe_model
+
+    d = make_tiny_moe_model(tmp_path / "m", "DeepseekV3ForCausalLM")
+    model, _ = load_model(d, device="cpu")
+    experts = model.model.layers[1].mlp.experts
+    sd = load_file(str(d / "model.safetensors"))
+    e3 = sd["model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert torch.equal(experts.w13_weight[3, experts.intermediate_per_rank :], e3)
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    del sd["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"missing weight\(s\) 'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight'"
+    ):
+        load_model(d, device="cpu")
 
 
 def test_missing_safetensors(tmp_path, tiny):

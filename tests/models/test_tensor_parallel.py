@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from tests.models.paged import PagedKV
 from tilellm.attention import BatchKind, attention_context
 from tilellm.models import load_model
-from tilellm.testing import make_tiny_model
+from tilellm.testing import make_tiny_model, make_tiny_moe_model
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
@@ -48,11 +48,16 @@ def _worker(rank: int, world_size: int, model_dirs: list[str], store_path: str, 
 
 def test_two_rank_logits_match_single_rank(tmp_path):
     # one process pair for both checkpoints: KV heads split (2 over 2 ranks) and replicated (1 over 2)
+    # and MoE experts split along their intermediate dim, MLA heads split over one shared latent
     model_dirs = [
         make_tiny_model(tmp_path / "qwen3", "Qwen3ForCausalLM", num_kv_heads=2, vocab_size=383),
         make_tiny_model(
             tmp_path / "qwen2", "Qwen2ForCausalLM", num_kv_heads=1, tie_word_embeddings=False, vocab_size=383
         ),
+        make_tiny_moe_model(
+            tmp_path / "deepseek_v3", "DeepseekV3ForCausalLM", vocab_size=383, q_lora_rank=48
+        ),
+        make_tiny_moe_model(tmp_path / "qwen3_moe", "Qwen3MoeForCausalLM", vocab_size=383),
     ]
     expected = [_logits_of_steps(d) for d in model_dirs]
     out = tmp_path / "logits"

@@ -40,7 +40,8 @@ from tilellm.commands.common import UsageError, check_model_dir, flag_error, res
 E1_OUTPUT_TOKENS = 133966
 
 
-MODEL_SHAPES = ["qwen3-0.6b", "qwen3-8b"]  # random-weight architectures (tilellm.testing)
+# random-weight architectures (tilellm.testing); the MoE ones are E5's
+MODEL_SHAPES = ["qwen3-0.6b", "qwen3-8b", "deepseek-v2-lite", "qwen3-30b-a3b"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,8 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model-shape",
         default="qwen3-0.6b",
         choices=MODEL_SHAPES,
-        help="the architecture of the random-weight model (without --model): E1's Qwen3-0.6B, or "
-        "Qwen3-8B for the tensor-parallel benchmark",
+        help="the architecture of the random-weight model (without --model): E1's Qwen3-0.6B, "
+        "Qwen3-8B for the tensor-parallel benchmark, or E5's DeepSeek-V2-Lite / Qwen3-30B-A3B",
+    )
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="measure the card's copy and matmul ceilings and report each workload's roofline "
+        "(tilellm.bench.roofline) beside its throughput",
     )
     from tilellm.engine.arg_utils import EngineArgs
 
@@ -172,10 +179,20 @@ class Result:
 def _model_dir(args: argparse.Namespace, tmp: str) -> tuple[str, str]:
     if args.model:
         return args.model, "safetensors"
-    from tilellm.testing import QWEN3_0_6B_CONFIG, QWEN3_8B_CONFIG, make_random_model_dir
+    from tilellm.testing import make_random_model_dir
 
-    shape = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "qwen3-8b": QWEN3_8B_CONFIG}[args.model_shape]
-    return str(make_random_model_dir(tmp, shape)), "dummy"
+    return str(make_random_model_dir(tmp, shape_config(args.model_shape))), "dummy"
+
+
+def shape_config(name: str) -> dict:
+    from tilellm import testing
+
+    return {
+        "qwen3-0.6b": testing.QWEN3_0_6B_CONFIG,
+        "qwen3-8b": testing.QWEN3_8B_CONFIG,
+        "deepseek-v2-lite": testing.DEEPSEEK_V2_LITE_CONFIG,
+        "qwen3-30b-a3b": testing.QWEN3_30B_A3B_CONFIG,
+    }[name]
 
 
 def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_len: int, **over):
@@ -404,6 +421,31 @@ def hf_baseline(model_dir: str, w: Workload, num_requests: int, dtype: str) -> R
     )
 
 
+def _add_rooflines(results: list[Result], model_dir: str, scale: float) -> None:
+    """extra.roofline_tok_s and extra.of_roofline for E1-E3 results, from this card's ceilings."""
+    from tilellm.bench.kernels import measure_ceilings
+    from tilellm.bench.roofline import workload_roofline_s
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    ceilings = measure_ceilings()
+    draws = {"E1": e1, "E2": e2, "E3": e3}
+    for r in results:
+        if r.workload not in draws or r.variant.startswith("transformers"):
+            continue
+        w = draws[r.workload](scale)
+        seconds = workload_roofline_s(
+            config,
+            [len(p) for p in w.prompts],
+            w.max_tokens,
+            ceilings["copy_gbps"],
+            ceilings["matmul_tflops"],
+        )
+        r.extra["roofline_tok_s"] = round(sum(w.max_tokens) / seconds)
+        r.extra["of_roofline"] = round(r.output_tok_s / r.extra["roofline_tok_s"], 3)
+        r.extra["ceilings"] = {k: round(v, 1) for k, v in ceilings.items()}
+
+
 def _print_table(results: list[Result]) -> None:
     head = (
         f"{'workload':8} {'variant':28} {'reqs':>5} {'out tok':>8} {'sec':>7} {'out tok/s':>10} "
@@ -520,6 +562,8 @@ def main(args: argparse.Namespace) -> int:
             _free()
         if args.hf_baseline:
             results.append(hf_baseline(model, e1(args.scale), args.hf_requests, args.dtype))
+        if args.roofline:
+            _add_rooflines(results, model, args.scale)
     _print_table(results)
     if args.json:
         with open(args.json, "w") as f:

@@ -37,6 +37,10 @@ class EngineSnapshot:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_lora_rank: int = 0  # MLA: the latent's width (head_dim is then the cached row's)
+    prefill_head_dim: int | None = None  # MLA: the expanded heads' qk dim that prefill runs on
+    prefill_v_head_dim: int | None = None  # MLA: and their v dim
+    kv_bytes_per_token: int = 0
 
 
 def pool_at_step(
@@ -88,6 +92,14 @@ def snapshot_engine(engine: Any) -> EngineSnapshot:
     cfg = engine.model_config
     num_q_heads = int(cfg.num_attention_heads)
     num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_q_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q_heads)
+    kv_lora_rank = int(getattr(cfg, "kv_lora_rank", None) or 0)
+    prefill_head_dim = prefill_v_head_dim = None
+    if kv_lora_rank:  # MLA: one cached row per token; prefill expands it to qk_head_dim heads
+        num_kv_heads, head_dim = 1, kv_lora_rank + int(cfg.qk_rope_head_dim)
+        prefill_head_dim = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
+        prefill_v_head_dim = int(cfg.v_head_dim)
+    kv_spec = getattr(engine.runner, "kv_spec", None)
     return EngineSnapshot(
         request_ids=tuple(ids),
         query_lens=tuple(int(q) for q in step.query_lens),
@@ -101,8 +113,12 @@ def snapshot_engine(engine: Any) -> EngineSnapshot:
         num_released=released,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q_heads),
+        head_dim=head_dim,
         dtype=str(getattr(engine.runner, "dtype", "bfloat16")).replace("torch.", ""),
+        kv_lora_rank=kv_lora_rank,
+        prefill_head_dim=prefill_head_dim,
+        prefill_v_head_dim=prefill_v_head_dim,
+        kv_bytes_per_token=int(kv_spec.bytes_per_token) if kv_spec is not None else 0,
     )
 
 
@@ -125,6 +141,10 @@ def inspect_snapshot(
         dtype=snap.dtype,
         title=title or f"engine step ({snap.kind}, {len(snap.request_ids)} requests)",
         num_splits=num_splits,
+        kv_lora_rank=snap.kv_lora_rank,
+        prefill_head_dim=snap.prefill_head_dim,
+        prefill_v_head_dim=snap.prefill_v_head_dim,
+        kv_bytes_per_token=snap.kv_bytes_per_token,
     )
     if snap.num_released:
         note = (

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tilellm.inspect.tiles import TileSchedule, paged_schedule, prefill_schedule
+from tilellm.inspect.tiles import TileSchedule, mla_schedule, paged_schedule, prefill_schedule
 
 
 @dataclass(frozen=True)
@@ -149,12 +149,19 @@ def schedule_for(
     dtype: torch.dtype = torch.bfloat16,
     kernel: str = "auto",
     num_splits: int | None = None,
+    kv_lora_rank: int = 0,
+    prefill_head_dim: int | None = None,
+    prefill_v_head_dim: int | None = None,
 ) -> TileSchedule:
     """The schedule of the attention kernel for this batch: `prefill_attention` when every request
     starts at position 0, else `paged_attention` (decode is its one-token case) over the whole
     batch. (The engine splits a mixed step in two launches: its leading one-token requests go
     through the decode form with their own split plan, the rest through paged attention; this
-    shows the single paged launch that computes the same result.)"""
+    shows the single paged launch that computes the same result.)
+
+    MLA (`kv_lora_rank` > 0, `head_dim` = the latent row's width): prefill runs on the expanded
+    heads (`prefill_head_dim` / `prefill_v_head_dim`: the qk and v head dims), everything else
+    on `mla_schedule`'s latent kernel."""
     if kernel == "auto":
         kernel = "prefill" if all(q == s for q, s in zip(q_lens, seq_lens)) else "paged"
     cu = [0]
@@ -163,7 +170,14 @@ def schedule_for(
     if kernel == "prefill":
         if any(q != s for q, s in zip(q_lens, seq_lens)):
             raise ValueError("the prefill kernel needs q_len == kv_len for every request (no cached context)")
-        return prefill_schedule(cu, max(q_lens), num_q_heads, head_dim, dtype)
+        return prefill_schedule(
+            cu, max(q_lens), num_q_heads, prefill_head_dim or head_dim, dtype, v_head_dim=prefill_v_head_dim
+        )
+    if kernel == "paged" and kv_lora_rank:
+        return mla_schedule(
+            cu, seq_lens, num_q_heads, kv_lora_rank, head_dim - kv_lora_rank, block_size,
+            num_splits=num_splits, dtype=dtype,
+        )  # fmt: skip
     if kernel == "paged":
         return paged_schedule(
             cu, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, num_splits=num_splits, dtype=dtype
@@ -281,8 +295,14 @@ def inspect_step(
     dtype: str,
     title: str,
     num_splits: int | None = None,
+    kv_lora_rank: int = 0,
+    prefill_head_dim: int | None = None,
+    prefill_v_head_dim: int | None = None,
+    kv_bytes_per_token: int = 0,
 ) -> Inspection:
-    """An inspection of one engine step from its scheduler snapshot and the block pool."""
+    """An inspection of one engine step from its scheduler snapshot and the block pool.
+
+    MLA models: `kv_lora_rank` > 0, one KV head of `head_dim` = the latent row's width."""
     torch_dtype = _DTYPES.get(dtype, torch.bfloat16)
     sched = schedule_for(
         list(query_lens),
@@ -293,7 +313,19 @@ def inspect_step(
         block_size,
         dtype=torch_dtype,
         num_splits=num_splits,
+        kv_lora_rank=kv_lora_rank,
+        prefill_head_dim=prefill_head_dim,
+        prefill_v_head_dim=prefill_v_head_dim,
     )
+    notes = [_tile_note()]
+    if kv_lora_rank:
+        notes.append(
+            f"MLA: each token caches one row of {head_dim} values ({kv_lora_rank} latent + "
+            f"{head_dim - kv_lora_rank} rotary key) shared by all {num_q_heads} query heads; decode, "
+            "verification and cached prefixes attend over the rows with q_nope absorbed into the latent"
+        )
+    if kv_bytes_per_token:
+        notes.append(f"KV cache: {kv_bytes_per_token:,} bytes per token over all layers")
     requests = tuple(
         RequestView(i, str(rid), int(q), int(s), int(c), tuple(int(b) for b in bt))
         for i, (rid, q, s, c, bt) in enumerate(
@@ -312,5 +344,5 @@ def inspect_step(
         requests=requests,
         schedule=sched,
         pool=PoolView(len(blocks), block_size, blocks),
-        notes=(_tile_note(),),
+        notes=tuple(notes),
     )

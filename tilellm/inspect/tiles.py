@@ -81,11 +81,12 @@ def prefill_schedule(
     dtype: torch.dtype = torch.bfloat16,
     *,
     causal: bool = True,
+    v_head_dim: int | None = None,
 ) -> TileSchedule:
     """Tiles of `prefill_attention`: grid (query tiles, heads, requests), query tiles issued
-    longest-first."""
+    longest-first. `v_head_dim`: the values' head dim where it differs (MLA's expanded heads)."""
     cu = as_list(cu_seqlens)
-    cfg = prefill_config(head_dim, dtype, max_seqlen)
+    cfg = prefill_config(head_dim, dtype, max_seqlen, v_head_dim=v_head_dim)
     bm, bn = cfg.block_m, cfg.block_n
     num_m = cdiv(max(max_seqlen, 1), bm)
     sched = TileSchedule("prefill_attention", (num_m, num_heads, len(cu) - 1), bm, bn)
@@ -204,5 +205,75 @@ def paged_schedule(
                     last = first + full + diag - 1 if full + diag else -1
                     sched.programs.append(
                         ProgramTiles(req, kv_head, q_tile, split, full, diag, skipped, first, last)
+                    )
+    return sched
+
+
+def mla_schedule(
+    cu_seqlens_q: torch.Tensor | Sequence[int],
+    seq_lens: torch.Tensor | Sequence[int],
+    num_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    block_size: int,
+    *,
+    num_splits: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    num_sms: int | None = None,
+) -> TileSchedule:
+    """Tiles of `mla_paged_attention` (and `mla_decode_attention`, its one-token case): grid
+    ((query tiles x splits) x head tiles x value splits, requests). A program holds up to
+    `block_h` query heads x `block_q` tokens as its rows, all reading the one latent row per key;
+    `head` below is the program's head tile. Split segments as the kernel cuts them."""
+    from tilellm.kernels.config import num_sms as _num_sms
+    from tilellm.kernels.mla import plan_mla, tile_shape
+
+    cu = as_list(cu_seqlens_q)
+    lens = as_list(seq_lens)
+    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    max_q = max(q_lens, default=1)
+    plan = plan_mla(
+        len(lens), num_heads, max_q, max(lens, default=1), dtype, block_size,
+        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, num_splits=num_splits, num_sms_=num_sms,
+    )  # fmt: skip
+    cfg = plan.config
+    heads, block_q, block_m = tile_shape(cfg, num_heads, max_q)
+    bn, splits = cfg.block_n, plan.num_splits
+    q_tiles = cdiv(max(max_q, 1), block_q)
+    head_tiles = cdiv(num_heads, heads)
+    kernel = "mla_decode_attention" if max_q == 1 else "mla_paged_attention"
+    split_plan = SplitPlan(
+        splits, plan.reason, num_sms or _num_sms(), plan.programs, 0, plan.min_keys_per_split
+    )
+    grid = (q_tiles * splits * head_tiles * cfg.value_splits, len(lens))
+    sched = TileSchedule(kernel, grid, block_m, bn, split_plan=split_plan, block_q=block_q)
+    for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
+        context = seq_len - q_len
+        total = cdiv(seq_len, bn)
+        for head_tile in range(head_tiles):
+            for q_tile in range(q_tiles):
+                t0 = q_tile * block_q
+                for split in range(splits):
+                    if t0 >= q_len:
+                        sched.programs.append(ProgramTiles(req, head_tile, q_tile, split, 0, 0, 0, -1, -1))
+                        continue
+                    kv_end = context + min(t0 + block_q, q_len)
+                    full_end = (context + t0 + 1) // bn * bn
+                    if splits > 1:
+                        seg = cdiv(cdiv(kv_end, splits), bn) * bn
+                        seg = max(seg, cdiv(plan.min_keys_per_split, bn) * bn)
+                        lo = split * seg
+                        hi = max(lo, min(lo + seg, kv_end))
+                    else:
+                        lo, hi = 0, kv_end
+                    full_hi = max(min(full_end, hi), lo)
+                    masked_lo = max(full_end, lo)
+                    full = cdiv(full_hi - lo, bn)
+                    diag = cdiv(max(hi - masked_lo, 0), bn)
+                    skipped = total - cdiv(kv_end, bn) if split == splits - 1 else 0
+                    first = lo // bn if full + diag else -1
+                    last = first + full + diag - 1 if full + diag else -1
+                    sched.programs.append(
+                        ProgramTiles(req, head_tile, q_tile, split, full, diag, skipped, first, last)
                     )
     return sched

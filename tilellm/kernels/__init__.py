@@ -8,6 +8,10 @@
 - `cascade_decode_attention`: decode for requests sharing a prefix: the prefix read once for all.
 - `sparse_attention`: each query attends to its own top-k logical positions only.
 - `merge_attention_states`: combine split-KV partial outputs by their log-sum-exp.
+- `mla_decode_attention`, `mla_paged_attention` (`mla.py`): DeepSeek's latent attention in the
+  absorbed form over a paged cache of one row per token shared by every query head.
+- `fused_moe` (`moe.py`): the routed experts of an MoE layer, tokens sorted by expert into
+  grouped GEMMs (gate/up with SiLU-and-mul, then down weighted by the router).
 
 On H100/H200 GPUs, long causal prefill batches and paged prompt chunks run `hopper.py` instead:
 the same tile walk in Gluon, with FlashAttention-3's producer warp, async warpgroup MMA and
@@ -19,6 +23,8 @@ and every other GPU and the CPU interpreter, runs the Triton kernels).
 """
 
 from tilellm.kernels.merge import merge_attention_states
+from tilellm.kernels.mla import mla_decode_attention, mla_paged_attention
+from tilellm.kernels.moe import fused_moe
 from tilellm.kernels.paged import cascade_decode_attention, decode_attention, paged_attention
 from tilellm.kernels.prefill import prefill_attention
 from tilellm.kernels.sparse import sparse_attention
@@ -32,4 +38,7 @@ __all__ = [
     "cascade_decode_attention",
     "sparse_attention",
     "merge_attention_states",
+    "mla_decode_attention",
+    "mla_paged_attention",
+    "fused_moe",
 ]

@@ -12,7 +12,9 @@ per layer (`packed_modules_mapping`, used by `tilellm.models.loader`).
 
 from __future__ import annotations
 
+import functools
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,17 +22,16 @@ import torch
 from torch import nn
 
 from tilellm.attention import AttentionBackend, get_attention_backend
-from tilellm.models.layers.activation import SiluAndMul
 from tilellm.models.layers.attention import Attention
 from tilellm.models.layers.layernorm import RMSNorm
 from tilellm.models.layers.linear import (
-    MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from tilellm.models.layers.ops import resolve_fused_ops
+from tilellm.models.layers.mlp import GatedMLP
+from tilellm.models.layers.ops import resolve_fused_ops, resolve_moe_ops
 from tilellm.models.layers.rotary_embedding import RotaryEmbedding, rope_config
 
 
@@ -91,22 +92,15 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
     """down_proj(silu(gate_proj x) * up_proj x), with gate and up in one matmul."""
 
     def __init__(
         self, config: Any, flags: DecoderFlags, fused_ops: types.ModuleType, tp_rank: int, tp_size: int
     ):
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            h, [i, i], flags.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+        super().__init__(
+            config.hidden_size, config.intermediate_size, flags.mlp_bias, fused_ops, tp_rank, tp_size
         )
-        self.down_proj = RowParallelLinear(i, h, flags.mlp_bias, tp_rank=tp_rank, tp_size=tp_size)
-        self.act_fn = SiluAndMul(fused_ops)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,10 +116,11 @@ class LlamaDecoderLayer(nn.Module):
         fused_ops,
         tp_rank,
         tp_size,
+        make_mlp: Callable[[], nn.Module],
     ):
         super().__init__()
         self.self_attn = LlamaAttention(config, flags, rotary, attn_backend, fused_ops, tp_rank, tp_size)
-        self.mlp = LlamaMLP(config, flags, fused_ops, tp_rank, tp_size)
+        self.mlp = make_mlp()  # LlamaMLP, or an MoE block (Qwen3-MoE); built after attention
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
 
@@ -142,7 +137,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, flags: DecoderFlags, attn_backend, fused_ops, tp_rank: int, tp_size: int):
+    """Embedding, decoder layers, final norm. `make_mlp(layer_idx)` builds each layer's MLP."""
+
+    def __init__(
+        self,
+        config: Any,
+        flags: DecoderFlags,
+        attn_backend,
+        fused_ops,
+        tp_rank: int,
+        tp_size: int,
+        make_mlp: Callable[[int], nn.Module],
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
@@ -153,8 +159,17 @@ class LlamaModel(nn.Module):
             config_head_dim(config), config.max_position_embeddings, theta, scaling, fused_ops
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, flags, rotary, attn_backend, fused_ops, tp_rank, tp_size)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(
+                config,
+                flags,
+                rotary,
+                attn_backend,
+                fused_ops,
+                tp_rank,
+                tp_size,
+                functools.partial(make_mlp, i),
+            )
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
 
@@ -208,12 +223,29 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         attn_backend = get_attention_backend(attention_backend, device)
         fused_ops = resolve_fused_ops(fused_ops_backend or attention_backend, device)
+        self.moe_ops = resolve_moe_ops(fused_ops_backend or attention_backend, device)
         flags = self.decoder_flags(config)
-        self.model = LlamaModel(config, flags, attn_backend, fused_ops, tp_rank, tp_size)
+
+        def make_mlp(layer_idx: int) -> nn.Module:
+            return self.build_mlp(config, flags, layer_idx, fused_ops, tp_rank, tp_size)
+
+        self.model = LlamaModel(config, flags, attn_backend, fused_ops, tp_rank, tp_size, make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_mlp(
+        self,
+        config: Any,
+        flags: DecoderFlags,
+        layer_idx: int,
+        fused_ops: types.ModuleType,
+        tp_rank: int,
+        tp_size: int,
+    ) -> nn.Module:
+        """Layer `layer_idx`'s MLP (subclasses with experts override this; they run `self.moe_ops`)."""
+        return LlamaMLP(config, flags, fused_ops, tp_rank, tp_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -6,13 +6,16 @@ The model is built on the meta device (no memory, no init), its parameters are t
 on the target device in the target dtype, and each checkpoint tensor is handed to its
 parameter's `weight_loader` as a lazy `safetensors` slice, so a tensor-parallel rank reads only
 its own rows/columns. Checkpoint q/k/v and gate/up matrices land in the merged `qkv_proj` /
-`gate_up_proj` through the model's `packed_modules_mapping`.
+`gate_up_proj` through the model's `packed_modules_mapping`; each MoE expert's
+`experts.{e}.{gate,up,down}_proj.weight` lands in its slice of the stacked `experts.w13_weight` /
+`experts.w2_weight` (`FusedMoE`).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 from typing import Any
 
 import torch
@@ -36,6 +39,9 @@ _DTYPES = {
 
 # checkpoint tensors that are not parameters (recomputed by the model)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# one MoE expert's matrix in a checkpoint -> (its stacked parameter, shard id (expert, matrix))
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _read_json(path: pathlib.Path, what: str) -> Any:
@@ -87,11 +93,27 @@ def resolve_dtype(dtype: str | torch.dtype, raw_config: dict) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def is_mla(config: Any) -> bool:
+    """DeepSeek's multi-head latent attention: one cached latent row per token, not K and V."""
+    return bool(getattr(config, "kv_lora_rank", None))
+
+
 def model_kv_spec(config: Any, tp_size: int = 1) -> tuple[int, int, int]:
-    """(num_layers, KV heads per tensor-parallel rank, head_dim) for sizing the KV pool."""
+    """(num_layers, KV heads per tensor-parallel rank, head_dim) for sizing the KV pool.
+
+    MLA models cache one row of kv_lora_rank + qk_rope_head_dim values per token (one "head",
+    the same on every rank) instead of K and V (see `kv_caches_per_layer`).
+    """
+    if is_mla(config):
+        return config.num_hidden_layers, 1, int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return config.num_hidden_layers, partition_kv_heads(num_kv, 0, tp_size).num_heads, head_dim
+
+
+def kv_caches_per_layer(config: Any) -> int:
+    """Cache tensors per attention layer: 2 (K and V), or 1 for MLA's latent rows."""
+    return 1 if is_mla(config) else 2
 
 
 def weight_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
@@ -121,16 +143,18 @@ def weight_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
 
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Allocate every meta parameter on `device` in `dtype` (tied parameters stay tied) and move
-    the buffers, which were computed on the CPU, keeping their dtype."""
+    """Allocate every meta parameter on `device` in `dtype` (tied parameters stay tied; those
+    marked `keep_fp32` in float32) and move the buffers, which were computed on the CPU, keeping
+    their dtype."""
     allocated: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
             if id(p) not in allocated:
+                p_dtype = torch.float32 if getattr(p, "keep_fp32", False) else dtype
                 allocated[id(p)] = nn.Parameter(
-                    torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False
+                    torch.empty(p.shape, dtype=p_dtype, device=device), requires_grad=False
                 )
             module._parameters[name] = allocated[id(p)]
         for name, b in list(module._buffers.items()):
@@ -155,7 +179,12 @@ def _fill_dummy_weights(model: nn.Module, device: torch.device, seed: int) -> No
 
 
 def _packed_target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
-    """Checkpoint tensor name -> (parameter name, shard id) through `packed_modules_mapping`."""
+    """Checkpoint tensor name -> (parameter name, shard id): a MoE expert's matrix, or through
+    `packed_modules_mapping`."""
+    expert = _EXPERT_TENSOR.search(name)
+    if expert is not None:
+        stacked = "w2_weight" if expert.group(2) == "down_proj" else "w13_weight"
+        return f"{name[: expert.start()]}.experts.{stacked}", (int(expert.group(1)), expert.group(2))
     for ckpt_part, (packed_part, shard_id) in mapping.items():
         if f".{ckpt_part}." in name:
             return name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
@@ -164,6 +193,9 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str,
 
 def _checkpoint_name(param_name: str, shard_id: Any, mapping: dict[str, tuple[str, Any]]) -> str:
     """Inverse of `_packed_target`: the checkpoint tensor a (parameter, shard) is loaded from."""
+    if param_name.endswith((".experts.w13_weight", ".experts.w2_weight")):
+        expert, matrix = shard_id
+        return f"{param_name.rpartition('.experts.')[0]}.experts.{expert}.{matrix}.weight"
     for ckpt_part, (packed_part, sid) in mapping.items():
         if sid == shard_id and f".{packed_part}." in param_name:
             return param_name.replace(f".{packed_part}.", f".{ckpt_part}.")
@@ -180,8 +212,13 @@ def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
     params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as the embedding
     expected = set()
     for pname in params:
-        owner = model.get_submodule(pname.rpartition(".")[0])
-        expected.update((pname, sid) for sid in getattr(owner, "shard_ids", (None,)))
+        owner_name, _, local_name = pname.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if hasattr(owner, "param_shard_ids"):  # parameters filled from several tensors each (MoE)
+            shard_ids = owner.param_shard_ids(local_name)
+        else:
+            shard_ids = getattr(owner, "shard_ids", (None,))
+        expected.update((pname, sid) for sid in shard_ids)
     loaded: set[tuple[str, Any]] = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:

@@ -23,13 +23,14 @@ reproducible.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tilellm.attention import AttentionSpec, attention_context, get_attention_backend
+from tilellm.attention import attention_context, get_attention_backend
 from tilellm.config import EngineConfig
 from tilellm.kernels.sampling import device_row_keys, gumbel_noise
 from tilellm.worker import kv_pool
@@ -75,7 +76,7 @@ class DraftRunner:
     def __init__(
         self, config: EngineConfig, device: torch.device, dtype: torch.dtype, target_vocab_size: int
     ):
-        from tilellm.models.loader import load_model, model_kv_spec
+        from tilellm.models.loader import kv_caches_per_layer, load_model, model_kv_spec
 
         spec = config.speculative_config
         assert spec is not None and spec.model is not None
@@ -106,17 +107,19 @@ class DraftRunner:
             )
         self.vocab_size = vocab
         num_layers, num_kv_heads, head_dim = model_kv_spec(self.hf_config, 1)
-        self.kv_spec = kv_pool.KVSpec(num_layers, num_kv_heads, head_dim, config.block_size, dtype)
+        self.kv_spec = kv_pool.KVSpec(
+            num_layers, num_kv_heads, head_dim, config.block_size, dtype, kv_caches_per_layer(self.hf_config)
+        )
         layer0 = self.model.attention_layers()[0]
         self.attn_backend = get_attention_backend(config.attention_backend, device)
-        self.attn_spec = AttentionSpec(layer0.num_heads, num_kv_heads, head_dim, dtype, config.block_size)
+        self.attn_spec = dataclasses.replace(layer0.spec(dtype), block_size=config.block_size)
         self.max_model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of its decode steps (`capture_graphs`)
 
     def bind_kv_pool(self, num_blocks: int) -> None:
         self.kv_cache = kv_pool.allocate_kv_pool(self.kv_spec, num_blocks, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
-            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+            layer.bind_kv_cache(*self.kv_cache[:, i])
 
     def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, sync) -> None:
         """CUDA graphs of the draft model's decode steps, per batch-size bucket as the target's

@@ -1,9 +1,10 @@
 """The KV pool: how many blocks fit, and the one allocation every layer's cache is a view of.
 
 One K and one V cache per layer, `[num_blocks, block_size, Hkv, D]`, views into one zeroed
-tensor `[2, num_layers, num_blocks, block_size, Hkv, D]` (zeroed so that padding rows, which read
-key 0 of block 0, never meet NaN garbage, and so that the Gluon kernels' whole-page copies past
-a request's last key read finite values).
+tensor `[2, num_layers, num_blocks, block_size, Hkv, D]`; MLA models have one latent cache per
+layer, `[1, num_layers, num_blocks, block_size, 1, kv_lora_rank + rope dims]`. Zeroed so that
+padding rows, which read key 0 of block 0, never meet NaN garbage, and so that the Gluon
+kernels' whole-page copies past a request's last key read finite values.
 
 Sizing. On CUDA: the memory left after a profiling forward at the largest step, times
 `gpu_memory_utilization`, minus the CUDA graphs' reserve (`gpu_num_blocks`). On CPU: what
@@ -33,11 +34,19 @@ class KVSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    num_caches: int = 2  # per layer: K and V, or MLA's one latent cache
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block over every layer, K and V."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one block over every layer and cache."""
+        return (
+            self.num_caches
+            * self.num_layers
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * self.dtype.itemsize
+        )
 
     @property
     def bytes_per_token(self) -> int:
@@ -115,6 +124,6 @@ def check_fits(pool_tokens: int, max_model_len: int, *, explicit: bool) -> int:
 
 
 def allocate_kv_pool(spec: KVSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """[2, num_layers, num_blocks, block_size, Hkv, D], zeroed (see the module docstring)."""
-    shape = (2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    """[num_caches, num_layers, num_blocks, block_size, Hkv, D], zeroed (see the module docstring)."""
+    shape = (spec.num_caches, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return torch.zeros(shape, dtype=spec.dtype, device=device)

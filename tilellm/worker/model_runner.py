@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tilellm.attention import AttentionSpec, BatchKind, attention_context, get_attention_backend
+from tilellm.attention import BatchKind, attention_context, get_attention_backend
 from tilellm.config import EngineConfig
 from tilellm.distributed.driver import WorkerError
 from tilellm.worker import kv_pool
@@ -122,7 +122,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, group: TPGroup | None = None):
         """`group`: this rank's tensor-parallel group; None for one device (no collectives)."""
-        from tilellm.models.loader import load_model, model_kv_spec
+        from tilellm.models.loader import kv_caches_per_layer, load_model, model_kv_spec
 
         self.config = config
         self.group = group
@@ -151,12 +151,17 @@ class ModelRunner:
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
         num_layers, num_kv_heads, head_dim = model_kv_spec(self.hf_config, tp_size)
         self.block_size = config.block_size
-        self.kv_spec = kv_pool.KVSpec(num_layers, num_kv_heads, head_dim, config.block_size, self.dtype)
+        self.kv_spec = kv_pool.KVSpec(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            config.block_size,
+            self.dtype,
+            kv_caches_per_layer(self.hf_config),
+        )
         layer0 = self.model.attention_layers()[0]
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
-        self.attn_spec = AttentionSpec(
-            layer0.num_heads, num_kv_heads, head_dim, self.dtype, config.block_size
-        )
+        self.attn_spec = dataclasses.replace(layer0.spec(self.dtype), block_size=config.block_size)
         # Token counts of every sequence slot for penalties (allocated when first needed).
         self.penalties = PenaltyState(config.max_num_seqs, self.vocab_size, self.device)
         self.sampler = Sampler(penalties=self.penalties)
@@ -323,7 +328,7 @@ class ModelRunner:
                 f"model has {len(layers)} attention layers, config says {self.kv_spec.num_layers}"
             )
         for i, layer in enumerate(layers):
-            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+            layer.bind_kv_cache(*self.kv_cache[:, i])
 
     def _synthetic_inputs(
         self, q_lens: list[int], seq_lens: list[int], cascade_prefix: int = 0
@@ -388,7 +393,7 @@ class ModelRunner:
         that plan, run on one 128-token chunk over layer 0's cache (nothing stored)."""
         attn = self.model.attention_layers()[0]
         plan = self.attn_backend.plan_paged(self.attn_spec, 1 << 16, 128, 128 << 16, 128, is_decode=False)
-        if plan is None or plan.kernel != "gluon":
+        if plan is None or getattr(plan, "kernel", None) != "gluon":
             return
         dev = self.device
         q = torch.zeros(128, attn.num_heads, attn.head_dim, dtype=self.dtype, device=dev)

@@ -7,8 +7,11 @@ paged, or a mixed step's decode + paged halves), the paged kernels' `PagedPlan`s
 how many split-KV segments). `forward(layer, q, k, v, metadata)` stores the step's K/V and runs
 what the plan says, with no planning of its own; a CUDA graph captures the plan with the kernels.
 
-New attention families (MLA's latent cache, sparse top-k) are further backends with their own
-`AttentionSpec` fields and plans.
+MLA (DeepSeek's latent cache, `AttentionSpec.kv_lora_rank > 0`) shares the plan's modes and
+runs through `forward_mla`: new prompts expand their latents into per-head K/V and run the
+ordinary prefill kernel; every other step absorbs the key and value up-projections into the
+queries and the output and attends over the cached latent rows (`mla_ops`: the
+`mla_decode_attention` / `mla_paged_attention` kernels or their twins).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from tilellm.attention.metadata import AttentionMetadata, BatchKind
 from tilellm.kernels.schedule import PagedPlan
 
 if TYPE_CHECKING:
-    from tilellm.models.layers.attention import Attention
+    from tilellm.models.layers.attention import Attention, MLAAttention
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class AttentionSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    kv_lora_rank: int = 0  # MLA: the latent's width (head_dim = kv_lora_rank + rope dims); 0 = not MLA
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class AttentionBackend:
 
     name: str = "base"
     ops: types.ModuleType
+    mla_ops: types.ModuleType
 
     # -- plan: once per step ------------------------------------------------------------------
 
@@ -164,5 +170,87 @@ class AttentionBackend:
                 q[nd:], k_cache, v_cache, meta.block_table[nd:], plan.rest_cu_seqlens_q, meta.seq_lens[nd:],
                 meta.max_seqlen_q, scale=scale, num_splits=plan.paged, max_seqlen_k=meta.max_seqlen_k,
                 out=out[nd:],
+            )  # fmt: skip
+        return out
+
+    # -- MLA: once per layer ------------------------------------------------------------------
+
+    def forward_mla(
+        self,
+        layer: MLAAttention,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q_nope [T, H, Dn], q_pe [T, H, Dr], latent [T, L], k_pe [T, Dr] -> o [T, H, Dv].
+
+        Stores each token's row [latent | k_pe], then attends as `meta.plan` says: "prefill"
+        expands this step's latents (`kv_b_weight` [H (Dn + Dv), L]) and runs causal prefill over
+        them; every other mode runs the absorbed form over the cached rows:
+
+            score_h(t, s) = q_nope_h(t) . (W_UK_h c_s) + q_pe_h(t) . k_pe_s
+                          = [q_nope_h(t) W_UK_h | q_pe_h(t)] . [c_s | k_pe_s]
+            o_h(t)        = W_UV_h (sum_s p_h(t, s) c_s)
+        """
+        plan = meta.plan
+        if plan is None:
+            plan = self.plan(meta, layer.spec(q_nope.dtype)).plan
+        assert plan is not None
+        num_tokens, num_heads = q_nope.shape[0], layer.num_heads
+        dn, dv, rank = layer.qk_nope_head_dim, layer.v_head_dim, layer.kv_lora_rank
+        cache = layer.kv_cache
+        if cache.numel() == 0 and plan.mode != "prefill":
+            raise RuntimeError("KV cache not bound: only PREFILL steps can run without it")
+        if cache.numel() != 0:
+            rows = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, L + Dr]
+            self.ops.store_kvcache(rows, None, cache, None, meta.slot_mapping)
+        if plan.mode == "prefill":
+            kv = F.linear(latent, kv_b_weight).view(num_tokens, num_heads, dn + dv)
+            k_nope, v = kv.split([dn, dv], dim=-1)
+            k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, num_heads, -1)), dim=-1)
+            q = torch.cat((q_nope, q_pe), dim=-1)
+            return self.ops.prefill_attention(
+                q, k, v.contiguous(), meta.cu_seqlens_q, meta.max_seqlen_q, scale=layer.scale
+            )
+        w_kv_b = kv_b_weight.view(num_heads, dn + dv, rank)
+        w_uk, w_uv = w_kv_b[:, :dn], w_kv_b[:, dn:]  # [H, Dn, L], [H, Dv, L]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        q_abs = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + Dr]
+        o_latent = self._mla_attend(layer, q_abs, cache, plan, meta)  # [T, H, L]
+        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
+
+    def _mla_attend(
+        self,
+        layer: MLAAttention,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        plan: AttentionPlan,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        ops, rank, scale = self.mla_ops, layer.kv_lora_rank, layer.scale
+        if plan.mode in ("decode", "cascade"):  # a shared prefix is no cheaper: one row serves all heads
+            return ops.mla_decode_attention(
+                q, cache, meta.block_table, meta.seq_lens, kv_lora_rank=rank, scale=scale,
+                num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k,
+            )  # fmt: skip
+        if plan.mode == "paged":
+            return ops.mla_paged_attention(
+                q, cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q,
+                kv_lora_rank=rank, scale=scale, num_splits=plan.paged, max_seqlen_k=meta.max_seqlen_k,
+            )  # fmt: skip
+        nd = plan.num_decodes
+        out = q.new_empty(q.shape[0], q.shape[1], rank)
+        ops.mla_decode_attention(
+            q[:nd], cache, meta.block_table[:nd], meta.seq_lens[:nd], kv_lora_rank=rank, scale=scale,
+            num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k, out=out[:nd],
+        )  # fmt: skip
+        if nd < meta.seq_lens.shape[0]:
+            ops.mla_paged_attention(
+                q[nd:], cache, meta.block_table[nd:], plan.rest_cu_seqlens_q, meta.seq_lens[nd:],
+                meta.max_seqlen_q, kv_lora_rank=rank, scale=scale, num_splits=plan.paged,
+                max_seqlen_k=meta.max_seqlen_k, out=out[nd:],
             )  # fmt: skip
         return out

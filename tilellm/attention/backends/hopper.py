@@ -16,4 +16,6 @@ class HopperBackend(TritonBackend):
     allow_gluon = True
 
     def prefill_kernel(self, spec: AttentionSpec, max_seqlen_q: int) -> str:
+        if spec.kv_lora_rank:  # MLA's expanded heads (192 / 128) run the portable kernel
+            return "triton"
         return prefill_config(spec.head_dim, spec.dtype, max_seqlen_q).kernel

@@ -4,6 +4,7 @@ default: exact fp32, the oracle's precision)."""
 from __future__ import annotations
 
 import tilellm.kernels.reference as reference_ops
+import tilellm.kernels.reference.mla as reference_mla_ops
 from tilellm.attention.backends.base import AttentionBackend
 
 
@@ -12,3 +13,4 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
     ops = reference_ops
+    mla_ops = reference_mla_ops

@@ -4,7 +4,9 @@ under Triton's interpreter on CPU."""
 from __future__ import annotations
 
 import tilellm.kernels as triton_ops
+import tilellm.kernels.mla as triton_mla_ops
 from tilellm.attention.backends.base import AttentionBackend, AttentionSpec
+from tilellm.kernels.mla import MlaPlan, plan_mla
 from tilellm.kernels.schedule import PagedPlan, plan_paged
 
 
@@ -13,6 +15,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     ops = triton_ops
+    mla_ops = triton_mla_ops
     allow_gluon = False
 
     def plan_paged(
@@ -24,8 +27,13 @@ class TritonBackend(AttentionBackend):
         max_seqlen_k: int,
         *,
         is_decode: bool,
-    ) -> PagedPlan:
+    ) -> PagedPlan | MlaPlan:
         s = spec
+        if s.kv_lora_rank:
+            return plan_mla(
+                num_requests, s.num_heads, max_seqlen_q, max_seqlen_k, s.dtype, s.block_size,
+                kv_lora_rank=s.kv_lora_rank, rope_dim=s.head_dim - s.kv_lora_rank,
+            )  # fmt: skip
         return plan_paged(
             num_requests, s.num_heads, s.num_kv_heads, s.head_dim, s.dtype, s.block_size, max_seqlen_q,
             num_tokens=num_tokens, max_seqlen_k=max_seqlen_k, is_decode=is_decode,

@@ -256,3 +256,10 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
     p = torch.exp(scores - row_max)
     denom = p.sum(dim=-1, keepdim=True)
     return p / torch.where(denom == 0, 1.0, denom)
+
+
+# The twins of the MLA and MoE kernels live beside these (one module each); re-exported here so
+# that this package holds every twin under its kernel's name.
+from tilellm.kernels.reference.mla import mla_decode_attention as mla_decode_attention  # noqa: E402
+from tilellm.kernels.reference.mla import mla_paged_attention as mla_paged_attention  # noqa: E402
+from tilellm.kernels.reference.moe import fused_moe as fused_moe  # noqa: E402

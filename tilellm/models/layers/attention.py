@@ -44,3 +44,60 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(self, q, k, v, get_attention_metadata())
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek's multi-head latent attention over a paged cache of latent rows.
+
+    forward(q_nope [T, H, Dn], q_pe [T, H, Dr], latent [T, L], k_pe [T, Dr], kv_b_weight) -> o [T, H, Dv]
+
+    Each token caches ONE row `[latent | k_pe]` of L + Dr values (576 for DeepSeek), shared by every
+    query head: `kv_cache [num_blocks, block_size, 1, L + Dr]`. `kv_b_weight` [H (Dn + Dv), L] is
+    this rank's `kv_b_proj` weight, whose per-head blocks W_UK [Dn, L] and W_UV [Dv, L] expand a
+    latent into the head's key and value. The backend either expands the step's latents and runs
+    ordinary prefill (new prompts), or absorbs W_UK into the queries and W_UV into the output so
+    that attention reads the latent rows directly (decode, verification, cached prefixes).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        backend: AttentionBackend,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = 1
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.head_dim = kv_lora_rank + qk_rope_head_dim  # of a cached row and an absorbed query
+        self.scale = scale
+        self.backend = backend
+        self.kv_cache = torch.empty(0)  # bound by the runner once the pool is allocated
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def spec(self, dtype: torch.dtype) -> AttentionSpec:
+        block_size = int(self.kv_cache.shape[1]) if self.kv_cache.dim() == 4 else 16
+        return AttentionSpec(
+            self.num_heads, 1, self.head_dim, dtype, block_size, kv_lora_rank=self.kv_lora_rank
+        )
+
+    def forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.backend.forward_mla(
+            self, q_nope, q_pe, latent, k_pe, kv_b_weight, get_attention_metadata()
+        )

@@ -10,6 +10,7 @@ reads only the rows/columns it owns.
   each checkpoint matrix is a shard_id 0, 1, ...
 - QKVParallelLinear: q/k/v in one matmul (qkv_proj), split by heads; shard_id "q", "k", "v".
   KV heads are replicated when there are fewer KV heads than ranks.
+- ReplicatedLinear: the whole W on every rank (small projections such as MLA's down-projections).
 - RowParallelLinear: W split by input columns; partial sums all-reduced, then the bias added.
 - VocabParallelEmbedding: vocab rows split across ranks; out-of-range ids give 0, then all-reduce.
 - ParallelLMHead: vocab-split logits, all-gathered along the vocab dim.
@@ -171,6 +172,21 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
         copy_checked(param.narrow(0, offset, n), read_slice(src, 0, start, n), f"shard {shard_id!r}")
+
+
+class ReplicatedLinear(_LinearBase):
+    """y = x W^T (+ b) with the whole W on every rank; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, 0, 1)
+
+    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"ReplicatedLinear takes no shard_id, got {shard_id!r}")
+        copy_checked(param, read_all(src), "ReplicatedLinear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(_LinearBase):

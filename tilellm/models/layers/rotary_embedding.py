@@ -1,8 +1,8 @@
-"""Rotary position embedding (NeoX / HF "rotate_half" layout) with plain, linear and Llama 3 scaling.
+"""Rotary position embedding (NeoX / HF "rotate_half" layout) with plain, linear, Llama 3 and YaRN scaling.
 
 The cos/sin table is computed once in fp32 on the CPU (even while the model is being built on
 the meta device) and moved with the model: row p = [cos(p * f) | sin(p * f)] for the D/2
-inverse frequencies f.
+inverse frequencies f, times YaRN's attention factor where the scaling has one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from tilellm.models.layers.layernorm import RMSNorm
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_config(config: Any) -> tuple[float, dict | None]:
@@ -34,7 +34,68 @@ def rope_config(config: Any) -> tuple[float, dict | None]:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
-    return theta, {**scaling, "rope_type": rope_type}
+    scaling = {**scaling, "rope_type": rope_type}
+    if rope_type == "yarn":  # its factor may be implied by the two lengths (DeepSeek-V3)
+        scaling.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    return theta, scaling
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_factor(scaling: dict) -> float:
+    factor = scaling.get("factor")
+    if factor is None:
+        return float(scaling["max_position_embeddings"]) / float(scaling["original_max_position_embeddings"])
+    return float(factor)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for every other scaling)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = (
+        yarn_factor(scaling),
+        scaling.get("mscale"),
+        scaling.get("mscale_all_dim"),
+    )
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def yarn_softmax_scale(scaling: dict | None) -> float:
+    """DeepSeek's extra softmax scale under YaRN, mscale(factor, mscale_all_dim) squared (1 otherwise)."""
+    if scaling is None or scaling["rope_type"] == "default" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(yarn_factor(scaling), float(scaling["mscale_all_dim"])) ** 2
+
+
+def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: extrapolate the high frequencies, interpolate (divide by factor) the low ones, with a
+    linear ramp between the dims that turn `beta_fast` and `beta_slow` times over the original length."""
+    factor = yarn_factor(scaling)
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return head_dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    ramp = torch.clamp(
+        (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+    )
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -43,6 +104,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inverse_frequencies(head_dim, theta, scaling)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
@@ -72,8 +135,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)  # [max_pos, D/2]
+        attention_factor = rope_attention_factor(scaling)
+        cos_sin = torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
         # cos_sin_cache: [max_pos, D] fp32 = [cos | sin]; not in the checkpoint
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(
         self,

@@ -1,0 +1,272 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (MLA) and mixture-of-experts layers.
+
+Attention (per token, H heads of Dn "nope" + Dr rotary query dims, Dv value dims):
+
+    q        = q_proj(x)  or  q_b_proj(norm(q_a_proj(x)))        [H, Dn + Dr] -> q_nope, q_pe
+    kv_a     = kv_a_proj_with_mqa(x)                              [L + Dr]     -> latent, k_pe
+    latent   = kv_a_layernorm(latent)                             [L]  (kv_lora_rank; 512 in DeepSeek)
+    q_pe, k_pe = RoPE(q_pe, k_pe)                                  k_pe shared by every head
+
+Only the row [latent | k_pe] is cached (576 values for DeepSeek: about a tenth of a GQA model's
+K and V of the same width). Keys and values are the latent expanded by `kv_b_proj` per head
+(k_nope = W_UK latent, v = W_UV latent); `MLAAttention` and its backend decide whether to expand
+(new prompts) or to absorb the expansion into q and o (decode, verification, cached prefixes).
+
+RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; the queries' and keys' rotary
+dims are permuted to [evens | odds] first, after which the rotation is the NeoX one the shared
+kernel applies (scores are unchanged: q and k get the same permutation). YaRN scaling with
+DeepSeek's mscale: cos/sin scaled by the attention factor, the softmax scale by mscale_all_dim^2.
+
+MLP: layer i is an MoE block (routed + shared experts) when the config has routed experts,
+i >= first_k_dense_replace and i % moe_layer_freq == 0; else a dense gated MLP. Routers:
+DeepSeek-V2 softmax (group-limited by each group's best expert with `group_limited_greedy`),
+DeepSeek-V3 sigmoid with `e_score_correction_bias` and groups ranked by their two best experts.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tilellm.attention import AttentionBackend, get_attention_backend
+from tilellm.models.layers.attention import MLAAttention
+from tilellm.models.layers.layernorm import RMSNorm
+from tilellm.models.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    ReplicatedLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from tilellm.models.layers.mlp import GatedMLP
+from tilellm.models.layers.moe import MoEBlock, RouterConfig
+from tilellm.models.layers.ops import resolve_fused_ops, resolve_moe_ops
+from tilellm.models.layers.rotary_embedding import RotaryEmbedding, rope_config, yarn_softmax_scale
+from tilellm.models.parallel import divide
+
+# DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default epsilon, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def _num_routed_experts(config: Any) -> int:
+    for name in ("n_routed_experts", "num_experts", "num_local_experts"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return 0
+
+
+class DeepseekV2Attention(nn.Module):
+    """The projections around `MLAAttention`: x [T, hidden] -> [T, hidden] (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        fused_ops: types.ModuleType,
+        rope_interleave: bool,
+        tp_rank: int,
+        tp_size: int,
+    ):
+        super().__init__()
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
+        hidden, total_heads = config.hidden_size, config.num_attention_heads
+        self.num_heads = divide(total_heads, tp_size, "num_attention_heads")
+        self.qk_nope_head_dim = int(config.qk_nope_head_dim)
+        self.qk_rope_head_dim = int(config.qk_rope_head_dim)
+        self.v_head_dim = int(config.v_head_dim)
+        self.kv_lora_rank = int(config.kv_lora_rank)
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * qk_head_dim, False, **tp)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, fused_ops)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim, False, **tp)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, fused_ops)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), False, **tp
+        )
+        self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias, **tp)
+        self.rotary_emb = rotary
+        r = self.qk_rope_head_dim
+        # [evens | odds] of the rotary dims: DeepSeek's interleaved pairs in the NeoX layout
+        evens, odds = torch.arange(0, r, 2, device="cpu"), torch.arange(1, r, 2, device="cpu")
+        perm = torch.cat((evens, odds)) if rope_interleave else None
+        self.register_buffer("rope_perm", perm, persistent=False)
+        _, scaling = rope_config(config)
+        scale = qk_head_dim**-0.5 * yarn_softmax_scale(scaling)
+        self.attn = MLAAttention(
+            self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, r, self.v_head_dim, scale, attn_backend
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_a = self.kv_a_proj_with_mqa(hidden)
+        latent, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        k_pe = k_pe.unsqueeze(1)  # [T, 1, Dr]: one rotary key for every head
+        if self.rope_perm is not None:
+            q_pe, k_pe = q_pe[..., self.rope_perm], k_pe[..., self.rope_perm]
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        o = self.attn(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight)  # [T, H, Dv]
+        return self.o_proj(o.reshape(t, self.num_heads * self.v_head_dim))
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    """Pre-norm block with the residual carried separately (fused into the next RMSNorm)."""
+
+    def __init__(self, self_attn: DeepseekV2Attention, mlp: nn.Module, hidden: int, eps: float, fused_ops):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps, fused_ops)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, fused_ops)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(
+        self, config: Any, layers: list[DeepseekV2DecoderLayer], fused_ops, tp_rank: int, tp_size: int
+    ):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """DeepSeek-V2 (and, with its router, V3) for packed-token inference.
+
+    forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden_size]
+    compute_logits(hidden [N, hidden_size]) -> logits [N, vocab_size] in the model's dtype
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    rope_interleave_default = True
+
+    @classmethod
+    def router_config(cls, config: Any) -> RouterConfig:
+        """DeepSeek-V2: softmax scores; `group_limited_greedy` keeps the `topk_group` groups with
+        the best single expert. (norm_topk_prob is honoured, as DeepSeek's own code does.)"""
+        method = getattr(config, "topk_method", "greedy") or "greedy"
+        grouped = method == "group_limited_greedy"
+        return RouterConfig(
+            num_experts=_num_routed_experts(config),
+            top_k=int(config.num_experts_per_tok),
+            scoring=getattr(config, "scoring_func", "softmax") or "softmax",
+            num_groups=int(config.n_group or 1) if grouped else 1,
+            topk_groups=int(config.topk_group or 1) if grouped else 1,
+            group_score="max",
+            renormalize=bool(getattr(config, "norm_topk_prob", False)),
+            scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+        )
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        attention_backend: str = "auto",
+        fused_ops_backend: str | None = None,
+        device: torch.device | str = "cpu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__()
+        self.config = config
+        attn_backend = get_attention_backend(attention_backend, device)
+        fused_ops = resolve_fused_ops(fused_ops_backend or attention_backend, device)
+        moe_ops = resolve_moe_ops(fused_ops_backend or attention_backend, device)
+        theta, scaling = rope_config(config)
+        rotary = RotaryEmbedding(
+            int(config.qk_rope_head_dim), config.max_position_embeddings, theta, scaling, fused_ops
+        )
+        interleave = bool(getattr(config, "rope_interleave", self.rope_interleave_default))
+        router = self.router_config(config) if _num_routed_experts(config) else None
+        first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+        freq = int(getattr(config, "moe_layer_freq", 1) or 1)
+        shared = int(getattr(config, "n_shared_experts", 0) or 0) * int(config.moe_intermediate_size or 0)
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
+        layers = []
+        for i in range(config.num_hidden_layers):
+            attn = DeepseekV2Attention(config, rotary, attn_backend, fused_ops, interleave, tp_rank, tp_size)
+            if router is not None and i >= first_dense and i % freq == 0:
+                mlp: nn.Module = MoEBlock(
+                    config.hidden_size, config.moe_intermediate_size, router, moe_ops, fused_ops,
+                    shared_intermediate_size=shared, **tp,
+                )  # fmt: skip
+            else:
+                mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, fused_ops, **tp)
+            layers.append(
+                DeepseekV2DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, fused_ops)
+            )
+        self.model = DeepseekV2Model(config, layers, fused_ops, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[MLAAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3: V2's attention (rotary pairs interleaved unless `rope_interleave` is false)
+    with the sigmoid router: the choice adds `e_score_correction_bias`, groups compete by the sum
+    of their two best experts, the weights (without the bias) are renormalised and scaled."""
+
+    @classmethod
+    def router_config(cls, config: Any) -> RouterConfig:
+        return RouterConfig(
+            num_experts=_num_routed_experts(config),
+            top_k=int(config.num_experts_per_tok),
+            scoring="sigmoid",
+            num_groups=int(getattr(config, "n_group", 1) or 1),
+            topk_groups=int(getattr(config, "topk_group", 1) or 1),
+            group_score="top2_sum",
+            renormalize=bool(getattr(config, "norm_topk_prob", True)),
+            scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+            correction_bias=True,
+        )

@@ -1,0 +1,41 @@
+"""The gated MLP (SwiGLU) of Llama-family decoders and of MoE shared experts."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from tilellm.models.layers.activation import SiluAndMul
+from tilellm.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class GatedMLP(nn.Module):
+    """down_proj(silu(gate_proj x) * up_proj x), with gate and up in one matmul: [T, H] -> [T, H].
+
+    `reduce_results=False` leaves down_proj's partial sums un-reduced under tensor parallelism
+    (an MoE block adds them to its experts' and reduces once).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        fused_ops: types.ModuleType,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        *,
+        reduce_results: bool = True,
+    ):
+        super().__init__()
+        h, i = hidden_size, intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(
+            i, h, bias, reduce_results=reduce_results, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.act_fn = SiluAndMul(fused_ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
