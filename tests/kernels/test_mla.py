@@ -191,7 +191,7 @@ def test_plan_rules():
     """The planner on DeepSeek's shapes (132 SMs): a wave of programs is not split, small batches are."""
     kw = dict(kv_lora_rank=512, rope_dim=64, num_sms_=132, config=mla.WIDE)
     m1 = mla.plan_mla(64, 128, 1, 4096, torch.bfloat16, 64, **kw)
-    assert m1.num_splits == 1 and m1.programs == 64 * 2 * 2, m1.reason  # 2 head tiles x 2 value halves
+    assert m1.num_splits == 1 and m1.programs == 64 * 2 * mla.WIDE.value_splits, m1.reason  # 2 head tiles
     m2 = mla.plan_mla(8, 128, 1, 32768, torch.bfloat16, 64, **kw)
     assert m2.num_splits > 1 and m2.num_splits * m2.programs <= 2 * 132, m2.reason
     assert 32768 / m2.num_splits >= m2.min_keys_per_split and m2.min_keys_per_split % 64 == 0

@@ -84,34 +84,32 @@ class MlaConfig:
             raise ValueError(f"MlaConfig: block_h and rows must be >= 1, got {self.block_h}, {self.rows}")
 
 
-# Hopper (H100/H200), half precision, DeepSeek's 512 + 64. Not timed yet: `python -m
-# tilellm.bench.mla --sweep` times these and SWEEP_CONFIGS on M1-M4 / V1. Chosen so that no
-# thread spills: registers and spills below are ptxas's for sm_90a (Triton 3.9, compiled off the
-# GPU, `cuobjdump --dump-resource-usage`), decode, 128 or 16 heads.
-# - WIDE (>= 64 rows: 64+ heads, or tokens x heads of a verification): 64 rows over 8 warps
-#   (two warpgroups of wgmma), 32-key tiles two deep (144 KB of shared memory), the 512 values
-#   in two halves: 214 registers, no spill. In one piece the [64, 512] fp32 accumulator (128
-#   registers a thread) and q spill 104-384 bytes a thread in every variant tried (bn 16-64,
-#   4 or 8 warps, 1-3 stages); halves cost a second pass of the scores (q_nope . c is 512 of
-#   the 1088 MACs a head does per key), which FlashMLA avoids by handing P between its two
-#   warpgroups through shared memory (not expressible in tl).
-# - MID (32 rows: 32 heads): 8 warps, 32-key tiles two deep: 189 registers (4 warps spill).
-# - NARROW (16 rows: <= 16 heads decoding): mma.sync tiles, 4 warps, 32-key tiles three deep
-#   (56 KB): 206 registers, two programs per SM fit. 64-key tiles spill (mma.sync holds the
-#   whole [64, 512] value operand in registers), as do 2 warps.
+# Hopper (H100/H200), half precision, DeepSeek's 512 + 64, from `python -m tilellm.bench.mla
+# --sweep` on an H200 (bf16, page 64; docs/benchmarks.md has the table). Registers and spills
+# are ptxas's for sm_90a (Triton 3.9, `cuobjdump --dump-resource-usage`).
+# - WIDE (>= 64 rows: 64+ heads, or tokens x heads of a verification): 64 rows over 8 warps, 64-key
+#   tiles two deep, the 512 values in one piece. It spills (255 registers, ~384 bytes a thread)
+#   and is still the fastest measured: M1 (128 heads, 64 x 4096) 0.270 ms = 271 TFLOP/s, against
+#   0.331 ms for 128-row tiles in value halves and 0.745 ms for 64 rows in halves with 32-key
+#   tiles (no spill, but a second pass of the scores and half-filled wgmma tiles).
+# - MID (32 rows: 32 heads): WIDE's settings (not measured at 32 heads).
+# - NARROW (16 rows: <= 16 heads decoding): mma.sync tiles, 4 warps, 64-key tiles two deep: M3
+#   (16 heads, 64 x 4096) 0.107 ms = 2849 GB/s, against 0.150 ms for 32-key tiles three deep.
 # - kv_lora_rank > 512: value halves for every tile.
 # - fp32 (tests on a GPU): [16, 512] accumulators and 16-key tiles (a stage is 36 KB).
 # - the interpreter: the smallest tiles (it runs every program in Python).
-WIDE = MlaConfig(block_h=64, rows=64, block_n=32, num_warps=8, num_stages=2, value_splits=2)
-MID = MlaConfig(block_h=64, rows=64, block_n=32, num_warps=8, num_stages=2)
-NARROW = MlaConfig(block_h=64, rows=64, block_n=32, num_warps=4, num_stages=3)
+WIDE = MlaConfig(block_h=64, rows=64, block_n=64, num_warps=8, num_stages=2)
+MID = MlaConfig(block_h=64, rows=64, block_n=64, num_warps=8, num_stages=2)
+NARROW = MlaConfig(block_h=64, rows=64, block_n=64, num_warps=4, num_stages=2)
 FP32 = MlaConfig(block_h=16, rows=16, block_n=16, num_warps=4, num_stages=2)
 INTERPRETER = MlaConfig(block_h=16, rows=16, block_n=16, num_warps=4, num_stages=1)
 # What `tilellm.bench.mla --sweep` times beside the table's pick (registers / spilled bytes as above).
 SWEEP_CONFIGS = [
     WIDE,
-    MID,  # 64 rows: 255 / 168
     NARROW,
+    MlaConfig(64, 64, 32, 8, 2, value_splits=2),  # 64 rows: 214 / 0 (the first, unmeasured pick)
+    MlaConfig(64, 64, 32, 8, 2),  # 64 rows: 255 / 168
+    MlaConfig(64, 64, 32, 4, 3),  # 16 rows: 206 / 0
     MlaConfig(64, 64, 16, 8, 2, value_splits=2),  # 64 rows: 192 / 0
     MlaConfig(64, 64, 32, 8, 3, value_splits=2),  # 64 rows: 226 / 0
     MlaConfig(64, 64, 64, 8, 2, value_splits=2),  # 64 rows: 255 / 80

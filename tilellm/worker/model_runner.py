@@ -196,6 +196,17 @@ class ModelRunner:
         if group is not None:  # the same block ids on every rank: the pool any rank can hold
             num_blocks = group.agree_min(num_blocks)
         self.num_kv_blocks = num_blocks
+        spec_kv = self.kv_spec
+        layout = (
+            f"one latent row of {spec_kv.head_dim} per layer (MLA)"
+            if spec_kv.num_caches == 1
+            else f"K and V of {spec_kv.num_kv_heads} x {spec_kv.head_dim} per layer"
+        )
+        logger.info(
+            "KV cache: %d bytes per token (%s); %d blocks of %d tokens = %d tokens, %.2f GiB",
+            spec_kv.bytes_per_token, layout, num_blocks, self.block_size, num_blocks * self.block_size,
+            num_blocks * self.pool_spec.block_bytes / 2**30,
+        )  # fmt: skip
         self.max_model_len = kv_pool.check_fits(
             num_blocks * self.block_size, model_len, explicit=config.max_model_len is not None
         )
