@@ -29,7 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "tilellm.bench.kernels",
         "Time attention kernels on workloads P1-P3, D1-D4, V1, C1, S1.",
     ),
-    "mla": ("tilellm.bench.mla", "Time the MLA (latent-cache) decode and verification kernels, M1-M4."),
+    "mla": ("tilellm.bench.mla", "Time the MLA (latent-cache) decode and verification kernels, M1-M5."),
     "moe": ("tilellm.bench.moe", "Time the fused MoE layer on DeepSeek-V2-Lite and Qwen3-30B-A3B shapes."),
     "throughput": (
         "tilellm.bench.throughput",

@@ -6,7 +6,7 @@ Workloads (decode: one query token per request):
 
     M1  128 heads, 64 requests x 4096 keys        M2  128 heads, 8 requests x 32768 keys
     M3   16 heads, 64 requests x 4096 keys        M4   16 heads, 8 requests x 32768 keys
-    V1  128 heads, 64 requests x 4096 keys, 2 new tokens each (verification)
+    M5  128 heads, 64 requests x 4096 keys, 2 new tokens each (verification)
 
 The cache is random normal data (never zero) larger than L2, read through a permuted block
 table. Each workload is first checked against the PyTorch twin (`tilellm.kernels.reference.mla`)
@@ -67,7 +67,7 @@ WORKLOADS = {
         Workload("M2", 128, 8, 32768),
         Workload("M3", 16, 64, 4096),
         Workload("M4", 16, 8, 32768),
-        Workload("V1", 128, 64, 4096, q_len=2),
+        Workload("M5", 128, 64, 4096, q_len=2),
     ]
 }
 
@@ -75,7 +75,7 @@ WORKLOADS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write results to this file")
     p.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of M1,M2,M3,M4,V1"
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of M1,M2,M3,M4,M5"
     )
     p.add_argument("--block-size", type=int, default=64, help="rows per page (DeepSeek uses 64)")
     p.add_argument("--no-peers", action="store_true", help="skip the PyTorch peer")
