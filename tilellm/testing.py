@@ -292,6 +292,7 @@ QWEN3_8B_CONFIG = {
 _MOE_ARCHS = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
@@ -358,7 +359,7 @@ def _moe_config(arch: str, *, vocab_size: int, eos_id: int, q_lora_rank: int | N
             "norm_topk_prob": False,
             "routed_scaling_factor": 1.0,
         }
-    return {
+    v3 = {
         **deepseek,
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",
@@ -366,6 +367,10 @@ def _moe_config(arch: str, *, vocab_size: int, eos_id: int, q_lora_rank: int | N
         "routed_scaling_factor": 2.5,
         "rope_interleave": True,
     }
+    if arch == "DeepseekV32ForCausalLM":
+        # a selection smaller than most prompts, so that which keys it keeps matters
+        return {**v3, "index_topk": 8, "index_head_dim": 32, "index_n_heads": 8}
+    return v3
 
 
 def _moe_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -410,6 +415,13 @@ def _moe_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
                 sd[a + "q_a_proj.weight"] = linear(q_rank, h)
                 sd[a + "q_a_layernorm.weight"] = norm(q_rank)
                 sd[a + "q_b_proj.weight"] = linear(hq * (dn + dr), q_rank)
+            if "index_topk" in cfg:  # DeepSeek-V3.2's lightning indexer
+                hi, di = cfg["index_n_heads"], cfg["index_head_dim"]
+                sd[a + "indexer.wq_b.weight"] = linear(hi * di, q_rank, gain=2.0)
+                sd[a + "indexer.wk.weight"] = linear(di, h, gain=2.0)
+                sd[a + "indexer.k_norm.weight"] = norm(di)
+                sd[a + "indexer.k_norm.bias"] = _normal((di,), 0.1, gen)
+                sd[a + "indexer.weights_proj.weight"] = linear(hi, h)
             sd[a + "kv_a_proj_with_mqa.weight"] = linear(rank + dr, h)
             sd[a + "kv_a_layernorm.weight"] = norm(rank)
             sd[a + "kv_b_proj.weight"] = linear(hq * (dn + dv), rank)
@@ -421,7 +433,7 @@ def _moe_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             continue
         # a router with spread logits, so that different tokens pick different experts
         sd[m + "gate.weight"] = linear(num_experts, h, gain=3.0)
-        if cfg["model_type"] == "deepseek_v3":
+        if cfg["model_type"] in ("deepseek_v3", "deepseek_v32"):
             sd[m + "gate.e_score_correction_bias"] = _normal((num_experts,), 0.1, gen)
         for e in range(num_experts):
             mlp(f"{m}experts.{e}.", cfg["moe_intermediate_size"])
@@ -441,12 +453,13 @@ def make_tiny_moe_model(
     q_lora_rank: int | None = None,
     rope_scaling: dict | None = None,
 ) -> pathlib.Path:
-    """Write a random DeepSeek-V2 / V3 (MLA + MoE) or Qwen3-MoE model plus tokenizer into `path`.
+    """Write a random DeepSeek-V2 / V3 / V3.2 (MLA + MoE) or Qwen3-MoE model plus tokenizer into `path`.
 
     Three layers (DeepSeek: one dense, then two MoE; Qwen3-MoE: MoE, dense, MoE), 8 routed
     experts of width 32, top-2. DeepSeek: 4 heads, kv_lora_rank 32, 16 nope + 16 rotary query
     dims, value head dim 24, one shared expert, 4 expert groups of which 2 compete.
     `q_lora_rank` (DeepSeek only): None = one q_proj (as DeepSeek-V2-Lite), else q_a/q_b.
+    DeepSeek-V3.2 (which needs `q_lora_rank`): an indexer of 8 heads of 32 choosing the top 8 keys.
     """
     if arch not in _MOE_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(_MOE_ARCHS)}")

@@ -46,6 +46,15 @@ def tiny_deepseek_v3(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v32(tmp_path_factory) -> str:
+    """DeepSeek-V3.2: V3 plus the lightning indexer keeping the top 8 keys of each query token."""
+    from tilellm.testing import make_tiny_moe_model
+
+    path = tmp_path_factory.mktemp("deepseek_v32")
+    return str(make_tiny_moe_model(path, "DeepseekV32ForCausalLM", seed=6, q_lora_rank=48))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> str:
     from tilellm.testing import make_tiny_moe_model
 

@@ -27,6 +27,9 @@ class PagedKV:
             shape = (num_blocks, block_size, a0.num_kv_heads, a0.head_dim)
             if hasattr(layer, "kv_lora_rank"):  # MLA: one cache of latent rows
                 layer.bind_kv_cache(torch.zeros(shape, dtype=dtype))
+                if hasattr(layer, "bind_index_cache"):  # DeepSeek-V3.2: and the indexer keys
+                    index_shape = (num_blocks, block_size, 1, layer.index_head_dim)
+                    layer.bind_index_cache(torch.zeros(index_shape, dtype=dtype))
             else:
                 layer.bind_kv_cache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
         self.cached = [0] * num_requests  # tokens already in the cache, per request

@@ -64,6 +64,7 @@ def test_unknown_architecture(tmp_path, tiny):
         get_model_class("FooForCausalLM")
     assert supported_architectures() == [
         "DeepseekV2ForCausalLM",
+        "DeepseekV32ForCausalLM",
         "DeepseekV3ForCausalLM",
         "LlamaForCausalLM",
         "Qwen2ForCausalLM",

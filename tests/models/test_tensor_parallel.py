@@ -58,6 +58,10 @@ def test_two_rank_logits_match_single_rank(tmp_path):
             tmp_path / "deepseek_v3", "DeepseekV3ForCausalLM", vocab_size=383, q_lora_rank=48
         ),
         make_tiny_moe_model(tmp_path / "qwen3_moe", "Qwen3MoeForCausalLM", vocab_size=383),
+        # the indexer replicated: every rank selects the same keys
+        make_tiny_moe_model(
+            tmp_path / "deepseek_v32", "DeepseekV32ForCausalLM", vocab_size=383, q_lora_rank=48
+        ),
     ]
     expected = [_logits_of_steps(d) for d in model_dirs]
     out = tmp_path / "logits"

@@ -179,7 +179,13 @@ class DeepseekV2ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    rope_interleave_default = True
+    attention_class: ClassVar[type[DeepseekV2Attention]] = DeepseekV2Attention
+
+    @classmethod
+    def rope_interleave(cls, config: Any) -> bool:
+        """Whether the rotary dims come in interleaved pairs (DeepSeek's layout; V3's
+        `rope_interleave: false` checkpoints use NeoX halves)."""
+        return bool(getattr(config, "rope_interleave", True))
 
     @classmethod
     def router_config(cls, config: Any) -> RouterConfig:
@@ -217,7 +223,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         rotary = RotaryEmbedding(
             int(config.qk_rope_head_dim), config.max_position_embeddings, theta, scaling, fused_ops
         )
-        interleave = bool(getattr(config, "rope_interleave", self.rope_interleave_default))
+        interleave = self.rope_interleave(config)
         router = self.router_config(config) if _num_routed_experts(config) else None
         first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
         freq = int(getattr(config, "moe_layer_freq", 1) or 1)
@@ -225,7 +231,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         layers = []
         for i in range(config.num_hidden_layers):
-            attn = DeepseekV2Attention(config, rotary, attn_backend, fused_ops, interleave, tp_rank, tp_size)
+            attn = self.attention_class(config, rotary, attn_backend, fused_ops, interleave, tp_rank, tp_size)
             if router is not None and i >= first_dense and i % freq == 0:
                 mlp: nn.Module = MoEBlock(
                     config.hidden_size, config.moe_intermediate_size, router, moe_ops, fused_ops,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tilellm.models.layers.layernorm import RMSNorm
+from tilellm.models.layers.layernorm import LayerNorm, RMSNorm
 from tilellm.models.layers.linear import default_weight_loader
 from tilellm.models.parallel import check_tp, partition_kv_heads
 from tilellm.models.registry import get_model_class, supported_architectures
@@ -111,6 +111,11 @@ def model_kv_spec(config: Any, tp_size: int = 1) -> tuple[int, int, int]:
     return config.num_hidden_layers, partition_kv_heads(num_kv, 0, tp_size).num_heads, head_dim
 
 
+def index_head_dim(config: Any) -> int:
+    """DeepSeek-V3.2's indexer key width (cached per token beside the latent row), 0 for others."""
+    return int(getattr(config, "index_head_dim", 0) or 0) if getattr(config, "index_topk", None) else 0
+
+
 def kv_caches_per_layer(config: Any) -> int:
     """Cache tensors per attention layer: 2 (K and V), or 1 for MLA's latent rows."""
     return 1 if is_mla(config) else 2
@@ -167,13 +172,18 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 
 def _fill_dummy_weights(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Random weights for benchmarks: N(0, 0.02) everywhere except RMSNorm weights, which are 1."""
+    """Random weights for benchmarks: N(0, 0.02) everywhere except norm weights (1) and
+    LayerNorm biases (0)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm | LayerNorm)]
+    norm_weights = {id(m.weight) for m in norms}
+    norm_biases = {id(m.bias) for m in norms if isinstance(m, LayerNorm)}
     with torch.no_grad():
         for p in model.parameters():
             if id(p) in norm_weights:
                 p.fill_(1.0)
+            elif id(p) in norm_biases:
+                p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 

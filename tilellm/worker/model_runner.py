@@ -122,7 +122,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, group: TPGroup | None = None):
         """`group`: this rank's tensor-parallel group; None for one device (no collectives)."""
-        from tilellm.models.loader import kv_caches_per_layer, load_model, model_kv_spec
+        from tilellm.models.loader import index_head_dim, kv_caches_per_layer, load_model, model_kv_spec
 
         self.config = config
         self.group = group
@@ -158,6 +158,10 @@ class ModelRunner:
             config.block_size,
             self.dtype,
             kv_caches_per_layer(self.hf_config),
+        )
+        index_dim = index_head_dim(self.hf_config)
+        self.index_spec = (  # DeepSeek-V3.2's indexer keys: one more cache of rows, one per layer
+            kv_pool.KVSpec(num_layers, 1, index_dim, config.block_size, self.dtype, 1) if index_dim else None
         )
         layer0 = self.model.attention_layers()[0]
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
@@ -202,10 +206,12 @@ class ModelRunner:
             if spec_kv.num_caches == 1
             else f"K and V of {spec_kv.num_kv_heads} x {spec_kv.head_dim} per layer"
         )
+        if self.index_spec is not None:
+            layout += f", indexer keys of {self.index_spec.head_dim}"
         logger.info(
             "KV cache: %d bytes per token (%s); %d blocks of %d tokens = %d tokens, %.2f GiB",
-            spec_kv.bytes_per_token, layout, num_blocks, self.block_size, num_blocks * self.block_size,
-            num_blocks * self.pool_spec.block_bytes / 2**30,
+            self.pool_spec.block_bytes // self.block_size, layout, num_blocks, self.block_size,
+            num_blocks * self.block_size, num_blocks * self.pool_spec.block_bytes / 2**30,
         )  # fmt: skip
         self.max_model_len = kv_pool.check_fits(
             num_blocks * self.block_size, model_len, explicit=config.max_model_len is not None
@@ -267,10 +273,14 @@ class ModelRunner:
 
     @property
     def pool_spec(self) -> kv_pool.KVSpec | kv_pool.PooledSpec:
-        """What one block id costs: the target's block, and the draft model's when there is one."""
-        if self.draft is None:
-            return self.kv_spec
-        return kv_pool.PooledSpec((self.kv_spec, self.draft.kv_spec))
+        """What one block id costs: the target's block, plus its indexer keys' (DeepSeek-V3.2)
+        and the draft model's block when there are."""
+        specs = [self.kv_spec]
+        if self.index_spec is not None:
+            specs.append(self.index_spec)
+        if self.draft is not None:
+            specs.append(self.draft.kv_spec)
+        return specs[0] if len(specs) == 1 else kv_pool.PooledSpec(tuple(specs))
 
     def _auto_num_blocks(self, model_len: int) -> int:
         if not self.is_cuda:
@@ -340,6 +350,10 @@ class ModelRunner:
             )
         for i, layer in enumerate(layers):
             layer.bind_kv_cache(*self.kv_cache[:, i])
+        if self.index_spec is not None:  # DeepSeek-V3.2: the indexer keys, on the same block ids
+            self.index_cache = kv_pool.allocate_kv_pool(self.index_spec, self.num_kv_blocks, self.device)
+            for i, layer in enumerate(layers):
+                layer.bind_index_cache(self.index_cache[0, i])
 
     def _synthetic_inputs(
         self, q_lens: list[int], seq_lens: list[int], cascade_prefix: int = 0

@@ -28,7 +28,7 @@ from tilellm.attention.metadata import AttentionMetadata, BatchKind
 from tilellm.kernels.schedule import PagedPlan
 
 if TYPE_CHECKING:
-    from tilellm.models.layers.attention import Attention, MLAAttention
+    from tilellm.models.layers.attention import Attention, MLAAttention, SparseMLAAttention
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class AttentionBackend:
             plan = self.plan(meta, layer.spec(q_nope.dtype)).plan
         assert plan is not None
         num_tokens, num_heads = q_nope.shape[0], layer.num_heads
-        dn, dv, rank = layer.qk_nope_head_dim, layer.v_head_dim, layer.kv_lora_rank
+        dn, dv = layer.qk_nope_head_dim, layer.v_head_dim
         cache = layer.kv_cache
         if cache.numel() == 0 and plan.mode != "prefill":
             raise RuntimeError("KV cache not bound: only PREFILL steps can run without it")
@@ -215,12 +215,51 @@ class AttentionBackend:
             return self.ops.prefill_attention(
                 q, k, v.contiguous(), meta.cu_seqlens_q, meta.max_seqlen_q, scale=layer.scale
             )
-        w_kv_b = kv_b_weight.view(num_heads, dn + dv, rank)
-        w_uk, w_uv = w_kv_b[:, :dn], w_kv_b[:, dn:]  # [H, Dn, L], [H, Dv, L]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-        q_abs = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + Dr]
+        w_uk, w_uv = _mla_up_projections(layer, kv_b_weight)
+        q_abs = _absorb_query(q_nope, q_pe, w_uk)  # [T, H, L + Dr]
         o_latent = self._mla_attend(layer, q_abs, cache, plan, meta)  # [T, H, L]
-        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
+        return _expand_output(o_latent, w_uv)  # [T, H, Dv]
+
+    def forward_sparse_mla(
+        self,
+        layer: SparseMLAAttention,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+        index_q: torch.Tensor,
+        index_weights: torch.Tensor,
+        index_k: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """DeepSeek-V3.2's sparse MLA: `forward_mla`'s inputs plus the indexer's (index_q [T, Hi,
+        Di] and index_weights [T, Hi] of the new tokens, index_k [T, Di] their keys) -> [T, H, Dv].
+
+        Stores the step's latent rows and indexer keys, picks each query token's top-k keys
+        (`index_topk` scores every causal key of its request through the block table), and attends
+        over those rows only, in the absorbed form (`sparse_mla_attention`), whatever the step's
+        kind: prefill chunks, decode and verification alike. The profiling pass before the pool
+        exists runs `forward_mla`'s dense prefill (its memory, not its selection, is what counts).
+        """
+        cache, index_cache = layer.kv_cache, layer.index_cache
+        if cache.numel() == 0:
+            return self.forward_mla(layer, q_nope, q_pe, latent, k_pe, kv_b_weight, meta)
+        ops = self.ops
+        rows = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, L + Dr]
+        ops.store_kvcache(rows, None, cache, None, meta.slot_mapping)
+        ops.store_kvcache(index_k.unsqueeze(1), None, index_cache, None, meta.slot_mapping)
+        topk_indices = ops.index_topk(
+            index_q, index_weights, index_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
+            meta.max_seqlen_q, topk=layer.index_topk, scale=layer.index_scale, max_seqlen_k=meta.max_seqlen_k,
+        )  # fmt: skip  # [T, topk] logical key positions, -1 = none
+        w_uk, w_uv = _mla_up_projections(layer, kv_b_weight)
+        q_abs = _absorb_query(q_nope, q_pe, w_uk)
+        o_latent = ops.sparse_mla_attention(
+            q_abs, cache, meta.block_table, meta.cu_seqlens_q, topk_indices, meta.seq_lens,
+            kv_lora_rank=layer.kv_lora_rank, scale=layer.scale,
+        )  # fmt: skip
+        return _expand_output(o_latent, w_uv)
 
     def _mla_attend(
         self,
@@ -254,3 +293,21 @@ class AttentionBackend:
                 max_seqlen_k=meta.max_seqlen_k, out=out[nd:],
             )  # fmt: skip
         return out
+
+
+def _mla_up_projections(layer: MLAAttention, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj's weight [H (Dn + Dv), L] as each head's W_UK [H, Dn, L] and W_UV [H, Dv, L] (views)."""
+    dn, dv = layer.qk_nope_head_dim, layer.v_head_dim
+    w_kv_b = kv_b_weight.view(layer.num_heads, dn + dv, layer.kv_lora_rank)
+    return w_kv_b[:, :dn], w_kv_b[:, dn:]
+
+
+def _absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """[q_nope_h W_UK_h | q_pe_h] for every head: q_nope [T, H, Dn], q_pe [T, H, Dr] -> [T, H, L + Dr]."""
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+    return torch.cat((q_latent, q_pe), dim=-1)
+
+
+def _expand_output(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Each head's latent output through its W_UV: [T, H, L] -> [T, H, Dv]."""
+    return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)

@@ -258,8 +258,10 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
     return p / torch.where(denom == 0, 1.0, denom)
 
 
-# The twins of the MLA and MoE kernels live beside these (one module each); re-exported here so
-# that this package holds every twin under its kernel's name.
+# The twins of the MLA, MoE, indexer and sparse MLA kernels live beside these (one module each),
+# re-exported here so that this package holds every twin under its kernel's name.
+from tilellm.kernels.reference.indexer import index_topk as index_topk  # noqa: E402
 from tilellm.kernels.reference.mla import mla_decode_attention as mla_decode_attention  # noqa: E402
 from tilellm.kernels.reference.mla import mla_paged_attention as mla_paged_attention  # noqa: E402
 from tilellm.kernels.reference.moe import fused_moe as fused_moe  # noqa: E402
+from tilellm.kernels.reference.sparse_mla import sparse_mla_attention as sparse_mla_attention  # noqa: E402

@@ -101,3 +101,41 @@ class MLAAttention(nn.Module):
         return self.backend.forward_mla(
             self, q_nope, q_pe, latent, k_pe, kv_b_weight, get_attention_metadata()
         )
+
+
+class SparseMLAAttention(MLAAttention):
+    """DeepSeek-V3.2's sparse MLA (DSA): each query token attends only to the `index_topk` keys
+    its lightning indexer scores highest (all of them when it has fewer).
+
+    forward(q_nope, q_pe, latent, k_pe, kv_b_weight, index_q [T, Hi, Di], index_weights [T, Hi],
+    index_k [T, Di]) -> o [T, H, Dv]
+
+    Besides the latent rows, each token caches its indexer key in `index_cache [num_blocks,
+    block_size, 1, Di]`, on the same block ids (so the prefix cache keeps and frees both together).
+    """
+
+    def __init__(self, *args, index_topk: int, index_head_dim: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.index_topk = index_topk
+        self.index_head_dim = index_head_dim
+        self.index_scale = index_head_dim**-0.5
+        self.index_cache = torch.empty(0)  # bound by the runner with the latent cache
+
+    def bind_index_cache(self, index_cache: torch.Tensor) -> None:
+        self.index_cache = index_cache
+
+    def forward(  # type: ignore[override]
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+        index_q: torch.Tensor,
+        index_weights: torch.Tensor,
+        index_k: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.backend.forward_sparse_mla(
+            self, q_nope, q_pe, latent, k_pe, kv_b_weight, index_q, index_weights, index_k,
+            get_attention_metadata(),
+        )  # fmt: skip
