@@ -105,3 +105,23 @@ def test_mla_engine_step_shows_the_latent_cache(tmp_path):
     per_token = 3 * (32 + 16) * 4  # 3 layers x one fp32 row of 48
     assert any(f"{per_token:,} bytes per token" in n for n in insp.notes)
     assert per_token * 3 < 3 * 2 * 4 * (32 + 24) * 4  # MHA's K and V of the same heads
+
+
+def test_sparse_engine_step_shows_the_selection(tmp_path):
+    """DeepSeek-V3.2: the inspector reports how many keys each query token selected (at most the
+    indexer's top 8) and on how many pages they lie."""
+    from tilellm import LLM, SamplingParams
+    from tilellm.inspect import inspect_engine
+    from tilellm.testing import make_tiny_moe_model
+
+    model = make_tiny_moe_model(tmp_path / "v32", "DeepseekV32ForCausalLM", q_lora_rank=48)
+    llm = LLM(str(model), num_kv_blocks=16, block_size=4)
+    engine = llm.llm_engine
+    engine.add_request("a", list(range(1, 21)), SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()  # 20 prompt tokens: token j selects min(j + 1, 8) keys
+    snap_note = [n for n in inspect_engine(engine).notes if n.startswith("sparse attention")]
+    assert snap_note and "req 0: 20 token(s) selected 1-8 keys" in snap_note[0]
+    assert "of 5 pages" in snap_note[0]  # 20 keys in blocks of 4
+    engine.step()  # one decode token over 21 keys: 8 selected
+    note = next(n for n in inspect_engine(engine).notes if n.startswith("sparse attention"))
+    assert "req 0: 1 token(s) selected 8-8 keys" in note and "of 6 pages" in note

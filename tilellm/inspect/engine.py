@@ -41,6 +41,9 @@ class EngineSnapshot:
     prefill_head_dim: int | None = None  # MLA: the expanded heads' qk dim that prefill runs on
     prefill_v_head_dim: int | None = None  # MLA: and their v dim
     kv_bytes_per_token: int = 0
+    # DeepSeek-V3.2: per step row, (query tokens, fewest / most keys a token selected, fewest /
+    # most pages those keys fall on, pages of the row's context) in the first layer
+    selection: tuple[tuple[int, int, int, int, int, int], ...] = ()
 
 
 def pool_at_step(
@@ -100,6 +103,7 @@ def snapshot_engine(engine: Any) -> EngineSnapshot:
         prefill_head_dim = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
         prefill_v_head_dim = int(cfg.v_head_dim)
     kv_spec = getattr(engine.runner, "kv_spec", None)
+    selection = _selection(engine, step, tables)
     return EngineSnapshot(
         request_ids=tuple(ids),
         query_lens=tuple(int(q) for q in step.query_lens),
@@ -119,7 +123,31 @@ def snapshot_engine(engine: Any) -> EngineSnapshot:
         prefill_head_dim=prefill_head_dim,
         prefill_v_head_dim=prefill_v_head_dim,
         kv_bytes_per_token=int(kv_spec.bytes_per_token) if kv_spec is not None else 0,
+        selection=selection,
     )
+
+
+def _selection(engine: Any, step: Any, tables: list[list[int]]) -> tuple:
+    """How the last step's query tokens selected their keys (sparse attention's first layer):
+    per step row, (tokens, min / max keys selected, min / max distinct pages, context pages)."""
+    layers = engine.runner.model.attention_layers()
+    chosen = getattr(layers[0], "last_topk_indices", None) if layers else None
+    if chosen is None:
+        return ()
+    chosen = chosen.cpu()
+    rows, start, block = [], 0, int(step.block_size)
+    for q_len, seq_len, table in zip(step.query_lens, step.seq_lens, tables):
+        picks = chosen[start : start + int(q_len)]
+        start += int(q_len)
+        counts, pages = [], []
+        for row in picks:
+            keys = row[row >= 0]
+            counts.append(int(keys.numel()))
+            pages.append(len({table[int(k) // block] for k in keys if int(k) // block < len(table)}))
+        if counts:
+            context_pages = -(-int(seq_len) // block)
+            rows.append((int(q_len), min(counts), max(counts), min(pages), max(pages), context_pages))
+    return tuple(rows)
 
 
 def inspect_snapshot(
@@ -146,6 +174,18 @@ def inspect_snapshot(
         prefill_v_head_dim=snap.prefill_v_head_dim,
         kv_bytes_per_token=snap.kv_bytes_per_token,
     )
+    if snap.selection:
+        lines = [
+            f"req {i}: {n} token(s) selected {lo}-{hi} keys on {plo}-{phi} of {ctx} pages"
+            for i, (n, lo, hi, plo, phi, ctx) in enumerate(snap.selection)
+        ]
+        note = (
+            "sparse attention: every step ran sparse_mla_attention over each token's top-k keys "
+            "(the schedule above is the dense kernel's for this batch); layer 0's selection: "
+        ) + "; ".join(lines[:8])
+        if len(lines) > 8:
+            note += f"; ... {len(lines) - 8} more"
+        insp = dataclasses.replace(insp, notes=insp.notes + (note,))
     if snap.num_released:
         note = (
             f"{snap.num_released} request(s) of this step finished (or left) after it: "

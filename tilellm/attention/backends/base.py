@@ -253,6 +253,7 @@ class AttentionBackend:
             index_q, index_weights, index_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
             meta.max_seqlen_q, topk=layer.index_topk, scale=layer.index_scale, max_seqlen_k=meta.max_seqlen_k,
         )  # fmt: skip  # [T, topk] logical key positions, -1 = none
+        layer.last_topk_indices = topk_indices  # for the inspector (a reference, no copy)
         w_uk, w_uv = _mla_up_projections(layer, kv_b_weight)
         q_abs = _absorb_query(q_nope, q_pe, w_uk)
         o_latent = ops.sparse_mla_attention(

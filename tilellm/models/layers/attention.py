@@ -120,6 +120,8 @@ class SparseMLAAttention(MLAAttention):
         self.index_head_dim = index_head_dim
         self.index_scale = index_head_dim**-0.5
         self.index_cache = torch.empty(0)  # bound by the runner with the latent cache
+        # [T, index_topk] the last step's selection (set by the backend; `tilellm inspect` reads it)
+        self.last_topk_indices: torch.Tensor | None = None
 
     def bind_index_cache(self, index_cache: torch.Tensor) -> None:
         self.index_cache = index_cache
