@@ -45,7 +45,12 @@ MODEL_SHAPES = ["qwen3-0.6b", "qwen3-8b", "deepseek-v2-lite", "qwen3-30b-a3b"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workloads", default="E1,E2,E3", help="comma-separated subset of E1,E2,E3")
+    p.add_argument(
+        "--workloads",
+        default="E1,E2,E3",
+        help="comma-separated subset of E1,E2,E3,E6 (E6: sparse attention on a reduced DeepSeek-V3.2, "
+        "its own model shape)",
+    )
     p.add_argument("--json", default=None, help="write results to this file")
     p.add_argument(
         "--model", default=None, metavar="DIR", help="a model directory instead of the random Qwen3-0.6B"
@@ -135,6 +140,15 @@ def e2(scale: float = 1.0) -> list[int] | Workload:
     own = max(1, round(128 * scale))
     prompts = [prefix + [rng.randint(0, 10000) for _ in range(own)] for _ in range(n)]
     return Workload("E2", prompts, [max(1, round(128 * scale))] * n, 0.6, "shared 2048-token prefix")
+
+
+def e6(scale: float = 1.0) -> Workload:
+    """32 requests x 32768-token prompts, 256 output tokens each (DeepSeek-V3.2's sparse decode)."""
+    rng = random.Random(6)
+    n = max(1, round(32 * min(1.0, scale * 4)))
+    length = max(1, round(32768 * scale))
+    prompts = [[rng.randint(0, 10000) for _ in range(length)] for _ in range(n)]
+    return Workload("E6", prompts, [max(2, round(256 * scale))] * n, 0.6, "sparse attention at 32k context")
 
 
 def e3(scale: float = 1.0) -> Workload:
@@ -421,6 +435,35 @@ def hf_baseline(model_dir: str, w: Workload, num_requests: int, dtype: str) -> R
     )
 
 
+def _e6(args: argparse.Namespace, tmp: str) -> list[Result]:
+    """E6 on a reduced DeepSeek-V3.2 (`DEEPSEEK_V32_REDUCED_CONFIG`, random weights): the top-2048
+    selection, then the same weights with the indexer keeping every key (its top-k above any
+    context), each on a fresh engine. extra.decode_tok_s: decode tokens over the decode steps'
+    device time."""
+    from tilellm.testing import DEEPSEEK_V32_REDUCED_CONFIG, make_random_model_dir
+
+    w = e6(args.scale)
+    out = []
+    every_key = _needed_len(w)  # a top-k as long as the longest context keeps every key
+    for variant, topk in (("top-2048", DEEPSEEK_V32_REDUCED_CONFIG["index_topk"]), ("every key", every_key)):
+        model = make_random_model_dir(
+            os.path.join(tmp, f"e6-{topk}"), {**DEEPSEEK_V32_REDUCED_CONFIG, "index_topk": topk}
+        )
+        llm = _make_llm(args, str(model), "dummy", max_model_len=_needed_len(w))
+        r = run_workload(llm, w, f"indexer {variant}")
+        decode_s = r.extra.get("device_s_by_kind", {}).get("decode")
+        if decode_s:
+            r.extra["decode_tok_s"] = round((r.output_tokens - r.requests) / decode_s)
+        out.append(r)
+        llm = None
+        _free()
+    if len(out) == 2 and out[0].extra.get("decode_tok_s") and out[1].extra.get("decode_tok_s"):
+        out[0].extra["decode_speedup_vs_every_key"] = round(
+            out[0].extra["decode_tok_s"] / out[1].extra["decode_tok_s"], 2
+        )
+    return out
+
+
 def _add_rooflines(results: list[Result], model_dir: str, scale: float) -> None:
     """extra.roofline_tok_s and extra.of_roofline for E1-E3 results, from this card's ceilings."""
     from tilellm.bench.kernels import measure_ceilings
@@ -508,9 +551,9 @@ def main(args: argparse.Namespace) -> int:
         faulthandler.dump_traceback_later(args.dump_traceback_after, exit=False, file=sys.__stderr__)
         os.environ[DUMP_ENV] = str(args.dump_traceback_after)  # tensor-parallel workers inherit it
     names = [n.strip().upper() for n in args.workloads.split(",") if n.strip()]
-    unknown = set(names) - {"E1", "E2", "E3"}
+    unknown = set(names) - {"E1", "E2", "E3", "E6"}
     if unknown:
-        raise UsageError(f"--workloads: unknown {', '.join(sorted(unknown))}; choose from E1, E2, E3")
+        raise UsageError(f"--workloads: unknown {', '.join(sorted(unknown))}; choose from E1, E2, E3, E6")
     _check_scale(args)
     results: list[Result] = []
     if args.model is not None:
@@ -560,6 +603,8 @@ def main(args: argparse.Namespace) -> int:
             results.append(run_workload(llm, w))
             llm = None
             _free()
+        if "E6" in names:
+            results += _e6(args, tmp)
         if args.hf_baseline:
             results.append(hf_baseline(model, e1(args.scale), args.hf_requests, args.dtype))
         if args.roofline:
