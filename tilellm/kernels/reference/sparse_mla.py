@@ -37,9 +37,12 @@ def sparse_mla_attention(
     kv_lora_rank: int,
     scale: float,
     out: torch.Tensor | None = None,
+    plan=None,
 ) -> torch.Tensor:
     """Sparse MLA of packed tokens q [T, H, kv_lora_rank + rope_dim] over their selected latent
-    rows (topk_indices [T, K] int32, -1 = empty) -> o [T, H, kv_lora_rank] in q.dtype."""
+    rows (topk_indices [T, K] int32, -1 = empty) -> o [T, H, kv_lora_rank] in q.dtype.
+
+    `plan` (the Triton kernel's tile and split plan) is accepted and ignored."""
     name = "sparse_mla_attention"
     check_sparse_mla(
         name, q, kv_cache, block_table, cu_seqlens_q, topk_indices, seq_lens, kv_lora_rank, scale
