@@ -327,12 +327,19 @@ def test_plan_type_error():
 # ----------------------------------------------------------------------------------------------
 
 DEEPSEEK = (512, 64)
+# the table's pick, 64-head tiles in value halves, 16-head tiles in value halves, 32-head tiles
+GPU_CONFIGS = [
+    None,
+    sparse_mla.SparseMlaConfig(64, 32, 8, 3, value_splits=2),
+    sparse_mla.SparseMlaConfig(16, 32, 4, 3, value_splits=2),
+    sparse_mla.SparseMlaConfig(32, 64, 4, 2),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("config", [None, *sparse_mla.SWEEP_CONFIGS[2:5]], ids=str)
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=str)
 def test_gpu_deepseek(config, num_splits, heads, device):
     pairs = [(1, 5000), (1, 63), (2, 2100), (130, 700), (0, 9), (1, 1)]
     b = make(pairs, heads, DEEPSEEK, device, block_size=64, dtype=torch.bfloat16)
@@ -363,3 +370,32 @@ def test_gpu_cuda_graph(device):
     torch.cuda.synchronize()
     expected = ref.sparse_mla_attention(*args(b, topk), kv_lora_rank=512, scale=SCALE)
     assert_close(out, expected, tolerance(torch.bfloat16, device), "graph replay")
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark's inputs (tilellm.bench.sparse_mla runs on a GPU only)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_indices_and_cpu_error(monkeypatch):
+    """S3's rule on a small shape: token j selects every key 0..j while j < K, else K distinct
+    keys <= j; and on a machine without CUDA the command stops with a one-line usage error."""
+    import argparse
+
+    from tilellm.bench import sparse_mla as bench
+    from tilellm.commands.common import UsageError
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    w = bench.Workload("tiny", 4, 2, 40, q_len=30, topk=16)
+    topk = bench.make_topk(w, torch.Generator().manual_seed(0))
+    assert topk.shape == (60, 16) and topk.dtype == torch.int32
+    for t, row in enumerate(topk.tolist()):
+        pos = 10 + t % 30
+        picked = [x for x in row if x >= 0]
+        assert len(set(picked)) == len(picked) == min(pos + 1, 16)
+        assert max(picked) <= pos and row[: len(picked)] == picked  # -1 only after the picks
+    if not torch.cuda.is_available():
+        p = argparse.ArgumentParser()
+        bench.add_arguments(p)
+        with pytest.raises(UsageError, match="needs|CUDA GPU"):
+            bench.main(p.parse_args(["--workloads", "S2"]))

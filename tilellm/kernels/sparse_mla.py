@@ -81,10 +81,11 @@ class SparseMlaConfig:
 # (`python -m tilellm.bench.sparse_mla --sweep` times SWEEP_CONFIGS): the picks are the dense
 # kernel's measured ones (`tilellm.kernels.mla`'s table), whose inner step is this kernel's
 # with contiguous instead of selected rows.
-# - WIDE (> 16 heads): 64 heads x 64 rows over 8 warps, two stages, the 512 values in one piece
-#   (dense M1 at 128 heads: 271 TFLOP/s, ahead of 128-head tiles in value halves).
-# - NARROW (<= 16 heads, e.g. 128 heads over 8 tensor-parallel ranks): 16 rows over 4 warps,
-#   64-row steps two deep (dense M3: 2849 GB/s).
+# - WIDE (> 16 heads): tiles of 64 heads, 64 selected rows per step, 8 warps, two stages, the
+#   512 values in one piece (dense M1 at 128 heads: 271 TFLOP/s, ahead of 128-head tiles in
+#   value halves).
+# - NARROW (<= 16 heads, e.g. 128 heads over 8 tensor-parallel ranks): 16-row tiles over 4
+#   warps, 64 selected rows per step, two stages (dense M3: 2849 GB/s).
 # - kv_lora_rank > 512: value halves.
 # - fp32 (tests on a GPU): 16 x 16 tiles. The interpreter: the same, one stage.
 WIDE = SparseMlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
@@ -96,11 +97,12 @@ SWEEP_CONFIGS = [
     WIDE,
     NARROW,
     SparseMlaConfig(64, 32, 8, 2),
-    SparseMlaConfig(64, 32, 4, 3),
+    SparseMlaConfig(64, 32, 8, 3),
+    SparseMlaConfig(64, 16, 8, 2),
     SparseMlaConfig(64, 64, 8, 2, value_splits=2),
     SparseMlaConfig(64, 32, 8, 3, value_splits=2),
-    SparseMlaConfig(128, 32, 8, 2, value_splits=2),
-    SparseMlaConfig(32, 64, 8, 2),
+    SparseMlaConfig(128, 32, 8, 2, value_splits=2),  # 128 heads in one tile (dense: 222 registers, 0 spilled)
+    SparseMlaConfig(32, 64, 8, 2),  # twice the programs at 128 heads, each token's rows read 4x from L2
     SparseMlaConfig(32, 64, 4, 2),
     SparseMlaConfig(32, 32, 4, 3),
     SparseMlaConfig(16, 32, 4, 3),
