@@ -2,23 +2,369 @@
 
 Each token s caches one indexer key k_s (D values, 128 in DeepSeek) in its own paged cache,
 index_cache [num_blocks, block_size, 1, D] (the latent cache's block ids); each new token t has
-Hi indexer heads q_t,h (Hi = 64) and per-head weights w_t,h, and
+Hi indexer heads q_t,h (Hi = 64) and fp32 per-head weights w_t,h, and
 
     score(t, s) = sum_h w_t,h * relu(scale * q_t,h . k_s)        for s <= pos(t), else excluded
 
-Token t then attends to the `topk` keys of largest score (all its keys when it has fewer).
+Token t attends to the `topk` keys of largest score (2048 in DeepSeek; all its keys when it has
+fewer, then -1s). Positions as in `paged_attention`: the j-th new token of request i sits at
+`seq_lens[i] - q_len_i + j`. Shapes:
 
-The Triton kernels follow; this module holds the argument checks the PyTorch twin
-(`tilellm.kernels.reference.indexer`) shares.
+    q [T, Hi, D]   weights [T, Hi] fp32   index_cache [num_blocks, block_size, 1, D]
+    block_table [B, max_blocks]   cu_seqlens_q [B + 1]   seq_lens [B]   (int32)
+    -> [T, topk] int32 logical key positions, -1 = empty (the order within a row is unspecified)
+
+Two kernels per chunk of query tokens:
+
+1. `_score_kernel`: scores into a bounded scratch [chunk, L] (L = max_seqlen_k, or the block
+   table's width x block_size). A program owns BLOCK_Q tokens of one request x their Hi heads as
+   the rows of one tile (row r = token r // HI_PAD, head r % HI_PAD; decode: one token's heads)
+   and one segment of its keys: per BLOCK_N keys gathered through the block table, one `tl.dot`
+   [rows, D] x [D, BLOCK_N] with fp32 accumulation, then scale, relu, the weights and the sum
+   over each token's heads -> [BLOCK_Q, BLOCK_N] fp32 scores, stored where causal as order
+   keys: int32s whose signed order is the float order (a positive float's bits as they are, a
+   negative one's 31 magnitude bits flipped; -0.0 made +0.0 first, so equal scores are equal
+   keys). Keys are split into segments when requests x query tiles cannot fill the GPU (decode);
+   no merge is needed, each score is written once.
+2. `_select_kernel`: one program per token row, an exact radix select over the row's n = pos + 1
+   keys. Four passes over the row histogram one byte of the key each, high byte first (256
+   bins, `tl.histogram`, only keys whose higher bytes equal the bytes chosen so far) and choose
+   the byte of the topk-th largest key; after the fourth, the threshold key tau and the number
+   of keys equal to tau still needed are exact. A last pass writes every position with key > tau
+   and the first of those equal to tau (in position order, by prefix sums: no atomics, the
+   result is deterministic), then -1s. A row with n <= topk skips the digit passes and writes
+   0..n-1.
+
+Why store the scores rather than recompute them in each pass (no scratch at all): an exact
+select looks at each score five times (four digit passes + the write). Recomputing one costs
+Hi x D x 2 = 16 KFLOP and a 256-byte key (bf16, D = 128) per (token, key), each time; storing
+it costs 4 bytes written once and read back five times. So the scores are computed once and the
+scratch is bounded instead: at most SCRATCH_ELEMENTS (256 MiB) at a time, `chunk =
+SCRATCH_ELEMENTS // L` query tokens per pair of launches (512 tokens of a 128k context; 64
+decode tokens at 128k take 32 MiB, one chunk). The chunks, segment counts and tiles come from
+host values only (T, max_seqlen_q, max_seqlen_k or the table's width): nothing reads the
+device, so a decode step is capturable in a CUDA graph as called.
+
+Not done here: DeepSeek's FP8 keys and scores (inputs here are bf16/fp16/fp32, scores fp32);
+splitting one row's select over several programs (decode at 64 requests runs 64 select
+programs); fusing the first histogram into the score kernel; NaN scores (their keys sort
+somewhere, the twin's `torch.topk` puts them first).
 """
 
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from tilellm.kernels import validation as v
+from tilellm.kernels.config import dot_precision, interpreting, num_sms
+
+# Scores (as int32 order keys) held at once: [chunk of query tokens, L keys], 256 MiB.
+SCRATCH_ELEMENTS = 1 << 26
+# Key segments of the score kernel (decode): enough programs for PROGRAMS_PER_SM per SM, each
+# segment at least MIN_KEYS_PER_SPLIT keys.
+PROGRAMS_PER_SM = 4
+MIN_KEYS_PER_SPLIT = 1024
+MAX_SPLITS = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile configs
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Tiles of both kernels: the score kernel's `rows` (tokens x padded heads, >= 16) by
+    `block_n` keys, and `block_s` scores per step of the select kernel."""
+
+    rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_s: int
+    select_warps: int
+
+
+# Not yet timed on a GPU (tilellm.bench.indexer measures them). Half precision: decode tiles of
+# one token's 64 heads (64 x 128 bf16 queries, 64-key tiles: 16 KB a stage), prefill tiles of two
+# tokens (128 rows), so every key tile read from L2 serves two tokens. fp32 (tests on a GPU):
+# smaller tiles. The interpreter: the smallest (it runs every program in Python).
+DECODE = IndexerConfig(rows=64, block_n=64, num_warps=4, num_stages=3, block_s=1024, select_warps=4)
+PREFILL = IndexerConfig(rows=128, block_n=64, num_warps=8, num_stages=3, block_s=1024, select_warps=4)
+FP32 = IndexerConfig(rows=64, block_n=32, num_warps=4, num_stages=2, block_s=1024, select_warps=4)
+INTERPRETER = IndexerConfig(rows=16, block_n=16, num_warps=4, num_stages=1, block_s=128, select_warps=4)
+
+
+def indexer_config(dtype: torch.dtype, max_seqlen_q: int) -> IndexerConfig:
+    """The tile config of a batch (see the comments above the table)."""
+    if interpreting():
+        return INTERPRETER
+    if dtype == torch.float32:
+        return FP32
+    return DECODE if max_seqlen_q <= 1 else PREFILL
+
+
+def tile_shape(cfg: IndexerConfig, num_heads: int, max_seqlen_q: int) -> tuple[int, int]:
+    """(block_q, hi_pad) of a score tile: block_q tokens (a power of two, no more than a request's
+    new tokens need) x hi_pad heads (Hi padded to a power of two, and further so the tile has at
+    least 16 rows, tl.dot's smallest; padded heads weigh 0)."""
+    hi_pad = triton.next_power_of_2(num_heads)
+    block_q = max(1, cfg.rows // hi_pad)
+    block_q = min(block_q, triton.next_power_of_2(max(1, max_seqlen_q)))
+    hi_pad = max(hi_pad, 16 // block_q)
+    return block_q, hi_pad
+
+
+def num_key_splits(programs: int, max_seqlen_k: int, num_sms_: int | None = None) -> int:
+    """Key segments per score tile: enough for PROGRAMS_PER_SM programs per SM, each segment at
+    least MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS."""
+    target = PROGRAMS_PER_SM * (num_sms_ or num_sms())
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, max(programs, 1)), MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+# Per-step values (token counts, chunk bounds, table widths, split counts) are not specialised
+# on, so a new batch never compiles a new variant in the middle of serving. The scratch's row
+# stride is: it is always a multiple of 16 (one variant, vector loads).
+@triton.jit(
+    do_not_specialize=["chunk_lo", "chunk_hi", "stride_bt", "num_splits"],
+    do_not_specialize_on_alignment=["block_table", "cu_seqlens_q", "seq_lens"],
+)
+def _score_kernel(
+    Q, W, Cache, Scores,  # tensors
+    block_table, cu_seqlens_q, seq_lens,  # batch description
+    scale, chunk_lo, chunk_hi, num_heads,
+    stride_qt, stride_qh, stride_wt, stride_bt, stride_cb, stride_cs, stride_sr,
+    num_splits,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, HI_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Scores of BLOCK_Q tokens of one request over one key segment, stored where causal:
+    Scores[t - chunk_lo, s] = sum_h W[t, h] * relu(scale * Q[t, h] . key_s) for chunk tokens t."""
+    # -- which work: program_id(0) = query tile x key segment (segments fastest), (1) = request --
+    pid = tl.program_id(0)
+    req = tl.program_id(1)
+    split = pid % num_splits
+    q_tile = pid // num_splits
+    q_start = tl.load(cu_seqlens_q + req)
+    q_len = tl.load(cu_seqlens_q + req + 1) - q_start
+    t0 = q_tile * BLOCK_Q
+    first = q_start + t0  # packed index of the tile's first token
+    last = q_start + tl.minimum(t0 + BLOCK_Q, q_len) - 1
+    if (t0 >= q_len) | (last < chunk_lo) | (first >= chunk_hi):
+        return  # past the request's tokens, or outside this chunk
+    context = tl.load(seq_lens + req) - q_len  # keys before the request's first new token
+
+    # -- rows: BLOCK_Q tokens x HI_PAD heads; padded heads and tokens load zeros, weigh 0 --
+    ROWS: tl.constexpr = BLOCK_Q * HI_PAD
+    rows = tl.arange(0, ROWS)
+    tok = t0 + rows // HI_PAD
+    head = rows % HI_PAD
+    row_ok = (tok < q_len) & (head < num_heads)
+    t_row = (q_start + tok).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        Q + t_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    w = tl.load(W + t_row * stride_wt + head, mask=row_ok, other=0.0)
+
+    # -- the tokens of this tile that belong to the chunk, and their positions --
+    tq = t0 + tl.arange(0, BLOCK_Q)
+    t_abs = q_start + tq
+    tok_ok = (tq < q_len) & (t_abs >= chunk_lo) & (t_abs < chunk_hi)
+    q_pos = context + tq
+    s_row = Scores + (t_abs - chunk_lo).to(tl.int64) * stride_sr
+
+    # -- this program's key segment: whole key tiles of [0, causal end of the tile) --
+    kv_end = context + tl.minimum(t0 + BLOCK_Q, q_len)
+    seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * seg
+    hi = tl.minimum(lo + seg, kv_end)
+    bt_row = block_table + req.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for n in tl.range(lo, hi, BLOCK_N):
+        k_pos = n + offs_n
+        key_ok = k_pos < hi
+        block = tl.load(bt_row + k_pos // PAGE, mask=key_ok, other=0)
+        # int64: block * stride overflows int32 in large pools.
+        k_row = Cache + block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs
+        keys = tl.load(k_row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        # -- [rows, BLOCK_N] head scores, then the weighted sum over each token's heads --
+        dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        weighted = tl.maximum(dots * scale, 0.0) * w[:, None]
+        score = tl.sum(tl.reshape(weighted, (BLOCK_Q, HI_PAD, BLOCK_N)), axis=1)
+        # -- stored as order keys: int32s whose signed order is the float order (the bits of a
+        # positive float as they are, a negative one's 31 magnitude bits flipped); -0.0 is made
+        # +0.0 first, so equal scores are equal keys --
+        score = tl.where(score == 0.0, 0.0, score)
+        bits = score.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        visible = tok_ok[:, None] & key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        tl.store(s_row[:, None] + k_pos[None, :], key, mask=visible)
+
+
+@triton.jit(do_not_specialize=["chunk_lo", "stride_ot", "topk"])
+def _select_kernel(
+    Scores, Out, positions,
+    chunk_lo, stride_sr, stride_ot, topk,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Out[t] = the topk positions of largest key among Scores[t - chunk_lo, 0..pos(t)], then -1s."""
+    r = tl.program_id(0)
+    t = chunk_lo + r
+    n = tl.load(positions + t) + 1  # the token's causal keys
+    s_row = Scores + r.to(tl.int64) * stride_sr
+    o_row = Out + t.to(tl.int64) * stride_ot
+    offs = tl.arange(0, BLOCK_S)
+    bins = tl.arange(0, 256)
+    # A row of n <= topk keys skips the digit passes: its histograms stay empty, so tau ends as
+    # the smallest key (-2 ** 31) with need = n, and the write takes every key.
+    n_radix = tl.where(n <= topk, 0, n)
+
+    # -- four digit passes: the threshold key tau (prefix), `need` of its ties to take --
+    prefix = tl.zeros([], dtype=tl.int32)  # the chosen high bytes of tau, in key bits
+    need = tl.minimum(topk, n)  # how many of the keys matching the prefix are still to take
+    for p in tl.static_range(4):
+        SHIFT: tl.constexpr = 24 - 8 * p
+        hist = tl.zeros([256], dtype=tl.int32)
+        for s in tl.range(0, n_radix, BLOCK_S):
+            match = s + offs < n_radix
+            k = tl.load(s_row + s + offs, mask=match, other=0)
+            if p == 0:
+                digit = (k >> 24) + 128  # the top byte is signed: -128..127 -> 0..255
+            else:
+                digit = (k >> SHIFT) & 0xFF
+                match = match & ((k >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+            hist += tl.histogram(digit, 256, mask=match)
+        # the largest byte b whose keys at or above it number >= need
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        b = tl.max(tl.where(at_or_above >= need, bins, 0))
+        need -= tl.sum(tl.where(bins > b, hist, 0))
+        if SHIFT == 24:
+            prefix = (b - 128) << 24
+        else:
+            prefix = prefix | (b << SHIFT)
+
+    # -- write: keys above tau, the first `need` ties, in position order; -1 after them --
+    written = tl.zeros([], dtype=tl.int32)
+    ties_seen = tl.zeros([], dtype=tl.int32)
+    for s in tl.range(0, n, BLOCK_S):
+        pos = s + offs
+        valid = pos < n
+        k = tl.load(s_row + pos, mask=valid, other=0)
+        tie = valid & (k == prefix)
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+        take = valid & ((k > prefix) | (tie & (tie_rank < need)))
+        slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(o_row + slot, pos, mask=take)
+        written += tl.sum(take.to(tl.int32))
+        ties_seen += tl.sum(tie.to(tl.int32))
+    for s in tl.range(written, topk, BLOCK_S):
+        tl.store(o_row + s + offs, tl.full([BLOCK_S], -1, tl.int32), mask=s + offs < topk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+
+def index_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    *,
+    topk: int,
+    scale: float,
+    max_seqlen_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The `topk` causal key positions of largest index score for each new token (DSA selection).
+
+    Args:
+        q: [T, Hi, D] indexer queries of all requests' new tokens, packed (rope applied); D a
+            power of two in 16..256, Hi <= MAX_INDEX_HEADS.
+        weights: [T, Hi] float32 per-head weights (the caller folds in Hi ** -0.5).
+        index_cache: [num_blocks, block_size, 1, D] indexer keys in q's dtype (this step's keys
+            already stored; the latent cache's block ids), contiguous.
+        block_table: [B, max_blocks] int32.
+        cu_seqlens_q: [B + 1] int32 boundaries of each request's new tokens in q (empty requests
+            allowed).
+        seq_lens: [B] int32 keys of each request after this step (prefix + new tokens).
+        max_seqlen_q: the most new tokens of any request.
+        topk: positions per token (2048 in DeepSeek-V3.2).
+        scale: applied to each head's dot before the relu (D ** -0.5 in DeepSeek).
+        max_seqlen_k: optional host bound on `seq_lens` (default: the block table's width x
+            block_size); it sets the scratch's row length, hence its chunks.
+        out: optional [T, topk] int32 output (last dim contiguous).
+    Returns:
+        [T, topk] int32 logical key positions, in no particular order within a row; a token with
+        n < topk causal keys gets all n, then -1s. On ties at the topk-th score any of the tied
+        keys may be chosen. No host sync: capturable in a CUDA graph as called.
+    """
+    name = "index_topk"
+    check_index_topk(
+        name, q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, topk, scale,
+        max_seqlen_k,
+    )  # fmt: skip
+    o = index_output(name, q, topk, out)
+    T, Hi, D = q.shape
+    batch = seq_lens.shape[0]
+    if T == 0 or batch == 0:
+        return o
+    page = index_cache.shape[1]
+    bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page
+    bound = triton.cdiv(max(bound, 1), 16) * 16  # the scratch's row length
+    cfg = indexer_config(q.dtype, max_seqlen_q)
+    block_q, hi_pad = tile_shape(cfg, Hi, max_seqlen_q)
+    q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
+    chunk = max(1, min(T, SCRATCH_ELEMENTS // bound))
+    splits = num_key_splits(min(batch * q_tiles, triton.cdiv(chunk, block_q)), bound)
+    scores = torch.empty((chunk, bound), dtype=torch.int32, device=q.device)  # order keys of the scores
+    positions = token_positions(cu_seqlens_q, seq_lens, T)
+    for lo in range(0, T, chunk):
+        hi = min(T, lo + chunk)
+        _score_kernel[(q_tiles * splits, batch)](
+            q, weights, index_cache, scores,
+            block_table, cu_seqlens_q, seq_lens,
+            float(scale), lo, hi, Hi,
+            q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0),
+            index_cache.stride(0), index_cache.stride(1), scores.stride(0),
+            splits,
+            HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, HI_PAD=hi_pad, BLOCK_N=cfg.block_n,
+            PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        _select_kernel[(hi - lo,)](
+            scores, o, positions, lo, scores.stride(0), o.stride(0), topk,
+            BLOCK_S=cfg.block_s, num_warps=cfg.select_warps,
+        )  # fmt: skip
+    return o
+
+
+def token_positions(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """pos(t) of every packed token, [T] int32, on the device (no host sync): the j-th new token
+    of request i sits at seq_lens[i] - q_len_i + j."""
+    t = torch.arange(num_tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
+    req = torch.searchsorted(cu_seqlens_q, t, right=True) - 1  # the request holding token t
+    start, end = cu_seqlens_q[req], cu_seqlens_q[req + 1]
+    return (seq_lens[req] - (end - start) + (t - start)).to(torch.int32)
+
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (shared with the PyTorch twin, tilellm.kernels.reference.indexer)
