@@ -203,6 +203,16 @@ def test_max_seqlen_k_and_out_view(device):
     assert bool((wide[:, :5] == -7).all()) and bool((wide[:, 25:] == -7).all()), "wrote outside out's view"
 
 
+def test_short_max_seqlen_k_without_checks_stays_in_scratch(device, monkeypatch):
+    """A `max_seqlen_k` below seq_lens is caught by the value checks; without them (the GPU
+    outside TILELLM_DEBUG) the picks are wrong but stay within the scratch's rows (32 keys)."""
+    monkeypatch.setattr(indexer.v, "deep_checks_enabled", lambda t: False)
+    b = make([(1, 90), (4, 70)], 4, 16, device, seed=17)
+    got = indexer.index_topk(*args(b), topk=8, scale=0.25, max_seqlen_k=20).cpu()
+    assert bool((got >= 0).all()) and bool((got < 32).all()), got
+    assert all(row.unique().numel() == 8 for row in got)
+
+
 def test_fp16(device):
     b = make(MIXED, 4, 32, device, dtype=torch.float16, seed=8)
     check(b, 16, "fp16", tol=1e-4)

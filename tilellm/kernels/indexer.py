@@ -145,7 +145,7 @@ def _score_kernel(
     Q, W, Cache, Scores,  # tensors
     block_table, cu_seqlens_q, seq_lens,  # batch description
     scale, chunk_lo, chunk_hi, num_heads,
-    stride_qt, stride_qh, stride_wt, stride_bt, stride_cb, stride_cs, stride_sr,
+    stride_qt, stride_qh, stride_wt, stride_bt, stride_cb, stride_cs, stride_sr,  # stride_sr: row length
     num_splits,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, HI_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -212,7 +212,13 @@ def _score_kernel(
         score = tl.where(score == 0.0, 0.0, score)
         bits = score.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        visible = tok_ok[:, None] & key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        # (k_pos < stride_sr: a max_seqlen_k below seq_lens gives wrong picks, never a stray write)
+        visible = (
+            tok_ok[:, None]
+            & key_ok[None, :]
+            & (k_pos[None, :] <= q_pos[:, None])
+            & (k_pos < stride_sr)[None, :]
+        )
         tl.store(s_row[:, None] + k_pos[None, :], key, mask=visible)
 
 
@@ -225,7 +231,7 @@ def _select_kernel(
     """Out[t] = the topk positions of largest key among Scores[t - chunk_lo, 0..pos(t)], then -1s."""
     r = tl.program_id(0)
     t = chunk_lo + r
-    n = tl.load(positions + t) + 1  # the token's causal keys
+    n = tl.minimum(tl.load(positions + t) + 1, stride_sr)  # the token's causal keys (in the row)
     s_row = Scores + r.to(tl.int64) * stride_sr
     o_row = Out + t.to(tl.int64) * stride_ot
     offs = tl.arange(0, BLOCK_S)
