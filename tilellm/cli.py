@@ -30,6 +30,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "Time attention kernels on workloads P1-P3, D1-D4, V1, C1, S1.",
     ),
     "mla": ("tilellm.bench.mla", "Time the MLA (latent-cache) decode and verification kernels, M1-M5."),
+    "indexer": ("tilellm.bench.indexer", "Time DeepSeek-V3.2's indexer (scores + top-k) at 8k-128k context."),
+    "sparse_mla": ("tilellm.bench.sparse_mla", "Time sparse MLA (top-2048) decode and prefill, S2 and S3."),
     "moe": ("tilellm.bench.moe", "Time the fused MoE layer on DeepSeek-V2-Lite and Qwen3-30B-A3B shapes."),
     "throughput": (
         "tilellm.bench.throughput",

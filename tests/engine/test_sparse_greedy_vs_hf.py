@@ -13,6 +13,7 @@ import pytest
 from tests.engine.conftest import hf_greedy
 from tests.engine.test_greedy_vs_hf import MAX_TOKENS, _prompts, expected, run_twice
 from tests.engine.test_moe_greedy_vs_hf import MOE_CONFIGS
+from tilellm import LLM, SamplingParams
 
 
 def test_the_selection_changes_the_output(tiny_deepseek_v32, tmp_path):
@@ -42,3 +43,14 @@ def test_deepseek_v32_greedy_matches_hf(tiny_deepseek_v32, config):
         assert stats.num_preemptions > 0
     if config in ("default", "block_size_1"):
         assert stats.prefix_cache_hits > 0
+
+
+def test_triton_kernels_greedy_match_hf(tiny_deepseek_v32):
+    """The Triton indexer, sparse MLA and MoE kernels under the interpreter."""
+    prompts = _prompts()[:4]
+    want = [w[:4] for w in expected(tiny_deepseek_v32)[:4]]
+    llm = LLM(tiny_deepseek_v32, num_kv_blocks=32, attention_backend="triton", max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want

@@ -10,6 +10,9 @@
 - `merge_attention_states`: combine split-KV partial outputs by their log-sum-exp.
 - `mla_decode_attention`, `mla_paged_attention` (`mla.py`): DeepSeek's latent attention in the
   absorbed form over a paged cache of one row per token shared by every query head.
+- `index_topk` (`indexer.py`): DeepSeek-V3.2's lightning indexer: every causal key scored
+  through the block table, the top-k per query token by an exact radix select.
+- `sparse_mla_attention` (`sparse_mla.py`): MLA over each query token's selected latent rows only.
 - `fused_moe` (`moe.py`): the routed experts of an MoE layer, tokens sorted by expert into
   grouped GEMMs (gate/up with SiLU-and-mul, then down weighted by the router).
 
@@ -22,12 +25,14 @@ and every other GPU and the CPU interpreter, runs the Triton kernels).
 (full / diagonal / skipped) and the split-KV plan, for whichever of the two kernels would run.
 """
 
+from tilellm.kernels.indexer import index_topk
 from tilellm.kernels.merge import merge_attention_states
 from tilellm.kernels.mla import mla_decode_attention, mla_paged_attention
 from tilellm.kernels.moe import fused_moe
 from tilellm.kernels.paged import cascade_decode_attention, decode_attention, paged_attention
 from tilellm.kernels.prefill import prefill_attention
 from tilellm.kernels.sparse import sparse_attention
+from tilellm.kernels.sparse_mla import sparse_mla_attention
 from tilellm.kernels.store import store_kvcache
 
 __all__ = [
@@ -41,4 +46,6 @@ __all__ = [
     "mla_decode_attention",
     "mla_paged_attention",
     "fused_moe",
+    "index_topk",
+    "sparse_mla_attention",
 ]
