@@ -244,7 +244,7 @@ def _select_kernel(
     prefix = tl.zeros([], dtype=tl.int32)  # the chosen high bytes of tau, in key bits
     need = tl.minimum(topk, n)  # how many of the keys matching the prefix are still to take
     for p in tl.static_range(4):
-        SHIFT: tl.constexpr = 24 - 8 * p
+        SHIFT = 24 - 8 * p  # constexpr: p is a static_range index
         hist = tl.zeros([256], dtype=tl.int32)
         for s in tl.range(0, n_radix, BLOCK_S):
             match = s + offs < n_radix
