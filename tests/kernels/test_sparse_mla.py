@@ -249,8 +249,12 @@ def test_plan_rules():
     # decode of 64 requests at 128 heads: 64 x 2 head tiles = 128 programs fill 132 SMs
     p = sparse_mla.plan_sparse_mla(64, 128, 2048, bf16, **kw)
     assert (p.num_splits, p.programs) == (1, 128), p.reason
-    # 16 heads (one tile): 64 programs, split in 2 (whole waves: 3 would make 192 of 132)
+    # 16 heads in value halves: 64 x 2 = 128 programs, no split
     p = sparse_mla.plan_sparse_mla(64, 16, 2048, bf16, **{**kw, "config": sparse_mla.NARROW})
+    assert (p.num_splits, p.programs) == (1, 128), p.reason
+    # a 16-head tile in one piece: 64 programs, split in 2 (whole waves: 3 would make 192 of 132)
+    one_piece = sparse_mla.SparseMlaConfig(block_h=16, block_n=64, num_warps=4, num_stages=2)
+    p = sparse_mla.plan_sparse_mla(64, 16, 2048, bf16, **{**kw, "config": one_piece})
     assert (p.num_splits, p.programs) == (2, 64), p.reason
     # 8 tokens at 16 heads: 16 would fill the SMs, but segments hold >= 256 of the 2048 entries
     p = sparse_mla.plan_sparse_mla(8, 16, 2048, bf16, **{**kw, "config": sparse_mla.NARROW})

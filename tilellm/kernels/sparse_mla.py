@@ -77,19 +77,20 @@ class SparseMlaConfig:
             raise ValueError(f"SparseMlaConfig: block_h must be >= 1, got {self.block_h}")
 
 
-# Hopper (H100/H200), half precision, DeepSeek's 512 + 64. Not yet swept for this kernel
-# (`python -m tilellm.bench.sparse_mla --sweep` times SWEEP_CONFIGS): the picks are the dense
-# kernel's measured ones (`tilellm.kernels.mla`'s table), whose inner step is this kernel's
-# with contiguous instead of selected rows.
+# Hopper (H100/H200), half precision, DeepSeek's 512 + 64, from `python -m
+# tilellm.bench.sparse_mla --sweep` on an H200 (S2: 64 tokens x top-2048 over 64k contexts).
 # - WIDE (> 16 heads): tiles of 64 heads, 64 selected rows per step, 8 warps, two stages, the
 #   512 values in one piece (dense M1 at 128 heads: 271 TFLOP/s, ahead of 128-head tiles in
 #   value halves).
+#   S2 at 128 heads: 0.220 ms, the fastest of the sweep (128-head tiles in halves: 0.240).
 # - NARROW (<= 16 heads, e.g. 128 heads over 8 tensor-parallel ranks): 16-row tiles over 4
-#   warps, 64 selected rows per step, two stages (dense M3: 2849 GB/s).
+#   warps, 32 selected rows per step three deep, the values in two halves (two programs per
+#   token: 64 tokens alone would fill half the SMs): S2 at 16 heads 0.181 ms, against 0.217 for
+#   the dense kernel's pick (64 rows a step, two stages, one piece, two key segments).
 # - kv_lora_rank > 512: value halves.
 # - fp32 (tests on a GPU): 16 x 16 tiles. The interpreter: the same, one stage.
 WIDE = SparseMlaConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
-NARROW = SparseMlaConfig(block_h=16, block_n=64, num_warps=4, num_stages=2)
+NARROW = SparseMlaConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, value_splits=2)
 FP32 = SparseMlaConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
 INTERPRETER = SparseMlaConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 # What `tilellm.bench.sparse_mla --sweep` times beside the table's pick.
