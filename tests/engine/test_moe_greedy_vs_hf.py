@@ -49,10 +49,12 @@ def test_v3_and_qwen3_moe_greedy_match_hf(request, model, config):
     assert second == want
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", ["tiny_deepseek_v2"])
 def test_triton_kernels_greedy_match_hf(request, model):
     """The Triton MLA / MoE / prefill kernels under the interpreter: prefill, cached-prefix and
-    chunked steps, and decode."""
+    chunked steps, and decode. (DeepSeek-V2 runs every kernel the other two would: MLA, the
+    unequal-dims prefill and fused MoE; V3's router and Qwen3-MoE's GQA are PyTorch or covered
+    by the dense models' Triton test. On a GPU the whole file runs the Triton kernels.)"""
     model_dir = request.getfixturevalue(model)
     prompts = _prompts()[:4]
     want = [w[:4] for w in expected(model_dir)[:4]]
