@@ -38,9 +38,7 @@ def test_deepseek_v2_greedy_matches_hf(tiny_deepseek_v2, config):
 
 
 @pytest.mark.parametrize("model", ["tiny_deepseek_v3", "tiny_qwen3_moe"])
-@pytest.mark.parametrize(
-    "config", ["default", "no_prefix_cache", "block_size_64", "tiny_pool_preempts", "chunked_prefill"]
-)
+@pytest.mark.parametrize("config", list(MOE_CONFIGS))
 def test_v3_and_qwen3_moe_greedy_match_hf(request, model, config):
     model_dir = request.getfixturevalue(model)
     _, first, second = run_twice(model_dir, **MOE_CONFIGS[config])

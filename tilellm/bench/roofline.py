@@ -28,7 +28,8 @@ class ModelCost:
     num_experts: int
     top_k: int
     kv_bytes_per_token: int  # over every layer
-    attn_flops_per_key: int  # per query token per key, over every layer (QK^T and PV)
+    attn_flops_per_key: int  # per query token per key, over every layer (QK^T and PV), decode
+    prefill_attn_flops_per_key: int  # the same in prefill (MLA expands the latents: 192 + 128 wide)
 
     def active_params(self) -> int:
         return self.dense_params + self.num_moe_layers * self.top_k * self.expert_params
@@ -56,14 +57,16 @@ def model_cost(config: Any, itemsize: int = 2) -> ModelCost:
         q = h * hq * (dn + dr) if not q_rank else h * q_rank + q_rank * hq * (dn + dr)
         attn = q + h * (rank + dr) + rank * hq * (dn + dv) + hq * dv * h
         kv_per_layer = (rank + dr) * itemsize
-        # absorbed decode: each head scores 576-dim rows and sums 512-dim latents
+        # absorbed decode: each head scores 576-dim rows and sums 512-dim latents; prefill runs on
+        # the expanded heads (qk dn + dr, v dv)
         flops_per_key = 2 * hq * ((rank + dr) + rank)
+        prefill_flops_per_key = 2 * hq * (dn + dr + dv)
     else:
         d = _get(config, "head_dim") or h // hq
         hkv = _get(config, "num_key_value_heads") or hq
         attn = h * (hq + 2 * hkv) * d + hq * d * h
         kv_per_layer = 2 * hkv * d * itemsize
-        flops_per_key = 4 * hq * d
+        flops_per_key = prefill_flops_per_key = 4 * hq * d
     num_experts = int(_get(config, "n_routed_experts") or _get(config, "num_experts") or 0)
     moe_inter = _get(config, "moe_intermediate_size") or 0
     if num_experts:
@@ -89,6 +92,7 @@ def model_cost(config: Any, itemsize: int = 2) -> ModelCost:
         top_k=int(_get(config, "num_experts_per_tok", 0) or 0),
         kv_bytes_per_token=layers * kv_per_layer,
         attn_flops_per_key=layers * flops_per_key,
+        prefill_attn_flops_per_key=layers * prefill_flops_per_key,
     )
 
 
@@ -100,7 +104,7 @@ def workload_roofline_s(
     cost = model_cost(config)
     rate = matmul_tflops * 1e12
     prefill = sum(
-        2 * cost.active_params() * n + cost.attn_flops_per_key * n * (n + 1) / 2 for n in prompt_lens
+        2 * cost.active_params() * n + cost.prefill_attn_flops_per_key * n * (n + 1) / 2 for n in prompt_lens
     )
     seconds = prefill / rate
     # decode step t (t = 1 .. max - 1: the first output token comes with the prefill)

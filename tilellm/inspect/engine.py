@@ -102,7 +102,6 @@ def snapshot_engine(engine: Any) -> EngineSnapshot:
         num_kv_heads, head_dim = 1, kv_lora_rank + int(cfg.qk_rope_head_dim)
         prefill_head_dim = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
         prefill_v_head_dim = int(cfg.v_head_dim)
-    kv_spec = getattr(engine.runner, "kv_spec", None)
     selection = _selection(engine, step, tables)
     return EngineSnapshot(
         request_ids=tuple(ids),
@@ -122,7 +121,7 @@ def snapshot_engine(engine: Any) -> EngineSnapshot:
         kv_lora_rank=kv_lora_rank,
         prefill_head_dim=prefill_head_dim,
         prefill_v_head_dim=prefill_v_head_dim,
-        kv_bytes_per_token=int(kv_spec.bytes_per_token) if kv_spec is not None else 0,
+        kv_bytes_per_token=int(getattr(engine.runner, "kv_bytes_per_token", 0) or 0),
         selection=selection,
     )
 

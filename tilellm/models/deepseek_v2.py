@@ -190,18 +190,23 @@ class DeepseekV2ForCausalLM(nn.Module):
     @classmethod
     def router_config(cls, config: Any) -> RouterConfig:
         """DeepSeek-V2: softmax scores; `group_limited_greedy` keeps the `topk_group` groups with
-        the best single expert. (norm_topk_prob is honoured, as DeepSeek's own code does.)"""
+        the best single expert. As DeepSeek's own gate: the weights are renormalised when
+        `norm_topk_prob` (and top-k > 1), otherwise scaled by `routed_scaling_factor`."""
         method = getattr(config, "topk_method", "greedy") or "greedy"
         grouped = method == "group_limited_greedy"
+        top_k = int(config.num_experts_per_tok)
+        renormalize = bool(getattr(config, "norm_topk_prob", False)) and top_k > 1
+        scaling = 1.0 if renormalize else float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
         return RouterConfig(
             num_experts=_num_routed_experts(config),
-            top_k=int(config.num_experts_per_tok),
+            top_k=top_k,
             scoring=getattr(config, "scoring_func", "softmax") or "softmax",
             num_groups=int(config.n_group or 1) if grouped else 1,
             topk_groups=int(config.topk_group or 1) if grouped else 1,
             group_score="max",
-            renormalize=bool(getattr(config, "norm_topk_prob", False)),
-            scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+            renormalize=renormalize,
+            scaling_factor=scaling,
+            fp32_gate=True,
         )
 
     def __init__(
@@ -227,18 +232,21 @@ class DeepseekV2ForCausalLM(nn.Module):
         router = self.router_config(config) if _num_routed_experts(config) else None
         first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
         freq = int(getattr(config, "moe_layer_freq", 1) or 1)
+        layer_types = getattr(config, "mlp_layer_types", None)  # DeepSeek-V3.2's explicit list, if any
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
         shared = int(getattr(config, "n_shared_experts", 0) or 0) * int(config.moe_intermediate_size or 0)
         tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         layers = []
         for i in range(config.num_hidden_layers):
             attn = self.attention_class(config, rotary, attn_backend, fused_ops, interleave, tp_rank, tp_size)
-            if router is not None and i >= first_dense and i % freq == 0:
+            sparse = layer_types[i] == "sparse" if layer_types else i >= first_dense and i % freq == 0
+            if router is not None and sparse:
                 mlp: nn.Module = MoEBlock(
                     config.hidden_size, config.moe_intermediate_size, router, moe_ops, fused_ops,
-                    shared_intermediate_size=shared, **tp,
+                    shared_intermediate_size=shared, mlp_bias=mlp_bias, **tp,
                 )  # fmt: skip
             else:
-                mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, fused_ops, **tp)
+                mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, fused_ops, **tp)
             layers.append(
                 DeepseekV2DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, fused_ops)
             )
@@ -275,4 +283,5 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
             renormalize=bool(getattr(config, "norm_topk_prob", True)),
             scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
             correction_bias=True,
+            fp32_gate=True,
         )

@@ -20,6 +20,7 @@ import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tilellm.attention import AttentionBackend
@@ -42,6 +43,7 @@ class DeepseekV32Indexer(nn.Module):
         self.wk = ReplicatedLinear(config.hidden_size, self.head_dim)
         self.k_norm = LayerNorm(self.head_dim, INDEX_NORM_EPS)
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads)
+        self.weights_proj.weight.keep_fp32 = True  # type: ignore[attr-defined]  # as transformers keeps it
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor, rotary: RotaryEmbedding
@@ -54,7 +56,7 @@ class DeepseekV32Indexer(nn.Module):
         q_rot, k_rot = rotary(positions, q[..., :r], k[..., :r])
         q = torch.cat((q_rot, q[..., r:]), dim=-1)
         k = torch.cat((k_rot, k[..., r:]), dim=-1).squeeze(1)
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        weights = F.linear(x.float(), self.weights_proj.weight) * self.num_heads**-0.5
         return q, weights, k
 
 

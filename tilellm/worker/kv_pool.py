@@ -55,8 +55,9 @@ class KVSpec:
 
 @dataclass(frozen=True)
 class PooledSpec:
-    """Caches that share one set of block ids (a target model's and its draft model's): a block
-    id then costs a block in each, and the pool is sized by their sum."""
+    """Caches that share one set of block ids (a model's K/V or latent rows, DeepSeek-V3.2's
+    indexer keys, a draft model's K/V): a block id then costs a block in each, and the pool is
+    sized by their sum."""
 
     specs: tuple[KVSpec, ...]
 

@@ -160,6 +160,7 @@ class ModelRunner:
             kv_caches_per_layer(self.hf_config),
         )
         index_dim = index_head_dim(self.hf_config)
+        self._selection_layer = None  # the layer whose selection `tilellm inspect` shows
         self.index_spec = (  # DeepSeek-V3.2's indexer keys: one more cache of rows, one per layer
             kv_pool.KVSpec(num_layers, 1, index_dim, config.block_size, self.dtype, 1) if index_dim else None
         )
@@ -210,7 +211,7 @@ class ModelRunner:
             layout += f", indexer keys of {self.index_spec.head_dim}"
         logger.info(
             "KV cache: %d bytes per token (%s); %d blocks of %d tokens = %d tokens, %.2f GiB",
-            self.pool_spec.block_bytes // self.block_size, layout, num_blocks, self.block_size,
+            self.kv_bytes_per_token, layout, num_blocks, self.block_size,
             num_blocks * self.block_size, num_blocks * self.pool_spec.block_bytes / 2**30,
         )  # fmt: skip
         self.max_model_len = kv_pool.check_fits(
@@ -302,6 +303,7 @@ class ModelRunner:
                 rows += graph_logits_rows(self.config.max_num_seqs, False)
             reserve += rows * self.vocab_size * self.dtype.itemsize
         reserve += self.config.max_num_seqs * self.vocab_size * 5  # penalties' counts and prompt masks
+        reserve += self._mla_reserve_bytes()
         return kv_pool.gpu_num_blocks(
             self.pool_spec,
             peak_activation_bytes=peak - current,
@@ -341,6 +343,23 @@ class ModelRunner:
         }
         self.sampler(logits, host.to_metadata(dev))
 
+    def _mla_reserve_bytes(self) -> int:
+        """Memory of MLA steps that the profiling pass (a dense prefill) does not reach: the
+        absorbed queries and latent outputs of a full-budget chunked step ([T, H, 2L + Dr]), and for
+        sparse attention the selection ([T, index_topk] indices) and the indexer's score scratch."""
+        from tilellm.kernels.indexer import SCRATCH_ELEMENTS
+
+        spec = self.attn_spec
+        if not spec.kv_lora_rank:
+            return 0
+        tokens = self.config.max_num_batched_tokens
+        absorbed = tokens * spec.num_heads * (spec.head_dim + spec.kv_lora_rank) * self.dtype.itemsize
+        if self.index_spec is None:
+            return absorbed
+        topk = int(self.hf_config.index_topk)
+        scratch = SCRATCH_ELEMENTS * 4  # int32 score keys
+        return absorbed + tokens * topk * 4 + 2 * scratch  # one scratch in the graphs' pool too
+
     def _bind_kv_pool(self) -> None:
         self.kv_cache = kv_pool.allocate_kv_pool(self.kv_spec, self.num_kv_blocks, self.device)
         layers = self.model.attention_layers()
@@ -354,6 +373,8 @@ class ModelRunner:
             self.index_cache = kv_pool.allocate_kv_pool(self.index_spec, self.num_kv_blocks, self.device)
             for i, layer in enumerate(layers):
                 layer.bind_index_cache(self.index_cache[0, i])
+            layers[0].record_selection = True
+            self._selection_layer = layers[0]
 
     def _synthetic_inputs(
         self, q_lens: list[int], seq_lens: list[int], cascade_prefix: int = 0
@@ -464,8 +485,14 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block over every layer of this rank, K and V."""
-        return self.kv_spec.block_bytes
+        """Bytes of one KV block over every layer of this rank: K and V (or MLA's latent rows),
+        plus DeepSeek-V3.2's indexer keys."""
+        return self.kv_spec.block_bytes + (self.index_spec.block_bytes if self.index_spec is not None else 0)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token costs this model on this rank (the draft model's not counted)."""
+        return self.block_bytes // self.block_size
 
     # Read-outs of the graphs (benchmarks, tests).
     @property
@@ -506,6 +533,8 @@ class ModelRunner:
         `prompt_logits_indices` rows (the top `num_prompt_logprobs`; -1 on the workers, which only
         take part in the LM head's collectives). Every rank runs this on the same inputs."""
         if x.graph_size:
+            if self._selection_layer is not None:  # a replay runs no Python: nothing to show
+                self._selection_layer.last_topk_indices = None
             return self.decode_graphs.replay(x), None
         with attention_context(self._plan(x)):
             hidden = self.model(x.input_ids, x.positions)

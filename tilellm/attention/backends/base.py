@@ -240,7 +240,8 @@ class AttentionBackend:
         (`index_topk` scores every causal key of its request through the block table), and attends
         over those rows only, in the absorbed form (`sparse_mla_attention`), whatever the step's
         kind: prefill chunks, decode and verification alike. The profiling pass before the pool
-        exists runs `forward_mla`'s dense prefill (its memory, not its selection, is what counts).
+        exists runs `forward_mla`'s dense prefill; the runner reserves the memory the selection and
+        the absorbed form take beyond it (`ModelRunner._mla_reserve_bytes`).
         """
         cache, index_cache = layer.kv_cache, layer.index_cache
         if cache.numel() == 0:
@@ -253,7 +254,9 @@ class AttentionBackend:
             index_q, index_weights, index_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
             meta.max_seqlen_q, topk=layer.index_topk, scale=layer.index_scale, max_seqlen_k=meta.max_seqlen_k,
         )  # fmt: skip  # [T, topk] logical key positions, -1 = none
-        layer.last_topk_indices = topk_indices  # for the inspector (a reference, no copy)
+        capturing = q_nope.is_cuda and torch.cuda.is_current_stream_capturing()
+        if layer.record_selection and not capturing:
+            layer.last_topk_indices = topk_indices  # for the inspector: one layer, eager steps only
         w_uk, w_uv = _mla_up_projections(layer, kv_b_weight)
         q_abs = _absorb_query(q_nope, q_pe, w_uk)
         o_latent = ops.sparse_mla_attention(

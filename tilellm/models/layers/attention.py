@@ -120,7 +120,9 @@ class SparseMLAAttention(MLAAttention):
         self.index_head_dim = index_head_dim
         self.index_scale = index_head_dim**-0.5
         self.index_cache = torch.empty(0)  # bound by the runner with the latent cache
-        # [T, index_topk] the last step's selection (set by the backend; `tilellm inspect` reads it)
+        # [T, index_topk] the last eager step's selection, kept when `record_selection` (the runner
+        # sets it on the first layer; `tilellm inspect` reads it; graph replays clear it)
+        self.record_selection = False
         self.last_topk_indices: torch.Tensor | None = None
 
     def bind_index_cache(self, index_cache: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ class RouterConfig:
     renormalize: bool = False  # weights divided by their sum over the chosen experts
     scaling_factor: float = 1.0  # routed_scaling_factor, applied last
     correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (choice only, not weights)
+    fp32_gate: bool = False  # the gate's weight kept in float32 (DeepSeek's, as transformers keeps it)
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid"):
@@ -57,6 +58,11 @@ class RouterConfig:
             )
         if not 1 <= self.topk_groups <= self.num_groups:
             raise ValueError(f"topk_group ({self.topk_groups}) must be in 1..n_group ({self.num_groups})")
+        if self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) is more than the experts of topk_group "
+                f"({self.topk_groups}) groups of {self.num_experts // self.num_groups}"
+            )
 
 
 def select_experts(
@@ -87,12 +93,15 @@ def select_experts(
 
 
 class MoERouter(nn.Module):
-    """The gate: logits = x W^T in fp32 (W [E, H]; DeepSeek-V3's correction bias [E] beside it)."""
+    """The gate: logits = x W^T in fp32 (W [E, H], in fp32 itself with `fp32_gate`; DeepSeek-V3's
+    correction bias [E] beside it)."""
 
     def __init__(self, hidden_size: int, config: RouterConfig):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size), requires_grad=False)
+        if config.fp32_gate:
+            self.weight.keep_fp32 = True  # type: ignore[attr-defined]
         if config.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False)
             self.e_score_correction_bias.keep_fp32 = True  # type: ignore[attr-defined]  # ranks tie closely
@@ -177,6 +186,7 @@ class MoEBlock(nn.Module):
         fused_ops: types.ModuleType,
         *,
         shared_intermediate_size: int = 0,
+        mlp_bias: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
     ):
@@ -191,7 +201,7 @@ class MoEBlock(nn.Module):
             self.shared_experts = GatedMLP(
                 hidden_size,
                 shared_intermediate_size,
-                False,
+                mlp_bias,
                 fused_ops,
                 tp_rank,
                 tp_size,
