@@ -117,7 +117,10 @@ def test_serve_shuts_down_gracefully_on_signal(tiny_model_dir, sig, grace, max_t
 
 def test_serve_exits_nonzero_when_its_engine_dies(tiny_model_dir):
     """kill -9 of the engine process: the request in flight gets a 503 engine_dead and `tilellm
-    serve` exits with status 1, for a supervisor to restart it."""
+    serve` exits with status 1, for a supervisor to restart it.
+
+    The engine is frozen (SIGSTOP) before the request is sent, so that the request is surely in
+    flight when the engine dies (a tiny model can finish 240 tokens before a fixed sleep ends)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _start_serve(tiny_model_dir, port, "--served-model-name", MODEL_NAME)
@@ -132,8 +135,10 @@ def test_serve_exits_nonzero_when_its_engine_dies(tiny_model_dir):
                 httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
             )
         )
+        os.kill(engine_pid, signal.SIGSTOP)
         sender.start()
         time.sleep(1.0)
+        assert not got  # waiting on the frozen engine
         os.kill(engine_pid, signal.SIGKILL)
         sender.join(60)
         assert proc.wait(timeout=60) == 1
