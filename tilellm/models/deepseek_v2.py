@@ -45,6 +45,7 @@ from tilellm.models.layers.mlp import GatedMLP
 from tilellm.models.layers.moe import MoEBlock, RouterConfig
 from tilellm.models.layers.ops import resolve_fused_ops, resolve_moe_ops
 from tilellm.models.layers.rotary_embedding import RotaryEmbedding, rope_config, yarn_softmax_scale
+from tilellm.models.llama import PreNormDecoderLayer
 from tilellm.models.parallel import divide
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default epsilon, not rms_norm_eps.
@@ -107,12 +108,16 @@ class DeepseekV2Attention(nn.Module):
             self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, r, self.v_head_dim, scale, attn_backend
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, positions: torch.Tensor, hidden: torch.Tensor, q_resid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> (q_nope [T, H, Dn], q_pe [T, H, Dr], latent [T, L], k_pe [T, Dr]),
+        rope applied. `q_resid`: the q latent when the caller already has it (DeepSeek-V3.2)."""
         t = hidden.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q = self.q_b_proj(q_resid if q_resid is not None else self.q_a_layernorm(self.q_a_proj(hidden)))
         q = q.view(t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_a = self.kv_a_proj_with_mqa(hidden)
@@ -122,12 +127,16 @@ class DeepseekV2Attention(nn.Module):
         if self.rope_perm is not None:
             q_pe, k_pe = q_pe[..., self.rope_perm], k_pe[..., self.rope_perm]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
-        o = self.attn(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight)  # [T, H, Dv]
-        return self.o_proj(o.reshape(t, self.num_heads * self.v_head_dim))
+        return q_nope, q_pe, latent, k_pe.squeeze(1)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q_nope, q_pe, latent, k_pe = self.project(positions, hidden)
+        o = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight)  # [T, H, Dv]
+        return self.o_proj(o.reshape(hidden.shape[0], self.num_heads * self.v_head_dim))
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    """Pre-norm block with the residual carried separately (fused into the next RMSNorm)."""
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
+    """DeepSeek's block: MLA attention and a dense or MoE MLP, pre-norm (see `PreNormDecoderLayer`)."""
 
     def __init__(self, self_attn: DeepseekV2Attention, mlp: nn.Module, hidden: int, eps: float, fused_ops):
         super().__init__()
@@ -135,17 +144,6 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden, eps, fused_ops)
         self.post_attention_layernorm = RMSNorm(hidden, eps, fused_ops)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekV2Model(nn.Module):

@@ -85,22 +85,11 @@ class DeepseekV32Attention(DeepseekV2Attention):
         self.indexer = DeepseekV32Indexer(config)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
-        q = self.q_b_proj(q_resid).view(t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_a = self.kv_a_proj_with_mqa(hidden)
-        latent, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        k_pe = k_pe.unsqueeze(1)
-        if self.rope_perm is not None:
-            q_pe, k_pe = q_pe[..., self.rope_perm], k_pe[..., self.rope_perm]
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden))  # read by both the MLA and the indexer
+        q_nope, q_pe, latent, k_pe = self.project(positions, hidden, q_resid)
         index_q, index_weights, index_k = self.indexer(positions, hidden, q_resid, self.rotary_emb)
-        o = self.attn(
-            q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj.weight, index_q, index_weights, index_k
-        )
-        return self.o_proj(o.reshape(t, self.num_heads * self.v_head_dim))
+        o = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, index_q, index_weights, index_k)
+        return self.o_proj(o.reshape(hidden.shape[0], self.num_heads * self.v_head_dim))
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):

@@ -103,9 +103,30 @@ class LlamaMLP(GatedMLP):
         )
 
 
-class LlamaDecoderLayer(nn.Module):
+class PreNormDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream is carried separately so that each residual add is
-    fused into the next RMSNorm: (hidden, residual) -> (hidden, residual)."""
+    fused into the next RMSNorm: (hidden, residual) -> (hidden, residual). Subclasses build
+    `self_attn`, `mlp`, `input_layernorm` and `post_attention_layernorm` (the checkpoints' names)."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """Llama's block: `LlamaAttention` and the gated MLP (or an MoE block)."""
 
     def __init__(
         self,
@@ -123,17 +144,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = make_mlp()  # LlamaMLP, or an MoE block (Qwen3-MoE); built after attention
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
