@@ -196,17 +196,26 @@ def paged_schedule(
                         hi = max(lo, min(lo + seg, kv_end))
                     else:
                         lo, hi = 0, kv_end
-                    full_hi = max(min(full_end, hi), lo)
-                    masked_lo = max(full_end, lo)
-                    full = cdiv(full_hi - lo, bn)
-                    diag = cdiv(max(hi - masked_lo, 0), bn)
-                    skipped = total - cdiv(kv_end, bn) if split == splits - 1 else 0
-                    first = lo // bn if full + diag else -1
-                    last = first + full + diag - 1 if full + diag else -1
                     sched.programs.append(
-                        ProgramTiles(req, kv_head, q_tile, split, full, diag, skipped, first, last)
+                        _segment_tiles(
+                            req, kv_head, q_tile, split, splits, lo, hi, kv_end, full_end, bn, total
+                        )
                     )
     return sched
+
+
+def _segment_tiles(
+    req: int, head: int, q_tile: int, split: int, splits: int,
+    lo: int, hi: int, kv_end: int, full_end: int, bn: int, total: int,
+) -> ProgramTiles:  # fmt: skip
+    """One program's key tiles over its segment [lo, hi) of the keys: unmasked below `full_end`
+    (visible to every row), masked above; `skipped` (future tiles) on the last segment only."""
+    full = cdiv(max(min(full_end, hi), lo) - lo, bn)
+    diag = cdiv(max(hi - max(full_end, lo), 0), bn)
+    skipped = total - cdiv(kv_end, bn) if split == splits - 1 else 0
+    first = lo // bn if full + diag else -1
+    last = first + full + diag - 1 if full + diag else -1
+    return ProgramTiles(req, head, q_tile, split, full, diag, skipped, first, last)
 
 
 def mla_schedule(
@@ -266,14 +275,9 @@ def mla_schedule(
                         hi = max(lo, min(lo + seg, kv_end))
                     else:
                         lo, hi = 0, kv_end
-                    full_hi = max(min(full_end, hi), lo)
-                    masked_lo = max(full_end, lo)
-                    full = cdiv(full_hi - lo, bn)
-                    diag = cdiv(max(hi - masked_lo, 0), bn)
-                    skipped = total - cdiv(kv_end, bn) if split == splits - 1 else 0
-                    first = lo // bn if full + diag else -1
-                    last = first + full + diag - 1 if full + diag else -1
                     sched.programs.append(
-                        ProgramTiles(req, head_tile, q_tile, split, full, diag, skipped, first, last)
+                        _segment_tiles(
+                            req, head_tile, q_tile, split, splits, lo, hi, kv_end, full_end, bn, total
+                        )
                     )
     return sched
