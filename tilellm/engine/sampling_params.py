@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow the logits.
 GREEDY_EPS = 1e-5
@@ -12,6 +13,10 @@ MAX_N = 128  # samples per prompt (OpenAI's limit on `n`)
 # make every step slow (OpenAI allows 4; vLLM sets no bound).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # their total length
+# Bad words (vLLM's limits): token sequences per request, after tokenization, and the longest
+# prefix a sequence may have (the device keeps that many recent output tokens per sequence slot).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_PREFIX = 16
 
 
 @dataclass
@@ -88,7 +93,10 @@ class SamplingParams:
     of every token seen in the prompt or the output; `frequency_penalty` f and `presence_penalty`
     p (0 = off, in [-2, 2]) subtract f x (times the token was generated) and p x (whether it was);
     `logit_bias` {token id: bias in [-100, 100]} adds to logits; `allowed_token_ids` keeps only
-    those tokens. `structured_outputs` (`StructuredOutputsParams`): the output follows a JSON
+    those tokens. `bad_words`: words never generated: each word's token sequences (the word and
+    " " + word, as vLLM's `update_from_tokenizer` makes them) have their last token banned (-inf)
+    at every step whose last output tokens are the rest of the sequence (the prompt does not
+    count). `structured_outputs` (`StructuredOutputsParams`): the output follows a JSON
     schema, a regex, a choice or a grammar (token masks from xgrammar). `prompt_logprobs=k`: each
     prompt token's log-probability given the tokens before it, with the top k (the first token
     has none); such a request skips the prefix cache, whose blocks hold no logits.
@@ -113,8 +121,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # The token sequences of `bad_words`, set by `update_from_tokenizer` (the engine calls it).
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check()
@@ -122,6 +133,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
         self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
+        self.bad_words = list(dict.fromkeys(self.bad_words)) if self.bad_words else None
         if self.temperature < GREEDY_EPS:
             # Greedy: the other filters cannot change an argmax.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
@@ -204,6 +216,13 @@ class SamplingParams:
             or not all(_is_int(t) and t >= 0 for t in allowed)
         ):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        if words is not None and len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"SamplingParams.bad_words has {len(words)} words; the limit is {MAX_BAD_WORDS}")
 
     def check_request(self, num_prompt_tokens: int, max_model_len: int, vocab_size: int) -> int:
         """The one rule for a request of a `num_prompt_tokens`-token prompt with these settings,
@@ -227,6 +246,7 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids or ()),
             ("logit_bias", self.logit_bias or ()),
             ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words", [t for seq in self._bad_words_token_ids or () for t in seq]),
         ):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
@@ -235,6 +255,40 @@ class SamplingParams:
                 )
         room = max_model_len - num_prompt_tokens
         return room if self.max_tokens is None else min(self.max_tokens, room)
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` (vLLM's rule): each word, without its leading whitespace, as is
+        and after a space; the spaced form is kept when it starts with another token and has as
+        many tokens (the same word in the middle of a text), as vLLM's `update_from_tokenizer`.
+        ValueError naming `bad_words` when a word gives no token, there are more than
+        MAX_BAD_WORDS sequences, or one is longer than MAX_BAD_WORD_PREFIX + 1 tokens."""
+        if not self.bad_words:
+            self._bad_words_token_ids = None
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise ValueError(f"SamplingParams.bad_words: {word!r} gives no token")
+            if len(plain) > MAX_BAD_WORD_PREFIX + 1:
+                raise ValueError(
+                    f"SamplingParams.bad_words: {word!r} is {len(plain)} tokens; "
+                    f"the limit is {MAX_BAD_WORD_PREFIX + 1}"
+                )
+            seqs.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                seqs.append(spaced)
+        if len(seqs) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"SamplingParams.bad_words make {len(seqs)} token sequences; the limit is {MAX_BAD_WORDS}"
+            )
+        self._bad_words_token_ids = seqs
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """The token sequences of `bad_words` (after `update_from_tokenizer`), else None."""
+        return self._bad_words_token_ids
 
     @property
     def is_greedy(self) -> bool:
@@ -248,4 +302,9 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Anything that changes the logits before sampling besides temperature and the filters."""
-        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )

@@ -10,6 +10,7 @@ import numpy as np
 
 from tilellm.engine.sampling_params import SamplingParams
 from tilellm.kernels.sampling import seed_keys
+from tilellm.worker.logits_processors import NO_TOKEN
 from tilellm.worker.sampler import HostSampling
 
 
@@ -44,6 +45,8 @@ class SamplingTable:
         self.repetition = np.ones(max_rows, dtype=np.float32)
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> token ids, biases
         self.allowed: dict[int, np.ndarray] = {}  # row -> the only token ids it may draw
+        # row -> its bad words' last tokens [K] and prefixes [K, P] (right-aligned, NO_TOKEN-padded)
+        self.bad_words: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def set_row(
         self,
@@ -89,6 +92,9 @@ class SamplingTable:
         self.allowed.pop(row, None)
         if params.allowed_token_ids is not None:
             self.allowed[row] = np.unique(np.asarray(params.allowed_token_ids, dtype=np.int64))
+        self.bad_words.pop(row, None)
+        if params.bad_words_token_ids:
+            self.bad_words[row] = _bad_word_arrays(params.bad_words_token_ids)
 
     def gather(self, rows: np.ndarray, num_tokens: np.ndarray) -> HostSampling:
         """Inputs for `rows` sampling their token number `num_tokens - num_prompt`."""
@@ -133,9 +139,39 @@ class SamplingTable:
                 )
                 out.allowed_rows = np.zeros(len(rows), dtype=bool)
                 out.allowed_rows[[i for i, _ in which]] = True
+        if self.bad_words:
+            which = [(i, self.bad_words[r]) for i, r in enumerate(rows.tolist()) if r in self.bad_words]
+            if which:
+                _gather_bad_words(out, rows, which)
         if self.min_tokens_ban:
             short = np.nonzero(steps < self.min_tokens[rows])[0]
             pairs = [(i, t) for i in short.tolist() for t in self.min_tokens_ban.get(int(rows[i]), [])]
             if pairs:
                 out.banned = np.asarray(pairs, dtype=np.int64).T.copy()
         return out
+
+
+def _bad_word_arrays(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """A request's bad-word token sequences as last tokens [K] and prefixes [K, P]."""
+    width = max(len(t) for t in seqs) - 1
+    prefixes = np.full((len(seqs), width), NO_TOKEN, dtype=np.int64)
+    for k, t in enumerate(seqs):
+        if len(t) > 1:
+            prefixes[k, width - len(t) + 1 :] = t[:-1]
+    return np.asarray([t[-1] for t in seqs], dtype=np.int64), prefixes
+
+
+def _gather_bad_words(
+    out: HostSampling, rows: np.ndarray, which: list[tuple[int, tuple[np.ndarray, np.ndarray]]]
+) -> None:
+    """The step's bad words (`which`: step row, its table entry) into `out`; the prefixes and
+    the slots only when a word has more than one token."""
+    out.bad_word_pairs = np.concatenate(
+        [np.stack([np.full(len(ids), i), ids]) for i, (ids, _) in which], axis=1
+    )
+    width = max(p.shape[1] for _, (_, p) in which)
+    if width:
+        out.bad_word_prefixes = np.concatenate(
+            [np.pad(p, ((0, 0), (width - p.shape[1], 0)), constant_values=NO_TOKEN) for _, (_, p) in which]
+        )
+        out.bad_word_slots = rows

@@ -1,5 +1,5 @@
-"""Logits processing before sampling: penalties, logit bias, allowed tokens (vLLM's definitions),
-and structured outputs' token bitmasks.
+"""Logits processing before sampling: penalties, logit bias, allowed tokens, bad words (vLLM's
+definitions), and structured outputs' token bitmasks.
 
     state = PenaltyState(max_rows, vocab_size, device)   # per-slot token counts, on the device
     state.reset_row(row, prompt_ids, output_ids)          # when a sequence takes a slot
@@ -11,6 +11,10 @@ the prompt. Both live on the device as one row per sequence slot (`[max_num_seqs
 the first time a request asks for a penalty): a slot is reset when a sequence is admitted to it
 (from its prompt and the tokens it generated before, after a preemption) and counts each token
 the sampler draws for it, straight from the device, so no step waits for the host.
+
+Bad words work the same way with less: `BadWordsState` keeps each slot's last `RECENT_TOKENS`
+output tokens, reset when a sequence takes the slot and shifted by the sampler, so a step's ban
+of a word's last token follows the tokens of the step before even when the host has not seen them.
 """
 
 from __future__ import annotations
@@ -48,6 +52,55 @@ class PenaltyState:
         if self.counts is None:
             return
         self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+
+# Output tokens kept per slot for bad words: at least SamplingParams' MAX_BAD_WORD_PREFIX.
+RECENT_TOKENS = 16
+NO_TOKEN = -1  # a recent-token entry before the first output token; a prefix entry matching anything
+
+
+class BadWordsState:
+    """The last RECENT_TOKENS output tokens of every sequence slot, oldest first (see the module
+    docstring); NO_TOKEN where the sequence has generated fewer."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        self.device = device
+        self.recent = torch.full((max_rows, RECENT_TOKENS), NO_TOKEN, dtype=torch.int64, device=device)
+
+    def reset_row(self, row: int, output_ids: list[int]) -> None:
+        """A sequence took slot `row`, having generated `output_ids` before (none when new)."""
+        tail = output_ids[-RECENT_TOKENS:]
+        self.recent[row].fill_(NO_TOKEN)
+        if tail:
+            ids = torch.tensor(tail, dtype=torch.int64)
+            if self.device.type == "cuda":  # pinned: the copy does not wait for the step in flight
+                ids = ids.pin_memory()
+            self.recent[row, RECENT_TOKENS - len(tail) :].copy_(ids, non_blocking=True)
+
+    def add_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append `tokens[i]` to slot `rows[i]` ([N] int64 each, on the device)."""
+        self.recent[rows] = torch.cat([self.recent[rows, 1:], tokens[:, None]], dim=1)
+
+
+def apply_bad_words(
+    logits: torch.Tensor,
+    recent: torch.Tensor | None,
+    pairs: tuple[torch.Tensor, torch.Tensor],
+    prefixes: torch.Tensor | None,
+) -> torch.Tensor:
+    """logits [N, V] float32 with -inf at each banned (row, token id) of `pairs` ([K] int64 each)
+    whose prefix matches: `prefixes` [K, P] int64, right-aligned, NO_TOKEN on the left of shorter
+    ones, against the row's last P output tokens `recent` [N, RECENT_TOKENS]. Without `prefixes`
+    (single-token words only) every pair is banned."""
+    rows, ids = pairs
+    ban = torch.full(ids.shape, float("-inf"), device=logits.device)
+    if prefixes is not None:
+        assert recent is not None, "bad-word prefixes without the rows' recent tokens"
+        p = prefixes.shape[1]
+        seen = recent[:, RECENT_TOKENS - p :].index_select(0, rows)
+        match = ((prefixes == NO_TOKEN) | (prefixes == seen)).all(dim=1)
+        ban = torch.where(match, ban, 0.0)
+    return logits.index_put((rows, ids), ban, accumulate=True)
 
 
 def apply_penalties(

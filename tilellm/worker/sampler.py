@@ -5,10 +5,11 @@ the token is `argmax(logits / temperature + g)`, with noise from a counter-based
 sequence's seed and the index of the token, so seeded sequences are reproducible in any batch.
 
 Logits processing first (`tilellm.worker.logits_processors`, vLLM's order): repetition,
-frequency and presence penalties, logit bias, allowed tokens. Then filters (applied before the
-draw, in vLLM's order): min-p, then top-k and top-p; each sets the excluded logits to -inf.
-`min_tokens` bans EOS and the stop tokens of the rows that have not reached it. Logprobs are of
-the raw model distribution (before processing, temperature and filters), as vLLM's by default.
+frequency and presence penalties, logit bias, allowed tokens, bad words. Then filters (applied
+before the draw, in vLLM's order): min-p, then top-k and top-p; each sets the excluded logits to
+-inf. `min_tokens` bans EOS and the stop tokens of the rows that have not reached it. Logprobs
+are of the raw model distribution (before processing, temperature and filters), as vLLM's by
+default.
 
 Host-side decisions (which filters any row uses, the largest top-k, how many logprobs) arrive
 as plain Python values in `SamplingMetadata`, so nothing here reads a device value. The host
@@ -25,7 +26,9 @@ import torch
 
 from tilellm.kernels.sampling import gumbel_argmax_torch, gumbel_argmax_triton
 from tilellm.worker.logits_processors import (
+    BadWordsState,
     PenaltyState,
+    apply_bad_words,
     apply_bias_and_allowed,
     apply_penalties,
     apply_token_bitmask,
@@ -66,6 +69,12 @@ class SamplingMetadata:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids: all a row may draw
     allowed_rows: torch.Tensor | None = None  # [N] bool: rows restricted to `allowed`
+    # Bad words: (rows, token ids) [K] each, banned where the prefix [K, P] matches the row's last
+    # P output tokens (`apply_bad_words`); bad_word_slots [N] int64 sequence slot of each row (its
+    # recent tokens in the BadWordsState), with the prefixes only (single-token words need neither).
+    bad_words: tuple[torch.Tensor, torch.Tensor] | None = None
+    bad_word_prefixes: torch.Tensor | None = None
+    bad_word_slots: torch.Tensor | None = None
     token_bitmask: torch.Tensor | None = None  # [N, ceil(V / 32)] int32: structured outputs' allowed tokens
 
 
@@ -144,13 +153,17 @@ class HostSampling:
     bias_values: np.ndarray | None = None  # [K] float32
     allowed_pairs: np.ndarray | None = None  # [2, K] int64: rows, token ids
     allowed_rows: np.ndarray | None = None  # [N] bool
+    bad_word_pairs: np.ndarray | None = None  # [2, K] int64: rows, banned token ids
+    bad_word_prefixes: np.ndarray | None = None  # [K, P] int64, right-aligned, NO_TOKEN-padded
+    bad_word_slots: np.ndarray | None = None  # [N] int64 slots (with the prefixes)
     max_num_prompt_logprobs: int = -1  # the top k of the step's prompt logprobs (-1: none asked)
     token_bitmask: np.ndarray | None = None  # [N, ceil(V / 32)] int32 (structured outputs)
 
     _DEVICE = (
         "inv_temp", "seed_keys", "steps", "greedy", "top_k", "top_p", "min_p", "banned",
         "penalty_rows", "presence", "frequency", "repetition", "bias_pairs", "bias_values",
-        "allowed_pairs", "allowed_rows", "token_bitmask",
+        "allowed_pairs", "allowed_rows", "bad_word_pairs", "bad_word_prefixes", "bad_word_slots",
+        "token_bitmask",
     )  # fmt: skip
 
     def device_arrays(self) -> dict[str, np.ndarray]:
@@ -183,6 +196,11 @@ class HostSampling:
             if "allowed_pairs" not in dev
             else (dev["allowed_pairs"][0], dev["allowed_pairs"][1]),
             allowed_rows=dev.get("allowed_rows"),
+            bad_words=None
+            if "bad_word_pairs" not in dev
+            else (dev["bad_word_pairs"][0], dev["bad_word_pairs"][1]),
+            bad_word_prefixes=dev.get("bad_word_prefixes"),
+            bad_word_slots=dev.get("bad_word_slots"),
             token_bitmask=dev.get("token_bitmask"),
         )
 
@@ -227,9 +245,15 @@ def _filter_mask(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | N
 class Sampler:
     """logits [N, V] -> SamplerOutput, all on the logits' device; no host sync."""
 
-    def __init__(self, use_triton: bool | None = None, penalties: PenaltyState | None = None):
+    def __init__(
+        self,
+        use_triton: bool | None = None,
+        penalties: PenaltyState | None = None,
+        bad_words: BadWordsState | None = None,
+    ):
         self.use_triton = use_triton
         self.penalties = penalties  # token counts of every sequence slot (penalties need them)
+        self.bad_words = bad_words  # recent output tokens of every sequence slot (bad words need them)
 
     def _gumbel_argmax(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         use_triton = self.use_triton if self.use_triton is not None else logits.is_cuda
@@ -251,6 +275,7 @@ class Sampler:
             md.penalty_rows is not None
             or md.bias is not None
             or md.allowed is not None
+            or md.bad_words is not None
             or md.token_bitmask is not None
         )
         if filters or processing or md.banned is not None or md.max_num_logprobs >= 0:
@@ -265,6 +290,12 @@ class Sampler:
             )
         if md.bias is not None or md.allowed is not None:
             logits = apply_bias_and_allowed(logits, md.bias, md.allowed, md.allowed_rows)
+        if md.bad_words is not None:
+            recent = None
+            if md.bad_word_slots is not None:
+                assert self.bad_words is not None, "bad-word prefixes without the slots' recent tokens"
+                recent = self.bad_words.recent[md.bad_word_slots]
+            logits = apply_bad_words(logits, recent, md.bad_words, md.bad_word_prefixes)
         if md.token_bitmask is not None:
             logits = apply_token_bitmask(logits, md.token_bitmask)
         if md.banned is not None:  # a fill kernel, not a host scalar copied to the device
@@ -290,6 +321,8 @@ class Sampler:
                 tokens = torch.where(md.greedy, logits.argmax(dim=-1), tokens)
         if md.penalty_rows is not None:  # the tokens counted for the next steps' penalties
             self.penalties.add_tokens(md.penalty_rows, tokens)
+        if md.bad_word_slots is not None:  # the recent tokens the next steps' prefixes match
+            self.bad_words.add_tokens(md.bad_word_slots, tokens)
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:
             sampled = raw_logprobs.gather(1, tokens[:, None])
