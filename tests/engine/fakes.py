@@ -48,7 +48,11 @@ class FakeRunner:
         self.kv = np.full(self.num_kv_blocks * self.block_size, -1, dtype=np.int64)
         self.kinds: list[BatchKind] = []
 
-    def launch(self, inputs: StepInputs, sampling, patch: InputPatch | None = None) -> StepHandle:
+    def launch(
+        self, inputs: StepInputs, sampling, patch: InputPatch | None = None, bitmask=None
+    ) -> StepHandle:
+        if bitmask is not None:  # (the structured outputs' mask; the fake model ignores it)
+            bitmask()
         a = inputs
         ids, pos, slots = a.input_ids.copy(), a.positions, a.slot_mapping
         if patch is not None:  # tokens sampled by the step still "in flight"

@@ -114,3 +114,52 @@ def test_a_grammar_that_cannot_compile_is_a_value_error(tiny_qwen3):
 def test_bad_structured_outputs_params(kwargs):
     with pytest.raises(ValueError, match="StructuredOutputsParams"):
         StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_asynchronous_steps_give_the_synchronous_outputs(tiny_qwen3, temperature):
+    """Constrained steps stay asynchronous: the step before is read back (and its tokens fed to the
+    matchers) only once this step's forward is launched, and the outputs equal synchronous ones."""
+    params = [
+        SamplingParams(temperature=temperature, seed=5 + i, max_tokens=40, structured_outputs=FORMS[f][0])
+        for i, f in enumerate(["json_schema", "regex", "choice", "grammar"])
+    ] + [SamplingParams(temperature=temperature, seed=9, max_tokens=40, ignore_eos=True)]
+    prompts = PROMPTS + PROMPTS[:1]
+    outs = {}
+    for asynchronous in (False, True):
+        llm = LLM(tiny_qwen3, num_kv_blocks=128)
+        engine = llm.llm_engine
+        engine.async_scheduling = asynchronous
+        in_flight = []
+        fill = engine._fill_bitmask
+
+        def spy(rows, fill=fill, engine=engine, in_flight=in_flight):
+            in_flight.append(engine._inflight is not None)
+            return fill(rows)
+
+        engine._fill_bitmask = spy
+        outs[asynchronous] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert any(in_flight) == asynchronous  # a step was still in flight when the mask was filled
+    assert outs[True] == outs[False]
+
+
+def test_length_bounded_strings_parse(tiny_qwen3):
+    """xgrammar's own minLength / maxLength strings admit raw control characters (invalid JSON);
+    the backend spells the bounds as a pattern, so every finished output parses and validates."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 6}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    llm = LLM(tiny_qwen3, num_kv_blocks=128)
+    so = StructuredOutputsParams(json=schema)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=40, n=8, structured_outputs=so)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    ended = 0
+    for out in outs:
+        for c in out.outputs:
+            if c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.text), schema)
+                ended += 1
+    assert ended >= len(PROMPTS)

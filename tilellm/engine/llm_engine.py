@@ -24,6 +24,7 @@ of the rejected ones back (`_postprocess_verified`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import numbers
@@ -187,7 +188,9 @@ class LLMEngine:
         self._spec_misses = 0  # tries in a row that found no draft
         self._collecting: set[str] = set()  # requests whose prompt logprobs are not complete yet
         self._grammar: GrammarBackend | None = None  # structured outputs (made on first use)
-        self._constrained: set[int] = set()  # unfinished sequences with a grammar (their steps are sync)
+        self._constrained: set[int] = set()  # unfinished sequences with a grammar
+        self._emit_partial = True  # this step's, for `_fill_bitmask`
+        self._early_outputs: list[RequestOutput] = []  # outputs of a step `_fill_bitmask` finished
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner (tests substitute one that needs no model); see `start_runner`."""
@@ -216,6 +219,12 @@ class LLMEngine:
             if request_id in self.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             text, ids = self._tokenize(prompt)
+            if params.bad_words:
+                if self.tokenizer is None:
+                    raise ValueError(
+                        "SamplingParams.bad_words needs the tokenizer (skip_tokenizer_init=True)"
+                    )
+                params.update_from_tokenizer(self.tokenizer)
             # The rule the server applies too, before admission: one message for both.
             params.check_request(len(ids), self.max_model_len, self.vocab_size)
             base = self._rng.getrandbits(64) if params.seed is None else params.seed & _MASK64
@@ -316,9 +325,10 @@ class LLMEngine:
             speculate = self.proposer is not None and self._spec_probe_in <= 1
             if self.proposer is not None:
                 self._spec_probe_in -= 1
-            # A grammar's mask follows the token drawn last: such steps run synchronously too.
-            synchronous = bool(self._constrained)
-            if (speculate or synchronous) and self._inflight is not None:
+            # (A grammar's mask follows the token drawn last: `_fill_bitmask` finishes the step in
+            # flight once this step's forward is queued.)
+            self._emit_partial, self._early_outputs = emit_partial, []
+            if speculate and self._inflight is not None:
                 done, self._inflight = self._inflight, None  # its tokens are what this step follows
                 drained = self._finish_step(done, emit_partial)
             if speculate:
@@ -344,6 +354,8 @@ class LLMEngine:
                     if params.has_penalties:  # the slot's token counts, from what it has so far
                         outputs = [t for t in seq.output_token_ids if t >= 0]
                         self.runner.reset_penalty_row(seq.row, seq.request.prompt_token_ids, outputs)
+                    if params.bad_words:  # the slot's last output tokens, which the words' prefixes match
+                        self.runner.reset_bad_words_row(seq.row, [t for t in seq.output_token_ids if t >= 0])
                 if self.proposer is not None and self.proposer.needs_device and any(sched.num_drafts):
                     self._draft_on_device(sched)
                 t1 = time.perf_counter()
@@ -354,8 +366,9 @@ class LLMEngine:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler made no progress with requests pending")
                 return drained
+            drained += self._early_outputs
             verifies = launched is not None and launched.num_drafts is not None
-            if self.async_scheduling and not verifies and not synchronous:  # finish the last step meanwhile
+            if self.async_scheduling and not verifies:  # finish the last step meanwhile
                 done, self._inflight = self._inflight, launched
             else:
                 done, self._inflight = (self._inflight or launched), None
@@ -407,8 +420,9 @@ class LLMEngine:
             if seq.spec_wait:
                 seq.spec_wait -= 1
                 continue
-            if seq.request.params.has_penalties or seq.matcher is not None:
-                continue  # each position's penalties, or grammar mask, needs the tokens before it
+            params = seq.request.params
+            if params.has_penalties or params.bad_words or seq.matcher is not None:
+                continue  # each position's penalties, bad words or grammar mask need the tokens before it
             room = int(max_outputs[seq.row]) - seq.num_output_tokens - 1
             seq.spec_token_ids = proposer.propose(seq.seq_id, seq.token_ids, room) if room > 0 else []
             found = found or bool(seq.spec_token_ids)
@@ -547,13 +561,13 @@ class LLMEngine:
             drafts = [d for d, smp in zip(drafts, sched.samples) if smp]
         if prompt_of:
             sampling.max_num_prompt_logprobs = max(req.params.prompt_logprobs for req, _, _ in prompt_of)
+        bitmask = None
         if self._constrained and any(s.matcher is not None for s in sampled):
-            assert self._grammar is not None
             row_matchers: list = []
             widths = num_drafts.tolist() if num_drafts is not None else [0] * len(sampled)
             for s, d in zip(sampled, widths):
                 row_matchers += [s.matcher] + [None] * d  # (constrained sequences never draft)
-            sampling.token_bitmask = self._grammar.bitmasks(row_matchers)
+            bitmask = functools.partial(self._fill_bitmask, row_matchers)
         patch = None
         pending = np.flatnonzero(inputs.input_ids < 0)
         if len(pending):
@@ -562,13 +576,15 @@ class LLMEngine:
             req = np.searchsorted(cu, pending, side="right") - 1
             patch = InputPatch(pending, self._pending_src[rows[req]], self._inflight.handle)
         if drafts is None:
-            handle = self.runner.launch(inputs, sampling, patch)
+            handle = self.runner.launch(inputs, sampling, patch, bitmask=bitmask)
         else:  # the logits row checking each draft token, and the token
             assert num_drafts is not None
             rows = concat_ranges(np.cumsum(num_drafts + 1) - num_drafts - 1, num_drafts)
             ids = np.fromiter(itertools.chain.from_iterable(drafts), dtype=np.int64, count=len(rows))
-            handle = self.runner.launch(inputs, sampling, patch, drafts=(rows, ids))
+            handle = self.runner.launch(inputs, sampling, patch, drafts=(rows, ids), bitmask=bitmask)
         for seq in sampled:
+            if seq.status is SequenceStatus.FINISHED:  # by the step before, read back in `_fill_bitmask`
+                continue
             seq.token_ids.append(-1)
             seq.num_pending += 1
         self._pending_src[sampled_rows] = np.arange(len(sampled))
@@ -576,6 +592,17 @@ class LLMEngine:
             sched, inputs, sampled, sampling, positions, handle, num_drafts=num_drafts, drafts=drafts,
             prompt_rows=prompt_of,
         )  # fmt: skip
+
+    def _fill_bitmask(self, row_matchers: list) -> Any:
+        """Structured outputs' token bitmask of the step being launched; the runner calls it once
+        the step's forward is queued. The step before (still in flight under asynchronous
+        scheduling) is finished first, so every matcher has accepted its token; its outputs are
+        returned by this `step` call."""
+        if self._inflight is not None:
+            done, self._inflight = self._inflight, None
+            self._early_outputs += self._finish_step(done, self._emit_partial)
+        assert self._grammar is not None
+        return self._grammar.bitmasks(row_matchers, pin_memory=bool(getattr(self.runner, "is_cuda", False)))
 
     def _record_timing(self, done: _InFlight, wait_s: float, post_s: float, device_s: float | None) -> None:
         tm = self.timings

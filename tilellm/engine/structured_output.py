@@ -12,8 +12,10 @@ drawn. llguidance (Guidance's engine, also on PyPI) covers the same forms; xgram
 because vLLM and SGLang default to it, its bitmask layout is the one their samplers apply, and
 it compiles from a Hugging Face tokenizer in one call.
 
-The mask for a step needs the token drawn in the step before, so a sequence with a grammar runs
-in synchronous steps (as speculative decoding's do) and never drafts.
+The mask for a step needs the token drawn in the step before. The engine launches the step's
+forward first and fills the mask on the host while the device runs it (after the step before
+has been read back and its tokens accepted), so asynchronous scheduling goes on; only the sampler
+waits for the mask. A sequence with a grammar never drafts.
 """
 
 from __future__ import annotations
@@ -22,9 +24,28 @@ import json
 import re
 from typing import Any
 
-import numpy as np
-
 from tilellm.engine.sampling_params import StructuredOutputsParams
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """`schema` with each string's `minLength` / `maxLength` spelled as a `pattern` (`^.{m,n}$`).
+
+    xgrammar lowers a length-bounded string to a bare character class that admits raw control
+    characters (U+0000-U+001F), which JSON forbids in a string: the output would not parse. Its
+    pattern path draws JSON string characters (no control characters); a string that already
+    has a pattern, a format, an enum or a const is left as it is."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
+    if out.get("type") == "string" and bounded and plain:
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
+        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
+            out["pattern"] = f"^.{{{lo},{'' if hi is None else hi}}}$"
+    return out
 
 
 class GrammarError(ValueError):
@@ -47,6 +68,11 @@ class GrammarBackend:
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
         self._compiled: dict[tuple, Any] = {}
         self.words = (vocab_size + 31) // 32
+        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")  # fills rows in parallel
+        # Two mask buffers used in turn: a step's mask is copied to the device while the next
+        # step's is filled (the one before has been read back by then).
+        self._buffers: list[Any] = [None, None]
+        self._turn = 0
 
     def compile(self, so: StructuredOutputsParams) -> Any:
         key = so.key
@@ -56,7 +82,8 @@ class GrammarBackend:
         c = self.compiler
         try:
             if so.json is not None:
-                schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+                schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+                schema = json.dumps(bounded_strings_as_patterns(schema))
                 compiled = c.compile_json_schema(schema, any_whitespace=so.whitespace)
             elif so.json_object:
                 compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=so.whitespace)
@@ -80,13 +107,23 @@ class GrammarBackend:
     def matcher(self, so: StructuredOutputsParams) -> Any:
         return self.xgr.GrammarMatcher(self.compile(so))
 
-    def bitmasks(self, matchers: list[Any]) -> np.ndarray:
-        """[N, words] int32: row i the tokens matcher i allows next (all bits set: no grammar, or
-        one that has terminated and now only lets the sequence end)."""
+    def bitmasks(self, matchers: list[Any], pin_memory: bool = False) -> Any:
+        """[N, words] int32 CPU tensor: row i the tokens matcher i allows next (all bits set: no
+        grammar, or one that has terminated and now only lets the sequence end). With
+        `pin_memory` the tensor is page-locked (its copy to the device is asynchronous) and
+        valid until the call after next."""
         import torch
 
-        mask = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
-        for i, m in enumerate(matchers):
-            if m is not None and not m.is_terminated():
-                m.fill_next_token_bitmask(mask, i)
-        return mask.numpy()
+        n = len(matchers)
+        turn, self._turn = self._turn, self._turn ^ 1
+        buf = self._buffers[turn]
+        if buf is None or buf.shape[0] < n or buf.is_pinned() != pin_memory:
+            rows = max(n, 2 * buf.shape[0] if buf is not None else 8)
+            buf = torch.empty((rows, self.words), dtype=torch.int32)
+            buf = self._buffers[turn] = buf.pin_memory() if pin_memory else buf
+        mask = buf[:n]
+        mask.fill_(-1)
+        live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if live:
+            self._batch.batch_fill_next_token_bitmask([m for _, m in live], mask, [i for i, _ in live])
+        return mask

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ from tilellm.distributed.driver import WorkerError
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
 from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
-from tilellm.worker.logits_processors import PenaltyState
+from tilellm.worker.logits_processors import BadWordsState, PenaltyState
 from tilellm.worker.rejection import DraftVerification
 from tilellm.worker.sampler import HostSampling, PromptLogprobs, Sampler, SamplerOutput, prompt_logprobs_of
 from tilellm.worker.staging import PinnedStaging
@@ -169,7 +169,8 @@ class ModelRunner:
         self.attn_spec = dataclasses.replace(layer0.spec(self.dtype), block_size=config.block_size)
         # Token counts of every sequence slot for penalties (allocated when first needed).
         self.penalties = PenaltyState(config.max_num_seqs, self.vocab_size, self.device)
-        self.sampler = Sampler(penalties=self.penalties)
+        self.bad_words = BadWordsState(config.max_num_seqs, self.device)  # recent output tokens per slot
+        self.sampler = Sampler(penalties=self.penalties, bad_words=self.bad_words)
         # Speculative decoding with a draft model: on rank 0 only (it alone samples); its cache
         # shares the target's block ids, so the pool is sized by both (`kv_pool.PooledSpec`).
         spec = config.speculative_config
@@ -559,6 +560,11 @@ class ModelRunner:
         """A sequence with penalties took slot `row`: its prompt and the tokens it generated before."""
         self.penalties.reset_row(row, prompt_ids, output_ids)
 
+    @torch.inference_mode()
+    def reset_bad_words_row(self, row: int, output_ids: list[int]) -> None:
+        """A sequence with bad words took slot `row`: the tokens it generated before."""
+        self.bad_words.reset_row(row, output_ids)
+
     def propose_drafts(self, requests: list[DraftRequest], block_tables: np.ndarray) -> DraftProposal:
         """Draft tokens from the draft model for the next step (see `DraftRunner.propose`); their
         proposal distributions stay here for that step's rejection sampler."""
@@ -574,6 +580,7 @@ class ModelRunner:
         sampling: HostSampling,
         patch: InputPatch | None = None,
         drafts: tuple[np.ndarray, np.ndarray] | None = None,
+        bitmask: Callable[[], torch.Tensor] | None = None,
     ) -> StepHandle:
         """Start the model on `inputs` (host arrays) and the sampler on its `logits_indices` rows.
 
@@ -582,6 +589,9 @@ class ModelRunner:
         With tensor parallelism the step goes to every rank first (see the module docstring).
         `drafts`: (logits rows, token ids) of the draft tokens this step verifies; with the draft
         model's distributions from `propose_drafts` they are rejection-sampled.
+        `bitmask`: called once the forward is queued, it returns structured outputs' token
+        bitmask ([rows, ceil(V / 32)] int32 on the CPU, pinned on CUDA) for the sampler, so the
+        host fills it while the device runs the forward.
         """
         verification = None
         probs, self._draft_probs = self._draft_probs, None
@@ -602,12 +612,12 @@ class ModelRunner:
         self._step_id += 1
         header = inputs.header(self._step_id)
         if self.driver is None:
-            return self._launch(inputs, header, sampling, patch, t0, verification)
+            return self._launch(inputs, header, sampling, patch, t0, verification, bitmask)
         with self.driver.step_lock:
             self.driver.check_workers()
             with self._all_ranks():
                 self.driver.send_header(header)
-                return self._launch(inputs, header, sampling, patch, t0, verification)
+                return self._launch(inputs, header, sampling, patch, t0, verification, bitmask)
 
     @contextlib.contextmanager
     def _all_ranks(self, catch: type[BaseException] = BaseException) -> Iterator[None]:
@@ -630,9 +640,10 @@ class ModelRunner:
         patch: InputPatch | None,
         t0: float,
         verification: DraftVerification | None = None,
+        bitmask: Callable[[], torch.Tensor] | None = None,
     ) -> StepHandle:
         if not self.is_cuda:
-            return self._launch_cpu(inputs, header, sampling, patch, verification)
+            return self._launch_cpu(inputs, header, sampling, patch, verification, bitmask)
         parity, self._parity = self._parity, self._parity ^ 1
         st = self._stagings[parity]
         inputs.write(st.reserve((int(header[NUM_WORDS]),), np.int64)[1], header)  # item 0: the payload
@@ -657,6 +668,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         logits, prompt = self._forward(x, sampling.max_num_prompt_logprobs)
         t3 = time.perf_counter()
+        if bitmask is not None:  # filled now, while the device runs the forward
+            md.token_bitmask = bitmask().to(self.device, non_blocking=True)
         out = self.sampler(logits, md, verification)
         out.prompt = prompt
         handle = self._copy_out(out, parity)
@@ -677,6 +690,7 @@ class ModelRunner:
         sampling: HostSampling,
         patch: InputPatch | None,
         verification: DraftVerification | None = None,
+        bitmask: Callable[[], torch.Tensor] | None = None,
     ) -> StepHandle:
         t0 = time.perf_counter()
         payload = torch.from_numpy(inputs.to_words(header))
@@ -686,7 +700,10 @@ class ModelRunner:
         if self.driver is not None:
             self.driver.broadcast_payload(payload)
         logits, prompt = self._forward(x, sampling.max_num_prompt_logprobs)
-        out = self.sampler(logits, sampling.to_cpu_metadata(), verification)
+        md = sampling.to_cpu_metadata()
+        if bitmask is not None:
+            md.token_bitmask = bitmask()
+        out = self.sampler(logits, md, verification)
         out.prompt = prompt
 
         def host(t: torch.Tensor | None) -> np.ndarray | None:
