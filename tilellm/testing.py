@@ -26,8 +26,28 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
 
 CHATML_TEMPLATE = (
+    # Qwen's tool format: the tools' JSON in the system turn, calls as <tool_call> JSON in the
+    # assistant's turn, a tool's answer as a <tool_response> in a user turn.
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call these functions:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\\n</tools>\\n\\nFor each call, return {"name": <function-name>, "arguments": <args-object>} '
+    "within <tool_call></tool_call> tags.<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     # Qwen3's thinking switch (chat_template_kwargs={"enable_thinking": False}): an empty think block.

@@ -140,3 +140,26 @@ class BatchedFakeEngine(FakeEngine):
             self.reqs.update(hidden)
         self.running = [r for r in self.running if r in self.reqs]
         return outs
+
+
+class ScriptedEngine(FakeEngine):
+    """Emits the tokens of `text` (the tiny byte-level tokenizer's), a few per step."""
+
+    def __init__(self, tokenizer, text: str, **kw):
+        super().__init__(tokenizer, **kw)
+        self.text = text
+
+    def step(self) -> list[FakeOutput]:
+        outs = []
+        script = self.tokenizer.encode(self.text, add_special_tokens=False)
+        for rid, req in list(self.reqs.items()):
+            comps = []
+            for i, toks in enumerate(req.tokens):
+                toks.extend(script[len(toks) : min(len(toks) + 3, req.params.max_tokens)])
+                done = len(toks) >= min(len(script), req.params.max_tokens)
+                reason = ("stop" if len(toks) >= len(script) else "length") if done else None
+                comps.append(FakeCompletion(i, self.tokenizer.decode(toks), list(toks), None, None, reason))
+            if all(c.finish_reason for c in comps):
+                del self.reqs[rid]
+            outs.append(FakeOutput(rid, None, req.prompt, comps, all(c.finish_reason for c in comps)))
+        return outs

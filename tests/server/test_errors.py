@@ -86,8 +86,9 @@ def _metric(text: str, name: str) -> float:
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (
             "/v1/chat/completions",
+            # tool_choice unset with tools is "auto", which needs --enable-auto-tool-choice
             {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
+            "tool_choice",
         ),
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
         (

@@ -8,32 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.server.fake_engine import FakeCompletion, FakeEngine, FakeOutput
+from tests.server.fake_engine import ScriptedEngine
 from tests.server.helpers import ServerThread
 from tilellm.server.reasoning import get_reasoning_parser
 
 THOUGHT = "<think>\nTwo and two make four.\n</think>\n\nFour."
-
-
-class ScriptedEngine(FakeEngine):
-    """Emits the tokens of `text` (the tiny byte-level tokenizer's), a few per step."""
-
-    text = THOUGHT
-
-    def step(self) -> list[FakeOutput]:
-        outs = []
-        script = self.tokenizer.encode(self.text, add_special_tokens=False)
-        for rid, req in list(self.reqs.items()):
-            comps = []
-            for i, toks in enumerate(req.tokens):
-                toks.extend(script[len(toks) : min(len(toks) + 3, req.params.max_tokens)])
-                done = len(toks) >= min(len(script), req.params.max_tokens)
-                reason = ("stop" if len(toks) >= len(script) else "length") if done else None
-                comps.append(FakeCompletion(i, self.tokenizer.decode(toks), list(toks), None, None, reason))
-            if all(c.finish_reason for c in comps):
-                del self.reqs[rid]
-            outs.append(FakeOutput(rid, None, req.prompt, comps, all(c.finish_reason for c in comps)))
-        return outs
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +21,7 @@ def client(tokenizer):
 
     from tilellm.server import ServerConfig, create_app
 
-    app = create_app(ScriptedEngine(tokenizer), ServerConfig("fake", reasoning_parser="qwen3"))
+    app = create_app(ScriptedEngine(tokenizer, THOUGHT), ServerConfig("fake", reasoning_parser="qwen3"))
     with ServerThread(app) as s:
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=30)
 

@@ -24,6 +24,7 @@ from tilellm.commands.common import (
     resolve_model,
 )
 from tilellm.server.reasoning import reasoning_parser_names
+from tilellm.server.tool_parsers import tool_parser_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=reasoning_parser_names(),
         help="split the model's thinking from its answer: chat responses carry it as reasoning_content",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=tool_parser_names(),
+        help="how the model writes tool calls (hermes: <tool_call> JSON, as Qwen does); with "
+        "--enable-auto-tool-choice, chat answers carry them as tool_calls",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let requests use tool_choice "auto" (the model decides; needs --tool-call-parser)',
     )
     _add_server_arguments(parser)
     parser.add_argument(
@@ -168,6 +181,10 @@ def _listen(host: str, port: int) -> socket.socket:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.uvicorn_log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     _check_server_arguments(args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UsageError(
+            "--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)"
+        )
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     kwargs = dict(
@@ -209,6 +226,8 @@ def main(args: argparse.Namespace) -> int:
         model_root=model,
         chat_template=_chat_template(args.chat_template),
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         **{field: getattr(args, field) for _, field, _, _ in _SERVER_FLAGS},
     )
     app = create_app(engine, config)

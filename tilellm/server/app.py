@@ -28,6 +28,7 @@ from tilellm.server.protocol import (
     CompletionRequest,
     ignored_fields,
 )
+from tilellm.server.responses import ResponsesRequest, ResponsesServing
 from tilellm.server.serving import OpenAIServing
 from tilellm.server.tokenize import register as register_tokenizer_routes
 from tilellm.server.watchdog import EngineWatchdog
@@ -62,6 +63,8 @@ class ServerConfig:
     request_timeout: float = 0.0  # seconds a request may take before it is aborted with a 504; 0: no limit
     chat_template: str | None = None  # Jinja chat template used instead of the tokenizer's
     reasoning_parser: str | None = None  # e.g. "qwen3": chat answers carry `reasoning_content`
+    tool_call_parser: str | None = None  # e.g. "hermes": how the model writes its tool calls
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
 
     def limits(self, engine: Any) -> AdmissionLimits:
         engine_seqs = self.engine_seqs
@@ -197,6 +200,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         config.chat_template,
         dict(getattr(engine, "default_sampling", None) or {}),
         config.reasoning_parser,
+        config.tool_call_parser if config.enable_auto_tool_choice else None,
     )
 
     def on_dead() -> None:  # the launcher's server, if any, exits non-zero (see docs/serving.md)
@@ -278,6 +282,12 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return _name_ignored(body, await _guarded(serving.chat(body, raw)))
+
+    responses = ResponsesServing(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Any:
+        return _name_ignored(body, await _guarded(responses.create(body, raw)))
 
     _mount_inspect(app, async_engine)
     # The last added runs first: the key is checked before any of the body is read.

@@ -7,6 +7,7 @@ Every failure the server reports goes through `APIError`, including FastAPI's va
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -70,9 +71,14 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+# A union member pydantic names in an error's location (`tool_choice.literal['none','auto']`,
+# `messages.0.content.str`, `tool_choice.NamedToolChoice`): not a field, left out of `param`.
+_UNION_TAG = re.compile(r"^(literal\[.*\]|str|int|float|bool|none|(list|dict)\[.*\]|[A-Z]\w*)$")
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
     """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
-    parts = [p for p in loc if p != "body"]
+    parts = [p for p in loc if p != "body" and not (isinstance(p, str) and _UNION_TAG.match(p))]
     out = ""
     for p in parts:
         if isinstance(p, int):

@@ -120,10 +120,47 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Request):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its thinking (vLLM's name; not re-sent)
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JSONSchemaFormat(_Request):
@@ -154,8 +191,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" when there are tools, else "none" (OpenAI's default)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -222,7 +261,5 @@ def check_unsupported(req: _SamplingFields) -> None:
                 "best_of is not supported by this server; leave it unset or equal to n", "best_of"
             )
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise APIError.invalid("tools (function calling) are not supported by this server", "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError.invalid("top_logprobs requires logprobs to be true", "top_logprobs")

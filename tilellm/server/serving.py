@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tilellm.server.admission import FairFeeder, Ticket
 from tilellm.server.async_engine import EngineRequest, RequestUpdate, SeqDelta
+from tilellm.server.chat_tools import ToolPlan, plan_tools
 from tilellm.server.errors import APIError
 from tilellm.server.protocol import (
     ChatCompletionRequest,
@@ -32,6 +33,7 @@ from tilellm.server.protocol import (
     structured_outputs_params,
 )
 from tilellm.server.reasoning import get_reasoning_parser
+from tilellm.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("tilellm.server")
 
@@ -77,6 +79,7 @@ class _Choice:
     final_text: str | None = None
     text_offset: int = 0  # completions logprobs: characters before the next token
     reasoning: Any = None  # chat streaming with a reasoning parser: its stream state
+    tools: Any = None  # chat streaming with tools: the tool-call stream state
     started: bool = False  # chat streaming: role chunk sent
 
 
@@ -175,8 +178,11 @@ class OpenAIServing:
         chat_template: str | None = None,
         default_sampling: dict[str, Any] | None = None,
         reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ):
         self.feeder = feeder
+        # `--tool-call-parser` with `--enable-auto-tool-choice`: tool_choice "auto" is served.
+        self.auto_tools = get_tool_parser(tool_call_parser) if tool_call_parser else None
         # `--reasoning-parser`: chat answers carry the model's thinking as `reasoning_content`.
         self.reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.chat_template = chat_template  # `--chat-template`: instead of the tokenizer's
@@ -247,7 +253,7 @@ class OpenAIServing:
                 f"{param}: contains a lone UTF-16 surrogate (invalid Unicode)", param
             ) from None
 
-    def _check_grammar(self, params: Any, req: Any) -> None:
+    def _check_grammar(self, params: Any, req: Any, param: str | None = None) -> None:
         """400 for a structured output the grammar backend cannot compile (compiled here, off the
         event loop, before admission; the engine compiles it again, from its cache when it is in
         this process)."""
@@ -263,7 +269,8 @@ class OpenAIServing:
         try:
             self._grammar.compile(so)
         except GrammarError as e:
-            param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+            if param is None:
+                param = "structured_outputs" if req.structured_outputs is not None else "response_format"
             raise APIError.invalid(str(e).replace("structured_outputs", param, 1), param) from None
 
     def _check_request(self, params: Any, prompts: list[list[int]], renames: dict[str, str]) -> list[int]:
@@ -281,7 +288,10 @@ class OpenAIServing:
         logprobs: int | None,
         renames: dict[str, str],
         prompt_logprobs: int | None = None,
+        structured_outputs: Any = None,
     ) -> Any:
+        """The engine's SamplingParams for `req`; `structured_outputs` (a tool choice's constraint)
+        replaces the request's own, which must then be unset."""
         from tilellm import SamplingParams
 
         defaults = self.default_sampling
@@ -311,7 +321,7 @@ class OpenAIServing:
             logit_bias=logit_bias_ids(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured_outputs_params(req),
+            structured_outputs=structured_outputs or structured_outputs_params(req),
         )
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         if optional["stop"]:
@@ -540,27 +550,32 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _guarded_stream(
-        self, events: AsyncIterator[str], base_id: str, ticket: Ticket
+        self, events: AsyncIterator[str], base_id: str, ticket: Ticket, done: bool = True
     ) -> AsyncIterator[str]:
-        """`events`, then `[DONE]`. The engine's error and any unexpected error become an error
-        event; a stream that does not run to its end (the client went away, or an unexpected
-        error) aborts its engine requests, which frees their KV blocks at once."""
+        """`events`, then `[DONE]` (unless `done` is false: the Responses API's streams end with
+        their last event). The engine's error and any unexpected error become an error event; a
+        stream that does not run to its end (the client went away, or an unexpected error)
+        aborts its engine requests, which frees their KV blocks at once."""
         finished = False
+        end = [_sse("[DONE]")] if done else []
         try:
             async for event in events:
                 yield event
-            yield _sse("[DONE]")
+            for event in end:
+                yield event
             finished = True
         except APIError as exc:  # the engine failed these requests (they are gone from it already)
             yield _sse(exc.body())
-            yield _sse("[DONE]")
+            for event in end:
+                yield event
             finished = True
         except Exception:
             logger.exception("internal error while streaming %s", base_id)
             yield _sse(
                 APIError(500, "internal server error; see the server log", code="internal_error").body()
             )
-            yield _sse("[DONE]")
+            for event in end:
+                yield event
         finally:
             if not finished:
                 self.feeder.cancel(ticket)
@@ -652,7 +667,11 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ----
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(
+        self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids: the messages through the chat template, with `tools` (OpenAI's
+        tool dicts) given to it when not None."""
         messages = []
         for i, m in enumerate(req.messages):
             if m.content is None or isinstance(m.content, str):
@@ -666,7 +685,14 @@ class OpenAIServing:
                     parts.append(part.text)
                 content = "".join(parts)
             self._check_text(content, f"messages[{i}].content")
-            messages.append({"role": m.role, "content": content})
+            message: dict[str, Any] = {"role": m.role, "content": content}
+            if m.tool_calls:
+                message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
         self._need_tokenizer("messages", "a chat request")
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         template = getattr(req, "chat_template", None) or self.chat_template
@@ -697,43 +723,74 @@ class OpenAIServing:
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=continue_final,
                 chat_template=template,
+                tools=tools,
                 **kwargs,
             )
         except Exception as exc:  # the template's own checks (e.g. role order) raise jinja errors
             raise APIError.invalid(f"messages: the chat template rejected them: {exc}", "messages") from None
         return _encode(self.tokenizer, text, add_special_tokens=False)
 
+    def plan_tools(self, req: ChatCompletionRequest) -> ToolPlan | None:
+        """The request's tool plan (None: no tool may be called); a 400 naming the field."""
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tools)
+        constrained = req.structured_outputs is not None or (
+            req.response_format is not None and req.response_format.type != "text"
+        )
+        if plan is not None and plan.structured_outputs is not None and constrained:
+            raise APIError.invalid(
+                'tool_choice "required" or a named function constrains the output itself; leave '
+                "response_format and structured_outputs unset",
+                "tool_choice",
+            )
+        return plan
+
+    def chat_message(
+        self, text: str, finish_reason: str | None, plan: ToolPlan | None
+    ) -> tuple[dict, str | None]:
+        """A whole answer as the chat API's assistant message (reasoning split off, tool calls
+        parsed), and its finish_reason (`tool_calls` when the model stopped after calling)."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            message["reasoning_content"], text = self.reasoning.split(text)
+            message["content"] = text
+        if plan is not None:
+            message["content"], calls = plan.extract(text)
+            message["tool_calls"] = [call.to_openai() for call in calls or ()]
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return message, finish_reason
+
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
         check_unsupported(req)
-        prompt = await self._off_loop(self._chat_prompt, req)
+        plan = self.plan_tools(req)
+        prompt = await self._off_loop(self._chat_prompt, req, plan.template_tools if plan else None)
         mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         renames = {"max_tokens": mt_param, "logprobs": "top_logprobs", "prompt": "messages"}
-        params = self._sampling_params(req, requested, top, renames)
-        await self._off_loop(self._check_grammar, params, req)
+        forced = plan.structured_outputs if plan is not None else None
+        params = self._sampling_params(req, requested, top, renames, structured_outputs=forced)
+        await self._off_loop(self._check_grammar, params, req, "tools" if forced is not None else None)
         max_tokens = self._check_request(params, [prompt], renames)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         queue, ticket = self._submit(base_id, [prompt], params, max_tokens)
         created = int(time.time())
         if req.stream:
-            gen = self._chat_stream(req, base_id, created, prompt, queue, ticket)
+            gen = self._chat_stream(req, base_id, created, prompt, queue, ticket, plan)
             return _sse_response(self._guarded_stream(gen, base_id, ticket))
         choices, _ = await self._collect(queue, 1, ticket, raw)
         out = []
         for (_, idx), c in sorted(choices.items()):
             text = c.final_text if c.final_text is not None else "".join(c.text)
             lp = self._chat_logprobs(c.logprobs, c.token_ids, top) if top is not None else None
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.reasoning is not None:
-                message["reasoning_content"], message["content"] = self.reasoning.split(text)
+            message, finish_reason = self.chat_message(text, c.finish_reason, plan)
             out.append(
                 {
                     "index": idx,
                     "message": message,
                     "logprobs": lp,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -747,22 +804,45 @@ class OpenAIServing:
         }
         return JSONResponse(body)
 
-    def _reasoning_choice(self, c: _Choice, idx: int, d: Any, lp: Any) -> dict[str, Any]:
-        """A streamed chat choice with the delta split into reasoning_content and content."""
-        if c.reasoning is None:
-            assert self.reasoning is not None
-            c.reasoning = self.reasoning.stream()
-        reasoning, content = c.reasoning.feed(d.text)
-        if d.finish_reason is not None:
-            r, t = c.reasoning.flush()
-            reasoning, content = reasoning + r, content + t
+    def parse_delta(
+        self, c: _Choice, text: str, finished: bool, plan: ToolPlan | None
+    ) -> tuple[str, str, list[dict[str, Any]]]:
+        """A streamed piece of the answer as (reasoning, content, tool-call deltas), through the
+        choice's reasoning and tool-call stream states; `finished`: the answer's last piece."""
+        reasoning, content = "", text
+        if self.reasoning is not None:
+            if c.reasoning is None:
+                c.reasoning = self.reasoning.stream()
+            reasoning, content = c.reasoning.feed(text)
+            if finished:
+                r, t = c.reasoning.flush()
+                reasoning, content = reasoning + r, content + t
+        calls: list[dict[str, Any]] = []
+        if plan is not None:
+            if c.tools is None:
+                c.tools = plan.stream()
+            content, calls = c.tools.feed(content)
+            if finished:
+                t, more = c.tools.flush()
+                content, calls = content + t, calls + more
+        return reasoning, content, calls
+
+    def _parsed_choice(self, c: _Choice, idx: int, d: Any, lp: Any, plan: ToolPlan | None) -> dict[str, Any]:
+        """A streamed chat choice with the delta split into reasoning_content, content and tool_calls."""
+        finished = d.finish_reason is not None
+        reasoning, content, calls = self.parse_delta(c, d.text, finished, plan)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if content or (not reasoning and d.finish_reason is None):
+        if content or (not reasoning and not calls and not finished):
             delta["content"] = content
-        out: dict[str, Any] = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        if d.finish_reason is not None:
+        if calls:
+            delta["tool_calls"] = calls
+        finish_reason = d.finish_reason
+        if finish_reason == "stop" and c.tools is not None and c.tools.num_calls:
+            finish_reason = "tool_calls"
+        out: dict[str, Any] = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        if finished:
             out["stop_reason"] = d.stop_reason
         return out
 
@@ -796,6 +876,7 @@ class OpenAIServing:
         prompt: list[int],
         queue: asyncio.Queue,
         ticket: Ticket,
+        plan: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -824,8 +905,8 @@ class OpenAIServing:
                 lp = None
                 if top is not None and d.logprobs is not None:
                     lp = self._chat_logprobs(d.logprobs, d.token_ids, top)
-                if self.reasoning is not None:
-                    out.append(self._reasoning_choice(c, idx, d, lp))
+                if self.reasoning is not None or plan is not None:
+                    out.append(self._parsed_choice(c, idx, d, lp, plan))
                     continue
                 if lp is None and d.finish_reason is None:
                     out.append(plain_choice(idx, "delta", d.text))
@@ -839,6 +920,24 @@ class OpenAIServing:
         else:
             if include_usage:
                 yield self._usage_chunk(base_id, "chat.completion.chunk", created, [prompt], state)
+
+
+def _template_tool_call(call: Any) -> dict[str, Any]:
+    """An assistant message's call as chat templates read it: arguments as a mapping when they are
+    a JSON object (Qwen's and Hermes' templates dump them with `tojson`), else the text as sent."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    if not isinstance(arguments, dict):
+        arguments = call.function.arguments
+    out: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+    if call.id is not None:
+        out["id"] = call.id
+    return out
 
 
 def longest_token_chars(tokenizer: Any) -> int:

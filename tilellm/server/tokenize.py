@@ -31,7 +31,7 @@ from fastapi.routing import APIRoute, APIRouter
 from pydantic import BaseModel, Discriminator, Field, Tag
 
 from tilellm.server.errors import APIError
-from tilellm.server.protocol import ChatCompletionRequest, ChatMessage, TokenIds, _Request
+from tilellm.server.protocol import ChatCompletionRequest, ChatMessage, ChatTool, TokenIds, _Request
 from tilellm.server.serving import OpenAIServing, _encode
 
 PATHS = ("/tokenize", "/detokenize")
@@ -51,6 +51,7 @@ class TokenizeChatRequest(_Request):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # given to the template, as a chat completion gives them
     return_token_strs: bool = False
 
 
@@ -128,7 +129,8 @@ def _tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeC
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs,
         )
-        ids = serving._chat_prompt(chat)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        ids = serving._chat_prompt(chat, tools)
     else:  # the checks /v1/completions makes of a text prompt, in its order
         serving._need_tokenizer("prompt", "a text prompt")
         serving._check_chars(len(req.prompt), "prompt")
