@@ -1,0 +1,224 @@
+"""Real clients, unchanged, against the server: lm-evaluation-harness's `local-completions` model
+on a small multiple-choice task (loglikelihood requests: `/v1/completions` with token-id prompts,
+`echo`, `logprobs: 1`, `max_tokens: 1`), its per-choice loglikelihoods and its accuracy checked
+against `transformers` on the same checkpoint.
+
+lm-eval runs in the test's process, offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE): the task is a
+YAML file and a jsonl written into the test's directory, the tokenizer is the tiny model's directory.
+Once against the in-thread engine of the other server tests, once against the engine in its own
+process (`tilellm serve`'s default). Then vLLM's serving benchmark client (`vllm bench serve`),
+where a `vllm` is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from tests.server import conftest
+from tests.server.helpers import ServerThread
+
+TASK = "tilellm_tiny_mc"
+
+# (context, choices); lm-eval puts its target delimiter (" ") between the context and a choice.
+# No context ends in a space (lm-eval would move it into the continuation).
+ITEMS = [
+    ("The quick brown fox jumps over the", ["lazy dog", "moon", "red robot", "kernel"]),
+    ("One, two, three,", ["four", "nine", "Paris"]),
+    ("What is the capital of France? It is", ["Paris", "Zürich", "the moon", "東京"]),
+    ("The robot wrote every number into a small", ["notebook", "kernel", "dog"]),
+    ("Hello, world! How are you", ["today?", "tomorrow?", "🙂"]),
+    ("In the autumn the leaves turn", ["red and yellow", "blue", "into stars"]),
+    ("A block table maps the logical blocks of a request to", ["physical blocks", "the moon", "Москва"]),
+    ("The moon smiled and said:", ['"you have counted well"', "nothing", "seven, eight"]),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def oracle_loglikelihood(model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
+    """log P(continuation | context) (the continuation's tokens: those of context + continuation
+    after the context's), and whether each of them is the argmax."""
+    ctx = tokenizer(context).input_ids
+    whole = tokenizer(context + continuation).input_ids
+    assert whole[: len(ctx)] == ctx, "the context's tokens change when the continuation follows"
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), dim=-1)
+    rows = lp[len(ctx) - 1 : len(whole) - 1]  # row i predicts token len(ctx) + i
+    cont = torch.tensor(whole[len(ctx) :])
+    ll = rows.gather(1, cont[:, None]).sum().item()
+    return ll, bool((rows.argmax(dim=-1) == cont).all())
+
+
+def greedy_word(model, tokenizer, context: str, num_tokens: int = 2) -> str | None:
+    """The model's greedy continuation of `context` as a choice (without lm-eval's delimiter), when
+    it starts with a space and survives a round trip through the tokenizer; else None."""
+    ids = tokenizer(context).input_ids
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False)
+    text = tokenizer.decode(out[0, len(ids) :])
+    ok = (
+        text.startswith(" ")
+        and text[1:].isprintable()
+        and tokenizer(context + text).input_ids == out[0].tolist()
+    )
+    return text[1:] if ok else None
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory, hf_model, tokenizer):
+    """The task's YAML and jsonl. Where the model's greedy continuation is a word, it is one more
+    choice (lm-eval's is_greedy is then true). The answer of an even item is the choice the model
+    scores highest, of an odd item one it does not, so a right accuracy is exactly 0.5."""
+    d = tmp_path_factory.mktemp("lm_eval_task")
+    with open(d / "items.jsonl", "w", encoding="utf-8") as f:
+        for i, (context, choices) in enumerate(ITEMS):
+            word = greedy_word(hf_model, tokenizer, context)
+            choices = choices + ([word] if word is not None else [])
+            lls = [oracle_loglikelihood(hf_model, tokenizer, context, " " + c)[0] for c in choices]
+            best = max(range(len(choices)), key=lls.__getitem__)
+            answer = best if i % 2 == 0 else (best + 1) % len(choices)
+            f.write(json.dumps({"question": context, "choices": choices, "answer": answer}) + "\n")
+    # `cache_dir` goes to datasets' load_dataset: its Arrow cache stays in the test's directory
+    (d / f"{TASK}.yaml").write_text(
+        f"task: {TASK}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        f"  data_files: {{test: {json.dumps(str(d / 'items.jsonl'))}}}\n"
+        f"  cache_dir: {json.dumps(str(d / 'datasets_cache'))}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+        "metric_list:\n"
+        "  - metric: acc\n"
+    )
+    return d
+
+
+@pytest.fixture(scope="module")
+def process_server(tiny_model_dir):
+    """The server with its engine in a separate process, as `tilellm serve` runs by default."""
+    from tilellm.server import ServerConfig, create_app
+    from tilellm.server.engine_process import EngineProcess
+
+    engine = EngineProcess(tiny_model_dir, dict(conftest.ENGINE_KWARGS))
+    config = ServerConfig(conftest.MODEL_NAME, api_key=conftest.API_KEY)
+    with ServerThread(create_app(engine, config)) as s:
+        yield s
+
+
+def run_lm_eval(base_url: str, model_dir: str, task_dir, monkeypatch) -> dict:
+    """lm-eval's simple_evaluate on the one task (a TaskManager without lm-eval's own task
+    library, which takes ~20 s to index on 2 cores); the global RNG states it seeds are restored."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("OPENAI_API_KEY", conftest.API_KEY)  # local-completions' bearer token
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    model_args = {
+        "base_url": base_url + "/v1/completions",
+        "model": conftest.MODEL_NAME,
+        "tokenizer": model_dir,
+        "tokenizer_backend": "huggingface",
+        "batch_size": 4,  # four prompts (token-id lists) in one request
+        "num_concurrent": 2,  # lm-eval's aiohttp client, two requests at a time
+        "max_retries": 1,
+    }
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        return lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=model_args,
+            tasks=[TASK],
+            task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+            log_samples=True,
+        )
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+def _check_against_oracle(out: dict, hf_model, tokenizer) -> None:
+    samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
+    assert [s["doc"]["question"] for s in samples] == [context for context, _ in ITEMS]
+    correct = greedy = 0
+    for s in samples:
+        choices = s["doc"]["choices"]
+        assert len(s["arguments"]) == len(s["filtered_resps"]) == len(choices)
+        want = []
+        for (context, continuation), (ll, is_greedy), choice in zip(
+            s["arguments"], s["filtered_resps"], choices
+        ):
+            assert (context, continuation) == (s["doc"]["question"], " " + choice)
+            exp_ll, exp_greedy = oracle_loglikelihood(hf_model, tokenizer, context, continuation)
+            assert ll == pytest.approx(exp_ll, abs=1e-3), (context, continuation)
+            assert is_greedy == exp_greedy, (context, continuation)
+            want.append(exp_ll)
+            greedy += exp_greedy
+        pred = max(range(len(want)), key=want.__getitem__)
+        assert s["acc"] == float(pred == s["target"]), s["doc"]
+        correct += pred == s["target"]
+    assert correct / len(ITEMS) == 0.5  # as the answers were chosen
+    assert greedy > 0, "no greedy choice: the tiny model changed; ITEMS needs other contexts"
+    assert out["results"][TASK]["acc,none"] == pytest.approx(correct / len(ITEMS), abs=1e-12)
+
+
+def test_lm_eval_multiple_choice(server, tiny_model_dir, task_dir, hf_model, tokenizer, monkeypatch):
+    out = run_lm_eval(server.url, tiny_model_dir, task_dir, monkeypatch)
+    _check_against_oracle(out, hf_model, tokenizer)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,  # lm-eval's sum over token_logprobs that are None
+    reason="engine_process._pack/_unpack do not carry RequestUpdate.prompt_logprobs: the echoed "
+    "prompt's token_logprobs come back None",
+)
+def test_lm_eval_multiple_choice_engine_process(
+    process_server, tiny_model_dir, task_dir, hf_model, tokenizer, monkeypatch
+):
+    out = run_lm_eval(process_server.url, tiny_model_dir, task_dir, monkeypatch)
+    _check_against_oracle(out, hf_model, tokenizer)
+
+
+def _vllm_executable() -> str | None:
+    """vLLM's CLI: $TILELLM_VLLM, else `vllm` on PATH. Its serving benchmark needs only the client
+    side of vLLM, so a `pip install --no-deps vllm` beside a CPU torch is enough (vLLM's own
+    dependencies would bring a CUDA torch)."""
+    return os.environ.get("TILELLM_VLLM") or shutil.which("vllm")
+
+
+def test_vllm_bench_serve(server, tiny_model_dir, tmp_path):
+    """`vllm bench serve` (OpenAI completions, streamed, usage in the last chunk) on random prompts:
+    every request completes, with exactly the output tokens asked for (ignore_eos)."""
+    vllm = _vllm_executable()
+    if vllm is None:
+        pytest.skip("vLLM is not installed (pip install --no-deps vllm, plus its client-side packages)")
+    num_prompts, output_len = 8, 6
+    cmd = [vllm, "bench", "serve", "--backend", "openai", "--base-url", server.url]
+    cmd += ["--model", conftest.MODEL_NAME, "--tokenizer", tiny_model_dir, "--dataset-name", "random"]
+    cmd += ["--random-input-len", "16", "--random-output-len", str(output_len), "--ignore-eos"]
+    cmd += ["--num-prompts", str(num_prompts), "--temperature", "0", "--seed", "0"]
+    cmd += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
+    env = {**os.environ, "OPENAI_API_KEY": conftest.API_KEY, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == num_prompts and result["failed"] == 0, result
+    assert result["total_output_tokens"] == num_prompts * output_len
+    assert result["mean_ttft_ms"] > 0 and result["mean_itl_ms"] > 0
