@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import random
 
 import torch
 
@@ -256,6 +257,54 @@ def make_tiny_model(
 
     sd = _make_state_dict(config, arch, seed)
     _save_weights(path, {k: v.to(_DTYPES[dtype]).contiguous() for k, v in sd.items()}, num_shards)
+    return path
+
+
+def save_synthetic_tokenizer(path: str | pathlib.Path, vocab_size: int, seed: int = 0) -> pathlib.Path:
+    """A byte-level BPE tokenizer of exactly `vocab_size` entries written into `path`, for
+    benchmarks whose cost depends on the vocabulary (structured outputs' masks over Qwen3's
+    151,936 tokens) where no real tokenizer can be fetched. Its merges join random pairs of
+    existing tokens (letters and spaces most often), so entries have a word-like spread of
+    lengths; the special tokens take the last ids. Returns `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(sorted(alphabet))}
+    common = [c for c in "abcdefghijklmnopqrstuvwxyz" + "\u0120" * 6 + "etaoinshr" if c in vocab]
+    tokens = list(vocab)
+    merges: list[tuple[str, str]] = []
+    target = vocab_size - len(SPECIAL_TOKENS)
+    while len(vocab) < target:
+        # the left side: usually a recent (longer) token, the right: usually a common character
+        a = tokens[-rng.randint(1, min(len(tokens), 4000))] if rng.random() < 0.7 else rng.choice(common)
+        b = rng.choice(common) if rng.random() < 0.8 else rng.choice(tokens)
+        if len(a) + len(b) > 16 or (a + b) in vocab:
+            continue
+        vocab[a + b] = len(vocab)
+        tokens.append(a + b)
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(path / "tokenizer.json"))
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    added = {str(tok.token_to_id(t)): {"content": t, **flags} for t in SPECIAL_TOKENS}
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [IM_START, IM_END],
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
     return path
 
 

@@ -183,12 +183,6 @@ def test_lm_eval_multiple_choice(server, tiny_model_dir, task_dir, hf_model, tok
     _check_against_oracle(out, hf_model, tokenizer)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,  # lm-eval's sum over token_logprobs that are None
-    reason="engine_process._pack/_unpack do not carry RequestUpdate.prompt_logprobs: the echoed "
-    "prompt's token_logprobs come back None",
-)
 def test_lm_eval_multiple_choice_engine_process(
     process_server, tiny_model_dir, task_dir, hf_model, tokenizer, monkeypatch
 ):

@@ -28,8 +28,18 @@ CALL_TEXTS = [
     '<tool_call>{"arguments": {"x": 1}, "name": "late_name"}</tool_call> done',
     '<tool_call>\n{"name": "cut", "arguments": {"q": "unterminated block"}}',  # stopped at the end token
     '<tool_call>\n{"name": "uni", "arguments": {"s": "\\u00e9t\\u00e9 \\"quoted\\""}}\n</tool_call>',
+    'A <tool_call>{"name": "as_text", "arguments": "{\\"a\\": 1}"}</tool_call> B',
+    '<tool_call>{"name":"compact","arguments":{"a":1,"b":[2]}}</tool_call>',
 ]
 PLAIN_TEXTS = ["no calls here  \n", "a <tool_call>not json</tool_call> b", "<tool_call", "  lead"]
+
+
+def _raw(deltas: list[dict]) -> list[str]:
+    """Each streamed call's arguments text, joined."""
+    out: dict[int, str] = {}
+    for d in deltas:
+        out[d["index"]] = out.get(d["index"], "") + d["function"]["arguments"]
+    return [text for _, text in sorted(out.items())]
 
 
 def _join(deltas: list[dict]) -> list[tuple[str, object]]:
@@ -67,6 +77,9 @@ def test_hermes_extract():
     assert calls[0].to_openai()["type"] == "function" and calls[0].id != calls[1].id
     assert HERMES.extract(CALL_TEXTS[3])[1][0].name == "cut"
     assert HERMES.extract(CALL_TEXTS[2])[0] == "done"
+    content, calls = HERMES.extract(CALL_TEXTS[5])
+    assert content == "A\nB" and calls[0].arguments == '{"a": 1}'  # a string's text; text one per line
+    assert HERMES.extract(CALL_TEXTS[6])[1][0].arguments == '{"a":1,"b":[2]}'  # as written
 
 
 @pytest.mark.parametrize("text", PLAIN_TEXTS)
@@ -80,6 +93,7 @@ def test_hermes_stream_equals_extract_wherever_the_deltas_cut(text, cuts):
     want_content, want_calls = HERMES.extract(text)
     content, deltas = _stream(HERMES.stream(), text, cuts)
     assert _join(deltas) == [(c.name, json.loads(c.arguments)) for c in want_calls]
+    assert _raw(deltas) == [c.arguments for c in want_calls]  # the same text, not just the same JSON
     assert (content or None) == want_content
 
 

@@ -99,6 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "extra.fused_speedup is that run's time over E1 run 1's). Meaningful with the Triton attention "
         "backend (the GPU default): with --attention-backend reference both runs are unfused",
     )
+    p.add_argument(
+        "--structured-outputs",
+        action="store_true",
+        help="also run E1 with every request constrained by a JSON schema (E1_JSON_SCHEMA), on the "
+        "same engine; a random-weight model gets a synthetic byte-level tokenizer of its vocabulary",
+    )
     p.add_argument("--hf-baseline", action="store_true", help="also run transformers generate on E1")
     p.add_argument(
         "--hf-requests", type=int, default=256, help="E1 requests for the HF baseline (batches of 64)"
@@ -188,6 +194,7 @@ class Result:
     host_us_per_step_256: float | None = None
     step_ms_256: float | None = None
     extra: dict = field(default_factory=dict)
+    output_lengths: list[int] = field(default_factory=list, repr=False)  # per request, in order
 
 
 def _model_dir(args: argparse.Namespace, tmp: str) -> tuple[str, str]:
@@ -209,13 +216,44 @@ def shape_config(name: str) -> dict:
     }[name]
 
 
+# E1 with structured outputs: every request's answer is a record of this schema. A grammar ends
+# its request when the JSON is complete, so the unconstrained peer is run on the same prompts
+# with each request's max_tokens set to the length its constrained answer had.
+E1_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "score": {"type": "number"},
+        "summary": {"type": "string"},
+    },
+    "required": ["title", "tags", "score", "summary"],
+    "additionalProperties": False,
+}
+
+
+def _ensure_tokenizer(model: str, load_format: str) -> None:
+    """A random-weight model directory gets a synthetic tokenizer of its vocabulary size."""
+    if load_format != "dummy" or os.path.exists(os.path.join(model, "tokenizer.json")):
+        return
+    from tilellm.testing import save_synthetic_tokenizer
+
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    print(f"# writing a synthetic byte-level tokenizer of {vocab} tokens ...", flush=True)
+    save_synthetic_tokenizer(model, vocab)
+
+
 def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_len: int, **over):
     from tilellm import LLM
     from tilellm.engine.arg_utils import EngineArgs
 
     kwargs = EngineArgs.from_cli_args(args)
+    has_tokenizer = os.path.exists(os.path.join(model, "tokenizer.json"))
     kwargs.update(
-        max_model_len=max_model_len, load_format=load_format, skip_tokenizer_init=load_format == "dummy"
+        max_model_len=max_model_len,
+        load_format=load_format,
+        skip_tokenizer_init=load_format == "dummy" and not has_tokenizer,
     )
     kwargs.update(over)
     # Timestamps on stdout: a run cut by a time limit still shows how far the engine got.
@@ -227,6 +265,23 @@ def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_
         raise flag_error(e) from None
     print(f"# engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     return llm
+
+
+def _e1_structured(llm: Any, w: Workload, shift: int) -> list[Result]:
+    """E1 with every request under E1_JSON_SCHEMA, then its unconstrained peer: the same prompts,
+    each request's max_tokens the length of its constrained answer (the same tokens to produce).
+    Prompt ids are shifted by `shift` and `shift + 2`: no prefix-cache hits on earlier runs."""
+    from tilellm import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=E1_JSON_SCHEMA)
+    constrained = dataclasses.replace(w, prompts=[[t + shift for t in p] for p in w.prompts])
+    json_run = run_workload(llm, constrained, "every request with a JSON schema", so)
+    peer = dataclasses.replace(
+        w, prompts=[[t + shift + 2 for t in p] for p in w.prompts], max_tokens=json_run.output_lengths
+    )
+    free_run = run_workload(llm, peer, "unconstrained, the same output lengths")
+    json_run.extra["seconds_over_unconstrained"] = json_run.seconds / free_run.seconds
+    return [json_run, free_run]
 
 
 def _fit_vocab(w: Workload, vocab: int) -> Workload:
@@ -272,16 +327,24 @@ def compiled_kernel_variants() -> int:
     return total
 
 
-def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
+def run_workload(llm: Any, w: Workload, variant: str = "", structured_outputs: Any = None) -> Result:
+    """`structured_outputs`: a `StructuredOutputsParams` every request is constrained by."""
     from tilellm import SamplingParams
 
     engine = llm.llm_engine
     w = _fit_vocab(w, engine.vocab_size)
-    params = [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True) for m in w.max_tokens]
+    params = [
+        SamplingParams(
+            temperature=w.temperature, max_tokens=m, ignore_eos=True, structured_outputs=structured_outputs
+        )
+        for m in w.max_tokens
+    ]
     # Warm-up at the workload's shapes (token ids shifted: nothing for the prefix cache to find),
     # so that no JIT compile lands in the measured run.
     warm = [[(t + 1) % engine.vocab_size for t in p] for p in w.prompts[:32]]
-    llm.generate(warm, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    # (the grammar is compiled here too: its compile, once per schema, is not the run's work)
+    warm_params = SamplingParams(max_tokens=3, ignore_eos=True, structured_outputs=structured_outputs)
+    llm.generate(warm, warm_params, use_tqdm=False)
     engine.timings.reset()
     stats0 = engine.get_stats()
     runner_times = engine.runner.host_times
@@ -299,7 +362,8 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
     seconds = time.perf_counter() - t0
     engine.runner.time_device = False
     engine.record_steps = False
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    out_tokens = sum(lengths)
     prompt_tokens = sum(len(p) for p in w.prompts)
     ttft = np.array(
         [o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None]
@@ -309,6 +373,7 @@ def run_workload(llm: Any, w: Workload, variant: str = "") -> Result:
         workload=w.name,
         variant=variant,
         requests=len(outs),
+        output_lengths=lengths,
         prompt_tokens=prompt_tokens,
         output_tokens=out_tokens,
         seconds=seconds,
@@ -564,6 +629,8 @@ def main(args: argparse.Namespace) -> int:
             w = e1(args.scale)
             if args.scale == 1.0:
                 assert sum(w.max_tokens) == E1_OUTPUT_TOKENS
+            if args.structured_outputs:
+                _ensure_tokenizer(model, load_format)
             llm = _make_llm(args, model, load_format, max_model_len=_needed_len(w))
             for k in range(max(1, args.repeat)):
                 # Even shifts: each run's warm-up shifts its prompts by 1 more (odd), so no run
@@ -576,6 +643,8 @@ def main(args: argparse.Namespace) -> int:
                 results.append(
                     run_workload(llm, run, f"run {k + 1}/{args.repeat}" if args.repeat > 1 else "")
                 )
+            if args.structured_outputs:
+                results += _e1_structured(llm, w, 2 * args.repeat)
             llm = None
             _free()
             if args.compare_fused:

@@ -100,6 +100,15 @@ def _eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
 
 
 @dataclass
+class _EarlyFinish:
+    """A step finished by `_fill_bitmask` while the next one launched: its outputs and time."""
+
+    emit_partial: bool
+    outputs: list[RequestOutput] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
 class _InFlight:
     """A launched step and what its postprocessing needs."""
 
@@ -189,8 +198,6 @@ class LLMEngine:
         self._collecting: set[str] = set()  # requests whose prompt logprobs are not complete yet
         self._grammar: GrammarBackend | None = None  # structured outputs (made on first use)
         self._constrained: set[int] = set()  # unfinished sequences with a grammar
-        self._emit_partial = True  # this step's, for `_fill_bitmask`
-        self._early_outputs: list[RequestOutput] = []  # outputs of a step `_fill_bitmask` finished
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner (tests substitute one that needs no model); see `start_runner`."""
@@ -326,8 +333,8 @@ class LLMEngine:
             if self.proposer is not None:
                 self._spec_probe_in -= 1
             # (A grammar's mask follows the token drawn last: `_fill_bitmask` finishes the step in
-            # flight once this step's forward is queued.)
-            self._emit_partial, self._early_outputs = emit_partial, []
+            # flight once this step's forward is queued, into `early`.)
+            early = _EarlyFinish(emit_partial)
             if speculate and self._inflight is not None:
                 done, self._inflight = self._inflight, None  # its tokens are what this step follows
                 drained = self._finish_step(done, emit_partial)
@@ -359,14 +366,14 @@ class LLMEngine:
                 if self.proposer is not None and self.proposer.needs_device and any(sched.num_drafts):
                     self._draft_on_device(sched)
                 t1 = time.perf_counter()
-                launched = self._launch(sched)
+                launched = self._launch(sched, early)
                 t2 = time.perf_counter()
-                launched.times = [t1 - t0, t2 - t1]
+                launched.times = [t1 - t0, t2 - t1 - early.seconds]  # (the step before timed as its own)
             elif self._inflight is None:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler made no progress with requests pending")
                 return drained
-            drained += self._early_outputs
+            drained += early.outputs
             verifies = launched is not None and launched.num_drafts is not None
             if self.async_scheduling and not verifies:  # finish the last step meanwhile
                 done, self._inflight = self._inflight, launched
@@ -517,7 +524,7 @@ class LLMEngine:
             return 0
         return k
 
-    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+    def _launch(self, sched: SchedulerOutput, early: _EarlyFinish) -> _InFlight:
         """Build the step's inputs (host arrays) and start it on the device.
 
         Sampled sequences get a placeholder token (-1) until the step's result arrives; a later
@@ -567,7 +574,7 @@ class LLMEngine:
             widths = num_drafts.tolist() if num_drafts is not None else [0] * len(sampled)
             for s, d in zip(sampled, widths):
                 row_matchers += [s.matcher] + [None] * d  # (constrained sequences never draft)
-            bitmask = functools.partial(self._fill_bitmask, row_matchers)
+            bitmask = functools.partial(self._fill_bitmask, row_matchers, early)
         patch = None
         pending = np.flatnonzero(inputs.input_ids < 0)
         if len(pending):
@@ -593,14 +600,16 @@ class LLMEngine:
             prompt_rows=prompt_of,
         )  # fmt: skip
 
-    def _fill_bitmask(self, row_matchers: list) -> Any:
+    def _fill_bitmask(self, row_matchers: list, early: _EarlyFinish) -> Any:
         """Structured outputs' token bitmask of the step being launched; the runner calls it once
         the step's forward is queued. The step before (still in flight under asynchronous
-        scheduling) is finished first, so every matcher has accepted its token; its outputs are
-        returned by this `step` call."""
+        scheduling) is finished first, so every matcher has accepted its token; its outputs go to
+        `early`, which this `step` call returns."""
         if self._inflight is not None:
+            t0 = time.perf_counter()
             done, self._inflight = self._inflight, None
-            self._early_outputs += self._finish_step(done, self._emit_partial)
+            early.outputs += self._finish_step(done, early.emit_partial)
+            early.seconds += time.perf_counter() - t0
         assert self._grammar is not None
         return self._grammar.bitmasks(row_matchers, pin_memory=bool(getattr(self.runner, "is_cuda", False)))
 

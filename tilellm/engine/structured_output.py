@@ -27,27 +27,6 @@ from typing import Any
 from tilellm.engine.sampling_params import StructuredOutputsParams
 
 
-def bounded_strings_as_patterns(schema: Any) -> Any:
-    """`schema` with each string's `minLength` / `maxLength` spelled as a `pattern` (`^.{m,n}$`).
-
-    xgrammar lowers a length-bounded string to a bare character class that admits raw control
-    characters (U+0000-U+001F), which JSON forbids in a string: the output would not parse. Its
-    pattern path draws JSON string characters (no control characters); a string that already
-    has a pattern, a format, an enum or a const is left as it is."""
-    if isinstance(schema, list):
-        return [bounded_strings_as_patterns(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
-    if out.get("type") == "string" and bounded and plain:
-        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
-        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
-            out["pattern"] = f"^.{{{lo},{'' if hi is None else hi}}}$"
-    return out
-
-
 class GrammarError(ValueError):
     """A grammar the backend cannot compile (the message names the problem)."""
 
@@ -69,6 +48,12 @@ class GrammarBackend:
         self._compiled: dict[tuple, Any] = {}
         self.words = (vocab_size + 31) // 32
         self._batch = xgr.BatchGrammarMatcher(max_threads="auto")  # fills rows in parallel
+        # Compact JSON (the default) compiles against a vocabulary without the tokens that hold a
+        # control byte (< 0x20): JSON never has one in a string, compact JSON none at all, and
+        # xgrammar's length-bounded strings (minLength / maxLength) would admit them. Removed at
+        # compile time, they cost the masks nothing.
+        self._tokenizer, self._info = tokenizer, info
+        self._json_compiler: Any = None
         # Two mask buffers used in turn: a step's mask is copied to the device while the next
         # step's is filled (the one before has been read back by then).
         self._buffers: list[Any] = [None, None]
@@ -79,11 +64,11 @@ class GrammarBackend:
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled
-        c = self.compiler
+        compact_json = (so.json is not None or so.json_object) and not so.whitespace
+        c = self._compact_json_compiler() if compact_json else self.compiler
         try:
             if so.json is not None:
-                schema = json.loads(so.json) if isinstance(so.json, str) else so.json
-                schema = json.dumps(bounded_strings_as_patterns(schema))
+                schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
                 compiled = c.compile_json_schema(schema, any_whitespace=so.whitespace)
             elif so.json_object:
                 compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=so.whitespace)
@@ -106,6 +91,27 @@ class GrammarBackend:
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
         return self.xgr.GrammarMatcher(self.compile(so))
+
+    def _compact_json_compiler(self) -> Any:
+        if self._json_compiler is None:
+            xgr, info = self.xgr, self._info
+            encoded = [""] * self.vocab_size  # "" marks a token special: never matched as text
+            for token, i in self._tokenizer.get_vocab().items():
+                if i < self.vocab_size:
+                    encoded[i] = token
+            special = set(info.special_token_ids)
+            for i, token in enumerate(info.decoded_vocab[: self.vocab_size]):
+                if i in special or (token and min(token) < 0x20):
+                    encoded[i] = ""
+            json_info = xgr.TokenizerInfo(
+                encoded,
+                info.vocab_type,
+                vocab_size=self.vocab_size,
+                stop_token_ids=info.stop_token_ids,
+                add_prefix_space=info.add_prefix_space,
+            )
+            self._json_compiler = xgr.GrammarCompiler(json_info, max_threads=2)
+        return self._json_compiler
 
     def bitmasks(self, matchers: list[Any], pin_memory: bool = False) -> Any:
         """[N, words] int32 CPU tensor: row i the tokens matcher i allows next (all bits set: no

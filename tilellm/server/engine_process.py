@@ -52,17 +52,11 @@ def _pack(update: RequestUpdate) -> tuple:
         (d.index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.final_text)
         for d in update.deltas
     ]
+    # (positional, in RequestUpdate's field order: `_unpack` fills the fields by position)
+    head = (update.tag, deltas, update.finished, update.num_cached_tokens, update.prompt_logprobs)
     if update.error is None:
-        return (update.tag, deltas, update.finished, update.num_cached_tokens)
-    return (
-        update.tag,
-        deltas,
-        update.finished,
-        update.num_cached_tokens,
-        update.error,
-        update.status,
-        update.code,
-    )
+        return head
+    return (*head, update.error, update.status, update.code)
 
 
 def _unpack(packed: tuple) -> RequestUpdate:

@@ -75,6 +75,7 @@ class _SamplingFields(_Request):
     stop_token_ids: TokenIds | None = None
     repetition_penalty: float | None = None
     allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None

@@ -36,7 +36,6 @@ from tilellm.server.protocol import (
     ChatCompletionRequest,
     TokenIds,
     _Request,
-    check_unsupported,
 )
 from tilellm.server.serving import OpenAIServing, _Choice, _sse_response, _updates
 
@@ -91,12 +90,10 @@ class TextFormat(_Request):
 
 class TextOptions(_Request):
     format: TextFormat | None = None
-    verbosity: str | None = None
 
 
 class ReasoningOptions(_Request):
-    effort: str | None = None
-    summary: str | None = None
+    effort: str | None = None  # given to the chat template as `reasoning_effort`, as vLLM does
 
 
 class ResponsesRequest(_Request):
@@ -118,12 +115,8 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # refused unless 0 (not built)
-    include: list[str] | None = None
     background: bool = False
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = Field(None, ge=0)  # 0: no calls, 1: one call; more are refused
     # vLLM extras (its sampling fields on the Responses API)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     top_k: int | None = None
@@ -199,6 +192,16 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError.invalid(
             "top_logprobs: logprobs are not given on /v1/responses; use /v1/chat/completions", "top_logprobs"
         )
+    if req.truncation == "auto":
+        raise APIError.invalid(
+            'truncation "auto": this server never drops input; send "disabled" or a shorter input',
+            "truncation",
+        )
+    if req.max_tool_calls is not None and req.max_tool_calls > 1:
+        raise APIError.invalid(
+            "max_tool_calls: only 0 (no calls) or 1 (one call) can be enforced; leave it unset",
+            "max_tool_calls",
+        )
     if req.background:
         raise APIError.invalid(
             "background: responses run in the foreground only on this server", "background"
@@ -208,7 +211,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "messages": chat_messages(req),
         "max_tokens": req.max_output_tokens,
         "stream": req.stream,
-        "parallel_tool_calls": req.parallel_tool_calls,
+        "parallel_tool_calls": req.parallel_tool_calls and req.max_tool_calls != 1,
     }
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "stop", "stop_token_ids", "chat_template_kwargs"):  # fmt: skip
@@ -219,7 +222,12 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
             for t in req.tools
         ]
-    if isinstance(req.tool_choice, NamedFunctionChoice):
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        kwargs = body.get("chat_template_kwargs", {})
+        body["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort, **kwargs}
+    if req.max_tool_calls == 0:
+        body["tool_choice"] = "none"
+    elif isinstance(req.tool_choice, NamedFunctionChoice):
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
@@ -326,16 +334,11 @@ class ResponsesServing:
             self._warned_store = True
             logger.warning("/v1/responses: store is not supported; responses are not kept (store: false)")
         chat = _chat_request(req)
-        check_unsupported(chat)
-        plan = s.plan_tools(chat)
-        prompt = await s._off_loop(s._chat_prompt, chat, plan.template_tools if plan else None)
         renames = {"max_tokens": "max_output_tokens", "prompt": "input", "logprobs": "top_logprobs"}
-        forced = plan.structured_outputs if plan is not None else None
-        params = s._sampling_params(chat, chat.max_tokens, None, renames, structured_outputs=forced)
-        await s._off_loop(s._check_grammar, params, chat, "tools" if forced is not None else "text.format")
-        max_tokens = s._check_request(params, [prompt], renames)
+        prep = await s.prepare_chat(chat, renames, "text.format")
+        plan, prompt = prep.plan, prep.prompt
         resp_id = _new_id("resp")
-        queue, ticket = s._submit(resp_id, [prompt], params, max_tokens)
+        queue, ticket = s._submit(resp_id, [prompt], prep.params, prep.max_tokens)
         created = int(time.time())
         if req.stream:
             events = self._stream(req, resp_id, created, prompt, queue, plan)
@@ -369,16 +372,23 @@ class ResponsesServing:
         c = _Choice()
         items = _OutputItems(events)
         finish = None
-        async for batch in _updates(queue, 1):
-            for u in batch:
-                for d in u.deltas:
-                    c.token_ids.extend(d.token_ids)
-                    finished = d.finish_reason is not None
-                    reasoning, content, calls = self.serving.parse_delta(c, d.text, finished, plan)
-                    for event in items.feed(reasoning, content, calls):
-                        yield event
-                    if finished:
-                        finish = d.finish_reason
+        try:
+            async for batch in _updates(queue, 1):
+                for u in batch:
+                    for d in u.deltas:
+                        c.token_ids.extend(d.token_ids)
+                        finished = d.finish_reason is not None
+                        reasoning, content, calls = self.serving.parse_delta(c, d.text, finished, plan)
+                        for event in items.feed(reasoning, content, calls):
+                            yield event
+                        if finished:
+                            finish = d.finish_reason
+        except APIError as exc:  # the engine failed the request: the API's error, then response.failed
+            yield events("error", code=exc.code, message=exc.message, param=exc.param)
+            failed = self._response(req, resp_id, created, "failed", items.done, None)
+            failed["error"] = {"code": exc.code or "server_error", "message": exc.message}
+            yield events("response.failed", response=failed)
+            return
         incomplete = "max_output_tokens" if finish == "length" else None
         status = "incomplete" if incomplete else "completed"
         for event in items.close(status):
@@ -418,12 +428,18 @@ class _OutputItems:
         self.call_index = -1
 
     def feed(self, reasoning: str, content: str, calls: list[dict[str, Any]]) -> list[str]:
+        """The events of one streamed piece: its reasoning, then the rest of the call already
+        open (a delta can end it and go on with text), then its content, then new calls."""
         out: list[str] = []
         if reasoning:
             out += self._piece("reasoning", reasoning)
+        open_call = [d for d in calls if self.kind == "call" and d["index"] == self.call_index]
+        for d in open_call:
+            if d["function"].get("arguments"):
+                out += self._piece("call", d["function"]["arguments"])
         if content:
             out += self._piece("message", content)
-        for d in calls:
+        for d in calls[len(open_call) :]:
             if d["index"] != self.call_index:  # a new call: its first delta names it
                 self.call_index = d["index"]
                 out += self._open("call", d)
@@ -499,7 +515,7 @@ class _OutputItems:
             out.append(
                 ev("response.function_call_arguments.done", **ids, arguments=text, name=self.item["name"])
             )
-            item = _call_item(self.item["call_id"], self.item["name"], text, "completed", self.item["id"])
+            item = _call_item(self.item["call_id"], self.item["name"], text, status, self.item["id"])
         out.append(ev("response.output_item.done", output_index=len(self.done), item=item))
         self.done.append(item)
         self.kind = None

@@ -56,6 +56,7 @@ _PARAM_NAMES = (
     "repetition_penalty",
     "logit_bias",
     "allowed_token_ids",
+    "bad_words",
 )
 
 
@@ -165,6 +166,17 @@ def split_logprob_entry(entry: Any, sampled: int, k: int) -> tuple[float, list[t
 def _finite(x: float) -> float:
     # JSON has no infinities; OpenAI reports -9999.0 for "impossible".
     return x if x > -9999.0 else -9999.0
+
+
+@dataclass
+class PreparedChat:
+    """What `OpenAIServing.prepare_chat` makes of a chat request, ready for admission."""
+
+    plan: ToolPlan | None
+    prompt: list[int]
+    params: Any  # SamplingParams
+    max_tokens: list[int]  # what the prompt may generate (max_tokens cut to its room)
+    top: int | None  # top logprobs per token, None: no logprobs
 
 
 class OpenAIServing:
@@ -320,16 +332,22 @@ class OpenAIServing:
             ),
             logit_bias=logit_bias_ids(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=structured_outputs or structured_outputs_params(req),
         )
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         if optional["stop"]:
             self._need_tokenizer("stop", "a stop string")
+        if optional["bad_words"]:
+            self._need_tokenizer("bad_words", "bad_words")
         for text in optional["stop"] or []:
             self._check_text(text, "stop")
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
+            if params.bad_words:  # tokenized here too: a word the engine would refuse is a 400
+                params.update_from_tokenizer(self.tokenizer)
+            return params
         except (ValueError, TypeError) as exc:
             raise _engine_value_error(exc, renames) from None
 
@@ -756,23 +774,35 @@ class OpenAIServing:
         if plan is not None:
             message["content"], calls = plan.extract(text)
             message["tool_calls"] = [call.to_openai() for call in calls or ()]
-            if calls and finish_reason == "stop":
+            if calls and finish_reason == "stop" and plan.choice != "named":  # (OpenAI's: named is stop)
                 finish_reason = "tool_calls"
         return message, finish_reason
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
-        self.check_model(req.model)
+    async def prepare_chat(
+        self, req: ChatCompletionRequest, renames: dict[str, str], format_param: str | None = None
+    ) -> PreparedChat:
+        """A chat request's steps before admission (shared with /v1/responses): its tool plan,
+        prompt, SamplingParams and the tokens it may generate; a 400 naming the field (`renames`
+        maps engine names to the endpoint's; `format_param` names its output-format field)."""
         check_unsupported(req)
         plan = self.plan_tools(req)
         prompt = await self._off_loop(self._chat_prompt, req, plan.template_tools if plan else None)
-        mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        renames = {"max_tokens": mt_param, "logprobs": "top_logprobs", "prompt": "messages"}
         forced = plan.structured_outputs if plan is not None else None
         params = self._sampling_params(req, requested, top, renames, structured_outputs=forced)
-        await self._off_loop(self._check_grammar, params, req, "tools" if forced is not None else None)
+        await self._off_loop(
+            self._check_grammar, params, req, "tools" if forced is not None else format_param
+        )
         max_tokens = self._check_request(params, [prompt], renames)
+        return PreparedChat(plan, prompt, params, max_tokens, top)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        renames = {"max_tokens": mt_param, "logprobs": "top_logprobs", "prompt": "messages"}
+        prep = await self.prepare_chat(req, renames)
+        plan, prompt, params, max_tokens, top = prep.plan, prep.prompt, prep.params, prep.max_tokens, prep.top
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         queue, ticket = self._submit(base_id, [prompt], params, max_tokens)
         created = int(time.time())
@@ -827,20 +857,24 @@ class OpenAIServing:
                 content, calls = content + t, calls + more
         return reasoning, content, calls
 
-    def _parsed_choice(self, c: _Choice, idx: int, d: Any, lp: Any, plan: ToolPlan | None) -> dict[str, Any]:
+    def _parsed_choice(
+        self, c: _Choice, idx: int, d: Any, lp: Any, plan: ToolPlan | None
+    ) -> dict[str, Any] | None:
         """A streamed chat choice with the delta split into reasoning_content, content and tool_calls."""
         finished = d.finish_reason is not None
         reasoning, content, calls = self.parse_delta(c, d.text, finished, plan)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if content or (not reasoning and not calls and not finished):
+        if content or (plan is None and not reasoning and not finished):
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
         finish_reason = d.finish_reason
-        if finish_reason == "stop" and c.tools is not None and c.tools.num_calls:
+        if finish_reason == "stop" and c.tools is not None and c.tools.num_calls and plan.choice != "named":
             finish_reason = "tool_calls"
+        if not delta and lp is None and not finished:  # all held back (a tag or a value in pieces)
+            return None
         out: dict[str, Any] = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         if finished:
             out["stop_reason"] = d.stop_reason
@@ -906,7 +940,9 @@ class OpenAIServing:
                 if top is not None and d.logprobs is not None:
                     lp = self._chat_logprobs(d.logprobs, d.token_ids, top)
                 if self.reasoning is not None or plan is not None:
-                    out.append(self._parsed_choice(c, idx, d, lp, plan))
+                    parsed = self._parsed_choice(c, idx, d, lp, plan)
+                    if parsed is not None:
+                        out.append(parsed)
                     continue
                 if lp is None and d.finish_reason is None:
                     out.append(plain_choice(idx, "delta", d.text))

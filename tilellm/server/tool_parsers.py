@@ -93,6 +93,9 @@ class _ArgumentsStream:
             end = None
         if end is not None:
             self.end = end
+            if buffer[start] == '"' and not self.sent:  # arguments given as a JSON string: its text
+                self.sent = end - start
+                return json.loads(buffer[start:end]), True
             piece, self.sent = buffer[start + self.sent : end], end - start
             return piece, True
         if start < len(buffer) and buffer[start] == "{":
@@ -136,6 +139,7 @@ class HermesToolParser:
         while (i := text.find(self.start, pos)) >= 0:
             gap = text[pos:i]
             content.append(gap.strip() if calls else gap.rstrip())  # no spacing around calls
+            # (text around calls: its pieces one per line)
             j = text.find(self.end, i)
             body = text[i + len(self.start) : j if j >= 0 else len(text)]
             try:
@@ -144,10 +148,15 @@ class HermesToolParser:
                 call = None
             if call is None:
                 return text, []
+            head = _NAME_HEAD.match(body)
+            if head is not None:  # the arguments as the model wrote them (what a stream sends)
+                start = len(body) - len(body[head.end() :].lstrip())
+                value, end = _DECODER.raw_decode(body, start)
+                call.arguments = value if isinstance(value, str) else body[start:end]
             calls.append(call)
             pos = len(text) if j < 0 else j + len(self.end)
         content.append(text[pos:].strip())
-        rest = "".join(content)
+        rest = "\n".join(piece for piece in content if piece)
         return (rest or None), calls
 
     def stream(self) -> HermesToolStream:
@@ -171,6 +180,7 @@ class HermesToolStream:
         self.space = ""
         self.dropped = ""
         self.after_call = False
+        self.has_content = False  # content was sent: more after a call starts a new line
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         content: list[str] = []
@@ -225,10 +235,12 @@ class HermesToolStream:
             if not text:
                 return
             self.after_call = False
+            self.space = "\n" if self.has_content else ""
         body = text.rstrip()
         if body:
             out.append(self.space + body)
             self.space = text[len(body) :]
+            self.has_content = True
         else:
             self.space += text
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import weakref
@@ -613,11 +614,19 @@ class ModelRunner:
         header = inputs.header(self._step_id)
         if self.driver is None:
             return self._launch(inputs, header, sampling, patch, t0, verification, bitmask)
+        # The mask callback finishes the engine's step before (a wait and its postprocessing): its
+        # errors (an interrupt too) are the engine's, not a rank's failure, so they are raised
+        # after the guard that stops every rank.
+        deferred: list[BaseException] = []
+        guarded = None if bitmask is None else functools.partial(_deferred_errors, bitmask, deferred)
         with self.driver.step_lock:
             self.driver.check_workers()
             with self._all_ranks():
                 self.driver.send_header(header)
-                return self._launch(inputs, header, sampling, patch, t0, verification, bitmask)
+                handle = self._launch(inputs, header, sampling, patch, t0, verification, guarded)
+        if deferred:
+            raise deferred[0]
+        return handle
 
     @contextlib.contextmanager
     def _all_ranks(self, catch: type[BaseException] = BaseException) -> Iterator[None]:
@@ -668,8 +677,9 @@ class ModelRunner:
         t2 = time.perf_counter()
         logits, prompt = self._forward(x, sampling.max_num_prompt_logprobs)
         t3 = time.perf_counter()
-        if bitmask is not None:  # filled now, while the device runs the forward
-            md.token_bitmask = bitmask().to(self.device, non_blocking=True)
+        mask = bitmask() if bitmask is not None else None  # filled now, while the device runs the forward
+        if mask is not None:
+            md.token_bitmask = mask.to(self.device, non_blocking=True)
         out = self.sampler(logits, md, verification)
         out.prompt = prompt
         handle = self._copy_out(out, parity)
@@ -702,7 +712,7 @@ class ModelRunner:
         logits, prompt = self._forward(x, sampling.max_num_prompt_logprobs)
         md = sampling.to_cpu_metadata()
         if bitmask is not None:
-            md.token_bitmask = bitmask()
+            md.token_bitmask = bitmask()  # (None when a tensor-parallel step deferred its error)
         out = self.sampler(logits, md, verification)
         out.prompt = prompt
 
@@ -778,3 +788,12 @@ class ModelRunner:
             if handle.start_event is not None:
                 handle.host.device_time_s = handle.start_event.elapsed_time(handle.event) / 1e3
         return handle.host
+
+
+def _deferred_errors(fn: Callable[[], torch.Tensor], errors: list[BaseException]) -> torch.Tensor | None:
+    """`fn()`, or None with its exception appended to `errors` (raised later by the caller)."""
+    try:
+        return fn()
+    except BaseException as e:
+        errors.append(e)
+        return None

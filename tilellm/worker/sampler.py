@@ -157,13 +157,12 @@ class HostSampling:
     bad_word_prefixes: np.ndarray | None = None  # [K, P] int64, right-aligned, NO_TOKEN-padded
     bad_word_slots: np.ndarray | None = None  # [N] int64 slots (with the prefixes)
     max_num_prompt_logprobs: int = -1  # the top k of the step's prompt logprobs (-1: none asked)
-    token_bitmask: np.ndarray | None = None  # [N, ceil(V / 32)] int32 (structured outputs)
+    # (structured outputs' token bitmask is filled later, while the forward runs: `ModelRunner.launch`)
 
     _DEVICE = (
         "inv_temp", "seed_keys", "steps", "greedy", "top_k", "top_p", "min_p", "banned",
         "penalty_rows", "presence", "frequency", "repetition", "bias_pairs", "bias_values",
         "allowed_pairs", "allowed_rows", "bad_word_pairs", "bad_word_prefixes", "bad_word_slots",
-        "token_bitmask",
     )  # fmt: skip
 
     def device_arrays(self) -> dict[str, np.ndarray]:
@@ -201,7 +200,6 @@ class HostSampling:
             else (dev["bad_word_pairs"][0], dev["bad_word_pairs"][1]),
             bad_word_prefixes=dev.get("bad_word_prefixes"),
             bad_word_slots=dev.get("bad_word_slots"),
-            token_bitmask=dev.get("token_bitmask"),
         )
 
     def to_cpu_metadata(self) -> SamplingMetadata:
