@@ -18,6 +18,7 @@ import json
 import math
 import pathlib
 import random
+from typing import Any
 
 import torch
 
@@ -148,20 +149,20 @@ def _save_weights(path: pathlib.Path, sd: dict[str, torch.Tensor], num_shards: i
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _save_tokenizer(path: pathlib.Path, vocab_size: int, max_len: int) -> dict[str, int]:
-    """Byte-level BPE trained on `_TRAINING_TEXT`; special tokens take the last ids. Returns their ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def _byte_level(model: Any) -> Any:
+    """A `tokenizers.Tokenizer` of `model` with byte-level pre-tokenizing and decoding (GPT-2's, Qwen's)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_TRAINING_TEXT.splitlines(), trainer=trainer)
+    return tok
+
+
+def _write_tokenizer(tok: Any, path: pathlib.Path, max_len: int | None = None) -> dict[str, int]:
+    """Add the special tokens (the last ids), write `tok` and its config (ChatML template) into
+    `path`; returns the special tokens' ids."""
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.save(str(path / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -176,11 +177,25 @@ def _save_tokenizer(path: pathlib.Path, vocab_size: int, max_len: int) -> dict[s
         "pad_token": EOS_TOKEN,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
+        **({"model_max_length": max_len} if max_len is not None else {}),
         "chat_template": CHATML_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
     return ids
+
+
+def _save_tokenizer(path: pathlib.Path, vocab_size: int, max_len: int) -> dict[str, int]:
+    """Byte-level BPE trained on `_TRAINING_TEXT`; special tokens take the last ids. Returns their ids."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = _byte_level(models.BPE())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TRAINING_TEXT.splitlines(), trainer=trainer)
+    return _write_tokenizer(tok, path, max_len)
 
 
 def make_tiny_model(
@@ -266,7 +281,7 @@ def save_synthetic_tokenizer(path: str | pathlib.Path, vocab_size: int, seed: in
     151,936 tokens) where no real tokenizer can be fetched. Its merges join random pairs of
     existing tokens (letters and spaces most often), so entries have a word-like spread of
     lengths; the special tokens take the last ids. Returns `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import models, pre_tokenizers
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -286,25 +301,7 @@ def save_synthetic_tokenizer(path: str | pathlib.Path, vocab_size: int, seed: in
         vocab[a + b] = len(vocab)
         tokens.append(a + b)
         merges.append((a, b))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    tok.save(str(path / "tokenizer.json"))
-    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    added = {str(tok.token_to_id(t)): {"content": t, **flags} for t in SPECIAL_TOKENS}
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [IM_START, IM_END],
-        "eos_token": EOS_TOKEN,
-        "pad_token": EOS_TOKEN,
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHATML_TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
+    _write_tokenizer(_byte_level(models.BPE(vocab=vocab, merges=merges)), path)
     return path
 
 

@@ -8,6 +8,17 @@ import torch
 # Two cores shared by many processes: one thread each is much faster than oversubscription.
 torch.set_num_threads(1)
 
+# The engine settings the logits processors (penalties, biases, bad words) are checked under.
+PROCESSING_SETTINGS = {
+    "default": dict(num_kv_blocks=96),
+    "async": dict(num_kv_blocks=96),
+    "tiny_pool_preempts": dict(num_kv_blocks=10, max_num_seqs=8),
+    "speculative_plain_requests": dict(
+        num_kv_blocks=96,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    ),
+}
+
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:

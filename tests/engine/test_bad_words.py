@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.conftest import PROCESSING_SETTINGS as SETTINGS
 from tilellm import LLM, SamplingParams
 from tilellm.engine.sampling_params import MAX_BAD_WORD_PREFIX, MAX_BAD_WORDS
 from tilellm.worker.logits_processors import NO_TOKEN, RECENT_TOKENS, BadWordsState, apply_bad_words
@@ -95,17 +96,6 @@ def _params(words: list[str] | None, **kw: object) -> SamplingParams:
     return SamplingParams(
         **{"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "bad_words": words, **kw}
     )
-
-
-SETTINGS = {
-    "default": dict(num_kv_blocks=96),
-    "async": dict(num_kv_blocks=96),
-    "tiny_pool_preempts": dict(num_kv_blocks=10, max_num_seqs=8),
-    "speculative_plain_requests": dict(
-        num_kv_blocks=96,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-    ),
-}
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine.conftest import PROCESSING_SETTINGS as SETTINGS
 from tilellm import LLM, SamplingParams
 
 MAX_TOKENS = 12
@@ -67,16 +68,6 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=[3, 4, 5, 300]),
     SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),  # a plain request beside them
 ]  # fmt: skip
-
-SETTINGS = {
-    "default": dict(num_kv_blocks=96),
-    "async": dict(num_kv_blocks=96),
-    "tiny_pool_preempts": dict(num_kv_blocks=10, max_num_seqs=8),
-    "speculative_plain_requests": dict(
-        num_kv_blocks=96,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-    ),
-}
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -41,3 +43,19 @@ class ServerThread:
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, **{"timeout": 60, **kw})
+
+
+@contextlib.contextmanager
+def scripted_tool_client(tokenizer, script: str) -> Iterator:
+    """The `openai` client of a server whose engine writes `script` (a `ScriptedEngine`), served
+    with `--reasoning-parser qwen3 --tool-call-parser hermes --enable-auto-tool-choice`."""
+    import openai
+
+    from tests.server.fake_engine import ScriptedEngine
+    from tilellm.server import ServerConfig, create_app
+
+    config = ServerConfig(
+        "fake", reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True
+    )
+    with ServerThread(create_app(ScriptedEngine(tokenizer, script, max_model_len=2048), config)) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=30)

@@ -419,3 +419,26 @@ def test_fuzz_from_the_schema(fake_server, schema, path):
     from tests.server.test_openapi import _fuzz
 
     _fuzz(fake_server, fake_server.document, schema, path)
+
+
+# ---- GET /tokenizer_info (serve --enable-tokenizer-info-endpoint) ----
+
+
+def test_tokenizer_info(tokenizer):
+    from tilellm.server import ServerConfig, create_app
+    from tilellm.testing import CHATML_TEMPLATE
+
+    config = ServerConfig("fake", api_key="k", enable_tokenizer_info_endpoint=True)
+    with ServerThread(create_app(FakeEngine(tokenizer), config)) as s, s.client() as c:
+        assert c.get("/tokenizer_info").status_code == 401  # the key guards it as /v1
+        r = c.get("/tokenizer_info", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200, r.text
+        info = r.json()
+        assert info["tokenizer_class"] == type(tokenizer).__name__
+        assert (info["eos_token"], info["bos_token"]) == ("<|endoftext|>", None)
+        assert info["chat_template"] == CHATML_TEMPLATE
+        assert info["model_max_length"] == 256  # the served max_model_len, not the tokenizer's own
+
+
+def test_tokenizer_info_is_off_by_default(http):
+    assert http.get("/tokenizer_info").status_code == 404

@@ -12,8 +12,7 @@ import jsonschema
 import pytest
 
 from tests.server.conftest import MODEL_NAME, assert_error, assert_serving
-from tests.server.fake_engine import ScriptedEngine
-from tests.server.helpers import ServerThread
+from tests.server.helpers import ServerThread, scripted_tool_client
 
 WEATHER = {
     "type": "object",
@@ -241,15 +240,8 @@ SCRIPT = (
 
 @pytest.fixture(scope="module")
 def auto_client(tokenizer):
-    import openai
-
-    from tilellm.server import ServerConfig, create_app
-
-    config = ServerConfig(
-        "fake", reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True
-    )
-    with ServerThread(create_app(ScriptedEngine(tokenizer, SCRIPT, max_model_len=2048), config)) as s:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    with scripted_tool_client(tokenizer, SCRIPT) as client:
+        yield client
 
 
 WANT_AUTO = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "CET"})]

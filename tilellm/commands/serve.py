@@ -63,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help='let requests use tool_choice "auto" (the model decides; needs --tool-call-parser)',
     )
+    parser.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's settings and chat template), as vLLM's flag does",
+    )
     _add_server_arguments(parser)
     parser.add_argument(
         "--graceful-shutdown-timeout",
@@ -228,6 +233,7 @@ def main(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         **{field: getattr(args, field) for _, field, _, _ in _SERVER_FLAGS},
     )
     app = create_app(engine, config)

@@ -65,6 +65,7 @@ class ServerConfig:
     reasoning_parser: str | None = None  # e.g. "qwen3": chat answers carry `reasoning_content`
     tool_call_parser: str | None = None  # e.g. "hermes": how the model writes its tool calls
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (shows the chat template)
 
     def limits(self, engine: Any) -> AdmissionLimits:
         engine_seqs = self.engine_seqs
@@ -134,7 +135,7 @@ class _BodyLimit:
         return f"request body is larger than the limit of {self.limit} bytes"
 
 
-_GUARDED_PATHS = ("/inspect", "/tokenize", "/detokenize")  # besides /v1/*
+_GUARDED_PATHS = ("/inspect", "/tokenize", "/detokenize", "/tokenizer_info")  # besides /v1/*
 
 
 class _APIKeyCheck:
@@ -294,7 +295,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes, timeout=config.body_read_timeout)
     if config.api_key:
         app.add_middleware(_APIKeyCheck, api_key=config.api_key)
-    register_tokenizer_routes(app, serving)
+    register_tokenizer_routes(app, serving, config.enable_tokenizer_info_endpoint)
     return app
 
 

@@ -9,6 +9,11 @@
   `add_special_tokens` is accepted at its neutral value only (false): the chat template writes
   the model's special tokens, and a count for a prompt other than the one served would mislead.
 
+With `serve --enable-tokenizer-info-endpoint`, vLLM's `GET /tokenizer_info` answers the
+tokenizer's class, its special tokens, `model_max_length` and the chat template (what
+lm-evaluation-harness asks for before it falls back to loading the tokenizer itself); off by
+default, as in vLLM, since it shows the template.
+
 Both answer `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs`: the vocabulary
 entries of the ids when `return_token_strs` is true, else null). `/detokenize` answers
 `{"prompt": str}` for `{"tokens": [int]}`; an id outside [0, vocab_size) is a 400 naming `tokens`.
@@ -34,7 +39,7 @@ from tilellm.server.errors import APIError
 from tilellm.server.protocol import ChatCompletionRequest, ChatMessage, ChatTool, TokenIds, _Request
 from tilellm.server.serving import OpenAIServing, _encode
 
-PATHS = ("/tokenize", "/detokenize")
+PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class TokenizeCompletionRequest(_Request):
@@ -140,8 +145,24 @@ def _tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeC
     return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": strs}
 
 
-def register(app: FastAPI, serving: OpenAIServing) -> None:
-    """Add /tokenize and /detokenize to `app` (app.py's API-key check guards them as /v1/*)."""
+def tokenizer_info(serving: OpenAIServing) -> dict[str, Any]:
+    """GET /tokenizer_info's body: the tokenizer's class, its JSON-representable init settings,
+    the special tokens, `model_max_length` and the chat template in use."""
+    tok = serving.tokenizer
+    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
+    for key, value in getattr(tok, "init_kwargs", {}).items():
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            info[key] = value
+    for key in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        info[key] = getattr(tok, key, None)
+    info["model_max_length"] = serving.max_model_len
+    info["chat_template"] = serving.chat_template or getattr(tok, "chat_template", None)
+    return info
+
+
+def register(app: FastAPI, serving: OpenAIServing, info_endpoint: bool = False) -> None:
+    """Add /tokenize and /detokenize (and with `info_endpoint`, GET /tokenizer_info) to `app`
+    (app.py's API-key check guards them as /v1/*)."""
     from tilellm.server.app import _guarded  # (app.py imports this module)
 
     router = APIRouter(route_class=_UntaggedRoute)
@@ -166,5 +187,12 @@ def register(app: FastAPI, serving: OpenAIServing) -> None:
             return JSONResponse({"prompt": text})
 
         return await _guarded(run())
+
+    if info_endpoint:
+
+        @router.get("/tokenizer_info")
+        async def get_tokenizer_info() -> JSONResponse:
+            serving._need_tokenizer("tokenizer_info", "the tokenizer's description")
+            return JSONResponse(tokenizer_info(serving))
 
     app.include_router(router)
