@@ -7,7 +7,14 @@ lm-eval runs in the test's process, offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE
 YAML file and a jsonl written into the test's directory, the tokenizer is the tiny model's directory.
 Once against the in-thread engine of the other server tests, once against the engine in its own
 process (`tilellm serve`'s default). Then vLLM's serving benchmark client (`vllm bench serve`),
-where a `vllm` is installed."""
+where a `vllm` is installed.
+
+LangChain's `ChatOpenAI` (langchain-openai), through POST /v1/responses (`use_responses_api=True`)
+and /v1/chat/completions: text and its stream equal to the server's own answer, `bind_tools` with
+a pydantic tool and a named or `any` choice (one call whose arguments validate), a tool result
+sent back (the prompt the template renders), and an `auto` answer of a scripted engine (reasoning,
+text and a Hermes call). Last, guidellm's `guidellm run` (streamed chat completions, synthetic
+prompts), where a `guidellm` is installed."""
 
 from __future__ import annotations
 
@@ -16,13 +23,16 @@ import os
 import random
 import shutil
 import subprocess
+from typing import Literal
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from tests.server import conftest
-from tests.server.helpers import ServerThread
+from tests.server.helpers import ServerThread, scripted_tool_client
 
 TASK = "tilellm_tiny_mc"
 
@@ -216,3 +226,216 @@ def test_vllm_bench_serve(server, tiny_model_dir, tmp_path):
     assert result["completed"] == num_prompts and result["failed"] == 0, result
     assert result["total_output_tokens"] == num_prompts * output_len
     assert result["mean_ttft_ms"] > 0 and result["mean_itl_ms"] > 0
+
+
+# -- LangChain's ChatOpenAI --
+
+API_MODES = {"responses": True, "chat": False}  # ChatOpenAI's use_responses_api
+
+
+class GetWeather(BaseModel):
+    """Weather in a city."""
+
+    city: str = Field(max_length=10)  # bounded, so a constrained call always closes
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class get_time(BaseModel):  # the tool's name as SCRIPT writes it
+    """Time in a city."""
+
+    city: str
+
+
+SCRIPT = (
+    "<think>\nOslo time.\n</think>\n\nOne moment.\n<tool_call>\n"
+    '{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
+
+
+def chat_openai(url: str, api: str, api_key: str = "x", model: str = conftest.MODEL_NAME, **kw):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        base_url=url + "/v1", api_key=api_key, model=model, use_responses_api=API_MODES[api],
+        max_retries=0, timeout=60, **kw,
+    )  # fmt: skip
+
+
+def _token_count(http, **body) -> int:
+    """The prompt's token count, as /tokenize gives it (a text's, or a chat prompt's)."""
+    return http.post("/tokenize", json={"model": conftest.MODEL_NAME, **body}).json()["count"]
+
+
+def joined(chunks):
+    """The AIMessageChunk that LangChain's stream chunks add up to."""
+    out = chunks[0]
+    for c in chunks[1:]:
+        out = out + c
+    return out
+
+
+@pytest.fixture(scope="module")
+def lc_server(tmp_path_factory):
+    """The tiny model with room for the tools' text in its prompts (1024 positions), `auto` on."""
+    from tilellm.server import ServerConfig, create_app
+    from tilellm.testing import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("lc_model"), max_position_embeddings=1024))
+    engine = conftest.make_engine(model_dir, max_model_len=1024)
+    config = ServerConfig(conftest.MODEL_NAME, tool_call_parser="hermes", enable_auto_tool_choice=True)
+    with ServerThread(create_app(engine, config)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def scripted_url(tokenizer):
+    """The root URL of a server whose engine writes SCRIPT (reasoning, text, a Hermes call)."""
+    with scripted_tool_client(tokenizer, SCRIPT) as client:
+        yield str(client.base_url).removesuffix("/").removesuffix("/v1")
+
+
+@pytest.mark.parametrize("api", API_MODES)
+def test_langchain_text_and_stream(server, http, api):
+    """`invoke` answers the server's greedy text (a chat completion's, same prompt), with its usage;
+    `stream`'s chunks join to the same text and usage."""
+    from langchain_core.messages import AIMessage
+
+    llm = chat_openai(server.url, api, conftest.API_KEY, temperature=0, max_tokens=8, stream_usage=True)
+    msg = llm.invoke("Hello")
+    want = http.post(
+        "/v1/chat/completions",
+        json={"model": conftest.MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}],
+              "max_tokens": 8, "temperature": 0},
+    ).json()  # fmt: skip
+    assert isinstance(msg, AIMessage) and msg.tool_calls == []
+    assert msg.text == want["choices"][0]["message"]["content"] and msg.text
+    usage = {"input_tokens": want["usage"]["prompt_tokens"], "output_tokens": 8}
+    assert {k: msg.usage_metadata[k] for k in usage} == usage
+    if api == "responses":
+        assert msg.response_metadata["status"] == "incomplete"
+        assert msg.response_metadata["incomplete_details"] == {"reason": "max_output_tokens"}
+    else:
+        assert msg.response_metadata["finish_reason"] == "length"
+    chunks = list(llm.stream("Hello"))
+    assert len(chunks) > 2 and "".join(c.text for c in chunks) == msg.text
+    assert {k: joined(chunks).usage_metadata[k] for k in usage} == usage
+
+
+@pytest.mark.parametrize("tool_choice", ["GetWeather", "any"])  # LangChain sends "any" as "required"
+@pytest.mark.parametrize("api", API_MODES)
+def test_langchain_bound_tool(lc_server, api, tool_choice):
+    """`bind_tools` with a pydantic tool and a choice the server constrains: one call, arguments
+    that validate against the tool's schema; streamed, the same call."""
+    llm = chat_openai(lc_server.url, api, temperature=0, max_tokens=200)
+    bound = llm.bind_tools([GetWeather], tool_choice=tool_choice, parallel_tool_calls=False)
+    msg = bound.invoke("What is the weather in Paris?")
+    assert msg.invalid_tool_calls == []
+    (call,) = msg.tool_calls
+    assert call["name"] == "GetWeather" and call["id"].startswith("chatcmpl-tool-")
+    jsonschema.validate(call["args"], GetWeather.model_json_schema())
+    GetWeather.model_validate(call["args"])
+    if api == "responses":
+        assert msg.response_metadata["status"] == "completed"
+    else:  # a named choice finishes with stop, as OpenAI's does
+        finish = {"GetWeather": "stop", "any": "tool_calls"}[tool_choice]
+        assert msg.response_metadata["finish_reason"] == finish
+    streamed = joined(list(bound.stream("What is the weather in Paris?")))
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+
+def test_langchain_tool_result_round_trip(lc_server):
+    """A call and its ToolMessage sent back (Responses: `function_call` and `function_call_output`
+    items with LangChain's ids and status; chat: assistant `tool_calls` and a `tool` message)
+    reach the template as the same prompt, the one /tokenize renders for those turns."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    question = HumanMessage("What is the weather in Paris?")
+    first = chat_openai(lc_server.url, "responses", temperature=0, max_tokens=200)
+    ai = first.bind_tools([GetWeather], tool_choice="GetWeather").invoke([question])
+    (call,) = ai.tool_calls
+    turns = [question, ai, ToolMessage("Sunny, 21", tool_call_id=call["id"])]
+    counts = {}
+    for api in API_MODES:
+        llm = chat_openai(lc_server.url, api, temperature=0, max_tokens=4)
+        out = llm.bind_tools([GetWeather], tool_choice="none").invoke(turns)
+        assert out.usage_metadata["output_tokens"] == 4 and out.tool_calls == []
+        counts[api] = out.usage_metadata["input_tokens"]
+    arguments = json.dumps(call["args"])
+    messages = [
+        {"role": "user", "content": question.content},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call["id"], "type": "function", "function": {"name": "GetWeather", "arguments": arguments}}
+        ]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21"},
+    ]  # fmt: skip
+    with lc_server.client() as c:
+        count = _token_count(c, messages=messages)
+    assert counts == {"responses": count, "chat": count}
+
+
+@pytest.mark.parametrize("api", API_MODES)
+def test_langchain_auto_choice(scripted_url, api):
+    """Tools bound with no choice (the server's `auto`): the Hermes call parsed into LangChain's
+    `tool_calls`, the text around it as the message's text, the thinking as a reasoning block
+    (Responses); streamed, the same call and text."""
+    llm = chat_openai(scripted_url, api, model="fake", max_tokens=200).bind_tools([get_time])
+    msg = llm.invoke("Time in Oslo?")
+    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("get_time", {"city": "Oslo"})]
+    assert msg.text == "One moment."
+    if api == "responses":
+        (reasoning,) = [b for b in msg.content if b["type"] == "reasoning"]
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": "\nOslo time.\n"}]
+        assert msg.response_metadata["status"] == "completed"
+    else:
+        assert msg.response_metadata["finish_reason"] == "tool_calls"
+    # LangChain reads only reasoning summaries from a stream (not `response.reasoning_text.delta`)
+    streamed = joined(list(llm.stream("Time in Oslo?")))
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_time", {"city": "Oslo"})]
+    assert streamed.text == "One moment."
+
+
+# -- guidellm --
+
+
+def _guidellm_executable() -> str | None:
+    """guidellm's CLI: $TILELLM_GUIDELLM, else `guidellm` on PATH. It pins click (~=8.4) and brings
+    sanic (multidict<7), so CI installs it in a venv of its own."""
+    return os.environ.get("TILELLM_GUIDELLM") or shutil.which("guidellm")
+
+
+def test_guidellm_benchmark(server, http, tiny_model_dir, tmp_path):
+    """`guidellm run` (its OpenAI HTTP backend: streamed chat completions, `ignore_eos`, usage asked
+    for) on synthetic prompts, one request at a time: every request completes with exactly the
+    output tokens asked for, and the prompt tokens guidellm reads from the server's usage are those
+    /tokenize counts for the messages it sent."""
+    guidellm = _guidellm_executable()
+    if guidellm is None:
+        pytest.skip("guidellm is not installed (pip install guidellm, best in a venv of its own)")
+    num_requests, prompt_tokens, output_tokens = 4, 16, 8
+    out = tmp_path / "bench.json"
+    backend = f"kind=openai_http,target={server.url},model={conftest.MODEL_NAME},api_key={conftest.API_KEY}"
+    data = f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}"
+    cmd = [guidellm, "run", "--backend", backend, "--profile", "kind=synchronous", "--data", data]
+    cmd += ["--constraint", f"kind=max_requests,count={num_requests}"]
+    cmd += ["--tokenizer", f"kind=huggingface_auto,model={tiny_model_dir}"]
+    cmd += ["--output", f"kind=json,path={out}", "--disable-console"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    totals = {"successful": num_requests, "errored": 0, "incomplete": 0, "total": num_requests}
+    assert bench["metrics"]["request_totals"] == totals
+    requests = bench["requests"]["successful"]
+    assert len(requests) == num_requests
+    for req in requests:
+        body = json.loads(req["request_args"])["body"]
+        assert body["stream"] and body["max_completion_tokens"] == output_tokens and body["ignore_eos"]
+        assert req["info"]["status"] == "completed" and req["info"]["error"] is None
+        assert req["output_metrics"]["text_tokens"] == output_tokens
+        (message,) = body["messages"]
+        (part,) = message["content"]
+        assert _token_count(http, prompt=part["text"]) == prompt_tokens
+        assert req["input_metrics"]["text_tokens"] == _token_count(http, messages=body["messages"])
+    assert bench["metrics"]["output_token_count"]["successful"]["total_sum"] == num_requests * output_tokens
+    assert bench["metrics"]["time_to_first_token_ms"]["successful"]["min"] > 0
+    assert bench["metrics"]["inter_token_latency_ms"]["successful"]["mean"] > 0
