@@ -104,3 +104,30 @@ def assert_serving(http: httpx.Client) -> None:
     )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """The tiny model with room for the tools' text in its prompts (1024 positions), `auto` on
+    (`--tool-call-parser hermes --enable-auto-tool-choice`)."""
+    from tilellm.server import ServerConfig, create_app
+    from tilellm.testing import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tools_model"), max_position_embeddings=1024))
+    engine = make_engine(model_dir, max_model_len=1024)
+    config = ServerConfig(MODEL_NAME, tool_call_parser="hermes", enable_auto_tool_choice=True)
+    with ServerThread(create_app(engine, config)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tclient(tool_server):
+    import openai
+
+    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def thttp(tool_server):
+    with tool_server.client() as c:
+        yield c

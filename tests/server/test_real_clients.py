@@ -275,19 +275,6 @@ def joined(chunks):
 
 
 @pytest.fixture(scope="module")
-def lc_server(tmp_path_factory):
-    """The tiny model with room for the tools' text in its prompts (1024 positions), `auto` on."""
-    from tilellm.server import ServerConfig, create_app
-    from tilellm.testing import make_tiny_model
-
-    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("lc_model"), max_position_embeddings=1024))
-    engine = conftest.make_engine(model_dir, max_model_len=1024)
-    config = ServerConfig(conftest.MODEL_NAME, tool_call_parser="hermes", enable_auto_tool_choice=True)
-    with ServerThread(create_app(engine, config)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def scripted_url(tokenizer):
     """The root URL of a server whose engine writes SCRIPT (reasoning, text, a Hermes call)."""
     with scripted_tool_client(tokenizer, SCRIPT) as client:
@@ -323,10 +310,10 @@ def test_langchain_text_and_stream(server, http, api):
 
 @pytest.mark.parametrize("tool_choice", ["GetWeather", "any"])  # LangChain sends "any" as "required"
 @pytest.mark.parametrize("api", API_MODES)
-def test_langchain_bound_tool(lc_server, api, tool_choice):
+def test_langchain_bound_tool(tool_server, api, tool_choice):
     """`bind_tools` with a pydantic tool and a choice the server constrains: one call, arguments
     that validate against the tool's schema; streamed, the same call."""
-    llm = chat_openai(lc_server.url, api, temperature=0, max_tokens=200)
+    llm = chat_openai(tool_server.url, api, temperature=0, max_tokens=200)
     bound = llm.bind_tools([GetWeather], tool_choice=tool_choice, parallel_tool_calls=False)
     msg = bound.invoke("What is the weather in Paris?")
     assert msg.invalid_tool_calls == []
@@ -343,20 +330,20 @@ def test_langchain_bound_tool(lc_server, api, tool_choice):
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
 
 
-def test_langchain_tool_result_round_trip(lc_server):
+def test_langchain_tool_result_round_trip(tool_server):
     """A call and its ToolMessage sent back (Responses: `function_call` and `function_call_output`
     items with LangChain's ids and status; chat: assistant `tool_calls` and a `tool` message)
     reach the template as the same prompt, the one /tokenize renders for those turns."""
     from langchain_core.messages import HumanMessage, ToolMessage
 
     question = HumanMessage("What is the weather in Paris?")
-    first = chat_openai(lc_server.url, "responses", temperature=0, max_tokens=200)
+    first = chat_openai(tool_server.url, "responses", temperature=0, max_tokens=200)
     ai = first.bind_tools([GetWeather], tool_choice="GetWeather").invoke([question])
     (call,) = ai.tool_calls
     turns = [question, ai, ToolMessage("Sunny, 21", tool_call_id=call["id"])]
     counts = {}
     for api in API_MODES:
-        llm = chat_openai(lc_server.url, api, temperature=0, max_tokens=4)
+        llm = chat_openai(tool_server.url, api, temperature=0, max_tokens=4)
         out = llm.bind_tools([GetWeather], tool_choice="none").invoke(turns)
         assert out.usage_metadata["output_tokens"] == 4 and out.tool_calls == []
         counts[api] = out.usage_metadata["input_tokens"]
@@ -368,7 +355,7 @@ def test_langchain_tool_result_round_trip(lc_server):
         ]},
         {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21"},
     ]  # fmt: skip
-    with lc_server.client() as c:
+    with tool_server.client() as c:
         count = _token_count(c, messages=messages)
     assert counts == {"responses": count, "chat": count}
 

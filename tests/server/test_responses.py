@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from tests.server.conftest import MODEL_NAME, assert_error, assert_serving
-from tests.server.helpers import ServerThread, scripted_tool_client
+from tests.server.helpers import scripted_tool_client
 
 SCHEMA = {
     "type": "object",
@@ -196,28 +196,3 @@ def test_refused(http, body, param):
 def test_unknown_fields_are_named(http):
     r = http.post("/v1/responses", json={"model": MODEL_NAME, "input": "x", "max_output_tokens": 1, "zzz": 1})
     assert r.status_code == 200 and r.headers["X-Ignored-Fields"] == "zzz"
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    from tests.server.conftest import make_engine
-    from tilellm.server import ServerConfig, create_app
-    from tilellm.testing import make_tiny_model
-
-    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("responses_model"), max_position_embeddings=1024))
-    config = ServerConfig(MODEL_NAME)
-    with ServerThread(create_app(make_engine(model_dir, max_model_len=1024), config)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tclient(tool_server):
-    import openai
-
-    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
-@pytest.fixture
-def thttp(tool_server):
-    with tool_server.client() as c:
-        yield c

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from tests.server.conftest import MODEL_NAME, assert_error, assert_serving
-from tests.server.helpers import ServerThread, scripted_tool_client
+from tests.server.helpers import scripted_tool_client
 
 WEATHER = {
     "type": "object",
@@ -35,33 +35,6 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    """The tiny model with room for the tools' text in its prompts (1024 positions), `auto` on."""
-    from tests.server.conftest import make_engine
-    from tilellm.server import ServerConfig, create_app
-    from tilellm.testing import make_tiny_model
-
-    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tools_model"), max_position_embeddings=1024))
-    engine = make_engine(model_dir, max_model_len=1024)
-    config = ServerConfig(MODEL_NAME, tool_call_parser="hermes", enable_auto_tool_choice=True)
-    with ServerThread(create_app(engine, config)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tclient(tool_server):
-    import openai
-
-    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
-@pytest.fixture
-def thttp(tool_server):
-    with tool_server.client() as c:
-        yield c
 
 
 def _check_calls(calls, names=None):

@@ -270,7 +270,7 @@ def _make_llm(args: argparse.Namespace, model: str, load_format: str, max_model_
 def _e1_structured(llm: Any, w: Workload, shift: int) -> list[Result]:
     """E1 with every request under E1_JSON_SCHEMA, then its unconstrained peer: the same prompts,
     each request's max_tokens the length of its constrained answer (the same tokens to produce).
-    Prompt ids are shifted by `shift` and `shift + 2`: no prefix-cache hits on earlier runs."""
+    Prompt ids are shifted by `shift` and `shift + 2`: no prefix-cache hits on E1's own prompts."""
     from tilellm import StructuredOutputsParams
 
     so = StructuredOutputsParams(json=E1_JSON_SCHEMA)
