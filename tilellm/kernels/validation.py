@@ -24,6 +24,7 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn  # an FP8 KV cache (see `tilellm.kernels.fp8`)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
@@ -373,6 +374,34 @@ def _check_float(name, tensors: dict) -> None:
     for arg, t in items[1:]:
         if t.dtype != first.dtype:
             raise ValueError(f"{name}: {arg} dtype {t.dtype} differs from {first_arg} dtype {first.dtype}")
+
+
+def check_cache_dtype(name, ref_arg, ref, caches: dict, scales: dict) -> None:
+    """Caches in `ref`'s dtype, or FP8 (e4m3) ones, each with an optional dequantization scale
+    (None = 1.0): a float32 tensor of one element on the cache's device, read by the kernel (so
+    a CUDA graph replays with the current value). Scales given with 16/32-bit caches are unused.
+
+    caches: {arg: cache tensor}; scales: {arg: scale or None}, e.g. {"k_scale": ..., "v_scale": ...}.
+    """
+    for arg, cache in caches.items():
+        if cache.dtype not in (ref.dtype, FP8_DTYPE):
+            raise ValueError(
+                f"{name}: {arg} must have {ref_arg}'s dtype {ref.dtype} or float8_e4m3fn (an FP8 cache), "
+                f"got {cache.dtype}"
+            )
+    first = next(iter(caches.values()))
+    for arg, scale in scales.items():
+        if scale is None:
+            continue
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
+            got = (
+                f"{scale.dtype} of shape {tuple(scale.shape)}"
+                if isinstance(scale, torch.Tensor)
+                else type(scale).__name__
+            )
+            raise ValueError(f"{name}: {arg} must be a float32 tensor of one element, got {got}")
+        if scale.device != first.device:
+            raise ValueError(f"{name}: {arg} is on {scale.device} but the cache is on {first.device}")
 
 
 def _check_int32(name, tensors: dict) -> None:

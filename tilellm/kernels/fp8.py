@@ -1,0 +1,72 @@
+"""FP8 (e4m3) values in kernels: the cast every quantizing kernel uses, and the format's constants.
+
+e4m3 (`torch.float8_e4m3fn`, Triton's `tl.float8e4nv`) holds 3 mantissa bits and magnitudes up
+to 448, with no infinities. A quantized tensor is `x_q = clamp(x / scale, -448, 448)` rounded to
+nearest even, and `x ~ x_q * scale`: a KV cache keeps one fp32 scale per K and per V tensor of
+a layer; weights keep one per 128 x 128 block (`weight_scale_inv`), activations one per token
+and 128-wide group of channels.
+
+Every kernel casts through `to_fp8` below: it saturates first (out-of-range values become
++-448, as the GPU's `cvt.rn.satfinite` does; torch's cast would give NaN), and under Triton's
+CPU interpreter it rounds explicitly, because the interpreter's own fp32 -> e4m3 conversion
+drops the carry when rounding up crosses a power of two and flushes some subnormals (about 7%
+of random values come out wrong). The PyTorch twins quantize with `quantize_fp8`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    """fp32 x rounded (to nearest even) onto e4m3's grid: 3 mantissa bits above 2^-6, steps of
+    2^-9 below. Exact in fp32: the grid step is a power of two and |x / step| < 16."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)  # subnormals share the smallest normal binade's step
+    step = (((exponent - 3) + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
+    # 1.5 * 2^23: adding and removing it rounds to an integer, to nearest even (fp32 addition)
+    rounded = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign of -0 too
+
+
+@triton.jit
+def to_fp8(x):
+    """x (any float, already divided by its scale) -> e4m3, saturated to +-448, nearest even."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -_FP8_MAX), _FP8_MAX)
+    if _INTERPRETING:
+        x = _round_to_e4m3_grid(x)
+    return x.to(tl.float8e4nv)
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == FP8_DTYPE
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """PyTorch twin of `to_fp8(x / scale)`: e4m3 values of x / scale, saturated to +-448."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(x_q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """x_q * scale in `dtype` (fp32 product, then cast)."""
+    return (x_q.float() * scale).to(dtype)
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' dtype for `kv_cache_dtype` "auto" (the model's) | "fp8" | "fp8_e4m3"."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return FP8_DTYPE
+    raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
