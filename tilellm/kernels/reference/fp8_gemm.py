@@ -106,19 +106,20 @@ def check_block_fp8_matmul(
 
 
 def per_token_group_quant_fp8(
-    x: torch.Tensor, group_size: int, *, eps: float = 1e-10
+    x: torch.Tensor, group_size: int, *, eps: float = 1e-10, column_major_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float32/float16/bfloat16 -> (x_q [M, K] float8_e4m3fn, x_s [M, K // group_size] float32).
 
     One scale per row and group of `group_size` consecutive channels:
     x_s = max(amax |x_group|, eps) / 448 and x_q = e4m3(x_group / x_s), so x ~ x_q * x_s.
+    `column_major_scales`: x_s with strides (1, M) (the layout cuBLAS's block-scaled GEMM reads).
     """
     check_per_token_group_quant(x, group_size, eps)
     M, K = x.shape
     groups = x.float().reshape(M, K // group_size, group_size)
     x_s = groups.abs().amax(dim=-1).clamp(min=eps) / FP8_MAX  # [M, G]
     x_q = quantize_fp8(groups, x_s[..., None]).reshape(M, K)
-    return x_q, x_s
+    return x_q, (x_s.t().contiguous().t() if column_major_scales else x_s)
 
 
 def w8a8_block_fp8_matmul(

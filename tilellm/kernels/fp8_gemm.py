@@ -1,0 +1,325 @@
+"""Block-scaled FP8 (e4m3) W8A8 GEMM in Triton, as DeepSeek-V3 / Qwen3-FP8 checkpoints need it.
+
+A linear layer y = x @ W^T with W [N, K] stored as e4m3 values and one fp32 scale per
+[bn, bk] = [128, 128] block (`weight_scale_inv`), and x quantized on the fly with one scale per
+token and bk-wide group of channels. With j the k-block index (channels [j * bk, (j + 1) * bk)):
+
+    x_s[m, j] = max(amax_{k in j} |x[m, k]|, eps) / 448,    x_q[m, k] = e4m3(x[m, k] / x_s[m, j])
+    C[m, n]   = sum_j a_s[m, j] * b_s[n // bn, j] * sum_{k in j} a[m, k] * b[n, k]
+
+1. `per_token_group_quant_fp8`: one program per BLOCK_M rows x one group. It loads the group in
+   fp32, takes its amax, and divides with IEEE rounding (`tl.div_rn`: Triton's `/` on fp32 is an
+   approximate division on the GPU) before the saturating cast `to_fp8`, so x_q and x_s are
+   bit-identical to the PyTorch twin's.
+2. `w8a8_block_fp8_matmul`: one program per BLOCK_M x BLOCK_N tile of C, BLOCK_K = bk, and
+   BLOCK_N a divisor of bn, so the tile's columns share one row of b_s. It walks the K // bk
+   k-blocks; each step is one fp8 x fp8 `tl.dot` into a fresh fp32 partial, multiplied by
+   a_s[rows, j] * b_s[n-block, j] and added to the fp32 accumulator (DeepSeek-V3's scheme: the
+   tensor cores' fp8 accumulation, which keeps fewer bits than fp32, never runs past one k-block).
+   C is rounded once to `output_dtype`. Program ids walk GROUP_M row tiles across all column tiles
+   before moving on (the L2-friendly order of Triton's matmul tutorial); rows and columns past M
+   and N load wrapped, valid rows and are never stored.
+3. `scaled_mm_block_fp8`: the same product through `torch.nn.functional.scaled_mm` (cuBLASLt's
+   block-scaled GEMM, "BlockWise1x128" activations x "BlockWise128x128" weights; sm_90 only),
+   for comparison in `benchmarks/fp8_gemm.py`.
+
+The PyTorch twins, and the input checks both sides share, are in
+`tilellm.kernels.reference.fp8_gemm`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tilellm.kernels.config import interpreting, num_sms
+from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, to_fp8
+from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_per_token_group_quant
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation quantization: one scale per token and group of channels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M", "eps"])
+def _per_token_group_quant_kernel(
+    X, Q, S, M, eps,
+    stride_xm, stride_qm, stride_sm, stride_sg,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Q[rows, group g] = to_fp8(X / s), S[rows, g] = s = max(amax |X[rows, group g]|, eps) / 448."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK_G)
+    row_ok = rows < M
+    ok = row_ok[:, None] & (tl.arange(0, BLOCK_G) < GROUP)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # masked lanes are 0: they never raise the max
+    s = tl.div_rn(tl.maximum(amax, eps), _FP8_MAX)
+    q = to_fp8(tl.div_rn(x, s[:, None]))
+    tl.store(Q + rows64[:, None] * stride_qm + cols[None, :], q, mask=ok)
+    tl.store(S + rows64 * stride_sm + g * stride_sg, s, mask=row_ok)
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int, *, eps: float = 1e-10, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32/float16/bfloat16 -> (x_q [M, K] float8_e4m3fn, x_s [M, K // group_size] float32).
+
+    One scale per row and group of `group_size` consecutive channels:
+    x_s = max(amax |x_group|, eps) / 448 and x_q = e4m3(x_group / x_s), so x ~ x_q * x_s.
+    `column_major_scales`: x_s with strides (1, M) (the layout cuBLAS's block-scaled GEMM reads).
+    """
+    check_per_token_group_quant(x, group_size, eps)
+    M, K = x.shape
+    G = K // group_size
+    x_q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    if column_major_scales:
+        x_s = torch.empty((G, M), dtype=torch.float32, device=x.device).t()
+    else:
+        x_s = torch.empty((M, G), dtype=torch.float32, device=x.device)
+    if M == 0 or G == 0:
+        return x_q, x_s
+    block_g = triton.next_power_of_2(group_size)
+    # About 4K elements a program: whole groups of several rows (16 rows of a 128-wide group).
+    block_m = min(max(1, 4096 // block_g), triton.next_power_of_2(M), 16 if not interpreting() else 64)
+    grid = (triton.cdiv(M, block_m), G)
+    _per_token_group_quant_kernel[grid](
+        x, x_q, x_s, M, float(eps),
+        x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),
+        GROUP=group_size, BLOCK_G=block_g, BLOCK_M=block_m, num_warps=4,
+    )  # fmt: skip
+    return x_q, x_s
+
+
+# ----------------------------------------------------------------------------------------------
+# Block-scaled GEMM
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int  # rows of C per program
+    block_n: int  # columns of C per program: a power of two dividing bn (one b_s row per tile)
+    group_m: int  # row tiles per L2 group of the program order
+    num_warps: int
+    num_stages: int
+
+
+_BLOCK_N_CHOICES = (128, 64, 32, 16)
+
+
+def block_fp8_config(M: int, N: int, block_size: Sequence[int]) -> Fp8GemmConfig:
+    """Tiles for `w8a8_block_fp8_matmul` of an [M, K] x [N, K]^T product (BLOCK_K is bk).
+
+    Few rows (decode, M <= 64) read each weight byte once and are bound by the weight's
+    bandwidth: 16-64-row tiles waste little of the MMA on padding, and the columns are split
+    finely enough (down to 32) that the grid covers every SM, 5 stages deep to keep loads in
+    flight (vLLM's tuned H200 tables pick 16 x 32..128 and 64 x 32..128 tiles there). Many rows
+    are compute bound: 64 x 128 tiles of 4 warps up to 1023 rows, then 128 x 128 tiles of 8 warps
+    (two warpgroups of Hopper's 64-row MMA) 4 stages deep: 32 KiB of shared memory a stage.
+    Not yet swept on the GPU: `benchmarks/fp8_gemm.py` times these against two alternatives.
+    Under the interpreter: 32 x 32 tiles, so the tests' small shapes still span several tiles.
+    """
+    bn = block_size[0]
+    divisors = [c for c in _BLOCK_N_CHOICES if bn % c == 0]  # widest first
+    if not divisors:
+        raise ValueError(f"w8a8_block_fp8_matmul: bn = {bn} must be a multiple of 16 for the Triton kernel")
+    if interpreting():
+        return Fp8GemmConfig(block_m=32, block_n=min(32, divisors[0]), group_m=4, num_warps=4, num_stages=1)
+    if M <= 16:
+        block_m, warps, stages = 16, 4, 5
+    elif M <= 32:
+        block_m, warps, stages = 32, 4, 5
+    elif M <= 64:
+        block_m, warps, stages = 64, 4, 5
+    elif M < 1024:
+        block_m, warps, stages = 64, 4, 4
+    else:
+        block_m, warps, stages = 128, 8, 4
+    wide = [c for c in divisors if c >= 32] or divisors[-1:]
+    if M >= 256:
+        block_n = wide[0]  # compute bound: the widest tile reuses each A tile the most
+    else:
+        # Bandwidth bound: the widest tile that still gives every SM a program, else the narrowest.
+        row_tiles = triton.cdiv(M, block_m)
+        block_n = next((c for c in wide if row_tiles * triton.cdiv(N, c) >= num_sms()), wide[-1])
+    return Fp8GemmConfig(block_m=block_m, block_n=block_n, group_m=8, num_warps=warps, num_stages=stages)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_block_fp8_matmul_kernel(
+    A, B, C, As, Bs, M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_as_m, stride_as_k, stride_bs_n, stride_bs_k,
+    GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """C[rows, cols] = sum_j As[rows, j] * Bs[cols // GROUP_N, j] * (A[rows, block j] @ B[cols, block j]^T).
+
+    A [M, K] e4m3, B [N, K] e4m3, As [M, K // BLOCK_K], Bs [ceil(N / GROUP_N), K // BLOCK_K]
+    fp32; K a multiple of BLOCK_K, GROUP_N a multiple of BLOCK_N.
+    """
+    # -- program id -> (row tile, column tile), GROUP_M row tiles at a time --
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_size
+    pid_n = (pid % pids_per_group) // group_size
+
+    # -- the tile's rows and columns; past M / N they wrap onto valid ones, never stored --
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (offs_m % M).to(tl.int64)
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+    b_ptrs = B + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
+    as_ptrs = As + rows * stride_as_m  # [BLOCK_M]: this tile's rows' scales of k-block 0
+    bs_ptr = Bs + ((pid_n * BLOCK_N) // GROUP_N) * stride_bs_n  # one weight block row per tile
+
+    # -- acc = sum over k-blocks of the scaled fp8 partial products, in fp32 --
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in range(0, K // BLOCK_K):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        a_s = tl.load(as_ptrs + j * stride_as_k)
+        b_s = tl.load(bs_ptr + j * stride_bs_k)
+        partial = tl.dot(a, b)  # exact e4m3 products, summed by the tensor cores over one block
+        acc += partial * (a_s[:, None] * b_s)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # -- one rounding to C's dtype --
+    c_ptrs = C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=ok)
+
+
+def w8a8_block_fp8_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_s: torch.Tensor,
+    b_s: torch.Tensor,
+    block_size: list[int],
+    output_dtype: torch.dtype = torch.bfloat16,
+    *,
+    config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """C [M, N] = (a * a_s) @ (b * b_s)^T, block-scaled, in `output_dtype` (vLLM's argument order).
+
+    Args:
+        a: [M, K] float8_e4m3fn activations (from `per_token_group_quant_fp8(x, bk)`).
+        b: [N, K] float8_e4m3fn weight (a checkpoint's `weight`).
+        a_s: [M, K // bk] float32, one scale per token and k-block (any strides).
+        b_s: [ceil(N / bn), K // bk] float32, one per weight block (`weight_scale_inv`).
+        block_size: [bn, bk]; the Triton kernel needs bk a power of two >= 16 and bn a multiple of 16.
+        output_dtype: float32 / float16 / bfloat16.
+        config: tiles to use instead of `block_fp8_config(M, N, block_size)` (benchmark sweeps).
+
+    Returns a new [M, N] tensor in `output_dtype`.
+    """
+    name = "w8a8_block_fp8_matmul"
+    bn, bk = check_block_fp8_matmul(name, a, b, a_s, b_s, block_size, output_dtype)
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"{name}: bk = {bk} must be a power of two >= 16 for the Triton kernel")
+    (M, K), N = a.shape, b.shape[0]
+    cfg = config or block_fp8_config(M, N, (bn, bk))
+    if bn % cfg.block_n or cfg.block_n & (cfg.block_n - 1) or cfg.block_n < 16:
+        raise ValueError(
+            f"{name}: config.block_n = {cfg.block_n} must be a power of two >= 16 dividing bn = {bn}"
+        )
+    if M == 0 or N == 0 or K == 0:
+        return torch.zeros((M, N), dtype=output_dtype, device=a.device)
+    c = torch.empty((M, N), dtype=output_dtype, device=a.device)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    _w8a8_block_fp8_matmul_kernel[grid](
+        a, b, c, a_s, b_s, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
+        GROUP_N=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# The same product through torch's block-scaled scaled_mm (cuBLASLt), where it exists
+# ----------------------------------------------------------------------------------------------
+
+
+def scaled_mm_block_unavailable(device: torch.device | str, block_size: Sequence[int], N: int) -> str | None:
+    """Why `scaled_mm_block_fp8` cannot run here, or None.
+
+    torch's block-wise recipes (1 x 128 activation groups, 128 x 128 weight blocks) run on sm_90
+    only (cuBLASLt >= 12.9) and size the weight scales as N // 128, so N must be a multiple of 128.
+    """
+    device = torch.device(device)
+    F = torch.nn.functional
+    if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
+    if not all(hasattr(F.ScalingType, r) for r in ("BlockWise1x128", "BlockWise128x128")):
+        return f"torch {torch.__version__}'s scaled_mm has no BlockWise1x128 / BlockWise128x128 recipes"
+    if device.type != "cuda" or interpreting():
+        return f"block-wise scaled_mm needs a CUDA device, got {device.type}"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return f"block-wise scaled_mm needs an sm_90 GPU, got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    if list(block_size) != [128, 128]:
+        return f"block-wise scaled_mm needs block_size [128, 128], got {list(block_size)}"
+    if N % 128:
+        return f"block-wise scaled_mm needs N a multiple of 128, got {N}"
+    return None
+
+
+def scaled_mm_block_fp8(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_s: torch.Tensor,
+    b_s: torch.Tensor,
+    block_size: list[int],
+    output_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """`w8a8_block_fp8_matmul` through `torch.nn.functional.scaled_mm` (cuBLASLt), same arguments.
+
+    Raises RuntimeError where torch cannot run it (`scaled_mm_block_unavailable` says why). cuBLAS
+    reads a_s column-major (strides (1, M): `per_token_group_quant_fp8(...,
+    column_major_scales=True)` writes it so; other layouts are copied) and b_s as [L4, N // 128]
+    with strides (1, L4), L4 = K // 128 rounded up to a multiple of 4: a contiguous b_s.t() when
+    K // 128 is a multiple of 4 (every Qwen3 layer), else a padded copy.
+    """
+    name = "scaled_mm_block_fp8"
+    check_block_fp8_matmul(name, a, b, a_s, b_s, block_size, output_dtype)
+    reason = scaled_mm_block_unavailable(a.device, block_size, b.shape[0])
+    if reason is not None:
+        raise RuntimeError(f"{name}: {reason}")
+    F = torch.nn.functional
+    M = a.shape[0]
+    kb = a_s.shape[1]
+    scale_a = a_s if a_s.stride(0) == 1 and (a_s.stride(1) == M or kb == 1) else a_s.t().contiguous().t()
+    l4 = -(-kb // 4) * 4
+    if kb == l4 and b_s.stride(1) == 1 and b_s.stride(0) == l4:
+        scale_b = b_s.t()  # [K // 128, N // 128], strides (1, K // 128)
+    else:
+        padded = torch.zeros((b_s.shape[0], l4), dtype=torch.float32, device=b_s.device)
+        padded[:, :kb] = b_s
+        scale_b = padded.t()  # [L4, N // 128], strides (1, L4); rows past K // 128 unread
+    return F.scaled_mm(
+        a,
+        b.t(),  # [K, N] column-major, as cuBLAS wants the second operand
+        scale_a,
+        F.ScalingType.BlockWise1x128,
+        scale_b,
+        F.ScalingType.BlockWise128x128,
+        output_dtype=output_dtype,
+    )
