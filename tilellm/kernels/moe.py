@@ -29,6 +29,20 @@ Grid of both GEMMs: cdiv(max_padded, block_m) x cdiv(N, BLOCK_N) programs, fixed
 the config; programs whose block starts past num_tokens_post_padded (the bound's slack) return at
 once. Program ids walk GROUP_M row blocks across all column tiles before moving on (the
 L2-friendly order of Triton's matmul tutorial). Experts that receive no pair own no block.
+
+Block-quantized FP8 experts (DeepSeek-V3's checkpoints; vLLM's `use_fp8_w8a8` with a
+`block_shape`): w13 and w2 are float8_e4m3fn with one fp32 scale per [bn, bk] block (w13_scale
+[E, cdiv(2I, bn), cdiv(H, bk)], w2_scale [E, cdiv(H, bn), cdiv(I, bk)]; dequantized weight =
+stored * its block's scale). Each GEMM's input (x for the first, inter for the second) is
+quantized per token and per group of bk channels (`per_token_group_quant_fp8`: a_q fp8, a_s
+[rows, K / bk]), and each output element is the block-scaled W8A8 product
+
+    C[p, n] = sum_kb a_s[p, kb] * w_s[e, n // bn, kb] * (a_q[p, kb-th bk slice] . w_q[e, n, same slice])
+
+accumulated in fp32: BLOCK_K = bk, so one k step is one scale block, its fp8 x fp8 `tl.dot` is
+scaled by the a_s column and the w_s entries of that block and added to the accumulator (on
+Hopper the MMA's own accumulation then never spans more than bk products). The epilogues are the
+bf16 path's; inter stays in x's dtype and is quantized between the GEMMs, as vLLM does.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import dot_precision, interpreting
+from tilellm.kernels.fp8 import is_fp8
 
 
 @dataclass(frozen=True)
@@ -130,16 +145,24 @@ def moe_align_block_size(
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _fused_moe_kernel(
     A, B, C, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+    A_scale, B_scale,
     N, K, num_pairs, num_blocks_m,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_SCALED: tl.constexpr, GROUP_N: tl.constexpr,
+    UPCAST_FP8: tl.constexpr,
 ):  # fmt: skip
     """C[p, :N] = A[p // A_ROW_DIV] @ B[e, :N]^T for the block's sorted pairs p of expert e.
 
     A [rows, K], B [E, N (x2 if GATED), K], C [num_pairs, N]. GATED: B holds N gate rows then N
     up rows and C = silu(A @ gate^T) * (A @ up^T). MUL_ROUTED_WEIGHT: C rows scaled by topk_weights[p].
+    BLOCK_SCALED: A and B are fp8 with A_scale [rows, K / BLOCK_K] (one per row and k step) and
+    B_scale [E, cdiv(N (x2 if GATED), GROUP_N), K / BLOCK_K] (one per GROUP_N rows and k step);
+    each k step's dot is scaled by both before it is accumulated. UPCAST_FP8: the fp8 tiles go
+    through fp32 first (the CPU interpreter has no fp8 dot). Otherwise A_scale / B_scale and
+    their strides are unused.
     """
     # -- program id -> (row block, column tile), GROUP_M row blocks at a time --
     pid = tl.program_id(0)
@@ -169,14 +192,30 @@ def _fused_moe_kernel(
     # -- acc [BLOCK_M, BLOCK_N] = A rows @ B[e]^T over K (for GATED, the up rows into acc_up) --
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BLOCK_SCALED:
+        # per-row activation scales and per-column weight scales of k step 0 (the columns of a
+        # tile share one block row of w_s when BLOCK_N divides GROUP_N, but the up rows N + n
+        # need not start on a block boundary, so both are gathered per column)
+        as_ptrs = A_scale + a_rows * stride_asm
+        bs_ptrs = B_scale + expert * stride_bse + (offs_bn // GROUP_N) * stride_bsn
+        bs_up_ptrs = B_scale + expert * stride_bse + ((offs_bn + N) // GROUP_N) * stride_bsn
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if GATED:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        if BLOCK_SCALED:
+            a_s = tl.load(as_ptrs + k * stride_ask, mask=pair_ok, other=0.0)
+            b_s = tl.load(bs_ptrs + k * stride_bsk)
+            acc += _fp8_dot(a, b, UPCAST_FP8) * a_s[:, None] * b_s[None, :]
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None], other=0.0)
+                b_up_s = tl.load(bs_up_ptrs + k * stride_bsk)
+                acc_up += _fp8_dot(a, b_up, UPCAST_FP8) * a_s[:, None] * b_up_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -188,6 +227,14 @@ def _fused_moe_kernel(
         acc = acc * w[:, None]
     c_ptrs = C + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _fp8_dot(a, b, UPCAST: tl.constexpr):
+    """a [M, K] @ b [K, N] of fp8 tiles, in fp32 (a fresh accumulator: the caller scales it)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -220,20 +267,32 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: list[int] | tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Routed experts of a MoE layer, no host sync (CUDA-graph safe).
 
     Args:
         hidden_states: [T, H] float32/float16/bfloat16.
-        w13: [E, 2I, H], hidden dtype: rows [0, I) gate_proj, rows [I, 2I) up_proj of each expert.
-        w2: [E, H, I], hidden dtype: down_proj of each expert.
+        w13: [E, 2I, H], hidden dtype or float8_e4m3fn: rows [0, I) gate_proj, rows [I, 2I) up_proj.
+        w2: [E, H, I], w13's dtype: down_proj of each expert.
         topk_weights: [T, K] float32 routing weights (already normalised / scaled by the router).
         topk_ids: [T, K] int32/int64 expert ids in [0, E).
         out: optional [T, H] output buffer (hidden dtype, last dim contiguous).
+        w13_scale: with fp8 experts, [E, cdiv(2I, bn), cdiv(H, bk)] float32, one per [bn, bk]
+            block of w13 (checkpoints' `weight_scale_inv`: dequantized = stored * scale).
+        w2_scale: with fp8 experts, [E, cdiv(H, bn), cdiv(I, bk)] float32, w2's block scales.
+        block_shape: with fp8 experts, [bn, bk]: bn a multiple of 16, bk a power of two >= 16
+            dividing H and I (activations are quantized per token in groups of bk channels).
 
-    Returns out [T, H] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)).
+    Returns out [T, H] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
+    with fp8 experts the block-scaled W8A8 form of it (module docstring).
     """
-    check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, out)
+    check_fused_moe(
+        hidden_states, w13, w2, topk_weights, topk_ids, out,
+        w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
+    )  # fmt: skip
     T, H = hidden_states.shape
     E, I, K = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     dtype, dev = hidden_states.dtype, hidden_states.device
@@ -245,16 +304,38 @@ def fused_moe(
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, cfg.block_m)
     routing = (topk_weights.reshape(-1), sorted_ids, expert_ids, num_post)
     inter = torch.empty((T * K, I), dtype=dtype, device=dev)
-    _grouped_gemm(hidden_states, w13, inter, routing, cfg, a_row_div=K, gated=True)
     down = out if K == 1 else torch.empty((T * K, H), dtype=dtype, device=dev)
-    _grouped_gemm(inter, w2, down, routing, cfg, a_row_div=1, mul_routed_weight=True)
+    if is_fp8(w13):
+        _fp8_gemms(hidden_states, w13, w2, w13_scale, w2_scale, tuple(block_shape), inter, down, routing, cfg)
+    else:
+        _grouped_gemm(hidden_states, w13, inter, routing, cfg, a_row_div=K, gated=True)
+        _grouped_gemm(inter, w2, down, routing, cfg, a_row_div=1, mul_routed_weight=True)
     if K > 1:
         _moe_sum(down.view(T, K, H), out)
     return out
 
 
-def _grouped_gemm(a, w, c, routing, cfg: MoeConfig, *, a_row_div: int, gated=False, mul_routed_weight=False):
-    """c [pairs, N] = a[pair // a_row_div] @ w[e]^T (see `_fused_moe_kernel`); N = c.shape[1]."""
+def _fp8_gemms(x, w13, w2, w13_scale, w2_scale, block_shape, inter, down, routing, cfg: MoeConfig) -> None:
+    """The two grouped GEMMs on block-quantized experts, each input quantized per token-group of bk."""
+    from tilellm.kernels.fp8_gemm import per_token_group_quant_fp8
+
+    bk, top_k = block_shape[1], inter.shape[0] // x.shape[0]
+    x_q, x_s = per_token_group_quant_fp8(x, bk)  # [T, H] fp8, [T, H / bk]
+    scales = (x_s, w13_scale, block_shape)
+    _grouped_gemm(x_q, w13, inter, routing, cfg, a_row_div=top_k, gated=True, scales=scales)
+    inter_q, inter_s = per_token_group_quant_fp8(inter, bk)  # [T*K, I] fp8, [T*K, I / bk]
+    scales = (inter_s, w2_scale, block_shape)
+    _grouped_gemm(inter_q, w2, down, routing, cfg, a_row_div=1, mul_routed_weight=True, scales=scales)
+
+
+def _grouped_gemm(
+    a, w, c, routing, cfg: MoeConfig, *, a_row_div: int, gated=False, mul_routed_weight=False, scales=None
+):
+    """c [pairs, N] = a[pair // a_row_div] @ w[e]^T (see `_fused_moe_kernel`); N = c.shape[1].
+
+    scales: None, or (a_scale [rows, K / bk], w_scale [E, cdiv(rows of w, bn), cdiv(K, bk)],
+    (bn, bk)) for fp8 a and w.
+    """
     topk_weights, sorted_ids, expert_ids, num_post = routing
     n, k = c.shape[1], a.shape[1]
     # Tiles no wider than the problem (tiny test models have H, I of 16..64); tl.dot needs >= 16.
@@ -262,15 +343,25 @@ def _grouped_gemm(a, w, c, routing, cfg: MoeConfig, *, a_row_div: int, gated=Fal
     block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
     if a.element_size() == 4 and not interpreting():
         block_k = max(16, block_k // 2)  # fp32 operands: the same shared memory per stage as bf16
+    if scales is None:
+        # unused by the kernel (BLOCK_SCALED=False): any tensor for the pointers, zero strides
+        a_scale = w_scale = topk_weights
+        scale_strides, group_n = (0, 0, 0, 0, 0), 1
+    else:
+        a_scale, w_scale, (group_n, block_k) = scales  # one k step per scale block
+        block_n = min(block_n, group_n & -group_n)  # a power of two dividing bn
+        scale_strides = (a_scale.stride(0), a_scale.stride(1), *w_scale.stride())
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(n, block_n),)
     _fused_moe_kernel[grid](
-        a, w, c, topk_weights, sorted_ids, expert_ids, num_post,
+        a, w, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, w_scale,
         n, k, topk_weights.numel(), num_blocks_m,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        *scale_strides,
         A_ROW_DIV=a_row_div, GATED=gated, MUL_ROUTED_WEIGHT=mul_routed_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-        PRECISION=dot_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=dot_precision(a.dtype), BLOCK_SCALED=scales is not None, GROUP_N=group_n,
+        UPCAST_FP8=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -291,10 +382,15 @@ def _moe_sum(down: torch.Tensor, out: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, out, name: str = "fused_moe") -> None:
+def check_fused_moe(
+    hidden_states, w13, w2, topk_weights, topk_ids, out, name: str = "fused_moe",
+    *, w13_scale=None, w2_scale=None, block_shape=None,
+) -> None:  # fmt: skip
     """Shapes, dtypes and devices of `fused_moe`'s arguments; expert ids in range under deep checks.
 
-    Layouts: hidden_states [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, K].
+    Layouts: hidden_states [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, K];
+    with float8_e4m3fn experts also block_shape [bn, bk], w13_scale [E, cdiv(2I, bn), cdiv(H, bk)]
+    and w2_scale [E, cdiv(H, bn), cdiv(I, bk)] float32.
     """
     _check_tensor(name, "hidden_states", hidden_states, 2, "[T, H]")
     _check_tensor(name, "w13", w13, 3, "[E, 2 * I, H]")
@@ -304,6 +400,7 @@ def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, out, name: s
     _check_dtypes(name, hidden_states, w13, w2, topk_weights, topk_ids)
     _check_devices(name, hidden_states, w13, w2, topk_weights, topk_ids)
     _check_shapes(name, hidden_states, w13, w2, topk_weights, topk_ids)
+    _check_block_scales(name, hidden_states, w13, w13_scale, w2_scale, block_shape)
     T, H = hidden_states.shape
     if out is not None:
         validation.check_out(name, out, (T, H), hidden_states.dtype, hidden_states.device)
@@ -323,11 +420,18 @@ def _check_dtypes(name, hidden_states, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(
             f"{name}: hidden_states must be float16, bfloat16 or float32, got {hidden_states.dtype}"
         )
-    for arg, w in (("w13", w13), ("w2", w2)):
-        if w.dtype != hidden_states.dtype:
+    if is_fp8(w13) or is_fp8(w2):
+        if w13.dtype != w2.dtype:
             raise ValueError(
-                f"{name}: {arg} dtype {w.dtype} differs from hidden_states dtype {hidden_states.dtype}"
+                f"{name}: w2 dtype {w2.dtype} differs from w13 dtype {w13.dtype} "
+                "(block-quantized experts have both in float8_e4m3fn)"
             )
+    else:
+        for arg, w in (("w13", w13), ("w2", w2)):
+            if w.dtype != hidden_states.dtype:
+                raise ValueError(
+                    f"{name}: {arg} dtype {w.dtype} differs from hidden_states dtype {hidden_states.dtype}"
+                )
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"{name}: topk_weights must be float32, got {topk_weights.dtype}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -368,6 +472,64 @@ def _check_shapes(name, hidden_states, w13, w2, topk_weights, topk_ids) -> None:
             f"{name}: topk_weights [T, K] shape {tuple(topk_weights.shape)} must equal topk_ids shape "
             f"{tuple(topk_ids.shape)}"
         )
+
+
+def _check_block_scales(name, hidden_states, w13, w13_scale, w2_scale, block_shape) -> None:
+    """fp8 experts need block_shape and both scale tensors; other experts take none of them."""
+    given = {"w13_scale": w13_scale, "w2_scale": w2_scale, "block_shape": block_shape}
+    if not is_fp8(w13):
+        for arg, value in given.items():
+            if value is not None:
+                raise ValueError(
+                    f"{name}: {arg} is only for float8_e4m3fn experts, but w13 and w2 are {w13.dtype}"
+                )
+        return
+    if block_shape is None:
+        raise ValueError(
+            f"{name}: block_shape [bn, bk] is required with float8_e4m3fn w13 / w2 "
+            "(the block of weights each w13_scale / w2_scale entry scales)"
+        )
+    bn, bk = _check_block_shape(name, block_shape)
+    H, E, I = hidden_states.shape[1], w13.shape[0], w13.shape[1] // 2
+    for dim, size in (("H", H), ("I", I)):
+        if size % bk:
+            raise ValueError(
+                f"{name}: {dim} = {size} must be a multiple of block_shape[1] = {bk} "
+                "(each GEMM's input is quantized per token in groups of bk channels)"
+            )
+    for arg, scale, rows, cols, layout in (
+        ("w13_scale", w13_scale, 2 * I, H, "[E, cdiv(2 * I, bn), cdiv(H, bk)]"),
+        ("w2_scale", w2_scale, H, I, "[E, cdiv(H, bn), cdiv(I, bk)]"),
+    ):
+        if scale is None:
+            raise ValueError(f"{name}: {arg} {layout} float32 is required with float8_e4m3fn w13 / w2")
+        _check_tensor(name, arg, scale, 3, layout)
+        if scale.dtype != torch.float32:
+            raise ValueError(f"{name}: {arg} must be float32, got {scale.dtype}")
+        if scale.device != hidden_states.device:
+            raise ValueError(
+                f"{name}: {arg} is on {scale.device} but hidden_states is on {hidden_states.device}"
+            )
+        expected = (E, triton.cdiv(rows, bn), triton.cdiv(cols, bk))
+        if tuple(scale.shape) != expected:
+            raise ValueError(
+                f"{name}: {arg} must be {layout} = {expected} for block_shape [{bn}, {bk}], "
+                f"got {tuple(scale.shape)}"
+            )
+
+
+def _check_block_shape(name, block_shape) -> tuple[int, int]:
+    """(bn, bk): bn a multiple of 16 (column tiles divide it), bk a power of two >= 16 (one k step)."""
+    ok = isinstance(block_shape, list | tuple | torch.Size) and len(block_shape) == 2
+    ok = ok and all(isinstance(b, int) and not isinstance(b, bool) for b in block_shape)
+    if not ok:
+        raise ValueError(f"{name}: block_shape must be two ints [bn, bk], got {block_shape!r}")
+    bn, bk = block_shape
+    if bn < 16 or bn % 16:
+        raise ValueError(f"{name}: block_shape[0] (bn) must be a positive multiple of 16, got {bn}")
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"{name}: block_shape[1] (bk) must be a power of two >= 16, got {bk}")
+    return bn, bk
 
 
 def _check_ids_in_range(name, topk_ids, num_experts) -> None:
