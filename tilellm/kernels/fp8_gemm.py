@@ -43,6 +43,11 @@ from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_per
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The kernels' output allocations (the tests swap in NaN-filled ones, so unwritten outputs show)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 # ----------------------------------------------------------------------------------------------
 # Activation quantization: one scale per token and group of channels
 # ----------------------------------------------------------------------------------------------
@@ -81,11 +86,12 @@ def per_token_group_quant_fp8(
     check_per_token_group_quant(x, group_size, eps)
     M, K = x.shape
     G = K // group_size
-    x_q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
-    if column_major_scales:
-        x_s = torch.empty((G, M), dtype=torch.float32, device=x.device).t()
-    else:
-        x_s = torch.empty((M, G), dtype=torch.float32, device=x.device)
+    x_q = _empty((M, K), FP8_DTYPE, x.device)
+    x_s = (
+        _empty((G, M), torch.float32, x.device).t()
+        if column_major_scales
+        else _empty((M, G), torch.float32, x.device)
+    )
     if M == 0 or G == 0:
         return x_q, x_s
     block_g = triton.next_power_of_2(group_size)
@@ -127,14 +133,15 @@ def block_fp8_config(M: int, N: int, block_size: Sequence[int]) -> Fp8GemmConfig
     are compute bound: 64 x 128 tiles of 4 warps up to 1023 rows, then 128 x 128 tiles of 8 warps
     (two warpgroups of Hopper's 64-row MMA) 4 stages deep: 32 KiB of shared memory a stage.
     Not yet swept on the GPU: `benchmarks/fp8_gemm.py` times these against two alternatives.
-    Under the interpreter: 32 x 32 tiles, so the tests' small shapes still span several tiles.
+    Under the interpreter: 32 x 64 tiles (fewer programs run faster there), narrower than a
+    128-wide bn and small enough that the tests' shapes still span several tiles.
     """
     bn = block_size[0]
     divisors = [c for c in _BLOCK_N_CHOICES if bn % c == 0]  # widest first
     if not divisors:
         raise ValueError(f"w8a8_block_fp8_matmul: bn = {bn} must be a multiple of 16 for the Triton kernel")
     if interpreting():
-        return Fp8GemmConfig(block_m=32, block_n=min(32, divisors[0]), group_m=4, num_warps=4, num_stages=1)
+        return Fp8GemmConfig(block_m=32, block_n=min(64, divisors[0]), group_m=4, num_warps=4, num_stages=1)
     if M <= 16:
         block_m, warps, stages = 16, 4, 5
     elif M <= 32:
@@ -224,7 +231,7 @@ def w8a8_block_fp8_matmul(
         b: [N, K] float8_e4m3fn weight (a checkpoint's `weight`).
         a_s: [M, K // bk] float32, one scale per token and k-block (any strides).
         b_s: [ceil(N / bn), K // bk] float32, one per weight block (`weight_scale_inv`).
-        block_size: [bn, bk]; the Triton kernel needs bk a power of two >= 16 and bn a multiple of 16.
+        block_size: [bn, bk]; the Triton kernel needs bk a power of two >= 32 and bn a multiple of 16.
         output_dtype: float32 / float16 / bfloat16.
         config: tiles to use instead of `block_fp8_config(M, N, block_size)` (benchmark sweeps).
 
@@ -232,8 +239,9 @@ def w8a8_block_fp8_matmul(
     """
     name = "w8a8_block_fp8_matmul"
     bn, bk = check_block_fp8_matmul(name, a, b, a_s, b_s, block_size, output_dtype)
-    if bk < 16 or bk & (bk - 1):
-        raise ValueError(f"{name}: bk = {bk} must be a power of two >= 16 for the Triton kernel")
+    if bk < 32 or bk & (bk - 1):
+        # tl.arange needs a power of two, and an fp8 tl.dot a reduction of at least 32
+        raise ValueError(f"{name}: bk = {bk} must be a power of two >= 32 for the Triton kernel")
     (M, K), N = a.shape, b.shape[0]
     cfg = config or block_fp8_config(M, N, (bn, bk))
     if bn % cfg.block_n or cfg.block_n & (cfg.block_n - 1) or cfg.block_n < 16:
@@ -242,7 +250,7 @@ def w8a8_block_fp8_matmul(
         )
     if M == 0 or N == 0 or K == 0:
         return torch.zeros((M, N), dtype=output_dtype, device=a.device)
-    c = torch.empty((M, N), dtype=output_dtype, device=a.device)
+    c = _empty((M, N), output_dtype, a.device)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _w8a8_block_fp8_matmul_kernel[grid](
         a, b, c, a_s, b_s, M, N, K,

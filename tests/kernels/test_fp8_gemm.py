@@ -1,0 +1,429 @@
+"""Block-scaled FP8 W8A8 GEMM: the PyTorch twins against fp64 arithmetic, the Triton kernels
+against the twins, and the input checks.
+
+The twins are checked on the values they stand for (x_q * x_s, w_q * scale_inv) with fp64 sums
+and an explicit nearest-e4m3 bound; the kernels against the twins: quantization bit for bit,
+the GEMM within fp32's accumulation-order error (and 1 bf16 ulp for bf16 outputs). The kernels'
+outputs are allocated full of NaN (`poison_outputs`), so a tile they skip shows up. Inputs are
+random normal times a per-row/per-column spread of magnitudes, so that every group and block
+gets its own scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.kernels.helpers import assert_close
+from tilellm.kernels import fp8_gemm as tk
+from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from tilellm.kernels.reference import fp8_gemm as ref
+
+GEMM_TOL_CPU = 1e-5  # fp32 accumulation order (interpreter vs torch), relative to the output scale
+# Hopper's fp8 MMA accumulates one k-block with fewer bits than fp32 before the fp32 promotion
+GEMM_TOL_CUDA = 2e-3
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch):
+    """Every output the kernels allocate starts as NaN (e4m3's NaN for x_q)."""
+
+    def nan_empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device).to(dtype)
+
+    monkeypatch.setattr(tk, "_empty", nan_empty)
+
+
+def spread(shape, gen, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """Random normal values, each row scaled by 2^U(-6, 6) and each column by 2^U(-3, 3)."""
+    rows, cols = shape
+    x = torch.randn(shape, generator=gen)
+    x = x * torch.exp2(torch.empty(rows, 1).uniform_(-6, 6, generator=gen))
+    x = x * torch.exp2(torch.empty(1, cols).uniform_(-3, 3, generator=gen))
+    return x.to(device=device, dtype=dtype)
+
+
+def make_gemm(M, N, K, block_size, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = spread((M, K), gen, device=device)
+    w = spread((N, K), gen, device=device) / K**0.5
+    a, a_s = ref.per_token_group_quant_fp8(x, block_size[1])
+    b, b_s = ref.quantize_fp8_block(w, block_size)
+    return a, b, a_s, b_s
+
+
+def dequantized_product(a, b, a_s, b_s, block_size) -> torch.Tensor:
+    """(a * a_s) @ (b * b_s)^T in fp64, from the expanded per-element scales."""
+    bn, bk = block_size
+    N = b.shape[0]
+    a64 = a.double() * a_s.double().repeat_interleave(bk, dim=1)
+    b64 = b.double() * b_s.double().repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)
+    return a64 @ b64.T
+
+
+def e4m3_step(v: torch.Tensor) -> torch.Tensor:
+    """The e4m3 grid spacing around |v| (fp64): 2^(e - 3) in binade e >= -6, 2^-9 below."""
+    e = torch.floor(torch.log2(v.abs().clamp(min=2.0**-6)))
+    return torch.exp2(e - 3)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values lie between a and b (same-sign neighbours are 1 apart)."""
+
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_gemm_close(got, expected, device, what):
+    """fp32 outputs within the accumulation-order tolerance; half-precision ones within that or
+    1 ulp (bf16) / 1 ulp-equivalent (fp16) of the twin's."""
+    tol = GEMM_TOL_CUDA if device == "cuda" else GEMM_TOL_CPU
+    assert got.shape == expected.shape and got.dtype == expected.dtype, what
+    if got.dtype == torch.float32:
+        assert_close(got, expected, tol, what)
+        return
+    g, e = got.float().cpu(), expected.float().cpu()
+    assert torch.isfinite(g).all(), f"{what}: non-finite outputs (a tile never written?)"
+    near = (g - e).abs() <= tol * max(float(e.abs().max()), 1.0)
+    if got.dtype == torch.bfloat16:
+        within_ulp = bf16_ulps(got.cpu(), expected.cpu()) <= 1
+    else:
+        within_ulp = (g - e).abs() <= e.abs() * 2.0**-10 + 2.0**-24
+    bad = ~(near | within_ulp)
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements off by more than 1 ulp, first at {bad.nonzero()[0].tolist()}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Twins against fp64 arithmetic
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("M", "K", "group"), [(1, 128, 128), (5, 384, 128), (33, 96, 32), (4, 144, 48)])
+def test_quant_twin_is_nearest_e4m3(M, K, group, dtype):
+    x = spread((M, K), torch.Generator().manual_seed(M + K), dtype)
+    x_q, x_s = ref.per_token_group_quant_fp8(x, group)
+    assert x_q.dtype == FP8_DTYPE and x_q.shape == (M, K)
+    assert x_s.dtype == torch.float32 and x_s.shape == (M, K // group)
+    groups = x.double().view(M, K // group, group)
+    expected_s = groups.abs().amax(-1).clamp(min=1e-10) / FP8_MAX
+    torch.testing.assert_close(x_s.double(), expected_s, rtol=2**-23, atol=0)
+    # x / s rounds to the nearest e4m3 value (half a grid step away at most); the amax to +-448
+    v = groups / x_s.double()[..., None]
+    q = x_q.double().view(M, K // group, group)
+    assert ((v - q).abs() <= 0.5 * e4m3_step(v) * (1 + 1e-6)).all()
+    assert torch.equal(q.abs().amax(-1), torch.full_like(expected_s, FP8_MAX))
+
+
+def test_quant_twin_zero_and_tiny_groups():
+    """An all-zero group keeps the eps scale and zeros; a group far below eps saturates to 0."""
+    x = torch.zeros(2, 256)
+    x[1, 128:] = 1e-14
+    x_q, x_s = ref.per_token_group_quant_fp8(x, 128)
+    assert torch.equal(x_s, torch.full((2, 2), torch.tensor(1e-10) / FP8_MAX))
+    assert x_q.float().abs().max() < 1  # 1e-14 / (1e-10 / 448) = 0.0448: e4m3's 2^-9 steps keep it small
+
+
+@pytest.mark.parametrize(
+    ("M", "N", "K", "block_size"), [(5, 200, 384, [128, 128]), (33, 72, 96, [32, 32]), (7, 100, 96, [48, 32])]
+)
+def test_gemm_twin_matches_fp64(M, N, K, block_size):
+    a, b, a_s, b_s = make_gemm(M, N, K, block_size, "cpu", seed=N)
+    got = ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, block_size, torch.float32)
+    assert_close(got, dequantized_product(a, b, a_s, b_s, block_size).float(), 1e-6, "twin vs fp64")
+    assert ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, block_size).dtype == torch.bfloat16
+
+
+def test_gemm_twin_approximates_unquantized_product():
+    """The whole W8A8 path against the fp32 product it stands for: e4m3's 3 mantissa bits cost
+    each operand ~3.6% rms, so about 4% of the product's norm; a misplaced scale costs far more."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn((16, 384), generator=gen), torch.randn((256, 384), generator=gen)
+    a, a_s = ref.per_token_group_quant_fp8(x, 128)
+    b, b_s = ref.quantize_fp8_block(w, [128, 128])
+    got = ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, [128, 128], torch.float32)
+    expected = x @ w.T
+    assert float((got - expected).norm() / expected.norm()) < 0.06
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "block_size"), [(200, 300, [128, 128]), (64, 64, [32, 32]), (70, 33, [64, 16])]
+)
+def test_quantize_fp8_block_edge_blocks(N, K, block_size):
+    bn, bk = block_size
+    w = spread((N, K), torch.Generator().manual_seed(N + K))
+    w[:bn, :bk] = 0  # an all-zero block
+    w_q, scale_inv = ref.quantize_fp8_block(w, block_size)
+    assert w_q.dtype == FP8_DTYPE and w_q.shape == (N, K)
+    assert scale_inv.shape == (-(-N // bn), -(-K // bk)) and scale_inv.dtype == torch.float32
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            block = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].double()
+            expected = max(float(block.abs().max()), 1e-12) / FP8_MAX
+            assert float(scale_inv[i, j]) == pytest.approx(expected, rel=2**-23), (i, j)
+    assert torch.equal(w_q[:bn, :bk].float(), torch.zeros(bn, bk))
+    back = ref.dequantize_fp8_block(w_q, scale_inv, block_size, torch.float32)
+    expanded = scale_inv.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+    # within half an e4m3 step of each value (relative 2^-4 above 2^-6, absolute 2^-10 * scale below)
+    assert ((back - w).abs() <= (w.abs() * 2.0**-4 + 2.0**-10 * expanded) * (1 + 1e-6)).all()
+    assert ref.dequantize_fp8_block(w_q, scale_inv, block_size).dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton against the twins
+# ----------------------------------------------------------------------------------------------
+
+
+def assert_quant_equal(x, group, column_major=False):
+    got_q, got_s = tk.per_token_group_quant_fp8(x, group, column_major_scales=column_major)
+    want_q, want_s = ref.per_token_group_quant_fp8(x, group, column_major_scales=column_major)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), "x_q bytes differ"
+    assert torch.equal(got_s, want_s), "x_s differs"
+    assert got_s.stride() == want_s.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("M", "K", "group"), [(1, 256, 128), (5, 384, 128), (64, 64, 32), (130, 96, 48)])
+def test_quant_bit_exact(M, K, group, dtype, device, poison_outputs):
+    x = spread((M, K), torch.Generator().manual_seed(M * K), dtype, device)
+    assert_quant_equal(x, group, column_major=M == 5)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    M=st.integers(1, 40),
+    groups=st.integers(1, 3),
+    group=st.sampled_from([16, 32, 128, 24]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    log_scale=st.integers(-30, 30),
+    seed=st.integers(0, 2**16),
+)
+def test_quant_bit_exact_any_magnitude(M, groups, group, dtype, log_scale, seed, device, poison_outputs):
+    """Magnitudes from 2^-30 (groups below eps: x_s = eps / 448, subnormal e4m3 values) to 2^30,
+    an all-zero group, and a group of exact ties between neighbouring e4m3 values."""
+    gen = torch.Generator().manual_seed(seed)
+    x = spread((M, groups * group), gen) * 2.0**log_scale
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)  # finite in fp16
+    x[0, :group] = 0
+    if M > 1:
+        # amax 56 makes x_s = 56 / 448 = 1/8 exactly, so x / x_s lands on midpoints of the e4m3 grid:
+        # 2^e * (1 + (k + 1/2) / 8) between normals, (k + 1/2) * 2^-9 between subnormals
+        e = torch.randint(-6, 8, (group,), generator=gen).double()
+        k = torch.randint(0, 8, (group,), generator=gen).double()
+        ties = torch.where(e > -6, torch.exp2(e) * (1 + (k + 0.5) / 8), (k + 0.5) * 2.0**-9)
+        signs = torch.randint(0, 2, (group,), generator=gen).double() * 2 - 1
+        x[1, :group] = (signs * ties / 8).float().clamp(-55, 55)
+        x[1, 0] = 56.0
+    assert_quant_equal(x.to(device=device, dtype=dtype), group)
+
+
+def test_quant_strided_rows(device, poison_outputs):
+    """x a column slice of a wider tensor (row stride != K)."""
+    wide = spread((9, 512), torch.Generator().manual_seed(1), device=device)
+    assert_quant_equal(wide[:, 128:384], 128)
+
+
+# Output dtypes by M (the store's cast is the same code for every shape): decode in bf16 alone
+OUT_DTYPES = {
+    1: [torch.bfloat16],
+    5: [torch.float32, torch.bfloat16],
+    64: [torch.float32, torch.float16],
+    130: [torch.float32, torch.bfloat16],
+}
+
+
+@pytest.mark.parametrize("M", list(OUT_DTYPES))
+@pytest.mark.parametrize(
+    ("N", "K", "block_size"),
+    [(200, 384, [128, 128]), (72, 96, [32, 32]), (100, 64, [64, 32])],
+    ids=["128x128", "32x32", "64x32"],
+)
+def test_gemm_matches_twin(M, N, K, block_size, device, poison_outputs):
+    a, b, a_s, b_s = make_gemm(M, N, K, block_size, device, seed=M + N)
+    for dtype in OUT_DTYPES[M]:
+        got = tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, block_size, dtype)
+        expected = ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, block_size, dtype)
+        assert_gemm_close(got, expected, device, f"M={M} N={N} K={K} {block_size} {dtype}")
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    M=st.integers(1, 40),
+    N=st.integers(1, 80),
+    k_blocks=st.integers(1, 3),
+    block_size=st.sampled_from([[32, 32], [16, 32], [64, 32], [48, 32]]),
+    seed=st.integers(0, 2**16),
+)
+def test_gemm_matches_twin_any_shape(M, N, k_blocks, block_size, seed, device, poison_outputs):
+    K = k_blocks * block_size[1]
+    a, b, a_s, b_s = make_gemm(M, N, K, block_size, device, seed=seed)
+    got = tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, block_size, torch.float32)
+    assert_gemm_close(
+        got, ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, block_size, torch.float32), device, "any"
+    )
+
+
+def test_gemm_strided_operands_and_column_major_scales(device, poison_outputs):
+    """a a column slice, a_s column-major (as `column_major_scales` writes it), b_s a slice."""
+    a, b, a_s, b_s = make_gemm(37, 96, 128, [32, 32], device, seed=3)
+    wide = torch.cat([a.view(torch.uint8)] * 2, dim=1).view(FP8_DTYPE)[:, 128:]
+    a_s_cm = a_s.t().contiguous().t()
+    b_s_wide = torch.cat([b_s, b_s], dim=1)[:, : b_s.shape[1]]
+    got = tk.w8a8_block_fp8_matmul(wide, b, a_s_cm, b_s_wide, [32, 32], torch.float32)
+    assert_gemm_close(
+        got, ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, [32, 32], torch.float32), device, "strided"
+    )
+
+
+def test_gemm_program_order_groups(device, poison_outputs):
+    """Small tiles and GROUP_M = 2 over 5 row tiles: the last group of row tiles is partial."""
+    a, b, a_s, b_s = make_gemm(70, 40, 64, [64, 32], device, seed=11)
+    cfg = tk.Fp8GemmConfig(block_m=16, block_n=16, group_m=2, num_warps=4, num_stages=1)
+    got = tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [64, 32], torch.float32, config=cfg)
+    assert_gemm_close(
+        got, ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, [64, 32], torch.float32), device, "groups"
+    )
+
+
+def test_quantize_then_gemm_matches_twin_pipeline(device, poison_outputs):
+    """The layer's path: quantize the activations with the kernel, then the GEMM, at [128, 128]."""
+    gen = torch.Generator().manual_seed(5)
+    x = spread((5, 256), gen, torch.bfloat16, device)
+    b, b_s = ref.quantize_fp8_block(spread((128, 256), gen, device=device), [128, 128])
+    a, a_s = tk.per_token_group_quant_fp8(x, 128)
+    got = tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [128, 128])
+    a_r, a_s_r = ref.per_token_group_quant_fp8(x, 128)
+    assert_gemm_close(got, ref.w8a8_block_fp8_matmul(a_r, b, a_s_r, b_s, [128, 128]), device, "pipeline")
+
+
+def test_empty_inputs(device):
+    a, b, a_s, b_s = make_gemm(1, 64, 64, [32, 32], device)
+    for fn in (tk.w8a8_block_fp8_matmul, ref.w8a8_block_fp8_matmul):
+        assert fn(a[:0], b, a_s[:0], b_s, [32, 32]).shape == (0, 64)
+    x = torch.randn(0, 128, device=device)
+    for quant in (tk.per_token_group_quant_fp8, ref.per_token_group_quant_fp8):
+        x_q, x_s = quant(x, 64)
+        assert x_q.shape == (0, 128) and x_s.shape == (0, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile configs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_config_table(monkeypatch):
+    monkeypatch.setattr(tk, "interpreting", lambda: False)
+    monkeypatch.setattr(tk, "num_sms", lambda: 132)
+    for M in (1, 16, 64, 256, 1024, 4096):
+        for N in (1024, 4096, 6144, 24576):
+            cfg = tk.block_fp8_config(M, N, [128, 128])
+            assert 128 % cfg.block_n == 0 and cfg.block_n >= 32, (M, N, cfg)
+            assert cfg.block_m in (16, 32, 64, 128) and (M > 64 or cfg.block_m <= max(16, M)), (M, N, cfg)
+    decode = tk.block_fp8_config(1, 4096, [128, 128])
+    assert (decode.block_m, decode.block_n) == (16, 32)  # 128 column tiles of 32: a wave of programs
+    assert tk.block_fp8_config(1, 24576, [128, 128]).block_n == 128  # 192 tiles of 128 already fill the SMs
+    large = tk.block_fp8_config(4096, 4096, [128, 128])
+    assert (large.block_m, large.block_n, large.num_warps, large.num_stages) == (128, 128, 8, 4)
+    assert tk.block_fp8_config(1, 4096, [48, 128]).block_n == 16  # the widest power of two dividing 48
+
+
+# ----------------------------------------------------------------------------------------------
+# torch's block-wise scaled_mm
+# ----------------------------------------------------------------------------------------------
+
+
+def test_scaled_mm_path(device):
+    a, b, a_s, b_s = make_gemm(64, 256, 512, [128, 128], device)
+    reason = tk.scaled_mm_block_unavailable(a.device, [128, 128], 256)
+    if reason is not None:
+        with pytest.raises(RuntimeError, match="scaled_mm_block_fp8: "):
+            tk.scaled_mm_block_fp8(a, b, a_s, b_s, [128, 128])
+        return
+    got = tk.scaled_mm_block_fp8(a, b, a_s, b_s, [128, 128])
+    expected = ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, [128, 128], torch.float32)
+    assert_close(got.float(), expected, 1e-2, "scaled_mm vs twin")
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks (shared by both sides)
+# ----------------------------------------------------------------------------------------------
+
+
+def _good():
+    return make_gemm(4, 64, 64, [32, 32], "cpu")
+
+
+BAD_GEMM = {
+    "a must be torch.float8_e4m3fn": lambda a, b, a_s, b_s: (a.float(), b, a_s, b_s, [32, 32]),
+    "b must be torch.float8_e4m3fn": lambda a, b, a_s, b_s: (a, b.to(torch.bfloat16), a_s, b_s, [32, 32]),
+    "a must be 2-D": lambda a, b, a_s, b_s: (a[None], b, a_s, b_s, [32, 32]),
+    "must share K": lambda a, b, a_s, b_s: (a, b[:, :32], a_s, b_s, [32, 32]),
+    "multiple of the block size bk": lambda a, b, a_s, b_s: (a[:, :48], b[:, :48], a_s, b_s, [32, 32]),
+    "a_s must be \\[M, K // bk\\]": lambda a, b, a_s, b_s: (a, b, a_s[:, :1], b_s, [32, 32]),
+    "b_s must be \\[ceil\\(N / bn\\), K // bk\\]": lambda a, b, a_s, b_s: (a, b, a_s, b_s[:1], [32, 32]),
+    "b_s must be torch.float32": lambda a, b, a_s, b_s: (a, b, a_s, b_s.double(), [32, 32]),
+    "block_size must be \\[bn, bk\\]": lambda a, b, a_s, b_s: (a, b, a_s, b_s, [32]),
+}
+
+
+@pytest.mark.parametrize("message", list(BAD_GEMM))
+@pytest.mark.parametrize("fn", [tk.w8a8_block_fp8_matmul, ref.w8a8_block_fp8_matmul], ids=["triton", "twin"])
+def test_gemm_rejects_bad_input(fn, message):
+    args = BAD_GEMM[message](*_good())
+    with pytest.raises(ValueError, match=f"w8a8_block_fp8_matmul: .*{message}"):
+        fn(*args)
+
+
+def test_gemm_rejects_bad_output_dtype_and_triton_blocks():
+    a, b, a_s, b_s = _good()
+    for fn in (tk.w8a8_block_fp8_matmul, ref.w8a8_block_fp8_matmul):
+        with pytest.raises(ValueError, match="output_dtype must be"):
+            fn(a, b, a_s, b_s, [32, 32], torch.int32)
+    # the twin takes any block size; the kernel needs bk a power of two >= 32, bn a multiple of 16
+    a, b, a_s, b_s = make_gemm(3, 40, 48, [20, 24], "cpu")
+    ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, [20, 24])
+    with pytest.raises(ValueError, match="bk = 24 must be a power of two >= 32"):
+        tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [20, 24])
+    a, b, a_s, b_s = make_gemm(3, 40, 64, [20, 32], "cpu")
+    with pytest.raises(ValueError, match="bn = 20 must be a multiple of 16"):
+        tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [20, 32])
+
+
+@pytest.mark.parametrize(
+    "fn", [tk.per_token_group_quant_fp8, ref.per_token_group_quant_fp8], ids=["triton", "twin"]
+)
+def test_quant_rejects_bad_input(fn):
+    x = torch.randn(4, 256)
+    with pytest.raises(
+        ValueError, match="per_token_group_quant_fp8: K = x.shape\\[1\\] = 256 must be a multiple"
+    ):
+        fn(x, 96)
+    with pytest.raises(ValueError, match="per_token_group_quant_fp8: x must be"):
+        fn(x.to(torch.int32), 128)
+    with pytest.raises(ValueError, match="per_token_group_quant_fp8: x must be 2-D"):
+        fn(x[None], 128)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        fn(x, 0)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        fn(x.t().contiguous().t(), 2)
+
+
+def test_block_quant_rejects_bad_input():
+    w = torch.randn(64, 64)
+    with pytest.raises(ValueError, match="quantize_fp8_block: block_size"):
+        ref.quantize_fp8_block(w, [0, 32])
+    with pytest.raises(ValueError, match="quantize_fp8_block: w must be"):
+        ref.quantize_fp8_block(w.to(FP8_DTYPE), [32, 32])
+    w_q, s = ref.quantize_fp8_block(w, [32, 32])
+    with pytest.raises(ValueError, match="dequantize_fp8_block: scale_inv must be \\[ceil"):
+        ref.dequantize_fp8_block(w_q, s[:1], [32, 32], torch.float32)
+    with pytest.raises(ValueError, match="dequantize_fp8_block: w_q must be"):
+        ref.dequantize_fp8_block(w, s, [32, 32], torch.float32)
