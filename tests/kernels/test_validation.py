@@ -211,7 +211,7 @@ CASES = [
         "paged",
         "cache_dtype",
         both(("k_cache", "v_cache"), lambda c: c.to(F16)),
-        r"k_cache dtype torch.float16 differs from q dtype torch.float32",
+        r"k_cache must have q's dtype torch.float32 or float8_e4m3fn \(an FP8 cache\), got torch.float16",
     ),
     (
         "paged",
@@ -599,7 +599,7 @@ CASES = [
         "sparse",
         "cache_dtype",
         both(("k_cache", "v_cache"), lambda c: c.to(F16)),
-        r"k_cache dtype torch.float16 differs from q dtype torch.float32",
+        r"k_cache must have q's dtype torch.float32 or float8_e4m3fn \(an FP8 cache\), got torch.float16",
     ),
     (
         "sparse",
@@ -630,7 +630,7 @@ CASES = [
         "store",
         "cache_dtype",
         both(("k_cache", "v_cache"), lambda c: c.to(F16)),
-        r"k_cache dtype torch.float16 differs from k dtype torch.float32",
+        r"k_cache must have k's dtype torch.float32 or float8_e4m3fn \(an FP8 cache\), got torch.float16",
     ),
     (
         "store",

@@ -53,6 +53,16 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8_DTYPE
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A [1] float32 tensor holding 1.0 on `device`: the scale of an FP8 cache given none."""
+    if device not in _UNIT_SCALES:
+        _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return _UNIT_SCALES[device]
+
+
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """PyTorch twin of `to_fp8(x / scale)`: e4m3 values of x / scale, saturated to +-448."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -34,6 +34,7 @@ from tilellm.kernels.config import (
     num_sms,
     paged_config,
 )
+from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.merge import merge_into
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
@@ -56,7 +57,9 @@ def _paged_tiles(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
     K_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over key tiles [n_start, n_end) gathered through the block table."""
+    """Online softmax over key tiles [n_start, n_end) gathered through the block table. FP8
+    tiles are widened to q's dtype in registers (exact: every e4m3 value is a bf16/fp16 value);
+    their scales are folded into `qk_scale` and applied to the output by the caller."""
     for n in tl.range(n_start, n_end, BLOCK_N):
         k_pos = n + offs_n
         if MASKED:
@@ -71,13 +74,13 @@ def _paged_tiles(
                 k = tl.load(K_cache + row_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
             else:
                 k = tl.load(K_cache + row_off[:, None] + offs_d[None, :])
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         else:  # K^T gathered as [D, BLOCK_N] (measured faster for decode tiles)
             if MASKED:
                 k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
             else:
                 k = tl.load(K_cache + row_off[None, :] + offs_d[:, None])
-            qk = tl.dot(q, k, input_precision=PRECISION)
+            qk = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)
         if MASKED:
             visible = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
@@ -93,6 +96,7 @@ def _paged_tiles(
             v = tl.load(V_cache + row_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         else:
             v = tl.load(V_cache + row_off[:, None] + offs_d[None, :])
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_ij
@@ -116,6 +120,7 @@ def _paged_tiles(
 )
 def _paged_kernel(
     Q, K_cache, V_cache, O, O_parts, LSE_parts, stats,  # tensors
+    k_scale, v_scale,  # FP8 caches: [1] float32 dequantization scales
     block_table, cu_seqlens_q, seq_lens,  # batch description
     qk_scale, num_tokens, num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
@@ -124,7 +129,7 @@ def _paged_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
-    TILES_FASTEST: tl.constexpr,
+    TILES_FASTEST: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     if TILES_FASTEST:
         # Several query tiles: a (request, KV head)'s tiles launch side by side and share its K/V
@@ -197,6 +202,8 @@ def _paged_kernel(
     full_hi = tl.maximum(tl.minimum(full_end, hi), lo)
     masked_lo = tl.maximum(full_end, lo)
 
+    if KV_FP8:  # scores of stored keys times k_scale; the values' v_scale is applied to acc below
+        qk_scale = qk_scale * tl.load(k_scale)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -213,6 +220,8 @@ def _paged_kernel(
         masked_lo, hi, win_lo, hi, qk_scale,
         PAGE, BLOCK_N, True, PRECISION, K_ROWS,
     )  # fmt: skip
+    if KV_FP8:
+        acc = acc * tl.load(v_scale)
 
     if SPLIT:
         # Partial result of this segment: normalised output and natural-log lse (-inf if empty).
@@ -253,6 +262,8 @@ def paged_attention(
     num_splits: int | SplitPlan | None = None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's new tokens over its whole paged context.
 
@@ -268,16 +279,19 @@ def paged_attention(
             engine plans once per step, outside CUDA graphs).
         max_seqlen_k: optional longest `seq_lens` (with an int `num_splits`, saves reading seq_lens).
         out: optional [T, Hq, D] output buffer.
+        k_scale, v_scale: FP8 caches (float8_e4m3fn) only: [1] float32 dequantization scales on
+            the device (None = 1.0); the cached values are stored * scale.
     Returns:
         o: [T, Hq, D] in q.dtype.
     """
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
     )
+    validation.check_kv_scales("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
     validation.check_split_hints("paged_attention", num_splits, max_seqlen_k, seq_lens)
     o = validation.output_like("paged_attention", q, out)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
-            is_decode=False)  # fmt: skip
+            is_decode=False, kv_scales=(k_scale, v_scale))  # fmt: skip
     return o
 
 
@@ -292,13 +306,16 @@ def decode_attention(
     num_splits: int | SplitPlan | None = None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] -> o [B, Hq, D]; the q_len = 1 case of paged attention."""
     validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
+    validation.check_kv_scales("decode_attention", q, k_cache, v_cache, k_scale, v_scale)
     validation.check_split_hints("decode_attention", num_splits, max_seqlen_k, seq_lens)
     o = validation.output_like("decode_attention", q, out)
     _launch(q, k_cache, v_cache, block_table, None, seq_lens, 1, o, scale, num_splits, max_seqlen_k,
-            is_decode=True)  # fmt: skip
+            is_decode=True, kv_scales=(k_scale, v_scale))  # fmt: skip
     return o
 
 
@@ -332,6 +349,7 @@ def paged_tile_stats(
 def _launch(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
     *, is_decode, record_stats=False, kv_lo=None, kv_hi=None, parts=None, tiles_fastest=None,
+    kv_scales=(None, None),
 ):  # fmt: skip
     """Launch the paged kernel. `parts=(o_parts, lse_parts, part_base)` makes every program write
     its partial (o, lse) at part index part_base + split instead of `o` (the caller merges).
@@ -342,6 +360,9 @@ def _launch(
     batch = seq_lens.numel()
     group = Hq // Hkv
     internal = kv_lo is not None or kv_hi is not None or parts is not None or tiles_fastest is not None
+    kv_fp8 = is_fp8(k_cache)
+    if isinstance(num_splits, PagedPlan) and num_splits.kernel == "gluon" and kv_fp8:
+        num_splits = None  # the Gluon kernel reads 16-bit pages only: plan for the Triton one
     if isinstance(num_splits, PagedPlan):
         paged_plan = num_splits  # planned on the host by the caller (no sync, CUDA-graph safe)
     elif isinstance(num_splits, SplitPlan):
@@ -350,7 +371,7 @@ def _launch(
         paged_plan = plan_paged(
             batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, num_tokens=T, seq_lens=seq_lens,
             max_seqlen_k=max_seqlen_k, num_splits=num_splits, is_decode=is_decode,
-            allow_gluon=not internal and k_cache.is_contiguous() and v_cache.is_contiguous(),
+            allow_gluon=not internal and not kv_fp8 and k_cache.is_contiguous() and v_cache.is_contiguous(),
         )  # fmt: skip
     if paged_plan.kernel == "gluon" and T > 0:
         # Prompt chunks on Hopper: FlashAttention-3's schedule, K/V pages copied by TMA (hopper.py).
@@ -391,8 +412,13 @@ def _launch(
         lse_parts = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
     else:
         o_parts = lse_parts = o  # unused
+    k_scale, v_scale = kv_scales
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        one = unit_scale(q.device)
+        k_scale, v_scale = k_scale if k_scale is not None else one, v_scale if v_scale is not None else one
     _paged_kernel[grid](
         q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
+        k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
         block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
         validation.resolve_scale(scale, D) * LOG2_E, T, Hq,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
@@ -406,7 +432,7 @@ def _launch(
         SPLIT=splits > 1 or parts is not None, IS_DECODE=is_decode,
         HAS_KV_LO=kv_lo is not None, HAS_KV_HI=kv_hi is not None,
         RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype), K_ROWS=cfg.k_rows,
-        TILES_FASTEST=tiles_fastest,
+        TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1 and parts is None:
@@ -427,6 +453,8 @@ def cascade_decode_attention(
     scale: float | None = None,
     prefix_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode for a batch whose requests share their first `prefix_len` keys (the same physical blocks).
 
@@ -445,10 +473,12 @@ def cascade_decode_attention(
         prefix_len: [1] int32 device tensor (so a CUDA graph can replay with another prefix); 0
             gives plain decode.
         prefix_splits: key segments for the prefix pass (default: enough programs to fill the GPU).
+        k_scale, v_scale: FP8 caches only: [1] float32 dequantization scales (None = 1.0).
     Returns:
         o: [B, Hq, D] in q.dtype.
     """
     validation.check_decode("cascade_decode_attention", q, k_cache, v_cache, block_table, seq_lens)
+    validation.check_kv_scales("cascade_decode_attention", q, k_cache, v_cache, k_scale, v_scale)
     validation.check_cascade_prefix(
         "cascade_decode_attention", q, block_table, seq_lens, prefix_len, k_cache.shape[1]
     )
@@ -474,10 +504,12 @@ def cascade_decode_attention(
     cu_all = torch.arange(0, 2 * B, B, dtype=torch.int32, device=q.device)  # [0, B]
     pseudo_len = prefix_len + (B - 1)  # query j at position prefix_len - 1 + j sees the whole prefix
     _launch(q, k_cache, v_cache, block_table[:1], cu_all, pseudo_len, tile_tokens, o, scale, prefix_splits, None,
-            is_decode=False, kv_hi=prefix_len, parts=(o_parts, lse_parts, 0))  # fmt: skip
+            is_decode=False, kv_hi=prefix_len, parts=(o_parts, lse_parts, 0),
+            kv_scales=(k_scale, v_scale))  # fmt: skip
     # -- pass 2: each request over its own keys [prefix_len, seq_len) --
     kv_lo = prefix_len.expand(B).contiguous()
     _launch(q, k_cache, v_cache, block_table, None, seq_lens, 1, o, scale, suffix_splits, None,
-            is_decode=True, kv_lo=kv_lo, parts=(o_parts, lse_parts, prefix_splits))  # fmt: skip
+            is_decode=True, kv_lo=kv_lo, parts=(o_parts, lse_parts, prefix_splits),
+            kv_scales=(k_scale, v_scale))  # fmt: skip
     merge_into(o_parts, lse_parts, o)
     return o

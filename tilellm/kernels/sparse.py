@@ -4,7 +4,8 @@ Each query token attends only to the K logical positions listed in its row of `t
 (shared by all its heads; -1 = empty). A program owns one token and one KV head with its group
 of query heads as tile rows; it gathers the selected keys' rows page by page through the
 request's block table and runs the same online softmax as the dense kernels over them. At 64k
-context a 2048-key selection reads 1/32 of the cache that dense decode reads.
+context a 2048-key selection reads 1/32 of the cache that dense decode reads. FP8 caches are
+widened to q's dtype in registers, with k_scale folded into the scores and v_scale into the output.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E, dot_precision, interpreting
+from tilellm.kernels.fp8 import is_fp8, unit_scale
 
 
 @triton.jit
@@ -23,6 +25,8 @@ def _sparse_kernel(
     K_cache,
     V_cache,
     O,
+    k_scale,
+    v_scale,
     block_table,
     cu_seqlens_q,
     seq_lens,
@@ -46,6 +50,7 @@ def _sparse_kernel(
     BLOCK_N: tl.constexpr,
     CHECK_CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -65,6 +70,8 @@ def _sparse_kernel(
         q_len = tl.load(cu_seqlens_q + req + 1) - q_start
         pos = tl.load(seq_lens + req) - q_len + (tok - q_start)
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale)
     bt_row = block_table + req.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -79,7 +86,7 @@ def _sparse_kernel(
         block = tl.load(bt_row + k_pos // PAGE, mask=key_ok, other=0)
         row_off = block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kv_head * stride_ch
         k = tl.load(K_cache + row_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-        qk = tl.where(key_ok[None, :], tl.dot(q, k, input_precision=PRECISION), float("-inf"))
+        qk = tl.where(key_ok[None, :], tl.dot(q, k.to(q.dtype), input_precision=PRECISION), float("-inf"))
         # -- online softmax (a chunk may hold no valid index: guard -inf - -inf) --
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -87,9 +94,12 @@ def _sparse_kernel(
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_cache + row_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_ij
+    if KV_FP8:
+        acc = acc * tl.load(v_scale)
     # A token with no valid index outputs zeros.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -110,6 +120,8 @@ def sparse_attention(
     seq_lens: torch.Tensor | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its own top-k selected positions.
 
@@ -121,12 +133,14 @@ def sparse_attention(
         topk_indices: [T, K] int32 logical positions (shared by the token's heads), -1 = empty.
         seq_lens: optional [B] int32; when given, indices past a token's own position are invalid
             (validation raises on CPU / TILELLM_DEBUG=1; the kernel also masks them).
+        k_scale, v_scale: FP8 caches only: [1] float32 dequantization scales (None = 1.0).
     Returns:
         o: [T, Hq, D] in q.dtype; a token with no valid index gets zeros.
     """
     validation.check_sparse(
         "sparse_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, topk_indices, seq_lens
     )
+    validation.check_kv_scales("sparse_attention", q, k_cache, v_cache, k_scale, v_scale)
     T, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     o = validation.output_like("sparse_attention", q, out)
@@ -137,11 +151,15 @@ def sparse_attention(
     positions = torch.arange(T, device=q.device, dtype=cu_seqlens_q.dtype)
     token_request = (torch.searchsorted(cu_seqlens_q, positions, right=True) - 1).to(torch.int32)
     block_n = 16 if interpreting() else 64
+    kv_fp8 = is_fp8(k_cache)
+    one = unit_scale(q.device) if kv_fp8 else cu_seqlens_q  # unread unless KV_FP8
     _sparse_kernel[(T, Hkv)](
         q,
         k_cache,
         v_cache,
         o,
+        k_scale if kv_fp8 and k_scale is not None else one,
+        v_scale if kv_fp8 and v_scale is not None else one,
         block_table,
         cu_seqlens_q,
         seq_lens if seq_lens is not None else cu_seqlens_q,
@@ -165,6 +183,7 @@ def sparse_attention(
         BLOCK_N=block_n,
         CHECK_CAUSAL=seq_lens is not None,
         PRECISION=dot_precision(q.dtype),
+        KV_FP8=kv_fp8,
         num_warps=4,
         num_stages=1 if interpreting() else 3,
     )

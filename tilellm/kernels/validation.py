@@ -52,9 +52,10 @@ def deep_checks_enabled(t: torch.Tensor) -> bool:
 STORE_MAX_ROW = 4096  # values per cache row the store kernel copies in one program
 
 
-def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """K and V into their caches, or (v and v_cache None) one cache of rows: MLA's latent rows,
-    whose width (kv_lora_rank + rope dims, 576 in DeepSeek) need not be a power of two."""
+    whose width (kv_lora_rank + rope dims, 576 in DeepSeek) need not be a power of two. The
+    caches hold k's dtype, or FP8 with optional scales (`check_cache_dtype`)."""
     name = "store_kvcache"
     _check_rank(name, "k", k, 3, "[T, Hkv, D]")
     if (v is None) != (v_cache is None):
@@ -70,7 +71,9 @@ def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
         if v is None
         else {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
     )
-    _check_float(name, pair)
+    caches = {"k_cache": k_cache} if v is None else {"k_cache": k_cache, "v_cache": v_cache}
+    _check_float(name, {"k": k} if v is None else {"k": k, "v": v})
+    check_cache_dtype(name, "k", k, caches, {"k_scale": k_scale, "v_scale": v_scale})
     _check_rank(name, "slot_mapping", slot_mapping, 1, "[T]")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
@@ -147,7 +150,8 @@ def prefill_output(name, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor | N
 def check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q) -> None:
     _check_rank(name, "q", q, 3, "[T, Hq, D]")
     _check_cache_pair(name, k_cache, v_cache)
-    _check_float(name, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    _check_float(name, {"q": q})
+    check_cache_dtype(name, "q", q, {"k_cache": k_cache, "v_cache": v_cache}, {})
     _check_rank(name, "block_table", block_table, 2, "[B, max_blocks_per_seq]")
     _check_rank(name, "cu_seqlens_q", cu_seqlens_q, 1, "[B+1]")
     _check_rank(name, "seq_lens", seq_lens, 1, "[B]")
@@ -188,7 +192,8 @@ def check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, 
 def check_decode(name, q, k_cache, v_cache, block_table, seq_lens) -> None:
     _check_rank(name, "q", q, 3, "[B, Hq, D]")
     _check_cache_pair(name, k_cache, v_cache)
-    _check_float(name, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    _check_float(name, {"q": q})
+    check_cache_dtype(name, "q", q, {"k_cache": k_cache, "v_cache": v_cache}, {})
     _check_rank(name, "block_table", block_table, 2, "[B, max_blocks_per_seq]")
     _check_rank(name, "seq_lens", seq_lens, 1, "[B]")
     _check_int32(name, {"block_table": block_table, "seq_lens": seq_lens})
@@ -217,7 +222,8 @@ def check_decode(name, q, k_cache, v_cache, block_table, seq_lens) -> None:
 def check_sparse(name, q, k_cache, v_cache, block_table, cu_seqlens_q, topk_indices, seq_lens) -> None:
     _check_rank(name, "q", q, 3, "[T, Hq, D]")
     _check_cache_pair(name, k_cache, v_cache)
-    _check_float(name, {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    _check_float(name, {"q": q})
+    check_cache_dtype(name, "q", q, {"k_cache": k_cache, "v_cache": v_cache}, {})
     _check_rank(name, "block_table", block_table, 2, "[B, max_blocks_per_seq]")
     _check_rank(name, "cu_seqlens_q", cu_seqlens_q, 1, "[B+1]")
     _check_rank(name, "topk_indices", topk_indices, 2, "[T, K]")
@@ -389,7 +395,12 @@ def check_cache_dtype(name, ref_arg, ref, caches: dict, scales: dict) -> None:
                 f"{name}: {arg} must have {ref_arg}'s dtype {ref.dtype} or float8_e4m3fn (an FP8 cache), "
                 f"got {cache.dtype}"
             )
-    first = next(iter(caches.values()))
+    (first_arg, first), *rest = caches.items()
+    for arg, cache in rest:
+        if cache.dtype != first.dtype:
+            raise ValueError(
+                f"{name}: {arg} dtype {cache.dtype} differs from {first_arg} dtype {first.dtype}"
+            )
     for arg, scale in scales.items():
         if scale is None:
             continue
@@ -402,6 +413,13 @@ def check_cache_dtype(name, ref_arg, ref, caches: dict, scales: dict) -> None:
             raise ValueError(f"{name}: {arg} must be a float32 tensor of one element, got {got}")
         if scale.device != first.device:
             raise ValueError(f"{name}: {arg} is on {scale.device} but the cache is on {first.device}")
+
+
+def check_kv_scales(name, q, k_cache, v_cache, k_scale, v_scale) -> None:
+    """The optional dequantization scales of an attention call's K and V caches."""
+    check_cache_dtype(
+        name, "q", q, {"k_cache": k_cache, "v_cache": v_cache}, {"k_scale": k_scale, "v_scale": v_scale}
+    )
 
 
 def _check_int32(name, tensors: dict) -> None:

@@ -9,6 +9,10 @@ tokens. Scores, softmax and accumulation run in fp32; outputs come back in `q.dt
 never modified (except the caches that `store_kvcache` writes), and every function validates its
 arguments with `tilellm.kernels.validation` exactly as its Triton twin does.
 
+FP8 caches (float8_e4m3fn, with `k_scale` / `v_scale` [1] float32 tensors, None = 1.0): the store
+quantizes (`tilellm.kernels.fp8.quantize_fp8`), and attention dequantizes the gathered rows
+(`stored * scale` in fp32) before computing exactly as for a 16/32-bit cache.
+
 Positions: the j-th new token of request i sits at absolute position `seq_lens[i] - q_len_i + j`
 and attends to keys `0..pos`. GQA: query head h reads KV head `h // (Hq // Hkv)`.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from tilellm.kernels import validation
+from tilellm.kernels.fp8 import is_fp8, quantize_fp8
 
 # Upper bound on the fp32 score elements materialised at once (about 256 MiB); longer requests
 # are processed in chunks of query rows.
@@ -30,17 +35,21 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Writes token t's K/V ([T, Hkv, D]) into slot `slot_mapping[t]` of the caches; -1 skips the
-    token. v and v_cache None: k alone into k_cache (MLA's latent rows)."""
-    validation.check_store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    token. v and v_cache None: k alone into k_cache (MLA's latent rows). FP8 caches store
+    k / k_scale and v / v_scale."""
+    validation.check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep]
+    k_cache[blocks, offsets] = _to_cache(k[keep], k_cache, k_scale)
     if v is not None:
-        v_cache[blocks, offsets] = v[keep]
+        v_cache[blocks, offsets] = _to_cache(v[keep], v_cache, v_scale)
 
 
 def prefill_attention(
@@ -82,6 +91,8 @@ def paged_attention(
     num_splits: int | None = None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens q [T, Hq, D] over each request's paged K/V (prefix + new tokens).
 
@@ -90,10 +101,12 @@ def paged_attention(
     """
     name = "paged_attention"
     validation.check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q)
+    validation.check_kv_scales(name, q, k_cache, v_cache, k_scale, v_scale)
     validation.check_split_hints(name, num_splits, max_seqlen_k, seq_lens)
     scale = validation.resolve_scale(scale, q.shape[-1])
     o = validation.output_like(name, q, out)
-    _paged(q, k_cache, v_cache, block_table, cu_seqlens_q.tolist(), seq_lens.tolist(), scale, o)
+    caches = (k_cache, v_cache, k_scale, v_scale)
+    _paged(q, caches, block_table, cu_seqlens_q.tolist(), seq_lens.tolist(), scale, o)
     return o
 
 
@@ -108,14 +121,18 @@ def decode_attention(
     num_splits: int | None = None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request, q [B, Hq, D], at position `seq_lens[i] - 1` (the q_len = 1 case of paged)."""
     name = "decode_attention"
     validation.check_decode(name, q, k_cache, v_cache, block_table, seq_lens)
+    validation.check_kv_scales(name, q, k_cache, v_cache, k_scale, v_scale)
     validation.check_split_hints(name, num_splits, max_seqlen_k, seq_lens)
     scale = validation.resolve_scale(scale, q.shape[-1])
     o = validation.output_like(name, q, out)
-    _paged(q, k_cache, v_cache, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)
+    caches = (k_cache, v_cache, k_scale, v_scale)
+    _paged(q, caches, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)
     return o
 
 
@@ -130,14 +147,18 @@ def cascade_decode_attention(
     scale: float | None = None,
     prefix_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode of requests sharing their first `prefix_len` keys: mathematically plain decode."""
     name = "cascade_decode_attention"
     validation.check_decode(name, q, k_cache, v_cache, block_table, seq_lens)
+    validation.check_kv_scales(name, q, k_cache, v_cache, k_scale, v_scale)
     validation.check_cascade_prefix(name, q, block_table, seq_lens, prefix_len, k_cache.shape[1])
     scale = validation.resolve_scale(scale, q.shape[-1])
     o = validation.output_like(name, q, out)
-    _paged(q, k_cache, v_cache, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)
+    caches = (k_cache, v_cache, k_scale, v_scale)
+    _paged(q, caches, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), scale, o)
     return o
 
 
@@ -152,6 +173,8 @@ def sparse_attention(
     seq_lens: torch.Tensor | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each token attends only to its own top-k logical positions `topk_indices[t]` (shared by its heads).
 
@@ -160,6 +183,7 @@ def sparse_attention(
     """
     name = "sparse_attention"
     validation.check_sparse(name, q, k_cache, v_cache, block_table, cu_seqlens_q, topk_indices, seq_lens)
+    validation.check_kv_scales(name, q, k_cache, v_cache, k_scale, v_scale)
     scale = validation.resolve_scale(scale, q.shape[-1])
     o = validation.output_like(name, q, out)
     T, Hq, D = q.shape
@@ -175,8 +199,8 @@ def sparse_attention(
             valid = idx >= 0
             pos = idx.clamp(min=0)
             blocks = block_table[i].long()[pos // block_size]
-            keys = k_cache[blocks, pos % block_size].float()  # [n, K, Hkv, D]
-            values = v_cache[blocks, pos % block_size].float()
+            keys = _from_cache(k_cache[blocks, pos % block_size], k_scale)  # [n, K, Hkv, D] fp32
+            values = _from_cache(v_cache[blocks, pos % block_size], v_scale)
             qg = q[lo:hi].float().view(hi - lo, Hkv, Hq // Hkv, D)
             scores = torch.einsum("nhgd,nkhd->nhgk", qg, keys) * scale
             probs = _masked_softmax(scores, valid[:, None, None, :])
@@ -208,8 +232,22 @@ def merge_attention_states(
 # ----------------------------------------------------------------------------------------------
 
 
-def _paged(q, k_cache, v_cache, block_table, bounds, kv_lens, scale, o) -> None:
-    """Per request: gather its K/V through the block table, then causal attention of its new tokens."""
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Rows as the cache stores them: e4m3 of x / scale for an FP8 cache, else x unchanged."""
+    return quantize_fp8(x, scale if scale is not None else 1.0) if is_fp8(cache) else x
+
+
+def _from_cache(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered cache rows as fp32 values: an FP8 cache's times its scale."""
+    if is_fp8(rows) and scale is not None:
+        return rows.float() * scale
+    return rows.float()
+
+
+def _paged(q, caches, block_table, bounds, kv_lens, scale, o) -> None:
+    """Per request: gather its K/V through the block table (`caches` = (k_cache, v_cache,
+    k_scale, v_scale)), then causal attention of its new tokens."""
+    k_cache, v_cache, k_scale, v_scale = caches
     block_size = k_cache.shape[1]
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end == start:
@@ -217,8 +255,8 @@ def _paged(q, k_cache, v_cache, block_table, bounds, kv_lens, scale, o) -> None:
         kv_len = kv_lens[i]
         positions = torch.arange(kv_len, device=q.device)
         blocks = block_table[i].long()[positions // block_size]
-        keys = k_cache[blocks, positions % block_size]  # [kv_len, Hkv, D]
-        values = v_cache[blocks, positions % block_size]
+        keys = _from_cache(k_cache[blocks, positions % block_size], k_scale)  # [kv_len, Hkv, D]
+        values = _from_cache(v_cache[blocks, positions % block_size], v_scale)
         q_positions = positions[kv_len - (end - start) :]
         o[start:end] = _attend(q[start:end], keys, values, q_positions, scale)
 
