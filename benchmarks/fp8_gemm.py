@@ -1,0 +1,191 @@
+"""Block-scaled FP8 W8A8 GEMM on one GPU: the Triton kernel and torch's block-wise scaled_mm
+against the bf16 matmul, on Qwen3-0.6B's and Qwen3-8B's linear layers.
+
+    python benchmarks/fp8_gemm.py [--models qwen3-0.6b,qwen3-8b] [--ms 1,16,64,256,1024,4096] [--no-sweep]
+
+For every layer (qkv, o, gate_up, down: y = x @ W^T, W [N, K]) and token count M it times, with
+`triton.testing.do_bench` (L2 flushed before each call, so every call reads its weight from HBM,
+as a layer of a real model does; median), on random non-zero inputs:
+
+- `bf16`: torch.matmul(x, W^T) with x, W in bf16;
+- `fp8`: `w8a8_block_fp8_matmul(x_q, W_q, x_s, W_s, [128, 128])` with x already quantized;
+- `fp8+q`: the same with the activation quantization (`per_token_group_quant_fp8`) included;
+- `scaled_mm`: `scaled_mm_block_fp8` (cuBLASLt's block-scaled GEMM), where torch supports it;
+- without --no-sweep, two alternative tile configs of the Triton kernel (the best is reported).
+
+Each result is first checked against the PyTorch twin (`tilellm.kernels.reference.fp8_gemm`):
+quantization bit for bit, GEMM outputs within 1% of the output scale. The table gives
+microseconds, TFLOP/s (2MNK / t), GB/s of weight bytes (2NK for bf16, NK for fp8: the figure
+that bounds decode) and the speedup over bf16; `$OUT/fp8_gemm.json` (OUT defaults to ./out)
+holds every number, the configs and the checks. About 1-2 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+from dataclasses import asdict
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from tilellm.kernels import fp8_gemm as tk
+from tilellm.kernels.reference import fp8_gemm as ref
+
+BLOCK = [128, 128]
+# (N, K) of each linear layer, q/k/v and gate/up merged as the engine loads them
+LAYERS = {
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
+    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
+}
+MS = (1, 16, 64, 256, 1024, 4096)
+CHECK_TOL = 1e-2  # of the output scale: bf16 rounding (2^-8) plus fp8 MMA accumulation
+
+
+def time_us(fn) -> float:
+    return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+def max_rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |got - expected| over max(max |expected|, 1); inf where got has a non-finite value."""
+    g, e = got.float(), expected.float()
+    if not torch.isfinite(g).all():
+        return float("inf")
+    return float((g - e).abs().max()) / max(float(e.abs().max()), 1.0)
+
+
+def alternatives(M: int, default: tk.Fp8GemmConfig) -> list[tk.Fp8GemmConfig]:
+    """Two other tile configs for M rows: vLLM's H200 tables' shapes and a narrower/wider tile."""
+    if M <= 64:
+        options = [tk.Fp8GemmConfig(64, 64, 8, 4, 4), tk.Fp8GemmConfig(16, 128, 8, 4, 4)]
+    else:
+        options = [tk.Fp8GemmConfig(64, 128, 8, 4, 3), tk.Fp8GemmConfig(128, 64, 8, 8, 4)]
+    return [c for c in options if c != default][:2]
+
+
+def bench_case(x: torch.Tensor, w: torch.Tensor, sweep: bool) -> dict:
+    """Every variant for one [M, K] x [N, K]^T product; x, w bf16 on the GPU."""
+    (M, K), N = x.shape, w.shape[0]
+    b, b_s = ref.quantize_fp8_block(w, BLOCK)
+    a, a_s = tk.per_token_group_quant_fp8(x, BLOCK[1])
+    a_ref, a_s_ref = ref.per_token_group_quant_fp8(x, BLOCK[1])
+    quant_exact = torch.equal(a.view(torch.uint8), a_ref.view(torch.uint8)) and torch.equal(a_s, a_s_ref)
+    expected = ref.w8a8_block_fp8_matmul(a_ref, b, a_s_ref, b_s, BLOCK, torch.bfloat16)
+    cfg = tk.block_fp8_config(M, N, BLOCK)
+    row: dict = {"M": M, "N": N, "K": K, "config": asdict(cfg), "quant_bit_exact": quant_exact}
+
+    def fp8() -> torch.Tensor:
+        return tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, BLOCK)
+
+    def fp8_with_quant() -> torch.Tensor:
+        x_q, x_s = tk.per_token_group_quant_fp8(x, BLOCK[1])
+        return tk.w8a8_block_fp8_matmul(x_q, b, x_s, b_s, BLOCK)
+
+    row["fp8_error"] = max_rel_error(fp8(), expected)
+    row["bf16_us"] = time_us(lambda: torch.matmul(x, w.T))
+    row["fp8_us"] = time_us(fp8)
+    row["fp8_quant_us"] = time_us(fp8_with_quant)
+    row["quant_us"] = time_us(lambda: tk.per_token_group_quant_fp8(x, BLOCK[1]))
+    if sweep:
+        row["alternatives"] = []
+        for alt in alternatives(M, cfg):
+            us = time_us(lambda alt=alt: tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, BLOCK, config=alt))
+            err = max_rel_error(tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, BLOCK, config=alt), expected)
+            row["alternatives"].append({"config": asdict(alt), "us": us, "error": err})
+    reason = tk.scaled_mm_block_unavailable(x.device, BLOCK, N)
+    if reason is None:
+        a_cm, a_s_cm = tk.per_token_group_quant_fp8(x, BLOCK[1], column_major_scales=True)
+        try:
+            row["scaled_mm_error"] = max_rel_error(
+                tk.scaled_mm_block_fp8(a_cm, b, a_s_cm, b_s, BLOCK), expected
+            )
+            row["scaled_mm_us"] = time_us(lambda: tk.scaled_mm_block_fp8(a_cm, b, a_s_cm, b_s, BLOCK))
+        except RuntimeError as e:  # a cuBLASLt without block-wise scaling, or a shape it refuses
+            row["scaled_mm_unavailable"] = str(e).splitlines()[0]
+    else:
+        row["scaled_mm_unavailable"] = reason
+    return row
+
+
+def derived(row: dict) -> None:
+    """TFLOP/s, weight GB/s and speedup over bf16 of each timed variant, in place."""
+    flops = 2 * row["M"] * row["N"] * row["K"]
+    weight_bytes = {"bf16_us": 2 * row["N"] * row["K"]}
+    for key in ("bf16_us", "fp8_us", "fp8_quant_us", "scaled_mm_us"):
+        if key in row:
+            us = row[key]
+            name = key[: -len("_us")]
+            row[f"{name}_tflops"] = flops / us * 1e-6
+            row[f"{name}_weight_gbps"] = weight_bytes.get(key, row["N"] * row["K"]) / us * 1e-3
+            row[f"{name}_speedup"] = row["bf16_us"] / us
+
+
+def print_row(model: str, layer: str, row: dict) -> None:
+    def cell(name: str) -> str:
+        us = row.get(f"{name}_us")
+        if us is None:
+            return f"{'-':>22}"
+        return f"{us:8.1f} {row[f'{name}_tflops']:6.1f} {row[f'{name}_weight_gbps']:6.0f}"
+
+    best = min(row.get("alternatives", []), key=lambda alt: alt["us"], default=None)
+    alt = f"{best['us']:7.1f}" if best else f"{'-':>7}"
+    checks = "ok" if row["quant_bit_exact"] and row["fp8_error"] <= CHECK_TOL else "FAIL"
+    if row.get("scaled_mm_error", 0.0) > CHECK_TOL:
+        checks += " scaled_mm FAIL"
+    print(
+        f"{model:<11}{layer:<8}{row['M']:>5} {row['N']:>6} {row['K']:>6} | {cell('bf16')} | {cell('fp8')} "
+        f"x{row['fp8_speedup']:4.2f} | {cell('fp8_quant')} x{row['fp8_quant_speedup']:4.2f} | "
+        f"{cell('scaled_mm')} | {alt} | {checks}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default=",".join(LAYERS))
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--no-sweep", action="store_true", help="skip the alternative tile configs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/fp8_gemm.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    cols = f"{'us':>8} {'TF/s':>6} {'GB/s':>6}"  # each variant: time, TFLOP/s, weight GB/s
+    groups = f"{'bf16':<22} | {'fp8':<28} | {'fp8+quant':<28} | {'scaled_mm':<22}"
+    print(f"{'':<37} | {groups} | best    |")
+    print(
+        f"{'model':<11}{'layer':<8}{'M':>5} {'N':>6} {'K':>6} | {cols} | {cols} {'xbf16':>5} | {cols} "
+        f"{'xbf16':>5} | {cols} | alt us  | check"
+    )
+    rows = []
+    for model in args.models.split(","):
+        for layer, (N, K) in LAYERS[model].items():
+            w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
+            for M in (int(m) for m in args.ms.split(",")):
+                x = torch.randn(M, K, device=device).to(torch.bfloat16)
+                row = bench_case(x, w, sweep=not args.no_sweep)
+                derived(row)
+                row.update(model=model, layer=layer)
+                print_row(model, layer, row)
+                rows.append(row)
+    out_dir = pathlib.Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "block_size": BLOCK,
+        "scaled_mm": tk.scaled_mm_block_unavailable(device, BLOCK, 128) or "available",
+        "rows": rows,
+    }
+    (out_dir / "fp8_gemm.json").write_text(json.dumps(report, indent=1))
+    print(f"wrote {out_dir / 'fp8_gemm.json'}")
+
+
+if __name__ == "__main__":
+    main()
