@@ -672,3 +672,129 @@ DEEPSEEK_V32_REDUCED_CONFIG = {
     "bos_token_id": 0,
     "eos_token_id": 1,
 }
+
+
+# -- FP8 checkpoints ---------------------------------------------------------------------------
+
+_FP8_MAX = 448.0  # the largest e4m3 magnitude
+# module names (last part) whose weights FP8 checkpoints keep in the model dtype: embeddings, the
+# LM head, MoE routers and DeepSeek-V3.2's fp32 indexer weights (norms are 1-D, never converted)
+_FP8_KEPT = ("embed_tokens", "lm_head", "gate", "weights_proj")
+
+
+def _read_checkpoint(model_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+def _copy_checkpoint_files(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """Everything but the weights (config.json is rewritten by the caller)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
+def _is_fp8_linear(name: str, t: torch.Tensor, not_convert: tuple[str, ...]) -> bool:
+    module = name.removesuffix(".weight")
+    if not name.endswith(".weight") or t.dim() != 2 or module.rpartition(".")[2] in _FP8_KEPT:
+        return False
+    return not any(f".{m}." in f".{module}." for m in not_convert)
+
+
+def _quantize_block(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], scale_inv fp32 [ceil(N / bn), ceil(K / bk)]): each block's
+    amax / 448, the values divided by their block's scale and rounded to nearest (torch's cast)."""
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk)
+    padded[:n, :k] = w.float()
+    scale = padded.abs().view(nb, bn, kb, bk).amax(dim=(1, 3)).clamp(min=1e-12) / _FP8_MAX
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w.float() / full).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_model_dir_fp8(
+    src_dir: str | pathlib.Path,
+    dst_dir: str | pathlib.Path,
+    block_size: tuple[int, int] = (128, 128),
+    *,
+    per_tensor: bool = False,
+    not_convert: tuple[str, ...] = (),
+) -> pathlib.Path:
+    """Write an FP8 copy of checkpoint `src_dir` into `dst_dir` in the released format; returns it.
+
+    Block form (DeepSeek-V3, Qwen3-*-FP8): every linear `X.weight` [N, K] becomes e4m3 with
+    `X.weight_scale_inv` fp32 [ceil(N / bn), ceil(K / bk)], and config.json gets
+    `quantization_config` {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+    "weight_block_size": block_size}. `per_tensor`: one scalar `X.weight_scale` per weight and a
+    static `X.input_scale` (activation_scheme "static", no weight_block_size). Embeddings, the
+    LM head, norms, MoE routers and the modules named in `not_convert` (written as
+    `modules_to_not_convert`) keep their dtype; the tokenizer and other files are copied.
+    """
+    from safetensors.torch import save_file
+
+    src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
+    _copy_checkpoint_files(src, dst)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in _read_checkpoint(src).items():
+        if not _is_fp8_linear(name, t, tuple(not_convert)):
+            out[name] = t.contiguous()
+            continue
+        prefix = name.removesuffix("weight")
+        if per_tensor:
+            scale = t.float().abs().amax().clamp(min=1e-12) / _FP8_MAX
+            out[name] = (t.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+            out[prefix + "weight_scale"] = scale.reshape(())
+            out[prefix + "input_scale"] = torch.tensor(1.0)  # read and ignored: activations are dynamic
+        else:
+            out[name], out[prefix + "weight_scale_inv"] = _quantize_block(t, *block_size)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3"}
+    qc.update(
+        {"activation_scheme": "static"}
+        if per_tensor
+        else {"activation_scheme": "dynamic", "weight_block_size": list(block_size)}
+    )
+    if not_convert:
+        qc["modules_to_not_convert"] = list(not_convert)
+    config["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def dequantize_model_dir(fp8_dir: str | pathlib.Path, dst_dir: str | pathlib.Path) -> pathlib.Path:
+    """Write the dequantized copy of FP8 checkpoint `fp8_dir` (weight * the scale of its block,
+    in config.json's torch_dtype; input scales dropped; no quantization_config) into `dst_dir`:
+    what `transformers` loads as the oracle of an FP8 model. Returns `dst_dir`."""
+    from safetensors.torch import save_file
+
+    src, dst = pathlib.Path(fp8_dir), pathlib.Path(dst_dir)
+    _copy_checkpoint_files(src, dst)
+    config = json.loads((src / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    dtype = _DTYPES[config.get("torch_dtype") or "float32"]
+    sd = _read_checkpoint(src)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale")):
+            continue
+        prefix = name.removesuffix("weight")
+        if t.dtype != torch.float8_e4m3fn:
+            out[name] = t
+        elif prefix + "weight_scale" in sd:
+            out[name] = (t.float() * sd[prefix + "weight_scale"].float()).to(dtype)
+        else:
+            bn, bk = qc["weight_block_size"]
+            scale = sd[prefix + "weight_scale_inv"]
+            n, k = t.shape
+            full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+            out[name] = (t.float() * full).to(dtype)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

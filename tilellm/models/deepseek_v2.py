@@ -47,6 +47,7 @@ from tilellm.models.layers.ops import resolve_fused_ops, resolve_moe_ops
 from tilellm.models.layers.rotary_embedding import RotaryEmbedding, rope_config, yarn_softmax_scale
 from tilellm.models.llama import PreNormDecoderLayer
 from tilellm.models.parallel import divide
+from tilellm.models.quantization import dequantize_linear_
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default epsilon, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -128,6 +129,12 @@ class DeepseekV2Attention(nn.Module):
             q_pe, k_pe = q_pe[..., self.rope_perm], k_pe[..., self.rope_perm]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         return q_nope, q_pe, latent, k_pe.squeeze(1)
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        """MLA reads `kv_b_proj.weight` raw (expanding the latent, or absorbed into q and o) and
+        never applies it as a layer: an FP8 one is dequantized to `dtype` once, after loading
+        (as vLLM does), so the attention sees the weight the checkpoint describes."""
+        dequantize_linear_(self.kv_b_proj, dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_nope, q_pe, latent, k_pe = self.project(positions, hidden)

@@ -9,6 +9,13 @@ its own rows/columns. Checkpoint q/k/v and gate/up matrices land in the merged `
 `gate_up_proj` through the model's `packed_modules_mapping`; each MoE expert's
 `experts.{e}.{gate,up,down}_proj.weight` lands in its slice of the stacked `experts.w13_weight` /
 `experts.w2_weight` (`FusedMoE`).
+
+FP8 checkpoints (`quantization_config.quant_method == "fp8"`) load with no flag, and
+`quantization="fp8"` quantizes a bf16 / fp16 / fp32 one as it loads (`tilellm.models.quantization`):
+the layers are switched to FP8 on the meta device, their `weight_scale_inv` (or per-tensor
+`weight_scale`) tensors follow the weights' names through the same mapping, and once everything
+is loaded each module's `process_weights_after_loading(dtype)` finishes the job (online
+quantization, per-tensor scales to blocks, MLA's dequantized `kv_b_proj`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch import nn
 from tilellm.models.layers.layernorm import LayerNorm, RMSNorm
 from tilellm.models.layers.linear import default_weight_loader
 from tilellm.models.parallel import check_tp, partition_kv_heads
+from tilellm.models.quantization import apply_fp8, fill_dummy_fp8_, resolve_quantization
 from tilellm.models.registry import get_model_class, supported_architectures
 
 _DTYPES = {
@@ -40,8 +48,13 @@ _DTYPES = {
 # checkpoint tensors that are not parameters (recomputed by the model)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-# one MoE expert's matrix in a checkpoint -> (its stacked parameter, shard id (expert, matrix))
-_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# one MoE expert's matrix (or its FP8 scales) in a checkpoint -> (its stacked parameter, shard id
+# (expert, matrix)); a per-tensor `weight_scale` loads into the block scales' parameter
+_EXPERT_TENSOR = re.compile(
+    r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale|input_scale)$"
+)
+# a stacked expert parameter -> the checkpoint tensors' last name part
+_EXPERT_PARAM = re.compile(r"\.experts\.(?:w13|w2)_(weight|weight_scale_inv)$")
 
 
 def _read_json(path: pathlib.Path, what: str) -> Any:
@@ -149,18 +162,22 @@ def weight_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Allocate every meta parameter on `device` in `dtype` (tied parameters stay tied; those
-    marked `keep_fp32` in float32) and move the buffers, which were computed on the CPU, keeping
-    their dtype."""
+    marked `keep_fp32` in float32, those with a `tilellm_dtype` (FP8 weights) in that dtype) and
+    move the buffers, which were computed on the CPU, keeping their dtype."""
     allocated: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
             if id(p) not in allocated:
-                p_dtype = torch.float32 if getattr(p, "keep_fp32", False) else dtype
-                allocated[id(p)] = nn.Parameter(
-                    torch.empty(p.shape, dtype=p_dtype, device=device), requires_grad=False
+                p_dtype = (
+                    torch.float32 if getattr(p, "keep_fp32", False) else getattr(p, "tilellm_dtype", dtype)
                 )
+                new = nn.Parameter(torch.empty(p.shape, dtype=p_dtype, device=device), requires_grad=False)
+                for marker in ("keep_fp32", "tilellm_dtype"):
+                    if hasattr(p, marker):
+                        setattr(new, marker, getattr(p, marker))
+                allocated[id(p)] = new
             module._parameters[name] = allocated[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None:
@@ -173,13 +190,24 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 def _fill_dummy_weights(model: nn.Module, device: torch.device, seed: int) -> None:
     """Random weights for benchmarks: N(0, 0.02) everywhere except norm weights (1) and
-    LayerNorm biases (0)."""
+    LayerNorm biases (0); FP8 weights as N(0, 0.02) quantized, with their scales (`fill_dummy_fp8_`)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     norms = [m for m in model.modules() if isinstance(m, RMSNorm | LayerNorm)]
     norm_weights = {id(m.weight) for m in norms}
     norm_biases = {id(m.bias) for m in norms if isinstance(m, LayerNorm)}
+    fp8 = [
+        (p, module._parameters[f"{name}_scale_inv"])
+        for module in model.modules()
+        for name, p in module._parameters.items()
+        if p is not None and p.dtype == torch.float8_e4m3fn
+    ]
+    fp8_ids = {id(t) for pair in fp8 for t in pair}
     with torch.no_grad():
+        for weight, scale_inv in fp8:
+            fill_dummy_fp8_(weight, scale_inv, gen, 0.02)
         for p in model.parameters():
+            if id(p) in fp8_ids:
+                continue
             if id(p) in norm_weights:
                 p.fill_(1.0)
             elif id(p) in norm_biases:
@@ -193,8 +221,11 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str,
     `packed_modules_mapping`."""
     expert = _EXPERT_TENSOR.search(name)
     if expert is not None:
-        stacked = "w2_weight" if expert.group(2) == "down_proj" else "w13_weight"
-        return f"{name[: expert.start()]}.experts.{stacked}", (int(expert.group(1)), expert.group(2))
+        stacked = "w2" if expert.group(2) == "down_proj" else "w13"
+        suffix = "weight_scale_inv" if expert.group(3) == "weight_scale" else expert.group(3)
+        return f"{name[: expert.start()]}.experts.{stacked}_{suffix}", (int(expert.group(1)), expert.group(2))
+    if name.endswith(".weight_scale"):  # a per-tensor FP8 scale: held as block scales
+        name += "_inv"
     for ckpt_part, (packed_part, shard_id) in mapping.items():
         if f".{ckpt_part}." in name:
             return name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
@@ -203,13 +234,28 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str,
 
 def _checkpoint_name(param_name: str, shard_id: Any, mapping: dict[str, tuple[str, Any]]) -> str:
     """Inverse of `_packed_target`: the checkpoint tensor a (parameter, shard) is loaded from."""
-    if param_name.endswith((".experts.w13_weight", ".experts.w2_weight")):
+    stacked = _EXPERT_PARAM.search(param_name)
+    if stacked is not None:
         expert, matrix = shard_id
-        return f"{param_name.rpartition('.experts.')[0]}.experts.{expert}.{matrix}.weight"
+        return f"{param_name[: stacked.start()]}.experts.{expert}.{matrix}.{stacked.group(1)}"
     for ckpt_part, (packed_part, sid) in mapping.items():
         if sid == shard_id and f".{packed_part}." in param_name:
             return param_name.replace(f".{packed_part}.", f".{ckpt_part}.")
     return param_name
+
+
+def _is_ignored_input_scale(model: nn.Module, name: str, mapping: dict[str, tuple[str, Any]]) -> bool:
+    """A static activation scale (`X.input_scale`) of an FP8 layer: read and ignored, since
+    activations are quantized dynamically per token and group (`tilellm.models.quantization`)."""
+    if not name.endswith(".input_scale"):
+        return False
+    pname, _ = _packed_target(name.removesuffix("input_scale") + "weight", mapping)
+    owner_name, _, local = pname.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return False
+    return hasattr(owner, f"{local}_scale_inv")
 
 
 def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
@@ -235,6 +281,8 @@ def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
             for ckpt_name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
                     continue
+                if _is_ignored_input_scale(model, ckpt_name, mapping):
+                    continue
                 pname, shard_id = _packed_target(ckpt_name, mapping)
                 if pname not in params:
                     model_name = type(model).__name__
@@ -254,6 +302,16 @@ def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
         raise ValueError(f"missing weight(s) {', '.join(repr(m) for m in missing)}: not found in {where}")
 
 
+def process_weights_after_loading(model: nn.Module, dtype: torch.dtype) -> None:
+    """Each module's `process_weights_after_loading(dtype)`, where it has one, once every tensor
+    is loaded; a module's children before it (MLA dequantizes a `kv_b_proj` once that layer has
+    finished its own quantization)."""
+    for module in reversed(list(model.modules())):  # pre-order reversed: children first
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook):
+            hook(dtype)
+
+
 def load_model(
     model_dir: str | pathlib.Path,
     *,
@@ -265,6 +323,7 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, Any]:
     """(model in eval mode on `device`, its transformers config) for a HF model directory.
 
@@ -273,12 +332,15 @@ def load_model(
     load_format: "safetensors", or "dummy" for random weights (only config.json needed).
     fused_ops_backend: RMSNorm / SiLU-and-mul / rotary implementation; None follows attention_backend.
     tp_rank, tp_size: this rank's shard of every tensor-parallel layer.
+    quantization: None = as the checkpoint says (FP8 checkpoints load in FP8); "fp8" = also
+    quantize a bf16 / fp16 / fp32 checkpoint's linear layers and experts to FP8 as it loads.
     """
     if load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
     check_tp(tp_rank, tp_size)
     raw, config = read_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, raw)
+    quant_config, online = resolve_quantization(raw, quantization)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -293,9 +355,13 @@ def load_model(
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
+    if quant_config is not None:
+        backend = fused_ops_backend or attention_backend
+        apply_fp8(model, quant_config, online=online, backend=backend, device=device)
     _materialize(model, device, torch_dtype)
     if load_format == "dummy":
         _fill_dummy_weights(model, device, seed)
     else:
         load_weights(model, files)
+    process_weights_after_loading(model, torch_dtype)
     return model.eval(), config

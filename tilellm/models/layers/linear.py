@@ -14,10 +14,20 @@ reads only the rows/columns it owns.
 - RowParallelLinear: W split by input columns; partial sums all-reduced, then the bias added.
 - VocabParallelEmbedding: vocab rows split across ranks; out-of-range ids give 0, then all-reduce.
 - ParallelLMHead: vocab-split logits, all-gathered along the vocab dim.
+
+A linear layer's `quant_method` holds and applies its weight (vLLM's pattern): `LinearMethod`
+(the plain weight, `F.linear`) unless `tilellm.models.quantization` switched the layer to FP8
+(an e4m3 `weight` and fp32 block scales `weight_scale_inv` [ceil(N / bn), ceil(K / bk)]). Every
+layer says where each checkpoint tensor lands (`shard_layout`), and the loader places the
+weight, the bias and the block scales by it: q/k/v and gate/up offsets and tensor-parallel
+slices in rows, or in blocks of bn rows for the scales (RowParallelLinear's columns in blocks of
+bk), every shard on whole blocks.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,9 +54,16 @@ def read_all(src: WeightSource) -> torch.Tensor:
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """dst <- src, shapes equal. An FP8 tensor goes only into an FP8 parameter and back: a cast
+    either way would drop its scales silently."""
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(
             f"{what}: checkpoint shard has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
+    if (dst.dtype == torch.float8_e4m3fn) != (src.dtype == torch.float8_e4m3fn):
+        raise ValueError(
+            f"{what}: checkpoint tensor is {src.dtype} but the parameter is {dst.dtype} (is the layer "
+            "missing from, or wrongly in, quantization_config's modules_to_not_convert?)"
         )
     with torch.no_grad():
         dst.copy_(src)
@@ -63,8 +80,75 @@ def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class _LinearBase(nn.Module):
-    """y = x W^T (+ b) with this rank's W [out_per_rank, in_per_rank]."""
+# -- where a checkpoint tensor lands ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where one checkpoint tensor of a linear layer lands in this rank's weight: `size` rows
+    (dim 0) or columns (dim 1), read from `src_start` of a checkpoint tensor that has `src_size`
+    of them, written at `dst_start`. A block-scale tensor takes the same layout in block units."""
+
+    dim: int
+    dst_start: int
+    src_start: int
+    size: int
+    src_size: int
+
+
+def is_block_aligned(start: int, size: int, extent: int, block: int) -> bool:
+    """Whether rows [start, start + size) of a matrix of `extent` rows are whole blocks of `block`
+    rows: they start on a block and end on one or at the matrix's end (whose block may be partial)."""
+    return start % block == 0 and (size % block == 0 or start + size == extent)
+
+
+def block_span(start: int, size: int, extent: int, block: int, what: str) -> tuple[int, int]:
+    """Rows [start, start + size) of a matrix of `extent` rows -> (first block, number of blocks)
+    of `block` rows each; a ValueError naming `what` unless `is_block_aligned`."""
+    if not is_block_aligned(start, size, extent, block):
+        raise ValueError(
+            f"{what}: its {size} rows / columns at {start} (of {extent}) are not aligned to the FP8 "
+            f"block of {block}; every shard must start on a block and end on one or at the matrix's end"
+        )
+    return start // block, -(-size // block)
+
+
+def _check_extent(src: WeightSource, layout: ShardLayout, what: str) -> None:
+    shape = source_shape(src)
+    if len(shape) <= layout.dim or shape[layout.dim] != layout.src_size:
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {shape}, expected {layout.src_size} along dim {layout.dim}"
+        )
+
+
+# -- how a layer holds and applies its weight ------------------------------------------------
+
+
+class LinearMethod:
+    """How a linear layer holds and applies its weight (vLLM's `LinearMethodBase`). This one: the
+    plain `weight` [out, in] in the model dtype; `tilellm.models.quantization.Fp8LinearMethod`
+    holds it in FP8 with block scales (`weight_scale_inv`)."""
+
+    # (bn, bk): the weight's block of one `weight_scale_inv` entry; None when it has no scales
+    block_size: tuple[int, int] | None = None
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] -> x W^T (+ bias) [..., out]: this rank's part, before any collective."""
+        return F.linear(x, layer.weight, bias)
+
+    def process_weights_after_loading(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        """Runs once every checkpoint tensor has been loaded; `dtype` is the model's."""
+
+
+UNQUANTIZED = LinearMethod()
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with this rank's W [out_per_rank, in_per_rank].
+
+    `shard_layout(shard_id)` says where each checkpoint tensor lands; `weight_loader` follows it
+    for the weight and the bias and, for an FP8 layer, for `weight_scale_inv` in block units.
+    """
 
     # the shard ids each parameter is loaded from (one checkpoint tensor per id)
     shard_ids: tuple = (None,)
@@ -76,15 +160,75 @@ class _LinearBase(nn.Module):
         self.in_features, self.out_features = in_features, out_features  # this rank's sizes
         self.weight = _new_param(out_features, in_features)
         self.bias = _new_param(out_features) if bias else None
+        self.quant_method: LinearMethod = UNQUANTIZED
+        # per-tensor FP8 checkpoints: shard id -> (its layout, its scalar weight_scale), until the
+        # quant method turns them into block scales after loading
+        self.per_tensor_scales: dict[Any, tuple[ShardLayout, float]] = {}
+
+    def shard_layout(self, shard_id: Any = None) -> ShardLayout:
+        raise NotImplementedError
+
+    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+        layout = self.shard_layout(shard_id)
+        what = type(self).__name__ if shard_id is None else f"shard {shard_id!r}"
+        if param is self.bias and layout.dim == 1:  # a row-parallel layer's bias is whole on every rank
+            copy_checked(param, read_all(src), "bias")
+            return
+        if param is getattr(self, "weight_scale_inv", None):
+            self._load_weight_scale(param, src, layout, shard_id, what)
+            return
+        _check_extent(src, layout, what)
+        dst = param.narrow(layout.dim, layout.dst_start, layout.size)
+        copy_checked(dst, read_slice(src, layout.dim, layout.src_start, layout.size), what)
+
+    def _load_weight_scale(
+        self, param: nn.Parameter, src: WeightSource, layout: ShardLayout, shard_id: Any, what: str
+    ) -> None:
+        """A block checkpoint's `weight_scale_inv` [ceil(N / bn), ceil(K / bk)]: the blocks of this
+        shard's rows (columns), which must fall on whole blocks; a per-tensor checkpoint's scalar
+        `weight_scale`: kept for `process_weights_after_loading`."""
+        shape = source_shape(src)
+        what = f"{what} weight scale"
+        if len(shape) <= 1 and math.prod(shape) == 1:
+            self.per_tensor_scales[shard_id] = (layout, float(read_all(src).reshape(())))
+            return
+        bn, bk = self.quant_method.block_size  # type: ignore[misc]  # set with weight_scale_inv
+        dim, block = layout.dim, (bn, bk)[layout.dim]
+        extent = (self.out_features, self.in_features)[dim]
+        dst_first, count = block_span(layout.dst_start, layout.size, extent, block, what)
+        src_first, _ = block_span(layout.src_start, layout.size, layout.src_size, block, what)
+        expected = list(param.shape)
+        expected[dim] = -(-layout.src_size // block)
+        if shape != tuple(expected):
+            raise ValueError(
+                f"{what}: checkpoint tensor has shape {shape}, expected {tuple(expected)} "
+                f"(one scale per [{bn}, {bk}] block)"
+            )
+        copy_checked(param.narrow(dim, dst_first, count), read_slice(src, dim, src_first, count), what)
+
+    def check_block_alignment(self, block_size: tuple[int, int], name: str) -> None:
+        """A ValueError naming layer `name` and the shard when a shard of a block-scaled checkpoint
+        would split a scale block (checked when the model is built, before anything is read)."""
+        for sid in self.shard_ids:
+            layout = self.shard_layout(sid)
+            block = block_size[layout.dim]
+            what = f"{name}" if sid is None else f"{name} shard {sid!r}"
+            extent = (self.out_features, self.in_features)[layout.dim]
+            block_span(layout.dst_start, layout.size, extent, block, f"{what} (this rank's weight)")
+            block_span(layout.src_start, layout.size, layout.src_size, block, f"{what} (checkpoint)")
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        self.quant_method.process_weights_after_loading(self, dtype)
 
     def extra_repr(self) -> str:
+        quant = "" if self.quant_method is UNQUANTIZED else f", quant={self.quant_method}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}"
+            f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}{quant}"
         )
 
 
-class ColumnParallelLinear(_LinearBase):
+class ColumnParallelLinear(LinearBase):
     """Output features split across ranks: rank r holds rows [r*out/tp, (r+1)*out/tp) of W."""
 
     def __init__(
@@ -100,14 +244,14 @@ class ColumnParallelLinear(_LinearBase):
         super().__init__(input_size, divide(output_size, tp_size, "output size"), bias, tp_rank, tp_size)
         self.gather_output = gather_output
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+    def shard_layout(self, shard_id: Any = None) -> ShardLayout:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} takes no shard_id, got {shard_id!r}")
-        n = param.shape[0]
-        copy_checked(param, read_slice(src, 0, self.tp_rank * n, n), type(self).__name__)
+        n = self.out_features
+        return ShardLayout(0, 0, self.tp_rank * n, n, n * self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         return all_gather_last_dim(y, self.tp_size) if self.gather_output else y
 
 
@@ -129,12 +273,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes, self.shard_sizes = list(output_sizes), shard_sizes
         self.shard_ids = tuple(range(len(output_sizes)))
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+    def shard_layout(self, shard_id: Any = None) -> ShardLayout:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.shard_sizes):
             raise ValueError(f"MergedColumnParallelLinear needs shard_id in 0..{len(self.shard_sizes) - 1}")
         n = self.shard_sizes[shard_id]
         offset = sum(self.shard_sizes[:shard_id])
-        copy_checked(param.narrow(0, offset, n), read_slice(src, 0, self.tp_rank * n, n), f"shard {shard_id}")
+        return ShardLayout(0, offset, self.tp_rank * n, n, self.output_sizes[shard_id])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -160,36 +304,36 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, per_rank_out * tp_size, bias, tp_rank=tp_rank, tp_size=tp_size)
         self.head_dim, self.num_heads, self.kv_part = head_dim, num_heads, kv_part
         self.num_kv_heads = kv_part.num_heads
+        self.total_num_kv_heads = total_num_kv_heads
         self.q_size = num_heads * head_dim
         self.kv_size = kv_part.num_heads * head_dim
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+    def shard_layout(self, shard_id: Any = None) -> ShardLayout:
         if shard_id == "q":
-            offset, n, start = 0, self.q_size, self.tp_rank * self.q_size
-        elif shard_id in ("k", "v"):
+            return ShardLayout(0, 0, self.tp_rank * self.q_size, self.q_size, self.q_size * self.tp_size)
+        if shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            n, start = self.kv_size, self.kv_part.first_head * self.head_dim
-        else:
-            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        copy_checked(param.narrow(0, offset, n), read_slice(src, 0, start, n), f"shard {shard_id!r}")
+            start, total = self.kv_part.first_head * self.head_dim, self.total_num_kv_heads * self.head_dim
+            return ShardLayout(0, offset, start, self.kv_size, total)
+        raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
 
 
-class ReplicatedLinear(_LinearBase):
+class ReplicatedLinear(LinearBase):
     """y = x W^T (+ b) with the whole W on every rank; no communication."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, 0, 1)
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+    def shard_layout(self, shard_id: Any = None) -> ShardLayout:
         if shard_id is not None:
             raise ValueError(f"ReplicatedLinear takes no shard_id, got {shard_id!r}")
-        copy_checked(param, read_all(src), "ReplicatedLinear")
+        return ShardLayout(0, 0, 0, self.out_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
-class RowParallelLinear(_LinearBase):
+class RowParallelLinear(LinearBase):
     """Input features split across ranks: rank r holds columns [r*in/tp, (r+1)*in/tp) of W.
     The bias (replicated) is added once, after the all-reduce of the partial products."""
 
@@ -206,17 +350,14 @@ class RowParallelLinear(_LinearBase):
         super().__init__(divide(input_size, tp_size, "input size"), output_size, bias, tp_rank, tp_size)
         self.reduce_results = reduce_results
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+    def shard_layout(self, shard_id: Any = None) -> ShardLayout:
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear takes no shard_id, got {shard_id!r}")
-        if param is self.bias:
-            copy_checked(param, read_all(src), "bias")
-            return
-        n = param.shape[1]
-        copy_checked(param, read_slice(src, 1, self.tp_rank * n, n), "RowParallelLinear")
+        k = self.in_features
+        return ShardLayout(1, 0, self.tp_rank * k, k, k * self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.quant_method.apply(self, x, None)
         if self.reduce_results:
             y = all_reduce(y, self.tp_size)
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,275 @@
+"""FP8 checkpoints: block-scaled and per-tensor ones load as FP8 (weights bit-identical to the
+file's, scales equal), tensor-parallel ranks hold the blocks of their rows and columns, layers run
+W8A8 (the twin GEMM on the dequantized weights), `quantization="fp8"` quantizes a float
+checkpoint as it loads, and bad checkpoints or arguments fail with errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tilellm.kernels.fp8 import FP8_DTYPE
+from tilellm.kernels.reference.fp8_gemm import (
+    dequantize_fp8_block,
+    per_token_group_quant_fp8,
+    quantize_fp8_block,
+)
+from tilellm.models import load_model
+from tilellm.models.layers.linear import UNQUANTIZED
+from tilellm.models.quantization import Fp8Config, resolve_quantization
+from tilellm.testing import dequantize_model_dir, make_tiny_model, quantize_model_dir_fp8
+
+BLOCK = (32, 32)
+# head_dim 32: every q / k / v shard (64 / 32 / 32 rows per rank at tp_size 2) and gate / up
+# shard (64) falls on whole blocks of 32 rows; K (64 or 128, 64 per rank for o_proj / down_proj)
+# is a multiple of 32
+TINY = dict(head_dim=32, num_heads=4, num_kv_heads=2, hidden_size=64, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    src = make_tiny_model(root / "src", "Qwen3ForCausalLM", seed=7, vocab_size=383, **TINY)
+    block = quantize_model_dir_fp8(src, root / "block", BLOCK)
+    return {
+        "src": src,
+        "block": block,
+        "per_tensor": quantize_model_dir_fp8(src, root / "per_tensor", per_tensor=True),
+        "dequant": dequantize_model_dir(block, root / "dequant"),
+    }
+
+
+def _load(d, **kw):
+    model, _ = load_model(d, device="cpu", attention_backend="reference", **kw)
+    return model
+
+
+def _dequantized(layer) -> torch.Tensor:
+    bn, bk = layer.quant_method.block_size
+    return dequantize_fp8_block(layer.weight, layer.weight_scale_inv, [bn, bk], torch.float32)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _merged(sd: dict, prefix: str, parts: tuple[str, ...], suffix: str) -> torch.Tensor:
+    return torch.cat([sd[f"{prefix}{p}.{suffix}"] for p in parts])
+
+
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
+# ---------------------------------------------------------------------------------------------
+# block-scaled checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def test_block_checkpoint_loads_fp8_weights_and_scales(dirs):
+    sd = load_file(dirs["block"] / "model.safetensors")
+    model = _load(dirs["block"])
+    for i, layer in enumerate(model.model.layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for mod, prefix, parts in [
+            (layer.self_attn.qkv_proj, a, QKV),
+            (layer.self_attn.o_proj, a, ("o_proj",)),
+            (layer.mlp.gate_up_proj, m, GATE_UP),
+            (layer.mlp.down_proj, m, ("down_proj",)),
+        ]:
+            assert mod.weight.dtype == FP8_DTYPE and mod.quant_method.block_size == BLOCK
+            assert _same_bits(mod.weight.data, _merged(sd, prefix, parts, "weight"))
+            assert torch.equal(mod.weight_scale_inv, _merged(sd, prefix, parts, "weight_scale_inv"))
+        assert layer.input_layernorm.weight.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_fp8_layers_run_the_w8a8_gemm_on_the_dequantized_weights(dirs):
+    """y = (x quantized per token and 32-wide group) @ (dequantized W)^T, in fp32: what the block
+    GEMM computes exactly up to the order of fp32 additions."""
+    deq = load_file(dirs["dequant"] / "model.safetensors")
+    layer = _load(dirs["block"]).model.layers[1]
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(0))
+    for mod, name, k in [
+        (layer.self_attn.qkv_proj, None, 64),
+        (layer.self_attn.o_proj, "model.layers.1.self_attn.o_proj.weight", 128),
+        (layer.mlp.down_proj, "model.layers.1.mlp.down_proj.weight", 128),
+    ]:
+        w = deq[name] if name else _merged(deq, "model.layers.1.self_attn.", QKV, "weight")
+        x_q, x_s = per_token_group_quant_fp8(x[:, :k].contiguous(), BLOCK[1])
+        x_deq = x_q.float() * x_s.repeat_interleave(BLOCK[1], dim=1)
+        torch.testing.assert_close(mod(x[:, :k]), x_deq @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_modules_to_not_convert_stay_in_the_model_dtype(dirs, tmp_path):
+    d = quantize_model_dir_fp8(dirs["src"], tmp_path / "q", BLOCK, not_convert=("model.layers.0.mlp",))
+    model = _load(d)
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
+    assert model.model.layers[0].mlp.down_proj.quant_method is UNQUANTIZED
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
+    assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
+
+
+def test_dummy_fp8_weights_behave_like_quantized_normal(dirs):
+    layer = _load(dirs["block"], load_format="dummy").model.layers[0].mlp.gate_up_proj
+    assert layer.weight.dtype == FP8_DTYPE
+    w = _dequantized(layer)
+    assert abs(w.std().item() - 0.02) < 0.002 and w.abs().max().item() <= 4 * 0.02 + 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# per-tensor checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def test_per_tensor_checkpoint_becomes_block_scales(dirs):
+    """gate_up's shards (128 rows each) fall on blocks of 128 rows: each keeps its own scale.
+    qkv's (128 / 64 / 64 rows) do not: all are requantized to the largest scale, which moves a
+    value by at most half a step of the coarser grid. K = 64 < 128: one 64-wide group per token."""
+    sd = load_file(dirs["per_tensor"] / "model.safetensors")
+    model = _load(dirs["per_tensor"])
+    m, a = "model.layers.0.mlp.", "model.layers.0.self_attn."
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.quant_method.block_size == (128, 64)
+    scales = [sd[f"{m}{p}.weight_scale"].item() for p in GATE_UP]
+    assert gate_up.weight_scale_inv.flatten().tolist() == pytest.approx(scales, rel=0)
+    assert _same_bits(gate_up.weight.data, _merged(sd, m, GATE_UP, "weight"))
+
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    top = max(sd[f"{a}{p}.weight_scale"].item() for p in QKV)
+    assert qkv.weight_scale_inv.flatten().tolist() == pytest.approx([top, top], rel=0)
+    want = torch.cat([sd[f"{a}{p}.weight"].float() * sd[f"{a}{p}.weight_scale"] for p in QKV])
+    torch.testing.assert_close(_dequantized(qkv), want, rtol=2**-4, atol=top * 2**-9)
+
+    down = model.model.layers[0].mlp.down_proj  # K = 128: blocks of 128 x 128
+    assert down.quant_method.block_size == (128, 128)
+    assert down.weight_scale_inv.flatten().tolist() == pytest.approx(
+        [sd[m + "down_proj.weight_scale"].item()]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor parallelism: each rank's blocks are the blocks of its rows / columns
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_ranks_hold_their_slices_of_the_dequantized_weights(dirs):
+    deq = load_file(dirs["dequant"] / "model.safetensors")
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    for rank in range(2):
+        layer = _load(dirs["block"], tp_rank=rank, tp_size=2).model.layers[0]
+
+        def rows(name: str, n: int, rank: int = rank) -> torch.Tensor:
+            return deq[name][rank * n : (rank + 1) * n]
+
+        qkv = torch.cat(
+            [rows(a + "q_proj.weight", 64), rows(a + "k_proj.weight", 32), rows(a + "v_proj.weight", 32)]
+        )
+        torch.testing.assert_close(_dequantized(layer.self_attn.qkv_proj), qkv, rtol=0, atol=0)
+        gate_up = torch.cat([rows(m + "gate_proj.weight", 64), rows(m + "up_proj.weight", 64)])
+        torch.testing.assert_close(_dequantized(layer.mlp.gate_up_proj), gate_up, rtol=0, atol=0)
+        for mod, name in [
+            (layer.self_attn.o_proj, a + "o_proj.weight"),
+            (layer.mlp.down_proj, m + "down_proj.weight"),
+        ]:
+            want = deq[name][:, rank * 64 : (rank + 1) * 64]
+            torch.testing.assert_close(_dequantized(mod), want, rtol=0, atol=0)
+
+
+def test_misaligned_tensor_parallel_shard_is_named(tmp_path):
+    """head_dim 16: k_proj's 16 rows per rank would split a 32-row scale block."""
+    src = make_tiny_model(tmp_path / "src", "Qwen3ForCausalLM", vocab_size=383)
+    d = quantize_model_dir_fp8(src, tmp_path / "q", BLOCK)
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj shard 'k'.*16 rows.*block of 32"
+    ):
+        _load(d, tp_rank=1, tp_size=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# online quantization
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_online_quantization_of_a_float_checkpoint(tmp_path, dtype):
+    src = make_tiny_model(
+        tmp_path, "LlamaForCausalLM", vocab_size=383, dtype=dtype, hidden_size=128,
+        head_dim=32, intermediate_size=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    sd = load_file(tmp_path / "model.safetensors")
+    model = _load(src, dtype="auto", quantization="fp8")
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert qkv.weight.dtype == FP8_DTYPE and qkv.quant_method.block_size == (128, 128)
+    w_q, scale = quantize_fp8_block(_merged(sd, "model.layers.1.self_attn.", QKV, "weight"), [128, 128])
+    assert _same_bits(qkv.weight.data, w_q) and torch.equal(qkv.weight_scale_inv, scale)
+    assert model.lm_head.weight.dtype == getattr(torch, dtype)
+
+
+def test_online_quantization_needs_block_multiple_inputs(dirs):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj: its 64 input features"):
+        _load(dirs["src"], quantization="fp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _rewrite(d, tmp_path, *, config=None, drop=(), retype=()):
+    """A copy of checkpoint `d` with config.json's quantization_config replaced and tensors dropped
+    or cast to float32."""
+    out = tmp_path / "copy"
+    out.mkdir()
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    if config is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"] = config
+        (out / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(d / "model.safetensors")
+    sd = {k: (v.float() if k in retype else v) for k, v in sd.items() if k not in drop}
+    save_file(sd, str(out / "model.safetensors"))
+    return out
+
+
+def test_unknown_quant_method_is_named(dirs, tmp_path):
+    d = _rewrite(dirs["src"], tmp_path, config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match=r"quant_method 'awq' is not supported; supported: 'fp8'"):
+        _load(d)
+    assert Fp8Config.from_config({}) is None
+
+
+def test_unsupported_quantization_argument(dirs):
+    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; choose one of None, 'fp8'"):
+        _load(dirs["src"], quantization="int4")
+    assert resolve_quantization({}, None) == (None, False)
+
+
+def test_missing_weight_scale_is_named(dirs, tmp_path):
+    d = _rewrite(dirs["block"], tmp_path, drop={"model.layers.1.self_attn.k_proj.weight_scale_inv"})
+    with pytest.raises(
+        ValueError, match=r"missing weight\(s\) 'model\.layers\.1\.self_attn\.k_proj\.weight_scale_inv'"
+    ):
+        _load(d)
+
+
+def test_unquantized_tensor_for_an_fp8_layer_is_refused(dirs, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    d = _rewrite(dirs["block"], tmp_path, retype={name})
+    with pytest.raises(ValueError, match=rf"{name}.*float32 but the parameter is torch\.float8_e4m3fn"):
+        _load(d)
+
+
+def test_wrong_scale_shape_is_named(dirs, tmp_path):
+    """A checkpoint quantized in 32-row blocks read as 64-row ones: the scales' shape tells."""
+    wrong = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 32]}
+    d = _rewrite(dirs["block"], tmp_path, config=wrong)
+    with pytest.raises(
+        ValueError,
+        match=r"weight_scale_inv' from .*has shape \(\d+, \d+\), expected .*one scale per \[64, 32\] block",
+    ):
+        _load(d)

@@ -1,0 +1,323 @@
+"""FP8 (e4m3) weights for linear layers and experts: checkpoints that ship them, and online quantization.
+
+Checkpoint format (DeepSeek-V3, Qwen3-*-FP8): config.json carries
+
+    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                            "weight_block_size": [128, 128], "modules_to_not_convert": [...]}
+
+and each quantized linear `X` has `X.weight` e4m3 [N, K] and `X.weight_scale_inv` fp32
+[ceil(N / bn), ceil(K / bk)], W ~ weight * the scale of its [bn, bk] block. Embeddings, norms,
+the LM head, MoE routers, fp32 projections read raw (DeepSeek-V3.2's indexer `weights_proj`)
+and the modules listed in `modules_to_not_convert` / `ignored_layers` keep the model dtype.
+
+A layer switched to FP8 runs W8A8 with activations quantized on the fly, one scale per token
+and bk-wide group of channels:
+
+    x_q, x_s = per_token_group_quant_fp8(x, bk)                    # [M, K] e4m3, [M, K / bk] fp32
+    y = w8a8_block_fp8_matmul(x_q, weight, x_s, weight_scale_inv, [bn, bk], x.dtype)   # [M, N]
+
+Per-tensor checkpoints (no `weight_block_size`: a scalar `X.weight_scale`, perhaps an
+`X.input_scale`) are held in the same block form, blocks of 128 rows by 128 columns (by the
+layer's whole K when K is not a multiple of 128), every block of a shard holding that shard's
+scale. A merged layer (qkv_proj, gate_up_proj) whose shards carry different scales keeps them
+block row by block row when every shard boundary falls on a block, and otherwise has every shard
+requantized to the largest scale (as vLLM does). Activations are quantized dynamically per token
+and group in both cases: a static `input_scale` is read and ignored.
+
+Online quantization (`quantization="fp8"` on a bf16 / fp16 / fp32 checkpoint): the layers load
+in the model dtype and each weight is quantized in [128, 128] blocks once loading is done.
+
+`load_model` calls, in order: the model built on the meta device, `apply_fp8` (the layers'
+parameters switched), allocation (`tilellm_dtype` params in e4m3, `keep_fp32` scales in fp32),
+loading, then every module's `process_weights_after_loading(dtype)` (online quantization,
+per-tensor scales to blocks, MLA's dequantized `kv_b_proj`).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
+from tilellm.kernels.reference.fp8_gemm import dequantize_fp8_block, quantize_fp8_block
+from tilellm.models.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, is_block_aligned
+from tilellm.models.layers.moe import FusedMoE
+
+SUPPORTED_QUANTIZATION = ("fp8",)
+DEFAULT_BLOCK_SIZE = (128, 128)  # online quantization's, and per-tensor checkpoints' where K allows
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """What a checkpoint's `quantization_config` (quant_method "fp8") says.
+
+    weight_block_size: (bn, bk) of one `weight_scale_inv` entry; None for per-tensor scales.
+    activation_scheme: "dynamic" or "static" (both run dynamic per-token-group activations).
+    ignored_layers: checkpoint module names kept in the model dtype (`modules_to_not_convert`
+    and `ignored_layers`; an entry matches a module it names or any module inside it).
+    """
+
+    weight_block_size: tuple[int, int] | None = DEFAULT_BLOCK_SIZE
+    activation_scheme: str = "dynamic"
+    ignored_layers: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, raw_config: dict) -> Fp8Config | None:
+        """config.json's dict -> its FP8 config, None when it has no `quantization_config`."""
+        qc = raw_config.get("quantization_config")
+        if qc is None:
+            return None
+        if not isinstance(qc, dict):
+            raise ValueError(f"quantization_config must be a JSON object, got {type(qc).__name__}")
+        method = qc.get("quant_method")
+        if method not in SUPPORTED_QUANTIZATION:
+            raise ValueError(
+                f"quantization_config.quant_method {method!r} is not supported; "
+                f"supported: {', '.join(repr(m) for m in SUPPORTED_QUANTIZATION)}"
+            )
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"quantization_config.fmt {fmt!r} is not supported; FP8 weights must be e4m3")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(
+                f"quantization_config.activation_scheme must be 'dynamic' or 'static', got {scheme!r}"
+            )
+        block = qc.get("weight_block_size")
+        if block is not None:
+            ok = isinstance(block, list | tuple) and len(block) == 2
+            if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block):
+                raise ValueError(
+                    "quantization_config.weight_block_size must be [bn, bk], two positive ints, "
+                    f"got {block!r}"
+                )
+            block = (int(block[0]), int(block[1]))
+        ignored: list[str] = []
+        for key in ("modules_to_not_convert", "ignored_layers"):
+            names = qc.get(key) or []
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"quantization_config.{key} must be a list of module names, got {names!r}")
+            ignored += names
+        return cls(weight_block_size=block, activation_scheme=scheme, ignored_layers=tuple(ignored))
+
+    def is_ignored(self, name: str) -> bool:
+        """Whether checkpoint module `name` stays unquantized (an entry names it or a parent)."""
+        return any(f".{entry}." in f".{name}." for entry in self.ignored_layers)
+
+    def layer_block_size(self, in_features: int) -> tuple[int, int]:
+        """The (bn, bk) a layer of `in_features` inputs holds its scales in: the checkpoint's
+        block, or for per-tensor scales 128 x 128 (128 x K when K is not a multiple of 128)."""
+        if self.weight_block_size is not None:
+            return self.weight_block_size
+        bn, bk = DEFAULT_BLOCK_SIZE
+        return bn, bk if in_features % bk == 0 else in_features
+
+
+def resolve_quantization(raw_config: dict, quantization: str | None) -> tuple[Fp8Config | None, bool]:
+    """(FP8 config or None, online) for config.json's dict and the `quantization` argument.
+
+    None: what the checkpoint says (an FP8 checkpoint loads as FP8, any other unquantized).
+    "fp8": the checkpoint's FP8 config, or online quantization of a bf16 / fp16 / fp32 checkpoint
+    in [128, 128] blocks (online = True).
+    """
+    if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
+        choices = ", ".join(repr(q) for q in (None, *SUPPORTED_QUANTIZATION))
+        raise ValueError(f"quantization={quantization!r} is not supported; choose one of {choices}")
+    checkpoint = Fp8Config.from_config(raw_config)
+    if checkpoint is not None:
+        return checkpoint, False
+    if quantization == "fp8":
+        return Fp8Config(weight_block_size=DEFAULT_BLOCK_SIZE), True
+    return None, False
+
+
+def resolve_fp8_gemm_ops(backend: str, device: torch.device | str) -> types.ModuleType:
+    """`tilellm.kernels.fp8_gemm` or `.reference.fp8_gemm` for backend "triton" | "reference" |
+    "auto", the policy of the fused ops (`tilellm.models.layers.ops`): Triton on CUDA or when
+    asked for, the PyTorch twin otherwise."""
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if torch.device(device).type == "cuda" else "reference"
+    if backend == "triton":
+        import tilellm.kernels.fp8_gemm as ops
+    else:
+        import tilellm.kernels.reference.fp8_gemm as ops
+    return ops
+
+
+def _fp8_param(*shape: int, device: torch.device) -> nn.Parameter:
+    """An e4m3 parameter, built in any dtype: the loader allocates it in its `tilellm_dtype`."""
+    p = nn.Parameter(torch.empty(*shape, device=device), requires_grad=False)
+    p.tilellm_dtype = FP8_DTYPE  # type: ignore[attr-defined]
+    return p
+
+
+def _fp32_param(*shape: int, device: torch.device) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, device=device), requires_grad=False)
+    p.keep_fp32 = True  # type: ignore[attr-defined]
+    return p
+
+
+class Fp8LinearMethod(LinearMethod):
+    """A linear layer in FP8: `weight` e4m3 [N, K], `weight_scale_inv` fp32 [ceil(N / bn), K / bk],
+    applied as W8A8 (module docstring). `ops`: the GEMM module (`resolve_fp8_gemm_ops`).
+
+    online: the layer loads its weight in the model dtype and quantizes it after loading.
+    per_tensor: the checkpoint has one scale per shard (no alignment of shards to blocks needed).
+    """
+
+    def __init__(
+        self, block_size: tuple[int, int], ops: types.ModuleType, *, online: bool, per_tensor: bool = False
+    ):
+        self.block_size = (int(block_size[0]), int(block_size[1]))
+        self.ops, self.online, self.per_tensor = ops, online, per_tensor
+
+    def __repr__(self) -> str:
+        bn, bk = self.block_size
+        return f"fp8[{bn}, {bk}]{', online' if self.online else ''}"
+
+    def create_weights(self, layer: LinearBase, name: str) -> None:
+        """Switch `layer` (named `name`, still on the meta device) to FP8 parameters."""
+        bn, bk = self.block_size
+        n, k = layer.out_features, layer.in_features
+        if k % bk:
+            raise ValueError(
+                f"{name}: its {k} input features (per rank) are not a multiple of the FP8 block width "
+                f"{bk}; activations are quantized in groups of {bk} channels"
+            )
+        if self.online:
+            return  # weight_scale_inv is made with the weight's quantization, after loading
+        if not self.per_tensor:
+            layer.check_block_alignment(self.block_size, name)
+        device = layer.weight.device
+        layer.weight = _fp8_param(n, k, device=device)
+        layer.weight_scale_inv = _fp32_param(-(-n // bn), k // bk, device=device)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype: x quantized per token and bk-wide group, then the
+        block-scaled FP8 GEMM (the scales applied in fp32, one rounding to x's dtype)."""
+        bn, bk = self.block_size
+        x2d = x.reshape(-1, x.shape[-1])
+        x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk)
+        y = self.ops.w8a8_block_fp8_matmul(x_q, layer.weight, x_s, layer.weight_scale_inv, [bn, bk], x.dtype)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+    def process_weights_after_loading(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        if self.online:
+            w_q, scale_inv = quantize_fp8_block(layer.weight.data, list(self.block_size))
+            layer.weight = nn.Parameter(w_q, requires_grad=False)
+            layer.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
+        elif layer.per_tensor_scales:
+            self._per_tensor_to_blocks(layer)
+
+    def _per_tensor_to_blocks(self, layer: LinearBase) -> None:
+        """Each shard's scalar weight_scale -> the block scales (module docstring): its own block
+        rows when every shard boundary falls on a block, else all shards at the largest scale."""
+        shards = layer.per_tensor_scales
+        if len(shards) != len(layer.shard_ids):
+            raise ValueError(
+                f"{type(layer).__name__}: shards {sorted(map(repr, shards))} have per-tensor weight scales "
+                f"and the others block scales; a layer's scales must all be of one kind"
+            )
+        bn = self.block_size[0]
+        scale, n = layer.weight_scale_inv.data, layer.out_features
+        values = list(shards.values())
+        with torch.no_grad():
+            if all(lay.dim == 1 or is_block_aligned(lay.dst_start, lay.size, n, bn) for lay, _ in values):
+                for lay, s in values:
+                    if lay.dim == 1:  # a row-parallel layer: its one shard covers every block
+                        scale.fill_(s)
+                    else:
+                        scale[lay.dst_start // bn : -(-(lay.dst_start + lay.size) // bn)].fill_(s)
+            else:
+                top = max(s for _, s in values)
+                for lay, s in values:
+                    if s != top:  # one more rounding of these rows, onto the coarser grid of `top`
+                        rows = layer.weight.data.narrow(0, lay.dst_start, lay.size)
+                        rows.copy_(quantize_fp8(rows.float() * s, top))
+                scale.fill_(top)
+        shards.clear()
+
+
+def dequantize_linear_(layer: LinearBase, dtype: torch.dtype) -> None:
+    """An FP8 layer back to a plain one in `dtype`: weight = weight * its block scales (for
+    weights read raw rather than applied, such as MLA's absorbed `kv_b_proj`). No-op if plain."""
+    if layer.quant_method is UNQUANTIZED:
+        return
+    block = list(layer.quant_method.block_size)  # type: ignore[arg-type]
+    w = dequantize_fp8_block(layer.weight.data, layer.weight_scale_inv.data, block, dtype)
+    layer.weight = nn.Parameter(w, requires_grad=False)
+    del layer.weight_scale_inv
+    layer.quant_method = UNQUANTIZED
+
+
+def _checkpoint_module_names(name: str, mapping: dict[str, tuple[str, Any]]) -> list[str]:
+    """Module `name` -> the checkpoint modules merged into it (q/k/v_proj for a qkv_proj)."""
+    prefix, _, leaf = name.rpartition(".")
+    parts = [ckpt for ckpt, (packed, _) in mapping.items() if packed == leaf]
+    return [f"{prefix}.{p}" if prefix else p for p in parts] or [name]
+
+
+def _is_skipped(name: str, cfg: Fp8Config, mapping: dict[str, tuple[str, Any]]) -> bool:
+    names = _checkpoint_module_names(name, mapping)
+    ignored = [cfg.is_ignored(n) for n in names]
+    if any(ignored) and not all(ignored):
+        raise ValueError(
+            f"{name} merges {names}, of which only some are in quantization_config's ignored modules; "
+            "the parts of a merged layer must be quantized alike"
+        )
+    return all(ignored)
+
+
+def apply_fp8(
+    model: nn.Module,
+    cfg: Fp8Config,
+    *,
+    online: bool,
+    backend: str = "auto",
+    device: torch.device | str = "cpu",
+) -> None:
+    """Switch every eligible linear layer of `model` (on the meta device, before allocation) to
+    FP8, and every MoE expert layer (`FusedMoE.enable_fp8`). `backend`, `device`: which GEMM
+    runs them (`resolve_fp8_gemm_ops`). online: quantize a model-dtype checkpoint after loading.
+
+    Eligible: any tensor-parallel / replicated linear layer not in `cfg.ignored_layers` whose
+    weight is not kept in fp32. A ValueError names the layer when its input width is not a
+    multiple of the block width, or a shard of a block checkpoint would split a block.
+    """
+    ops = resolve_fp8_gemm_ops(backend, device)
+    mapping = getattr(model, "packed_modules_mapping", {})
+    per_tensor = cfg.weight_block_size is None
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            if getattr(module.weight, "keep_fp32", False) or _is_skipped(name, cfg, mapping):
+                continue
+            block = cfg.layer_block_size(module.in_features)
+            method = Fp8LinearMethod(block, ops, online=online, per_tensor=per_tensor)
+            method.create_weights(module, name)
+            module.quant_method = method
+        elif isinstance(module, FusedMoE) and not cfg.is_ignored(name) and not online:
+            module.enable_fp8(cfg.weight_block_size or DEFAULT_BLOCK_SIZE)
+
+
+def fill_dummy_fp8_(weight: torch.Tensor, scale_inv: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    """Random FP8 weights that behave like N(0, std) quantized in 128 x 128 blocks (benchmarks'
+    dummy weights): the amax of such a block is about 4 std, so every scale is 4 std / 448 and
+    the values are N(0, std) / scale, saturated at +-448 (beyond 4 std: 6e-5 of them). Any
+    leading dims (stacked experts) are filled alike; chunks of rows keep the fp32 draw small."""
+    s = 4.0 * std / FP8_MAX
+    scale_inv.fill_(s)
+    rows = weight.view(-1, weight.shape[-1])
+    chunk = max(1, (1 << 24) // max(1, weight.shape[-1]))  # 64 MB of fp32 at a time
+    for i in range(0, rows.shape[0], chunk):
+        part = rows[i : i + chunk]
+        draw = torch.empty(part.shape, dtype=torch.float32, device=part.device).normal_(
+            0.0, std, generator=gen
+        )
+        part.copy_(quantize_fp8(draw, s))
