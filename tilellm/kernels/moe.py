@@ -317,6 +317,8 @@ def fused_moe(
 
 def _fp8_gemms(x, w13, w2, w13_scale, w2_scale, block_shape, inter, down, routing, cfg: MoeConfig) -> None:
     """The two grouped GEMMs on block-quantized experts, each input quantized per token-group of bk."""
+    # imported here: fp8_gemm imports the reference package, whose __init__ imports the twin of
+    # this module, which imports this module's checks
     from tilellm.kernels.fp8_gemm import per_token_group_quant_fp8
 
     bk, top_k = block_shape[1], inter.shape[0] // x.shape[0]
@@ -489,7 +491,7 @@ def _check_block_scales(name, hidden_states, w13, w13_scale, w2_scale, block_sha
             f"{name}: block_shape [bn, bk] is required with float8_e4m3fn w13 / w2 "
             "(the block of weights each w13_scale / w2_scale entry scales)"
         )
-    bn, bk = _check_block_shape(name, block_shape)
+    bn, bk = check_block_shape(name, block_shape)
     H, E, I = hidden_states.shape[1], w13.shape[0], w13.shape[1] // 2
     for dim, size in (("H", H), ("I", I)):
         if size % bk:
@@ -518,7 +520,7 @@ def _check_block_scales(name, hidden_states, w13, w13_scale, w2_scale, block_sha
             )
 
 
-def _check_block_shape(name, block_shape) -> tuple[int, int]:
+def check_block_shape(name, block_shape) -> tuple[int, int]:
     """(bn, bk): bn a multiple of 16 (column tiles divide it), bk a power of two >= 16 (one k step)."""
     ok = isinstance(block_shape, list | tuple | torch.Size) and len(block_shape) == 2
     ok = ok and all(isinstance(b, int) and not isinstance(b, bool) for b in block_shape)
