@@ -31,7 +31,12 @@ from torch import nn
 from tilellm.models.layers.layernorm import LayerNorm, RMSNorm
 from tilellm.models.layers.linear import default_weight_loader
 from tilellm.models.parallel import check_tp, partition_kv_heads
-from tilellm.models.quantization import apply_fp8, fill_dummy_fp8_, resolve_quantization
+from tilellm.models.quantization import (
+    apply_fp8,
+    fill_dummy_fp8_,
+    quantize_experts_online,
+    resolve_quantization,
+)
 from tilellm.models.registry import get_model_class, supported_architectures
 
 _DTYPES = {
@@ -363,5 +368,7 @@ def load_model(
         _fill_dummy_weights(model, device, seed)
     else:
         load_weights(model, files)
+    if quant_config is not None and online:
+        quantize_experts_online(model, quant_config)
     process_weights_after_loading(model, torch_dtype)
     return model.eval(), config

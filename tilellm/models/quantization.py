@@ -17,9 +17,9 @@ and bk-wide group of channels:
     y = w8a8_block_fp8_matmul(x_q, weight, x_s, weight_scale_inv, [bn, bk], x.dtype)   # [M, N]
 
 Per-tensor checkpoints (no `weight_block_size`: a scalar `X.weight_scale`, perhaps an
-`X.input_scale`) are held in the same block form, blocks of 128 rows by 128 columns (by the
-layer's whole K when K is not a multiple of 128), every block of a shard holding that shard's
-scale. A merged layer (qkv_proj, gate_up_proj) whose shards carry different scales keeps them
+`X.input_scale`) are held in the same block form, blocks of 128 rows by 128 columns (fewer
+columns when K is not a multiple of 128: `per_tensor_group`), every block of a shard holding
+that shard's scale. A merged layer (qkv_proj, gate_up_proj) whose shards carry different scales keeps them
 block row by block row when every shard boundary falls on a block, and otherwise has every shard
 requantized to the largest scale (as vLLM does). Activations are quantized dynamically per token
 and group in both cases: a static `input_scale` is read and ignored.
@@ -35,6 +35,7 @@ per-tensor scales to blocks, MLA's dequantized `kv_b_proj`).
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -109,12 +110,29 @@ class Fp8Config:
         return any(f".{entry}." in f".{name}." for entry in self.ignored_layers)
 
     def layer_block_size(self, in_features: int) -> tuple[int, int]:
-        """The (bn, bk) a layer of `in_features` inputs holds its scales in: the checkpoint's
-        block, or for per-tensor scales 128 x 128 (128 x K when K is not a multiple of 128)."""
+        """The (bn, bk) a linear layer of `in_features` inputs holds its scales in: the
+        checkpoint's block, or for per-tensor scales 128 rows by `per_tensor_group(K)`."""
         if self.weight_block_size is not None:
             return self.weight_block_size
-        bn, bk = DEFAULT_BLOCK_SIZE
-        return bn, bk if in_features % bk == 0 else in_features
+        return DEFAULT_BLOCK_SIZE[0], per_tensor_group(in_features)
+
+    def experts_block_size(self, hidden_size: int, intermediate_per_rank: int) -> tuple[int, int]:
+        """The (bn, bk) of a FusedMoE's block scales: the checkpoint's, or for per-tensor scales
+        square blocks that divide both H and I (the experts' scales split I in whole blocks)."""
+        if self.weight_block_size is not None:
+            return self.weight_block_size
+        b = per_tensor_group(math.gcd(hidden_size, intermediate_per_rank))
+        return b, b
+
+
+def per_tensor_group(k: int) -> int:
+    """The activation group width of a per-tensor layer of `k` inputs (any width dividing k holds
+    its one scale): 128, else the largest power of two >= 32 dividing k (what the Triton GEMM
+    takes), else the whole k."""
+    for width in (128, 64, 32):
+        if k % width == 0:
+            return width
+    return k
 
 
 def resolve_quantization(raw_config: dict, quantization: str | None) -> tuple[Fp8Config | None, bool]:
@@ -303,7 +321,18 @@ def apply_fp8(
             method.create_weights(module, name)
             module.quant_method = method
         elif isinstance(module, FusedMoE) and not cfg.is_ignored(name) and not online:
-            module.enable_fp8(cfg.weight_block_size or DEFAULT_BLOCK_SIZE)
+            module.enable_fp8(cfg.experts_block_size(module.hidden_size, module.intermediate_per_rank))
+
+
+def quantize_experts_online(model: nn.Module, cfg: Fp8Config) -> None:
+    """Online quantization of the experts, after loading (the linear layers quantize themselves in
+    `process_weights_after_loading`): every FusedMoE not in `cfg.ignored_layers`, in the
+    config's blocks."""
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and not cfg.is_ignored(name):
+            module.quantize_weights_fp8(
+                cfg.experts_block_size(module.hidden_size, module.intermediate_per_rank)
+            )
 
 
 def fill_dummy_fp8_(weight: torch.Tensor, scale_inv: torch.Tensor, gen: torch.Generator, std: float) -> None:
