@@ -117,7 +117,7 @@ def per_token_group_quant_fp8(
     check_per_token_group_quant(x, group_size, eps)
     M, K = x.shape
     groups = x.float().reshape(M, K // group_size, group_size)
-    x_s = groups.abs().amax(dim=-1).clamp(min=eps) / FP8_MAX  # [M, G]
+    x_s = _div_exact(groups.abs().amax(dim=-1).clamp(min=eps), FP8_MAX)  # [M, G]
     x_q = quantize_fp8(groups, x_s[..., None]).reshape(M, K)
     return x_q, (x_s.t().contiguous().t() if column_major_scales else x_s)
 
@@ -149,6 +149,12 @@ def w8a8_block_fp8_matmul(
     return acc.to(output_dtype)
 
 
+def _div_exact(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """t / divisor rounded once (IEEE), as the kernels' `tl.div_rn`: on CUDA, torch divides by a
+    Python number as a product with its rounded reciprocal, which is one ulp off at times."""
+    return t / torch.full_like(t, divisor)
+
+
 def _expand_block_scales(scale: torch.Tensor, shape: torch.Size, bn: int, bk: int) -> torch.Tensor:
     """[ceil(N / bn), ceil(K / bk)] block scales -> [N, K], one per element."""
     N, K = shape
@@ -169,7 +175,7 @@ def quantize_fp8_block(w: torch.Tensor, block_size: list[int]) -> tuple[torch.Te
     padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
     padded[:N, :K] = w.float()  # zero padding never raises an amax
     amax = padded.abs().view(nb, bn, kb, bk).amax(dim=(1, 3))
-    scale_inv = amax.clamp(min=WEIGHT_SCALE_EPS) / FP8_MAX
+    scale_inv = _div_exact(amax.clamp(min=WEIGHT_SCALE_EPS), FP8_MAX)
     w_q = quantize_fp8(w.float(), _expand_block_scales(scale_inv, w.shape, bn, bk))
     return w_q, scale_inv
 
