@@ -1,6 +1,7 @@
 """`FusedMoE` with FP8 experts: `enable_fp8`'s parameters, loading fp8 checkpoint tensors with
 block or per-tensor scales through `weight_loader` (one rank, and two tensor-parallel ranks whose
-partial sums add up), online quantization of loaded experts, and the errors.
+partial sums add up), online quantization of loaded experts, the errors, and a tiny DeepSeek-V3
+checkpoint in both released FP8 forms through the model loader.
 
 The checkpoint is built per expert as the HF directories hold it: gate_proj / up_proj [I, H] and
 down_proj [H, I] in e4m3 with `weight_scale_inv` [cdiv(rows, bn), cdiv(cols, bk)] (or a scalar
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import tilellm.kernels.moe as triton_moe
 import tilellm.kernels.reference.moe as ref
 from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
 from tilellm.kernels.reference.fp8_gemm import quantize_fp8_block
+from tilellm.models import load_model
 from tilellm.models.layers.moe import FusedMoE, quantize_experts_fp8
+from tilellm.testing import make_tiny_moe_model, quantize_model_dir_fp8
 
 E, H, I, T, K = 4, 64, 128, 11, 2
 BLOCK = (32, 32)
@@ -41,21 +45,23 @@ def checkpoint(
     return ckpt
 
 
-def stacked(ckpt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole (one-rank) w13 / w2 in fp8 and their block scales, stacked by hand."""
+def stacked(ckpt, num_experts=E, hidden=H, inter=I) -> tuple[torch.Tensor, ...]:
+    """(w13, w2, w13_scale, w2_scale): the whole (one-rank) fp8 experts and their block scales,
+    stacked by hand; a per-tensor scale repeated over its matrix's blocks."""
     bn, bk = BLOCK
 
     def blocks(e, m, shape):
         scale = ckpt[e, m][1]
         return scale.expand(shape) if scale.dim() == 0 else scale
 
-    w13 = torch.stack([torch.cat([ckpt[e, "gate_proj"][0], ckpt[e, "up_proj"][0]]) for e in range(E)])
-    w2 = torch.stack([ckpt[e, "down_proj"][0] for e in range(E)])
-    half = (I // bn, H // bk)
+    experts = range(num_experts)
+    w13 = torch.stack([torch.cat([ckpt[e, "gate_proj"][0], ckpt[e, "up_proj"][0]]) for e in experts])
+    w2 = torch.stack([ckpt[e, "down_proj"][0] for e in experts])
+    half = (inter // bn, hidden // bk)
     w13_s = torch.stack(
-        [torch.cat([blocks(e, "gate_proj", half), blocks(e, "up_proj", half)]) for e in range(E)]
+        [torch.cat([blocks(e, "gate_proj", half), blocks(e, "up_proj", half)]) for e in experts]
     )
-    w2_s = torch.stack([blocks(e, "down_proj", (H // bn, I // bk)) for e in range(E)])
+    w2_s = torch.stack([blocks(e, "down_proj", (hidden // bn, inter // bk)) for e in experts])
     return w13, w2, w13_s, w2_s
 
 
@@ -68,11 +74,11 @@ def load(layer: FusedMoE, ckpt, scale_shape=None) -> None:
         layer.weight_loader(s_param, scale if scale_shape is None else scale.reshape(scale_shape), (e, m))
 
 
-def routing(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing(seed: int = 1, num_experts: int = E) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen)
     weights = torch.rand(T, K, generator=gen)
-    ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
+    ids = torch.rand(T, num_experts, generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
     return x, weights, ids
 
 
@@ -225,3 +231,52 @@ def test_loading_errors():
     unquantized = FusedMoE(E, H, I, ref)
     with pytest.raises(ValueError, match="fp8 checkpoints need FusedMoE.enable_fp8"):
         unquantized.weight_loader(unquantized.w13_weight, w, (0, "gate_proj"))
+
+
+# ----------------------------------------------------------------------------------------------
+# A DeepSeek-V3 checkpoint in the released FP8 formats, through the model loader
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepseek_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_fp8")
+    src = make_tiny_moe_model(root / "src", "DeepseekV3ForCausalLM", seed=3)
+    return {
+        "src": src,
+        "block": quantize_model_dir_fp8(src, root / "block", BLOCK),
+        "per_tensor": quantize_model_dir_fp8(src, root / "per_tensor", per_tensor=True),
+    }
+
+
+@pytest.mark.parametrize("form", ["block", "per_tensor"])
+def test_deepseek_v3_checkpoint_loads_fp8_experts(deepseek_dirs, form):
+    """The loaded experts hold the file's e4m3 values and scales (a per-tensor scale repeated
+    over its matrix's blocks) and run within fp8's error of the original float experts."""
+    sd = load_file(deepseek_dirs[form] / "model.safetensors")
+    model, _ = load_model(deepseek_dirs[form], device="cpu", attention_backend="reference")
+    experts = model.model.layers[1].mlp.experts
+    assert experts.fp8_block_size == BLOCK and experts.w13_weight.dtype == FP8_DTYPE
+    name = "weight_scale" if form == "per_tensor" else "weight_scale_inv"
+    ckpt = {}
+    for e in range(8):
+        for m in MATRICES:
+            prefix = f"model.layers.1.mlp.experts.{e}.{m}."
+            ckpt[e, m] = (sd[prefix + "weight"], sd[prefix + name])
+    w13, w2, w13_s, w2_s = stacked(ckpt, num_experts=8, hidden=64, inter=32)  # the tiny model's experts
+    assert torch.equal(experts.w13_weight.view(torch.uint8), w13.view(torch.uint8))
+    assert torch.equal(experts.w2_weight.view(torch.uint8), w2.view(torch.uint8))
+    assert torch.equal(experts.w13_weight_scale_inv, w13_s) and torch.equal(experts.w2_weight_scale_inv, w2_s)
+
+    source = load_file(deepseek_dirs["src"] / "model.safetensors")
+    exact_w13 = torch.stack(
+        [
+            torch.cat([source[f"model.layers.1.mlp.experts.{e}.{m}.weight"] for m in MATRICES[:2]])
+            for e in range(8)
+        ]
+    )
+    exact_w2 = torch.stack([source[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] for e in range(8)])
+    x, weights, ids = routing(9, num_experts=8)
+    exact = ref.fused_moe(x, exact_w13, exact_w2, weights, ids)
+    rel = float((experts(x, weights, ids) - exact).norm() / exact.norm())
+    assert rel < 0.08, f"{form} fp8 experts differ from the float ones by {rel:.3f} (relative norm)"
