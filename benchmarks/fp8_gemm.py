@@ -66,10 +66,9 @@ def alternatives(M: int, default: tk.Fp8GemmConfig) -> list[tk.Fp8GemmConfig]:
     return [c for c in options if c != default][:2]
 
 
-def bench_case(x: torch.Tensor, w: torch.Tensor, sweep: bool) -> dict:
-    """Every variant for one [M, K] x [N, K]^T product; x, w bf16 on the GPU."""
+def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, sweep: bool) -> dict:
+    """Every variant for one [M, K] x [N, K]^T product; x, w bf16 on the GPU, (b, b_s) = w quantized."""
     (M, K), N = x.shape, w.shape[0]
-    b, b_s = ref.quantize_fp8_block(w, BLOCK)
     a, a_s = tk.per_token_group_quant_fp8(x, BLOCK[1])
     a_ref, a_s_ref = ref.per_token_group_quant_fp8(x, BLOCK[1])
     quant_exact = torch.equal(a.view(torch.uint8), a_ref.view(torch.uint8)) and torch.equal(a_s, a_s_ref)
@@ -123,6 +122,16 @@ def derived(row: dict) -> None:
             row[f"{name}_speedup"] = row["bf16_us"] / us
 
 
+def print_header() -> None:
+    cols = f"{'us':>8} {'TF/s':>6} {'GB/s':>6}"  # each variant: time, TFLOP/s, weight GB/s
+    groups = f"{'bf16':<22} | {'fp8':<28} | {'fp8+quant':<28} | {'scaled_mm':<22}"
+    print(f"{'':<38} | {groups} | best    |")
+    print(
+        f"{'model':<11}{'layer':<8}{'M':>5} {'N':>6} {'K':>6} | {cols} | {cols} {'xbf16':>5} | {cols} "
+        f"{'xbf16':>5} | {cols} | alt us  | check"
+    )
+
+
 def print_row(model: str, layer: str, row: dict) -> None:
     def cell(name: str) -> str:
         us = row.get(f"{name}_us")
@@ -155,20 +164,15 @@ def main() -> None:
         raise SystemExit("benchmarks/fp8_gemm.py needs a CUDA GPU")
     torch.manual_seed(0)
     device = torch.device("cuda")
-    cols = f"{'us':>8} {'TF/s':>6} {'GB/s':>6}"  # each variant: time, TFLOP/s, weight GB/s
-    groups = f"{'bf16':<22} | {'fp8':<28} | {'fp8+quant':<28} | {'scaled_mm':<22}"
-    print(f"{'':<37} | {groups} | best    |")
-    print(
-        f"{'model':<11}{'layer':<8}{'M':>5} {'N':>6} {'K':>6} | {cols} | {cols} {'xbf16':>5} | {cols} "
-        f"{'xbf16':>5} | {cols} | alt us  | check"
-    )
+    print_header()
     rows = []
     for model in args.models.split(","):
         for layer, (N, K) in LAYERS[model].items():
             w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
+            b, b_s = ref.quantize_fp8_block(w, BLOCK)
             for M in (int(m) for m in args.ms.split(",")):
                 x = torch.randn(M, K, device=device).to(torch.bfloat16)
-                row = bench_case(x, w, sweep=not args.no_sweep)
+                row = bench_case(x, w, b, b_s, sweep=not args.no_sweep)
                 derived(row)
                 row.update(model=model, layer=layer)
                 print_row(model, layer, row)
