@@ -105,6 +105,8 @@ class SpeculativeConfig:
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "triton", "reference")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,18 @@ class EngineConfig:
     model: str = _arg("", "Hugging Face model directory (default: the embedded model)", cli=False)
     dtype: str = _arg(
         "auto", "weights and activations (auto: the checkpoint's; float32 on CPU)", choices=DTYPES
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "KV cache values: auto (the model's dtype), or fp8 / fp8_e4m3 (e4m3 with per-layer K and V "
+        "scales: the checkpoint's, else measured on the first prompt; twice the tokens in the same memory)",
+        choices=KV_CACHE_DTYPES,
+    )
+    quantization: str | None = _arg(
+        None,
+        "weight quantization: fp8 quantizes a 16/32-bit checkpoint at load (128 x 128 blocks, "
+        "W8A8); FP8 checkpoints load as FP8 without it",
+        choices=QUANTIZATIONS,
     )
     block_size: int = _arg(16, "tokens per KV-cache block")
     max_num_seqs: int = _arg(256, "most sequences running at once")
@@ -176,6 +190,12 @@ class EngineConfig:
             "float",
         ):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.attention_backend not in ("auto", "triton", "reference"):

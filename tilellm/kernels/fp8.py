@@ -73,6 +73,21 @@ def dequantize_fp8(x_q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.
     return (x_q.float() * scale).to(dtype)
 
 
+# An FP8 cache without scales in its checkpoint measures them on its first prompt, as vLLM's
+# `calculate_kv_scales` does, with vLLM's ranges: scale = amax / 200 for K and amax / 100 for
+# V, so that values up to 2.2x (K) and 4.5x (V) the first prompt's largest still fit in +-448.
+# e4m3's relative precision is the same in every binade, so the headroom costs precision only
+# for values near the subnormal range (below 2^-6 x scale).
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
+
+
+def measure_kv_scale(x: torch.Tensor, scale: torch.Tensor, value_range: float) -> None:
+    """scale[0] = max(amax |x|, 1e-6) / value_range, on the device (no host sync)."""
+    with torch.no_grad():
+        scale.copy_(x.detach().abs().amax().float().clamp(min=1e-6).reshape(1) / value_range)
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensors' dtype for `kv_cache_dtype` "auto" (the model's) | "fp8" | "fp8_e4m3"."""
     if kv_cache_dtype == "auto":

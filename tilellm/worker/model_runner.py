@@ -38,6 +38,7 @@ import torch
 from tilellm.attention import BatchKind, attention_context, get_attention_backend
 from tilellm.config import EngineConfig
 from tilellm.distributed.driver import WorkerError
+from tilellm.kernels.fp8 import FP8_DTYPE, kv_cache_torch_dtype
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
 from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
@@ -143,6 +144,7 @@ class ModelRunner:
             attention_backend=config.attention_backend,
             fused_ops_backend=config.fused_ops_backend,
             load_format=config.load_format,
+            quantization=config.quantization,
             tp_rank=tp_rank,
             tp_size=tp_size,
             seed=config.seed,
@@ -152,12 +154,13 @@ class ModelRunner:
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
         num_layers, num_kv_heads, head_dim = model_kv_spec(self.hf_config, tp_size)
         self.block_size = config.block_size
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.kv_spec = kv_pool.KVSpec(
             num_layers,
             num_kv_heads,
             head_dim,
             config.block_size,
-            self.dtype,
+            self.kv_dtype,
             kv_caches_per_layer(self.hf_config),
         )
         index_dim = index_head_dim(self.hf_config)
@@ -167,7 +170,9 @@ class ModelRunner:
         )
         layer0 = self.model.attention_layers()[0]
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
-        self.attn_spec = dataclasses.replace(layer0.spec(self.dtype), block_size=config.block_size)
+        self.attn_spec = dataclasses.replace(
+            layer0.spec(self.dtype), block_size=config.block_size, cache_dtype=self.kv_dtype
+        )
         # Token counts of every sequence slot for penalties (allocated when first needed).
         self.penalties = PenaltyState(config.max_num_seqs, self.vocab_size, self.device)
         self.bad_words = BadWordsState(config.max_num_seqs, self.device)  # recent output tokens per slot
@@ -211,6 +216,10 @@ class ModelRunner:
         )
         if self.index_spec is not None:
             layout += f", indexer keys of {self.index_spec.head_dim}"
+        if self.kv_dtype == FP8_DTYPE:
+            layout += (
+                f"; FP8 (e4m3) values: {self.dtype.itemsize}x the tokens of a {str(self.dtype)[6:]} cache"
+            )
         logger.info(
             "KV cache: %d bytes per token (%s); %d blocks of %d tokens = %d tokens, %.2f GiB",
             self.kv_bytes_per_token, layout, num_blocks, self.block_size,
@@ -369,8 +378,15 @@ class ModelRunner:
             raise RuntimeError(
                 f"model has {len(layers)} attention layers, config says {self.kv_spec.num_layers}"
             )
+        # FP8 caches: each layer's dequantization scales, [num_layers, num_caches] float32 on the
+        # device, measured on the first real step (`_forward`) unless the checkpoint brought them.
+        self.kv_scales, self.kv_scales_pending, self._kv_scales_logged = None, False, True
+        if self.kv_dtype == FP8_DTYPE:
+            self.kv_scales = torch.ones(len(layers), self.kv_spec.num_caches, device=self.device)
+            self.kv_scales_pending = True
         for i, layer in enumerate(layers):
-            layer.bind_kv_cache(*self.kv_cache[:, i])
+            scales = [] if self.kv_scales is None else list(self.kv_scales[i].split(1))
+            layer.bind_kv_cache(*self.kv_cache[:, i], *scales)
         if self.index_spec is not None:  # DeepSeek-V3.2: the indexer keys, on the same block ids
             self.index_cache = kv_pool.allocate_kv_pool(self.index_spec, self.num_kv_blocks, self.device)
             for i, layer in enumerate(layers):
@@ -538,7 +554,7 @@ class ModelRunner:
             if self._selection_layer is not None:  # a replay runs no Python: nothing to show
                 self._selection_layer.last_topk_indices = None
             return self.decode_graphs.replay(x), None
-        with attention_context(self._plan(x)):
+        with attention_context(self._plan(x)), self._measuring_kv_scales():
             hidden = self.model(x.input_ids, x.positions)
         logits = self.model.compute_logits(hidden[x.logits_indices])
         if x.prompt_logits_indices is None:
@@ -551,6 +567,37 @@ class ModelRunner:
             if num_prompt_logprobs >= 0:
                 parts.append(prompt_logprobs_of(chunk, targets[start:end], num_prompt_logprobs))
         return logits, PromptLogprobs.cat(parts) if parts else None
+
+    @contextlib.contextmanager
+    def _measuring_kv_scales(self) -> Iterator[None]:
+        """The first real step with an FP8 cache whose scales are unknown: every layer sets its
+        K and V scales from this step's values before storing them (on the device; warm-up and
+        capture run before it and leave the scales at 1). Every rank does it for its own heads."""
+        if not self.kv_scales_pending:
+            yield
+            return
+        layers = self.model.attention_layers()
+        for layer in layers:
+            layer.calibrate_kv_scales = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.calibrate_kv_scales = False
+            self.kv_scales_pending = False
+            self._kv_scales_logged = False
+
+    def log_kv_scales(self) -> None:
+        """Say, once, the scales the first step measured (one host read, after that step)."""
+        if self.kv_scales is None or self.kv_scales_pending or self._kv_scales_logged:
+            return
+        self._kv_scales_logged = True
+        lo, hi = self.kv_scales.amin(0).tolist(), self.kv_scales.amax(0).tolist()
+        names = ("latent rows",) if self.kv_spec.num_caches == 1 else ("K", "V")
+        logger.info(
+            "FP8 KV cache scales measured on the first prompt: %s",
+            ", ".join(f"{n} {a:.3g}..{b:.3g}" for n, a, b in zip(names, lo, hi)),
+        )
 
     def execute(self, inputs: StepInputs, sampling: HostSampling) -> StepResult:
         """Run one step and wait for its result (see `launch` / `wait`)."""
@@ -787,6 +834,7 @@ class ModelRunner:
                     self.driver.wait_event(handle.event)
             if handle.start_event is not None:
                 handle.host.device_time_s = handle.start_event.elapsed_time(handle.event) / 1e3
+        self.log_kv_scales()
         return handle.host
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tilellm.attention.metadata import AttentionMetadata, BatchKind
+from tilellm.kernels.fp8 import K_SCALE_RANGE, V_SCALE_RANGE, measure_kv_scale
 from tilellm.kernels.schedule import PagedPlan
 
 if TYPE_CHECKING:
@@ -41,6 +42,11 @@ class AttentionSpec:
     dtype: torch.dtype
     block_size: int
     kv_lora_rank: int = 0  # MLA: the latent's width (head_dim = kv_lora_rank + rope dims); 0 = not MLA
+    cache_dtype: torch.dtype | None = None  # the KV cache's dtype (None: `dtype`); FP8 or not
+
+    @property
+    def fp8_cache(self) -> bool:
+        return self.cache_dtype == torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -138,23 +144,28 @@ class AttentionBackend:
             if plan.mode != "prefill":
                 raise RuntimeError("KV cache not bound: only PREFILL steps can run without it")
             return ops.prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale=scale)
-        ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if layer.calibrate_kv_scales:  # an FP8 cache's first real step: scales from its K and V
+            measure_kv_scale(k, layer.k_scale, K_SCALE_RANGE)
+            measure_kv_scale(v, layer.v_scale, V_SCALE_RANGE)
+        kv_scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+        ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
         if plan.mode == "prefill":
             return ops.prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale=scale)
         if plan.mode == "cascade":
             # Requests share their first blocks: read the shared keys once for the whole batch.
             return ops.cascade_decode_attention(
-                q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cascade_prefix_len, scale=scale
-            )
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cascade_prefix_len, scale=scale,
+                **kv_scales,
+            )  # fmt: skip
         if plan.mode == "decode":
             return ops.decode_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale=scale,
-                num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k,
+                num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k, **kv_scales,
             )  # fmt: skip
         if plan.mode == "paged":
             return ops.paged_attention(
                 q, k_cache, v_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q,
-                scale=scale, num_splits=plan.paged, max_seqlen_k=meta.max_seqlen_k,
+                scale=scale, num_splits=plan.paged, max_seqlen_k=meta.max_seqlen_k, **kv_scales,
             )  # fmt: skip
         # A mixed step: its leading one-token requests through the decode kernel (a query tile of
         # one token's heads), the others (prompt chunks, verification) through the paged kernel,
@@ -163,13 +174,13 @@ class AttentionBackend:
         out = torch.empty_like(q)
         ops.decode_attention(
             q[:nd], k_cache, v_cache, meta.block_table[:nd], meta.seq_lens[:nd], scale=scale,
-            num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k, out=out[:nd],
+            num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k, out=out[:nd], **kv_scales,
         )  # fmt: skip
         if nd < meta.seq_lens.shape[0]:
             ops.paged_attention(
                 q[nd:], k_cache, v_cache, meta.block_table[nd:], plan.rest_cu_seqlens_q, meta.seq_lens[nd:],
                 meta.max_seqlen_q, scale=scale, num_splits=plan.paged, max_seqlen_k=meta.max_seqlen_k,
-                out=out[nd:],
+                out=out[nd:], **kv_scales,
             )  # fmt: skip
         return out
 
@@ -206,7 +217,9 @@ class AttentionBackend:
             raise RuntimeError("KV cache not bound: only PREFILL steps can run without it")
         if cache.numel() != 0:
             rows = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, L + Dr]
-            self.ops.store_kvcache(rows, None, cache, None, meta.slot_mapping)
+            if layer.calibrate_kv_scales:
+                measure_kv_scale(rows, layer.kv_scale, K_SCALE_RANGE)
+            self.ops.store_kvcache(rows, None, cache, None, meta.slot_mapping, k_scale=layer.kv_scale)
         if plan.mode == "prefill":
             kv = F.linear(latent, kv_b_weight).view(num_tokens, num_heads, dn + dv)
             k_nope, v = kv.split([dn, dv], dim=-1)
@@ -248,7 +261,9 @@ class AttentionBackend:
             return self.forward_mla(layer, q_nope, q_pe, latent, k_pe, kv_b_weight, meta)
         ops = self.ops
         rows = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, L + Dr]
-        ops.store_kvcache(rows, None, cache, None, meta.slot_mapping)
+        if layer.calibrate_kv_scales:
+            measure_kv_scale(rows, layer.kv_scale, K_SCALE_RANGE)
+        ops.store_kvcache(rows, None, cache, None, meta.slot_mapping, k_scale=layer.kv_scale)
         ops.store_kvcache(index_k.unsqueeze(1), None, index_cache, None, meta.slot_mapping)
         topk_indices = ops.index_topk(
             index_q, index_weights, index_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
@@ -261,7 +276,7 @@ class AttentionBackend:
         q_abs = _absorb_query(q_nope, q_pe, w_uk)
         o_latent = ops.sparse_mla_attention(
             q_abs, cache, meta.block_table, meta.cu_seqlens_q, topk_indices, meta.seq_lens,
-            kv_lora_rank=layer.kv_lora_rank, scale=layer.scale,
+            kv_lora_rank=layer.kv_lora_rank, scale=layer.scale, kv_scale=layer.kv_scale,
         )  # fmt: skip
         return _expand_output(o_latent, w_uv)
 
@@ -273,28 +288,29 @@ class AttentionBackend:
         plan: AttentionPlan,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        ops, rank, scale = self.mla_ops, layer.kv_lora_rank, layer.scale
+        ops, rank, scale, kv_scale = self.mla_ops, layer.kv_lora_rank, layer.scale, layer.kv_scale
         if plan.mode in ("decode", "cascade"):  # a shared prefix is no cheaper: one row serves all heads
             return ops.mla_decode_attention(
                 q, cache, meta.block_table, meta.seq_lens, kv_lora_rank=rank, scale=scale,
-                num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k,
+                num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k, kv_scale=kv_scale,
             )  # fmt: skip
         if plan.mode == "paged":
             return ops.mla_paged_attention(
                 q, cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q,
                 kv_lora_rank=rank, scale=scale, num_splits=plan.paged, max_seqlen_k=meta.max_seqlen_k,
+                kv_scale=kv_scale,
             )  # fmt: skip
         nd = plan.num_decodes
         out = q.new_empty(q.shape[0], q.shape[1], rank)
         ops.mla_decode_attention(
             q[:nd], cache, meta.block_table[:nd], meta.seq_lens[:nd], kv_lora_rank=rank, scale=scale,
-            num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k, out=out[:nd],
+            num_splits=plan.decode, max_seqlen_k=meta.max_seqlen_k, out=out[:nd], kv_scale=kv_scale,
         )  # fmt: skip
         if nd < meta.seq_lens.shape[0]:
             ops.mla_paged_attention(
                 q[nd:], cache, meta.block_table[nd:], plan.rest_cu_seqlens_q, meta.seq_lens[nd:],
                 meta.max_seqlen_q, kv_lora_rank=rank, scale=scale, num_splits=plan.paged,
-                max_seqlen_k=meta.max_seqlen_k, out=out[nd:],
+                max_seqlen_k=meta.max_seqlen_k, out=out[nd:], kv_scale=kv_scale,
             )  # fmt: skip
         return out
 

@@ -33,14 +33,30 @@ class Attention(nn.Module):
         # [num_blocks, block_size, Hkv, D]; bound by the runner once the pool is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # FP8 caches: [1] float32 dequantization scales of K and V (device memory, so graphs
+        # replay with their values); None for 16/32-bit caches.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        # Set by the runner for the one step that measures the scales (`kv_scales.py`).
+        self.calibrate_kv_scales = False
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_kv_cache(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def spec(self, dtype: torch.dtype) -> AttentionSpec:
         """This layer's shape, for planning (block size 16 until a cache is bound)."""
         block_size = int(self.k_cache.shape[1]) if self.k_cache.dim() == 4 else 16
-        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, dtype, block_size)
+        cache_dtype = self.k_cache.dtype if self.k_cache.numel() else dtype
+        return AttentionSpec(
+            self.num_heads, self.num_kv_heads, self.head_dim, dtype, block_size, cache_dtype=cache_dtype
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(self, q, k, v, get_attention_metadata())
@@ -80,15 +96,19 @@ class MLAAttention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.kv_cache = torch.empty(0)  # bound by the runner once the pool is allocated
+        self.kv_scale: torch.Tensor | None = None  # an FP8 cache's [1] float32 scale
+        self.calibrate_kv_scales = False
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
+    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        self.kv_cache, self.kv_scale = kv_cache, kv_scale
 
     def spec(self, dtype: torch.dtype) -> AttentionSpec:
         block_size = int(self.kv_cache.shape[1]) if self.kv_cache.dim() == 4 else 16
+        cache_dtype = self.kv_cache.dtype if self.kv_cache.numel() else dtype
         return AttentionSpec(
-            self.num_heads, 1, self.head_dim, dtype, block_size, kv_lora_rank=self.kv_lora_rank
-        )
+            self.num_heads, 1, self.head_dim, dtype, block_size, kv_lora_rank=self.kv_lora_rank,
+            cache_dtype=cache_dtype,
+        )  # fmt: skip
 
     def forward(
         self,
