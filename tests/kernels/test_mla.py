@@ -342,7 +342,7 @@ def _bad_cases():
         ("seq_lens_int64", dict(seq_lens=seq.long()), "seq_lens must be int32"),
         ("cu_len", dict(cu_seqlens_q=cu[:-1]), "cu_seqlens_q must have B+1 = 3 entries"),
         ("device", dict(seq_lens=other.to(torch.int32).new_empty(2)), "seq_lens is on meta"),
-        ("dtype", dict(kv_cache=kv.half()), "kv_cache dtype torch.float16 differs from q"),
+        ("dtype", dict(kv_cache=kv.half()), "kv_cache must have q's dtype torch.float32 or float8_e4m3fn"),
         ("out_shape", dict(out=torch.empty(3, 4, 48)), "out must have shape (3, 4, 32)"),
         ("seq_short", dict(seq_lens=torch.tensor([20, 1], dtype=torch.int32)), "seq_lens[1] = 1 is smaller"),
         ("table_range", dict(block_table=bt.clone().fill_(999)), "out of range"),

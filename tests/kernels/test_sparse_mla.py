@@ -300,7 +300,7 @@ def _bad_cases():
         ("seq_len", dict(seq_lens=seq[:1]), "seq_lens must have B = 2 entries"),
         ("seq_short", dict(seq_lens=torch.tensor([20, 1], dtype=torch.int32)), "seq_lens[1] = 1 is smaller"),
         ("table_range", dict(block_table=bt.clone().fill_(999)), "out of range"),
-        ("dtype", dict(kv_cache=kv.half()), "kv_cache dtype torch.float16 differs from q"),
+        ("dtype", dict(kv_cache=kv.half()), "kv_cache must have q's dtype torch.float32 or float8_e4m3fn"),
         ("out_shape", dict(out=torch.empty(3, 4, 48)), "out must have shape (3, 4, 32)"),
     ]  # fmt: skip
 

@@ -25,6 +25,13 @@ sees keys 0..position; key tiles visible to every row of a tile run unmasked, on
 crossing the diagonal are masked. Scores, softmax (base 2, log2(e) folded into the scale) and
 accumulation run in fp32; outputs come back in q.dtype.
 
+An FP8 cache (`torch.float8_e4m3fn`: row ~ stored * kv_scale, one fp32 scale for the layer's
+cache, keys and values alike) is read as stored, half the bytes, and converted to q.dtype in
+registers (exact: e4m3 values fit fp16, bf16 and fp32). The scale, loaded on the device, is
+folded into the softmax scale for the scores and multiplies the output once at the end (each
+split segment's partial output: the merge is linear in them). A 16/32-bit cache compiles the
+same kernel as before (`KV_FP8` off).
+
 Split-KV: when (requests x head tiles x query tiles) cannot fill the GPU, each program covers
 one of `num_splits` key segments and writes its normalised partial output and log-sum-exp;
 `merge.merge_into` combines them (over 128-value chunks of each head, so its tiles stay small
@@ -48,6 +55,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation as v
 from tilellm.kernels.config import LN_2, LOG2_E, dot_precision, interpreting, num_sms
+from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.merge import merge_into
 
 LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
@@ -191,6 +199,7 @@ def plan_mla(
     num_splits: int | None = None,
     config: MlaConfig | None = None,
     num_sms_: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> MlaPlan:
     """The tile config (`mla_config`, or `config`) and the split-KV count of a batch, on the host.
 
@@ -199,7 +208,9 @@ def plan_mla(
     each at least `min_keys_per_split` keys (MIN_KEYS_PER_SPLIT, or more where a tile's partial
     output would cost over PARTIAL_SHARE of the rows it reads; whole pages), at most MAX_SPLITS.
     `num_splits` forces the count. `max_seqlen_k` may be an upper bound (the kernels, given no
-    plan and no max_seqlen_k, pass the block table's width x block_size).
+    plan and no max_seqlen_k, pass the block table's width x block_size). `dtype` is q's (it
+    picks the tiles); `cache_dtype` the cache's (default `dtype`): an FP8 cache's rows are half
+    the bytes, so a segment needs twice the keys to outweigh its partial output.
     """
     cfg = config or mla_config(kv_lora_rank, rope_dim, dtype, num_heads, max_seqlen_q)
     heads, block_q, block_m = tile_shape(cfg, num_heads, max_seqlen_q)
@@ -210,7 +221,7 @@ def plan_mla(
             raise ValueError(f"plan_mla: num_splits must be an int >= 1 or None, got {num_splits!r}")
         n = int(num_splits)
         return MlaPlan(cfg, n, 0, programs, f"forced: num_splits={n}")
-    elem = torch.finfo(dtype).bits // 8
+    elem = torch.finfo(cache_dtype or dtype).bits // 8
     row_bytes = (kv_lora_rank + rope_dim) * elem
     partial_bytes = 2 * block_m * kv_lora_rank * 4  # written by the kernel, read by the merge
     min_keys = max(MIN_KEYS_PER_SPLIT, math.ceil(partial_bytes / PARTIAL_SHARE / row_bytes))
@@ -246,8 +257,13 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
-def _load_rows(ptrs, key_ok, dim_ok, MASK_KEYS: tl.constexpr, MASK_DIMS: tl.constexpr):
-    """A [keys, dims] tile of latent rows; masks only where keys or padded dims need them."""
+def _load_rows(
+    ptrs, key_ok, dim_ok, MASK_KEYS: tl.constexpr, MASK_DIMS: tl.constexpr, KV_FP8: tl.constexpr,
+    DTYPE: tl.constexpr,
+):  # fmt: skip
+    """A [keys, dims] tile of latent rows in DTYPE (the query's); masks only where keys or padded
+    dims need them. FP8 rows are converted in registers after the load: e4m3 values are exact
+    in fp16, bf16 and fp32, so the dots see the stored values (the scale is applied outside)."""
     if MASK_KEYS:
         if MASK_DIMS:
             x = tl.load(ptrs, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -258,6 +274,8 @@ def _load_rows(ptrs, key_ok, dim_ok, MASK_KEYS: tl.constexpr, MASK_DIMS: tl.cons
             x = tl.load(ptrs, mask=dim_ok[None, :], other=0.0)
         else:
             x = tl.load(ptrs)
+    if KV_FP8:
+        x = x.to(DTYPE)
     return x
 
 
@@ -268,9 +286,10 @@ def _mla_tiles(
     n_start, n_end, key_end, qk_scale,
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     VALUE_SPLITS: tl.constexpr, MASK_LORA: tl.constexpr, MASK_ROPE: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, KV_FP8: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over latent tiles [n_start, n_end) gathered through the block table."""
+    """Online softmax over latent tiles [n_start, n_end) gathered through the block table (FP8
+    rows: their scale is in `qk_scale` and applied to the output by the caller)."""
     lora_own_ok = offs_own < KV_LORA_RANK
     lora_other_ok = offs_other < KV_LORA_RANK
     pe_ok = offs_pe < ROPE_DIM
@@ -284,12 +303,16 @@ def _mla_tiles(
         # int64: block * stride overflows int32 in large pools.
         row = KV + (block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs)[:, None]
         # -- scores: q_nope . c (this program's value dims, then the others) + q_pe . k_pe --
-        c = _load_rows(row + offs_own[None, :], key_ok, lora_own_ok, MASKED, MASK_LORA)
+        c = _load_rows(row + offs_own[None, :], key_ok, lora_own_ok, MASKED, MASK_LORA, KV_FP8, q_own.dtype)
         qk = tl.dot(q_own, tl.trans(c), input_precision=PRECISION)
         if VALUE_SPLITS == 2:
-            c_other = _load_rows(row + offs_other[None, :], key_ok, lora_other_ok, MASKED, MASK_LORA)
+            c_other = _load_rows(
+                row + offs_other[None, :], key_ok, lora_other_ok, MASKED, MASK_LORA, KV_FP8, q_own.dtype
+            )
             qk = tl.dot(q_other, tl.trans(c_other), qk, input_precision=PRECISION)
-        pe = _load_rows(row + KV_LORA_RANK + offs_pe[None, :], key_ok, pe_ok, MASKED, MASK_ROPE)
+        pe = _load_rows(
+            row + KV_LORA_RANK + offs_pe[None, :], key_ok, pe_ok, MASKED, MASK_ROPE, KV_FP8, q_own.dtype
+        )
         qk = tl.dot(q_pe, tl.trans(pe), qk, input_precision=PRECISION)
         # -- online softmax, base 2 --
         if MASKED:
@@ -310,14 +333,15 @@ def _mla_tiles(
     return acc, l_i, m_i
 
 
-# Per-step values (token counts, table widths, split counts) and index pointers are not
-# specialised on, so a new batch never compiles a new variant in the middle of serving.
+# Per-step values (token counts, table widths, split counts), index pointers and the scale's
+# pointer are not specialised on, so a new batch never compiles a new variant in the middle of
+# serving.
 @triton.jit(
     do_not_specialize=["num_tokens", "stride_bt", "num_splits", "min_split_keys"],
-    do_not_specialize_on_alignment=["block_table", "cu_seqlens_q", "seq_lens"],
+    do_not_specialize_on_alignment=["block_table", "cu_seqlens_q", "seq_lens", "KV_scale"],
 )
 def _mla_kernel(
-    Q, KV, O, O_parts, LSE_parts,  # tensors
+    Q, KV, KV_scale, O, O_parts, LSE_parts,  # tensors (KV_scale: fp32 [1], read when KV_FP8)
     block_table, cu_seqlens_q, seq_lens,  # batch description
     qk_scale, num_tokens, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs,
@@ -325,7 +349,7 @@ def _mla_kernel(
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, LORA_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
     HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, VALUE_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, KV_FP8: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # -- which work: program_id(0) = ((query tile x split) x head tile) x value split, fastest
     # last (the head tiles and value halves of a segment run side by side and share its rows in
@@ -401,27 +425,36 @@ def _mla_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, VALUE_W], dtype=tl.float32)
     bt_row = block_table + req.to(tl.int64) * stride_bt
+    if KV_FP8:
+        # Stored rows are value / kv_scale: scores are linear in the keys' scale (folded into
+        # the softmax scale here), the output in the values' (applied once at the end). Read on
+        # the device, so a CUDA graph replays with the scale's current value.
+        kv_scale = tl.load(KV_scale)
+        qk_scale = qk_scale * kv_scale
     MASK_LORA: tl.constexpr = KV_LORA_RANK != LORA_PAD
     MASK_ROPE: tl.constexpr = ROPE_DIM != ROPE_PAD
     acc, l_i, m_i = _mla_tiles(
         acc, l_i, m_i, q_own, q_other, q_pe, q_pos,
         KV, bt_row, stride_cb, stride_cs, offs_n, offs_own, offs_other, offs_pe,
         lo, full_hi, hi, qk_scale,
-        KV_LORA_RANK, ROPE_DIM, PAGE, BLOCK_N, VALUE_SPLITS, MASK_LORA, MASK_ROPE, False, PRECISION,
+        KV_LORA_RANK, ROPE_DIM, PAGE, BLOCK_N, VALUE_SPLITS, MASK_LORA, MASK_ROPE, False, KV_FP8, PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _mla_tiles(
         acc, l_i, m_i, q_own, q_other, q_pe, q_pos,
         KV, bt_row, stride_cb, stride_cs, offs_n, offs_own, offs_other, offs_pe,
         masked_lo, hi, hi, qk_scale,
-        KV_LORA_RANK, ROPE_DIM, PAGE, BLOCK_N, VALUE_SPLITS, MASK_LORA, MASK_ROPE, True, PRECISION,
+        KV_LORA_RANK, ROPE_DIM, PAGE, BLOCK_N, VALUE_SPLITS, MASK_LORA, MASK_ROPE, True, KV_FP8, PRECISION,
     )  # fmt: skip
 
     if SPLIT:
         # Partial result of this segment: normalised output [S, T, H, LORA_PAD] and natural-log
         # lse (-inf if empty), the lse once per MERGE_CHUNK values ([S, T, H * chunks]: the merge
-        # runs over chunks of a head's values).
+        # runs over chunks of a head's values). A partial is linear in the values' scale and
+        # its lse (of the scaled scores) is not: scaling each partial scales the merged output.
         empty = l_i == 0.0
         o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        if KV_FP8:
+            o = o * kv_scale
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN_2_C)
         part_row = (split.to(tl.int64) * num_tokens + q_row) * num_heads + head
         tl.store(O_parts + part_row[:, None] * LORA_PAD + offs_own[None, :], o, mask=row_ok[:, None])
@@ -435,6 +468,8 @@ def _mla_kernel(
         )
     else:
         o = acc / l_i[:, None]
+        if KV_FP8:
+            o = o * kv_scale
         tl.store(
             O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_own[None, :],
             o.to(O.dtype.element_ty),
@@ -460,6 +495,7 @@ def mla_paged_attention(
     num_splits: int | MlaPlan | None = None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal MLA of each request's new tokens over its paged latent rows (verification, chunked
     and prefix-cached prefill, decode).
@@ -467,7 +503,8 @@ def mla_paged_attention(
     Args:
         q: [T, H, kv_lora_rank + rope_dim] absorbed queries of all requests' new tokens, packed.
         kv_cache: [num_blocks, block_size, 1, kv_lora_rank + rope_dim] latent rows `[c, k_pe]`
-            (this step's rows already stored), contiguous.
+            (this step's rows already stored), contiguous; in q.dtype, or float8_e4m3fn (an FP8
+            cache: row ~ stored * kv_scale).
         block_table: [B, max_blocks] int32.
         cu_seqlens_q: [B + 1] int32 boundaries of each request's new tokens in q (empty requests
             allowed).
@@ -481,15 +518,21 @@ def mla_paged_attention(
         max_seqlen_k: optional bound on `seq_lens` for the plan (default: the block table's
             width x block_size).
         out: optional [T, H, kv_lora_rank] output buffer (last dim contiguous).
+        kv_scale: the FP8 cache's dequantization scale (one for the layer's latent cache, keys
+            and values alike): a float32 tensor of one element on the cache's device, read by
+            the kernel (a CUDA graph replays with its current value). None = 1.0; ignored for
+            a 16/32-bit cache.
     Returns:
         o: [T, H, kv_lora_rank] in q.dtype.
     """
     name = "mla_paged_attention"
-    check_mla_paged(name, q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, kv_lora_rank, scale)
+    check_mla_paged(
+        name, q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, kv_lora_rank, scale, kv_scale
+    )
     check_mla_hints(name, num_splits, max_seqlen_k, seq_lens)
     o = mla_output(name, q, kv_lora_rank, out)
-    _launch(q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, kv_lora_rank, scale,
-            num_splits, max_seqlen_k, is_decode=False)  # fmt: skip
+    _launch(q, kv_cache, kv_scale, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, kv_lora_rank,
+            scale, num_splits, max_seqlen_k, is_decode=False)  # fmt: skip
     return o
 
 
@@ -504,22 +547,32 @@ def mla_decode_attention(
     num_splits: int | MlaPlan | None = None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per request: q [B, H, kv_lora_rank + rope_dim] at position `seq_lens[i] - 1`
-    -> o [B, H, kv_lora_rank]; the q_len = 1 case of `mla_paged_attention`, with split-KV.
-    No host sync and no host-dependent allocation beyond the plan: capturable in a CUDA graph."""
+    -> o [B, H, kv_lora_rank]; the q_len = 1 case of `mla_paged_attention`, with split-KV, an
+    FP8 cache and its `kv_scale` alike. No host sync and no host-dependent allocation beyond the
+    plan: capturable in a CUDA graph."""
     name = "mla_decode_attention"
-    check_mla_decode(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale)
+    check_mla_decode(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, kv_scale)
     check_mla_hints(name, num_splits, max_seqlen_k, seq_lens)
     o = mla_output(name, q, kv_lora_rank, out)
-    _launch(q, kv_cache, block_table, None, seq_lens, 1, o, kv_lora_rank, scale, num_splits, max_seqlen_k,
-            is_decode=True)  # fmt: skip
+    _launch(q, kv_cache, kv_scale, block_table, None, seq_lens, 1, o, kv_lora_rank, scale, num_splits,
+            max_seqlen_k, is_decode=True)  # fmt: skip
     return o
 
 
+def kv_scale_arg(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' KV_scale pointer: an FP8 cache's scale (`unit_scale` when None); for a
+    16/32-bit cache the cache itself, never read (KV_FP8 is off)."""
+    if not is_fp8(kv_cache):
+        return kv_cache
+    return unit_scale(kv_cache.device) if kv_scale is None else kv_scale
+
+
 def _launch(
-    q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, kv_lora_rank, scale, num_splits,
-    max_seqlen_k, *, is_decode,
+    q, kv_cache, kv_scale, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, kv_lora_rank, scale,
+    num_splits, max_seqlen_k, *, is_decode,
 ):  # fmt: skip
     T, H, width = q.shape
     rope_dim = width - kv_lora_rank
@@ -530,7 +583,7 @@ def _launch(
     else:
         bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page
         plan = plan_mla(batch, H, max_seqlen_q, bound, q.dtype, page, kv_lora_rank=kv_lora_rank,
-                        rope_dim=rope_dim, num_splits=num_splits)  # fmt: skip
+                        rope_dim=rope_dim, num_splits=num_splits, cache_dtype=kv_cache.dtype)  # fmt: skip
     if T == 0 or batch == 0:
         return
     cfg = plan.config
@@ -547,7 +600,7 @@ def _launch(
     else:
         o_parts = lse_parts = o  # unused
     _mla_kernel[grid](
-        q, kv_cache, o, o_parts, lse_parts,
+        q, kv_cache, kv_scale_arg(kv_cache, kv_scale), o, o_parts, lse_parts,
         block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
         float(scale) * LOG2_E, T, H,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
@@ -556,7 +609,7 @@ def _launch(
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, LORA_PAD=lora_pad,
         ROPE_PAD=max(16, _next_pow2(rope_dim)), HEADS=heads, PAGE=page,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, VALUE_SPLITS=vs, MERGE_CHUNK=chunk,
-        SPLIT=splits > 1, IS_DECODE=is_decode, PRECISION=dot_precision(q.dtype),
+        SPLIT=splits > 1, IS_DECODE=is_decode, KV_FP8=is_fp8(kv_cache), PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -584,14 +637,15 @@ def _merge(o_parts, lse_parts, o, kv_lora_rank, chunk) -> None:
 
 
 def check_mla_paged(
-    name, q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, kv_lora_rank, scale
+    name, q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, kv_lora_rank, scale, kv_scale=None
 ):
     """Arguments of `mla_paged_attention`: q [T, H, kv_lora_rank + rope_dim] against the latent cache."""
     v._check_rank(name, "q", q, 3, "[T, H, kv_lora_rank + rope_dim]")
     v._check_rank(name, "cu_seqlens_q", cu_seqlens_q, 1, "[B+1]")
     _check_common(
-        name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, {"cu_seqlens_q": cu_seqlens_q}
-    )
+        name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, {"cu_seqlens_q": cu_seqlens_q},
+        kv_scale,
+    )  # fmt: skip
     batch = block_table.shape[0]
     if cu_seqlens_q.shape[0] != batch + 1:
         raise ValueError(
@@ -611,10 +665,10 @@ def check_mla_paged(
     v._check_block_table_values(name, block_table, kv_lens, kv_cache.shape[0], kv_cache.shape[1])
 
 
-def check_mla_decode(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale):
+def check_mla_decode(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, kv_scale=None):
     """Arguments of `mla_decode_attention`: q [B, H, kv_lora_rank + rope_dim], one token per request."""
     v._check_rank(name, "q", q, 3, "[B, H, kv_lora_rank + rope_dim]")
-    _check_common(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, {})
+    _check_common(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, {}, kv_scale)
     batch = q.shape[0]
     if block_table.shape[0] != batch:
         raise ValueError(
@@ -644,11 +698,16 @@ def mla_output(name, q, kv_lora_rank, out) -> torch.Tensor:
     return out
 
 
-def _check_common(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, extra_indices) -> None:
+def _check_common(
+    name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, extra_indices, kv_scale
+) -> None:
+    """The checks every MLA kernel shares: q against the latent cache (q.dtype or FP8, with an
+    optional kv_scale), the index tensors' dtypes, devices and layouts, kv_lora_rank and scale."""
     v._check_rank(name, "kv_cache", kv_cache, 4, "[num_blocks, block_size, 1, kv_lora_rank + rope_dim]")
     v._check_rank(name, "block_table", block_table, 2, "[B, max_blocks_per_seq]")
     v._check_rank(name, "seq_lens", seq_lens, 1, "[B]")
-    v._check_float(name, {"q": q, "kv_cache": kv_cache})
+    v._check_float(name, {"q": q})
+    v.check_cache_dtype(name, "q", q, {"kv_cache": kv_cache}, {"kv_scale": kv_scale})
     indices = {"block_table": block_table, **extra_indices, "seq_lens": seq_lens}
     v._check_int32(name, indices)
     v._check_device(name, {"q": q, "kv_cache": kv_cache, **indices})

@@ -23,6 +23,8 @@ uses them for both the scores (two dots, q_nope . c over kv_lora_rank and q_pe .
 rope_dim, each padded to a power of two on its own as in `mla.py`) and the values (c). Online
 softmax in fp32, base 2 with log2(e) folded into the scale; outputs in q.dtype. With
 `value_splits` = 2 two programs share each chunk, each accumulating half of the value dims.
+An FP8 cache (row ~ stored * kv_scale) is handled as in `mla.py`: rows converted to q.dtype in
+registers, the scale (read on the device) folded into the softmax scale and applied to the output.
 
 Split-K: when tokens x head tiles cannot fill the GPU (decode of few requests at 16 heads), each
 program covers one of `num_splits` segments of the index list and writes a partial output and
@@ -43,7 +45,8 @@ import triton.language as tl
 
 from tilellm.kernels import validation as v
 from tilellm.kernels.config import LN_2, LOG2_E, dot_precision, interpreting, num_sms
-from tilellm.kernels.mla import MERGE_CHUNK, _check_common, _load_rows, _merge, mla_output
+from tilellm.kernels.fp8 import is_fp8
+from tilellm.kernels.mla import MERGE_CHUNK, _check_common, _load_rows, _merge, kv_scale_arg, mla_output
 
 LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
 
@@ -163,6 +166,7 @@ def plan_sparse_mla(
     num_splits: int | None = None,
     config: SparseMlaConfig | None = None,
     num_sms_: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> SparseMlaPlan:
     """The tile config (`sparse_mla_config`, or `config`) and the split count, on the host.
 
@@ -170,6 +174,8 @@ def plan_sparse_mla(
     reach FILL_SHARE of PROGRAMS_PER_SM x SMs; otherwise enough segments for the target, each
     at least MIN_KEYS_PER_SPLIT entries (more where a tile's partial output would cost over
     PARTIAL_SHARE of the rows it reads), at most MAX_SPLITS. `num_splits` forces the count.
+    `dtype` is q's (it picks the tiles); `cache_dtype` the cache's (default `dtype`: an FP8
+    cache's rows are half the bytes, so segments need twice the entries).
     """
     cfg = config or sparse_mla_config(kv_lora_rank, dtype, num_heads)
     heads, block_m = tile_heads(cfg, num_heads)
@@ -178,7 +184,7 @@ def plan_sparse_mla(
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
             raise ValueError(f"plan_sparse_mla: num_splits must be an int >= 1 or None, got {num_splits!r}")
         return SparseMlaPlan(cfg, int(num_splits), programs, f"forced: num_splits={int(num_splits)}")
-    row_bytes = (kv_lora_rank + rope_dim) * (torch.finfo(dtype).bits // 8)
+    row_bytes = (kv_lora_rank + rope_dim) * (torch.finfo(cache_dtype or dtype).bits // 8)
     partial_bytes = 2 * block_m * kv_lora_rank * 4  # written by the kernel, read by the merge
     min_keys = max(MIN_KEYS_PER_SPLIT, math.ceil(partial_bytes / PARTIAL_SHARE / row_bytes))
     min_keys = _cdiv(min_keys, cfg.block_n) * cfg.block_n
@@ -209,21 +215,30 @@ def _next_pow2(x: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-# Per-step values (token counts, index counts, table widths, split counts) are not specialised
-# on, so a new batch never compiles a new variant in the middle of serving.
+# Per-step values (token counts, index counts, table widths, split counts), index pointers and
+# the scale's pointer are not specialised on, so a new batch never compiles a new variant in the
+# middle of serving.
 @triton.jit(
     do_not_specialize=["num_tokens", "num_indices", "stride_bt", "stride_tk", "num_splits"],
-    do_not_specialize_on_alignment=["block_table", "cu_seqlens_q", "seq_lens", "token_request", "topk"],
+    do_not_specialize_on_alignment=[
+        "block_table",
+        "cu_seqlens_q",
+        "seq_lens",
+        "token_request",
+        "topk",
+        "KV_scale",
+    ],
 )
 def _sparse_mla_kernel(
-    Q, KV, O, O_parts, LSE_parts,  # tensors
+    Q, KV, KV_scale, O, O_parts, LSE_parts,  # tensors (KV_scale: fp32 [1], read when KV_FP8)
     block_table, cu_seqlens_q, seq_lens, token_request, topk,  # batch description
     qk_scale, num_tokens, num_heads, num_indices,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_tk,
     num_splits,
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, LORA_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
     HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    VALUE_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    VALUE_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     # -- which work: program_id(0) = ((token x split) x head tile) x value split, fastest last
     # (the head tiles and value halves of a token run side by side and share its rows in L2) --
@@ -279,6 +294,11 @@ def _sparse_mla_kernel(
     acc = tl.zeros([BLOCK_M, VALUE_W], dtype=tl.float32)
     bt_row = block_table + req.to(tl.int64) * stride_bt
     topk_row = topk + tok * stride_tk
+    if KV_FP8:
+        # As in `mla.py`: the keys' scale in the softmax scale, the values' on the output; read
+        # on the device, so a CUDA graph replays with its current value.
+        kv_scale = tl.load(KV_scale)
+        qk_scale = qk_scale * kv_scale
     for n in tl.range(lo, hi, BLOCK_N):
         # -- gather the chunk's selected rows through the block table (skipped entries: -1,
         # and anything outside 0..pos) --
@@ -288,12 +308,16 @@ def _sparse_mla_kernel(
         # int64: block * stride overflows int32 in large pools.
         row = KV + (block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs)[:, None]
         # -- scores: q_nope . c (this program's value dims, then the others) + q_pe . k_pe --
-        c = _load_rows(row + offs_own[None, :], key_ok, lora_own_ok, True, MASK_LORA)
+        c = _load_rows(row + offs_own[None, :], key_ok, lora_own_ok, True, MASK_LORA, KV_FP8, q_own.dtype)
         qk = tl.dot(q_own, tl.trans(c), input_precision=PRECISION)
         if VALUE_SPLITS == 2:
-            c_other = _load_rows(row + offs_other[None, :], key_ok, lora_other_ok, True, MASK_LORA)
+            c_other = _load_rows(
+                row + offs_other[None, :], key_ok, lora_other_ok, True, MASK_LORA, KV_FP8, q_own.dtype
+            )
             qk = tl.dot(q_other, tl.trans(c_other), qk, input_precision=PRECISION)
-        pe = _load_rows(row + KV_LORA_RANK + offs_pe[None, :], key_ok, pe_ok, True, MASK_ROPE)
+        pe = _load_rows(
+            row + KV_LORA_RANK + offs_pe[None, :], key_ok, pe_ok, True, MASK_ROPE, KV_FP8, q_own.dtype
+        )
         qk = tl.dot(q_pe, tl.trans(pe), qk, input_precision=PRECISION)
         # -- online softmax, base 2 (a chunk may hold no valid entry: guard -inf - -inf) --
         s = tl.where(key_ok[None, :], qk * qk_scale, float("-inf"))
@@ -309,6 +333,8 @@ def _sparse_mla_kernel(
 
     empty = l_i == 0.0  # no valid entry (in this segment): zeros, lse -inf
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if KV_FP8:
+        o = o * kv_scale  # a split partial too: the merge is linear in the partial outputs
     if SPLIT:
         # Partial result of this segment, as `mla.py` writes them for `mla._merge`: normalised
         # output [S, T, H, LORA_PAD] and natural-log lse once per MERGE_CHUNK values [S, T, H * chunks].
@@ -348,6 +374,7 @@ def sparse_mla_attention(
     scale: float,
     out: torch.Tensor | None = None,
     plan: SparseMlaPlan | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse MLA of each new token over its own selected latent rows (prefill chunks, decode
     and verification alike).
@@ -355,7 +382,8 @@ def sparse_mla_attention(
     Args:
         q: [T, H, kv_lora_rank + rope_dim] absorbed queries of all requests' new tokens, packed.
         kv_cache: [num_blocks, block_size, 1, kv_lora_rank + rope_dim] latent rows `[c, k_pe]`
-            (this step's rows already stored), contiguous.
+            (this step's rows already stored), contiguous; in q.dtype, or float8_e4m3fn (an FP8
+            cache: row ~ stored * kv_scale).
         block_table: [B, max_blocks] int32.
         cu_seqlens_q: [B + 1] int32 boundaries of each request's new tokens in q.
         topk_indices: [T, K] int32 logical positions within the token's request, -1 = empty
@@ -367,6 +395,10 @@ def sparse_mla_attention(
         out: optional [T, H, kv_lora_rank] output buffer (last dim contiguous).
         plan: optional `SparseMlaPlan` forcing the tile config and split count (default:
             `plan_sparse_mla` from the shapes).
+        kv_scale: the FP8 cache's dequantization scale (the layer's latent cache, keys and
+            values alike): a float32 tensor of one element on the cache's device, read by the
+            kernel (a CUDA graph replays with its current value). None = 1.0; ignored for a
+            16/32-bit cache.
     Returns:
         o: [T, H, kv_lora_rank] in q.dtype; a token with no valid entry gets zeros.
 
@@ -374,7 +406,7 @@ def sparse_mla_attention(
     """
     name = "sparse_mla_attention"
     check_sparse_mla(
-        name, q, kv_cache, block_table, cu_seqlens_q, topk_indices, seq_lens, kv_lora_rank, scale
+        name, q, kv_cache, block_table, cu_seqlens_q, topk_indices, seq_lens, kv_lora_rank, scale, kv_scale
     )
     if plan is not None and not isinstance(plan, SparseMlaPlan):
         raise ValueError(f"{name}: plan must be a SparseMlaPlan or None, got {type(plan).__name__}")
@@ -383,7 +415,9 @@ def sparse_mla_attention(
     rope_dim = width - kv_lora_rank
     K = topk_indices.shape[1]
     if plan is None:
-        plan = plan_sparse_mla(T, H, K, q.dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+        plan = plan_sparse_mla(
+            T, H, K, q.dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, cache_dtype=kv_cache.dtype
+        )
     if T == 0:
         return o
     cfg = plan.config
@@ -402,7 +436,7 @@ def sparse_mla_attention(
     token_request = (torch.searchsorted(cu_seqlens_q, positions, right=True) - 1).to(torch.int32)
     grid = (T * splits * triton.cdiv(H, heads) * vs,)
     _sparse_mla_kernel[grid](
-        q, kv_cache, o, o_parts, lse_parts,
+        q, kv_cache, kv_scale_arg(kv_cache, kv_scale), o, o_parts, lse_parts,
         block_table, cu_seqlens_q, seq_lens, token_request, topk_indices,
         float(scale) * LOG2_E, T, H, K,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
@@ -411,7 +445,7 @@ def sparse_mla_attention(
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, LORA_PAD=lora_pad,
         ROPE_PAD=max(16, _next_pow2(rope_dim)), HEADS=heads, PAGE=kv_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, VALUE_SPLITS=vs, MERGE_CHUNK=chunk,
-        SPLIT=splits > 1, PRECISION=dot_precision(q.dtype),
+        SPLIT=splits > 1, KV_FP8=is_fp8(kv_cache), PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -425,7 +459,7 @@ def sparse_mla_attention(
 
 
 def check_sparse_mla(
-    name, q, kv_cache, block_table, cu_seqlens_q, topk_indices, seq_lens, kv_lora_rank, scale
+    name, q, kv_cache, block_table, cu_seqlens_q, topk_indices, seq_lens, kv_lora_rank, scale, kv_scale=None
 ):
     """Arguments of `sparse_mla_attention`: MLA's checks of q against the latent cache, plus
     topk_indices [T, K] int32 (one row per query token). Where values are read (CPU tensors, or
@@ -435,7 +469,7 @@ def check_sparse_mla(
     v._check_rank(name, "topk_indices", topk_indices, 2, "[T, K]")
     _check_common(
         name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale,
-        {"cu_seqlens_q": cu_seqlens_q, "topk_indices": topk_indices},
+        {"cu_seqlens_q": cu_seqlens_q, "topk_indices": topk_indices}, kv_scale,
     )  # fmt: skip
     batch = block_table.shape[0]
     T = q.shape[0]

@@ -15,7 +15,8 @@ MQA with one KV head.
 Positions as in `paged_attention`: the j-th new token of request i sits at
 `seq_lens[i] - q_len_i + j` and attends to keys `0..pos`. One loop over requests, rows
 gathered through the block table, fp32 scores / softmax / accumulation, outputs in q.dtype.
-Checks are the Triton twin's (`tilellm.kernels.mla.check_mla_*`); `num_splits` and
+An FP8 (e4m3) cache's gathered rows are dequantized first (`stored.float() * kv_scale`), then
+used as above. Checks are the Triton twin's (`tilellm.kernels.mla.check_mla_*`); `num_splits` and
 `max_seqlen_k` are checked and otherwise ignored (the reference never splits).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from tilellm.kernels.fp8 import is_fp8
 from tilellm.kernels.mla import check_mla_decode, check_mla_hints, check_mla_paged, mla_output
 
 # Upper bound on the fp32 score elements materialised at once (about 256 MiB); requests with
@@ -43,16 +45,21 @@ def mla_paged_attention(
     num_splits=None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal MLA of new tokens q [T, H, kv_lora_rank + rope_dim] over each request's latent rows.
+    """Causal MLA of new tokens q [T, H, kv_lora_rank + rope_dim] over each request's latent rows
+    (kv_cache in q.dtype, or FP8 with its float32 one-element `kv_scale`, None = 1.0).
 
     Returns o [T, H, kv_lora_rank] in q.dtype.
     """
     name = "mla_paged_attention"
-    check_mla_paged(name, q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, kv_lora_rank, scale)
+    check_mla_paged(
+        name, q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, kv_lora_rank, scale, kv_scale
+    )
     check_mla_hints(name, num_splits, max_seqlen_k, seq_lens)
     o = mla_output(name, q, kv_lora_rank, out)
-    _mla(q, kv_cache, block_table, cu_seqlens_q.tolist(), seq_lens.tolist(), kv_lora_rank, float(scale), o)
+    bounds = cu_seqlens_q.tolist()
+    _mla(q, kv_cache, kv_scale, block_table, bounds, seq_lens.tolist(), kv_lora_rank, float(scale), o)
     return o
 
 
@@ -67,18 +74,27 @@ def mla_decode_attention(
     num_splits=None,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request, q [B, H, kv_lora_rank + rope_dim] at `seq_lens[i] - 1` -> [B, H, kv_lora_rank]."""
     name = "mla_decode_attention"
-    check_mla_decode(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale)
+    check_mla_decode(name, q, kv_cache, block_table, seq_lens, kv_lora_rank, scale, kv_scale)
     check_mla_hints(name, num_splits, max_seqlen_k, seq_lens)
     o = mla_output(name, q, kv_lora_rank, out)
     bounds = list(range(q.shape[0] + 1))
-    _mla(q, kv_cache, block_table, bounds, seq_lens.tolist(), kv_lora_rank, float(scale), o)
+    _mla(q, kv_cache, kv_scale, block_table, bounds, seq_lens.tolist(), kv_lora_rank, float(scale), o)
     return o
 
 
-def _mla(q, kv_cache, block_table, bounds, kv_lens, kv_lora_rank, scale, o) -> None:
+def dequantized_rows(stored: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered cache rows in fp32: FP8 ones times their scale (None = 1.0), others as they are."""
+    rows = stored.float()
+    if is_fp8(stored) and kv_scale is not None:
+        rows = rows * kv_scale.reshape(())  # one element, whatever its shape
+    return rows
+
+
+def _mla(q, kv_cache, kv_scale, block_table, bounds, kv_lens, kv_lora_rank, scale, o) -> None:
     """Per request: gather its latent rows through the block table, then causal attention of its new tokens."""
     block_size = kv_cache.shape[1]
     H = q.shape[1]
@@ -88,7 +104,7 @@ def _mla(q, kv_cache, block_table, bounds, kv_lens, kv_lora_rank, scale, o) -> N
         kv_len = kv_lens[i]
         positions = torch.arange(kv_len, device=q.device)
         blocks = block_table[i].long()[positions // block_size]
-        rows = kv_cache[blocks, positions % block_size, 0].float()  # [N, kv_lora_rank + rope_dim]
+        rows = dequantized_rows(kv_cache[blocks, positions % block_size, 0], kv_scale)  # [N, lora + rope]
         values = rows[:, :kv_lora_rank]  # [N, kv_lora_rank]
         q_positions = positions[kv_len - (end - start) :]  # [M]
         chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, kv_len * H))

@@ -10,8 +10,8 @@ row of `topk_indices`:
 where token j of request i sits at `pos = seq_lens[i] - q_len_i + j`. Other entries (-1, and
 any other negative or future position the checks let through on the GPU) are skipped; a token
 with no valid entry outputs zeros. One loop over requests, each token's selected rows gathered
-through the block table, fp32 scores / softmax / accumulation, outputs in q.dtype. Checks are
-the Triton twin's (`tilellm.kernels.sparse_mla.check_sparse_mla`).
+through the block table (an FP8 cache's dequantized, `stored.float() * kv_scale`), fp32
+scores / softmax / accumulation, outputs in q.dtype. Checks are the Triton twin's (`tilellm.kernels.sparse_mla.check_sparse_mla`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tilellm.kernels.mla import mla_output
+from tilellm.kernels.reference.mla import dequantized_rows
 from tilellm.kernels.sparse_mla import check_sparse_mla
 
 # Upper bound on the fp32 elements of gathered rows and scores materialised at once (about
@@ -38,14 +39,16 @@ def sparse_mla_attention(
     scale: float,
     out: torch.Tensor | None = None,
     plan=None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse MLA of packed tokens q [T, H, kv_lora_rank + rope_dim] over their selected latent
-    rows (topk_indices [T, K] int32, -1 = empty) -> o [T, H, kv_lora_rank] in q.dtype.
+    rows (topk_indices [T, K] int32, -1 = empty) -> o [T, H, kv_lora_rank] in q.dtype; kv_cache
+    in q.dtype, or FP8 with its float32 one-element `kv_scale` (None = 1.0).
 
     `plan` (the Triton kernel's tile and split plan) is accepted and ignored."""
     name = "sparse_mla_attention"
     check_sparse_mla(
-        name, q, kv_cache, block_table, cu_seqlens_q, topk_indices, seq_lens, kv_lora_rank, scale
+        name, q, kv_cache, block_table, cu_seqlens_q, topk_indices, seq_lens, kv_lora_rank, scale, kv_scale
     )
     o = mla_output(name, q, kv_lora_rank, out)
     bounds = cu_seqlens_q.tolist()
@@ -63,7 +66,7 @@ def sparse_mla_attention(
             valid = (idx >= 0) & (idx <= pos[:, None])
             safe = torch.where(valid, idx, 0)
             blocks = torch.where(valid, block_table[i].long()[safe // block_size], 0)
-            rows = kv_cache[blocks, safe % block_size, 0].float()  # [n, K, width]
+            rows = dequantized_rows(kv_cache[blocks, safe % block_size, 0], kv_scale)  # [n, K, width]
             scores = torch.einsum("nhd,nkd->nhk", q[lo:hi].float(), rows) * float(scale)  # [n, H, K]
             scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
