@@ -352,6 +352,10 @@ def _grouped_gemm(
     else:
         a_scale, w_scale, (group_n, block_k) = scales  # one k step per scale block
         block_n = min(block_n, group_n & -group_n)  # a power of two dividing bn
+        if gated and not interpreting():
+            # four live [block_m, block_n] fp32 tiles (gate and up accumulators, each k step's two
+            # scaled dots): 64 columns keep them in 128 registers a thread where 128 spill (sm_90a)
+            block_n = min(block_n, 64)
         scale_strides = (a_scale.stride(0), a_scale.stride(1), *w_scale.stride())
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(n, block_n),)
