@@ -41,8 +41,10 @@ quantized per token and per group of bk channels (`per_token_group_quant_fp8`: a
 
 accumulated in fp32: BLOCK_K = bk, so one k step is one scale block, its fp8 x fp8 `tl.dot` is
 scaled by the a_s column and the w_s entries of that block and added to the accumulator (on
-Hopper the MMA's own accumulation then never spans more than bk products). The epilogues are the
-bf16 path's; inter stays in x's dtype and is quantized between the GEMMs, as vLLM does.
+Hopper the MMA's own accumulation then never spans more than bk products). BLOCK_N is a power
+of two dividing bn (at most 64 for the gated GEMM on the GPU, whose four live fp32 tiles spill at
+128 columns). The epilogues are the bf16 path's; inter stays in x's dtype and is quantized
+between the GEMMs, as vLLM does. A constexpr selects the path, so the bf16 kernel is unchanged.
 """
 
 from __future__ import annotations
