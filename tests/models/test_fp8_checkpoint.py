@@ -20,7 +20,7 @@ from tilellm.kernels.reference.fp8_gemm import (
 from tilellm.models import load_model
 from tilellm.models.layers.linear import UNQUANTIZED
 from tilellm.models.quantization import Fp8Config, resolve_quantization
-from tilellm.testing import dequantize_model_dir, make_tiny_model, quantize_model_dir_fp8
+from tilellm.testing import dequantize_model_dir, make_tiny_model, make_tiny_moe_model, quantize_model_dir_fp8
 
 BLOCK = (32, 32)
 # head_dim 32: every q / k / v shard (64 / 32 / 32 rows per rank at tp_size 2) and gate / up
@@ -86,11 +86,17 @@ def test_block_checkpoint_loads_fp8_weights_and_scales(dirs):
     assert model.model.embed_tokens.weight.dtype == torch.float32
 
 
-def test_fp8_layers_run_the_w8a8_gemm_on_the_dequantized_weights(dirs):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp8_layers_run_the_w8a8_gemm_on_the_dequantized_weights(dirs, backend):
     """y = (x quantized per token and 32-wide group) @ (dequantized W)^T, in fp32: what the block
-    GEMM computes exactly up to the order of fp32 additions."""
+    GEMM computes exactly up to the order of fp32 additions, with the twin or the Triton kernels
+    (the fused-ops backend picks them, as it picks RMSNorm's)."""
     deq = load_file(dirs["dequant"] / "model.safetensors")
-    layer = _load(dirs["block"]).model.layers[1]
+    layer = _load(dirs["block"], fused_ops_backend=backend).model.layers[1]
+    module = {"reference": "tilellm.kernels.reference.fp8_gemm", "triton": "tilellm.kernels.fp8_gemm"}[
+        backend
+    ]
+    assert layer.mlp.down_proj.quant_method.ops.__name__ == module
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(0))
     for mod, name, k in [
         (layer.self_attn.qkv_proj, None, 64),
@@ -101,6 +107,33 @@ def test_fp8_layers_run_the_w8a8_gemm_on_the_dequantized_weights(dirs):
         x_q, x_s = per_token_group_quant_fp8(x[:, :k].contiguous(), BLOCK[1])
         x_deq = x_q.float() * x_s.repeat_interleave(BLOCK[1], dim=1)
         torch.testing.assert_close(mod(x[:, :k]), x_deq @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_experts_mla_and_indexer(tmp_path):
+    """DeepSeek-V3.2 in [16, 16] blocks: the experts load as FP8 with the file's scales; MLA's
+    kv_b_proj, read raw, is dequantized once loaded; the router and the indexer's fp32
+    weights_proj stay unquantized, its wq_b and wk are FP8."""
+    src = make_tiny_moe_model(tmp_path / "src", "DeepseekV32ForCausalLM", q_lora_rank=48, vocab_size=383)
+    d = quantize_model_dir_fp8(src, tmp_path / "fp8", (16, 16))
+    sd = load_file(d / "model.safetensors")
+    layer = _load(d).model.layers[1]
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    kv_b = layer.self_attn.kv_b_proj
+    assert kv_b.quant_method is UNQUANTIZED and not hasattr(kv_b, "weight_scale_inv")
+    want = dequantize_fp8_block(
+        sd[a + "kv_b_proj.weight"], sd[a + "kv_b_proj.weight_scale_inv"], [16, 16], torch.float32
+    )
+    assert torch.equal(kv_b.weight, want)
+    indexer = layer.self_attn.indexer
+    assert indexer.weights_proj.weight.dtype == torch.float32 and indexer.wq_b.weight.dtype == FP8_DTYPE
+    assert layer.mlp.gate.weight.dtype == torch.float32
+    experts = layer.mlp.experts
+    for param, parts in [("w13_weight", GATE_UP), ("w2_weight", ("down_proj",))]:
+        for suffix in ("", "_scale_inv"):
+            name = "weight" + suffix
+            want = torch.stack([_merged(sd, f"{m}experts.{e}.", parts, name) for e in range(8)])
+            got = getattr(experts, param + suffix).data
+            assert _same_bits(got, want) if not suffix else torch.equal(got, want)
 
 
 def test_modules_to_not_convert_stay_in_the_model_dtype(dirs, tmp_path):
