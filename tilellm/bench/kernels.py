@@ -94,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flex", action="store_true", help="also time FlexAttention (slow to compile)")
     p.add_argument("--sweep", action="store_true", help="also time tile configs and forced split counts")
     p.add_argument(
+        "--fp8-cache",
+        action="store_true",
+        help="also time each paged/decode workload on an FP8 (e4m3) copy of its cache (GB/s of the FP8 "
+        "bytes, and the speed-up over the 16-bit cache)",
+    )
+    p.add_argument(
         "--graph",
         action="store_true",
         help="also time the paged/decode workloads replayed from a CUDA graph (no host work in the "
@@ -338,7 +344,7 @@ def bench_prefill(
 
 def bench_paged(
     name: str, q_lens, kv_lens, dtype, rows, ceilings, *, decode: bool, sweep: bool, peers: bool,
-    graph: bool = False,
+    graph: bool = False, fp8_cache: bool = False,
 ):  # fmt: skip
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -381,6 +387,10 @@ def bench_paged(
             Row(name, f"tilellm {str(dtype)[6:]} CUDA graph", ms_g, flops / ms_g / 1e9, byts / ms_g / 1e6,
                 floor, note=f"eager call: {host * 1e3:.0f} us of host work")
         )  # fmt: skip
+    if fp8_cache:
+        _bench_fp8_cache(
+            name, q, kc, vc, bt, cu, seq, q_lens, kv_lens, max_k, decode, ms, rows, ceilings, graph
+        )
     if sweep:
         from tilellm.kernels import config
 
@@ -436,6 +446,53 @@ def bench_paged(
                 rows.append(Row(name, label, float("nan"), note=f"{type(e).__name__}: {e}"[:80]))
         del kd, vd
     return ms
+
+
+def _bench_fp8_cache(
+    name, q, kc, vc, bt, cu, seq, q_lens, kv_lens, max_k, decode, ms_16bit, rows, ceilings, graph, sweep
+):
+    """The workload on an FP8 copy of its cache (per-tensor K and V scales): checked against fp32
+    SDPA on the dequantized cache, timed eagerly (and from a CUDA graph with `graph`)."""
+    import tilellm.kernels as tk
+    from tilellm.kernels.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
+
+    k_scale = (kc.float().abs().amax() / FP8_MAX * 2).reshape(1)
+    v_scale = (vc.float().abs().amax() / FP8_MAX * 2).reshape(1)
+    kc8, vc8 = quantize_fp8(kc, k_scale), quantize_fp8(vc, v_scale)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    if decode:
+        fn = lambda: tk.decode_attention(q, kc8, vc8, bt, seq, max_seqlen_k=max_k, **scales)
+    else:
+        fn = lambda: tk.paged_attention(q, kc8, vc8, bt, cu, seq, max(q_lens), max_seqlen_k=max_k, **scales)
+    kd, vd = dequantize_fp8(kc8, k_scale, q.dtype), dequantize_fp8(vc8, v_scale, q.dtype)
+    ref, n = _sdpa_ref_paged(q, kd, vd, bt, q_lens, kv_lens)
+    del kd, vd
+    err = _check(f"{name} fp8 cache", fn()[:n], ref)
+    byts = _kv_bytes(kv_lens, elem=1)
+    flops = sum(4 * D * HQ * (p + 1) for ql, kv in zip(q_lens, kv_lens) for p in range(kv - ql, kv))
+    floor = max(byts / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["matmul_tflops"] * 1e12)) * 1e3
+    timings = [("tilellm fp8 cache", _bench(fn))] + (
+        [("tilellm fp8 cache CUDA graph", _bench_graph(fn))] if graph else []
+    )
+    if sweep:
+        from tilellm.kernels import config
+
+        configs = DECODE_SWEEP if max(q_lens) == 1 else VERIFY_SWEEP if max(q_lens) <= 16 else CHUNK_SWEEP
+        for rows_, bn, w, st, *_ in configs + [(16, 256, 4, 3), (16, 256, 4, 2), (16, 128, 4, 4)]:
+            for k_rows in (False, True):
+                cfg = config.TileConfig(rows_, bn, w, st, k_rows=k_rows)
+                label = f"fp8 rows{rows_} bn{bn} w{w} s{st}" + (" k-rows" if k_rows else "")
+                try:
+                    with config.override(paged=cfg):
+                        _check(f"{name} {label}", fn()[:n], ref)
+                        timings.append((label, _bench(fn)))
+                except Exception as e:
+                    rows.append(Row(name, label, float("nan"), note=type(e).__name__))
+    for label, ms in timings:
+        rows.append(
+            Row(name, label, ms, flops / ms / 1e9, byts / ms / 1e6, floor,
+                note=f"{ms_16bit / ms:.2f}x the 16-bit cache's tokens/s", extra={"max_rel_err": err})
+        )  # fmt: skip
 
 
 def bench_cascade(rows, ceilings, dtype, *, graph: bool = False):
@@ -574,6 +631,7 @@ def main(args: argparse.Namespace) -> int:
                 sweep=sweep and name in ("D1", "D3", "D4"),
                 peers=peers,
                 graph=args.graph,
+                fp8_cache=args.fp8_cache,
             )
             torch.cuda.empty_cache()
     if "E1D" in want:
@@ -603,6 +661,7 @@ def main(args: argparse.Namespace) -> int:
             sweep=sweep,
             peers=False,
             graph=args.graph,
+            fp8_cache=args.fp8_cache,
         )
     if "C1" in want:
         _guard(
@@ -619,6 +678,7 @@ def main(args: argparse.Namespace) -> int:
             sweep=sweep,
             peers=False,
             graph=args.graph,
+            fp8_cache=args.fp8_cache,
         )
     if "P1P" in want:
         # P1's prompts through the paged kernel (all tokens new, K/V read through a permuted block

@@ -142,8 +142,11 @@ def paged_uses_gluon(
     )
 
 
-def paged_config(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: int) -> tuple[TileConfig, int]:
-    """Tiles for `paged_attention` and the query tokens per tile (`block_q`).
+def paged_config(
+    head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: int, *, kv_fp8: bool = False
+) -> tuple[TileConfig, int]:
+    """Tiles for `paged_attention` and the query tokens per tile (`block_q`); `kv_fp8`: an FP8
+    cache (half the bytes per key row).
 
     The query heads that share a KV head are packed into the rows of one tile, so a tile holds
     `block_q` tokens x `group` heads; decode (one token) still gives the tensor cores >= 16 rows.

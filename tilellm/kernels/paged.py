@@ -129,7 +129,7 @@ def _paged_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
-    TILES_FASTEST: tl.constexpr, KV_FP8: tl.constexpr,
+    TILES_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
 ):  # fmt: skip
     if TILES_FASTEST:
         # Several query tiles: a (request, KV head)'s tiles launch side by side and share its K/V
@@ -174,6 +174,11 @@ def _paged_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
+    if DOT_FP16:
+        # FP8 cache, 16-bit queries: the dots run in fp16, since e4m3 -> fp16 is one instruction
+        # per two values on sm_89+ (-> bf16 goes through fp32); every e4m3 value and every
+        # probability is exact or finer in fp16, and bf16 queries fit its range (|q| < 65504).
+        q = q.to(tl.float16)
 
     # -- this program's key range: causal end of the tile, cut into segments --
     last_tok = tl.minimum(t0 + BLOCK_Q, q_len) - 1
@@ -390,7 +395,7 @@ def _launch(
             batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, num_tokens=T, seq_lens=seq_lens,
             max_seqlen_k=max_seqlen_k, is_decode=is_decode, allow_gluon=False,
         )  # fmt: skip
-    cfg, block_q = paged_config(D, q.dtype, group, 1 if is_decode else max_seqlen_q)
+    cfg, block_q = paged_config(D, q.dtype, group, 1 if is_decode else max_seqlen_q, kv_fp8=kv_fp8)
     q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
     plan = paged_plan.split
     splits = plan.num_splits
@@ -433,6 +438,7 @@ def _launch(
         HAS_KV_LO=kv_lo is not None, HAS_KV_HI=kv_hi is not None,
         RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype), K_ROWS=cfg.k_rows,
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
+        DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1 and parts is None:

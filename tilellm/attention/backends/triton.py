@@ -32,7 +32,7 @@ class TritonBackend(AttentionBackend):
         if s.kv_lora_rank:
             return plan_mla(
                 num_requests, s.num_heads, max_seqlen_q, max_seqlen_k, s.dtype, s.block_size,
-                kv_lora_rank=s.kv_lora_rank, rope_dim=s.head_dim - s.kv_lora_rank,
+                kv_lora_rank=s.kv_lora_rank, rope_dim=s.head_dim - s.kv_lora_rank, cache_dtype=s.cache_dtype,
             )  # fmt: skip
         return plan_paged(
             num_requests, s.num_heads, s.num_kv_heads, s.head_dim, s.dtype, s.block_size, max_seqlen_q,
