@@ -65,3 +65,20 @@ def test_demo_stays_above_its_gate_with_an_fp8_cache():
         num_requests=24, arrivals_per_step=8, device="cpu", engine_kwargs={"kv_cache_dtype": "fp8"}
     )
     assert res.passed, f"accuracy {res.accuracy:.3f} below the gate {res.threshold}"
+
+
+@pytest.mark.parametrize("model", ["tiny_deepseek_v2", "tiny_deepseek_v32"])
+def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request):
+    """MLA's latent rows (and DeepSeek-V3.2's sparse attention over them) from an FP8 cache; the
+    indexer keys stay in the model's dtype."""
+    model_dir = request.getfixturevalue(model)
+    outs = []
+    for backend in ("reference", "triton"):
+        llm = LLM(
+            model_dir, kv_cache_dtype="fp8", attention_backend=backend, fused_ops_backend="reference",
+            num_kv_blocks=32,
+        )  # fmt: skip
+        outs.append(_greedy(llm))
+        runner = llm.llm_engine.runner
+        assert runner.kv_cache.dtype == torch.float8_e4m3fn and runner.kv_scales.shape[1] == 1
+    assert outs[0] == outs[1]
