@@ -227,6 +227,8 @@ class Fp8LinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
     def process_weights_after_loading(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        """Online: the loaded weight quantized in place (its block scales added). Per-tensor
+        checkpoints: the shards' scalar scales turned into block scales."""
         if self.online:
             w_q, scale_inv = quantize_fp8_block(layer.weight.data, list(self.block_size))
             layer.weight = nn.Parameter(w_q, requires_grad=False)

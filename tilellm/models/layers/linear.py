@@ -102,13 +102,15 @@ def is_block_aligned(start: int, size: int, extent: int, block: int) -> bool:
     return start % block == 0 and (size % block == 0 or start + size == extent)
 
 
-def block_span(start: int, size: int, extent: int, block: int, what: str) -> tuple[int, int]:
-    """Rows [start, start + size) of a matrix of `extent` rows -> (first block, number of blocks)
-    of `block` rows each; a ValueError naming `what` unless `is_block_aligned`."""
+def block_span(
+    start: int, size: int, extent: int, block: int, what: str, axis: str = "rows"
+) -> tuple[int, int]:
+    """Rows (or columns: `axis`) [start, start + size) of a matrix of `extent` -> (first block,
+    number of blocks) of `block` each; a ValueError naming `what` unless `is_block_aligned`."""
     if not is_block_aligned(start, size, extent, block):
         raise ValueError(
-            f"{what}: its {size} rows / columns at {start} (of {extent}) are not aligned to the FP8 "
-            f"block of {block}; every shard must start on a block and end on one or at the matrix's end"
+            f"{what}: its {size} {axis} at {start} (of {extent}) are not aligned to the FP8 block of "
+            f"{block}; every shard must start on a block and end on one or at the matrix's end"
         )
     return start // block, -(-size // block)
 
@@ -195,8 +197,9 @@ class LinearBase(nn.Module):
         bn, bk = self.quant_method.block_size  # type: ignore[misc]  # set with weight_scale_inv
         dim, block = layout.dim, (bn, bk)[layout.dim]
         extent = (self.out_features, self.in_features)[dim]
-        dst_first, count = block_span(layout.dst_start, layout.size, extent, block, what)
-        src_first, _ = block_span(layout.src_start, layout.size, layout.src_size, block, what)
+        axis = ("rows", "columns")[dim]
+        dst_first, count = block_span(layout.dst_start, layout.size, extent, block, what, axis)
+        src_first, _ = block_span(layout.src_start, layout.size, layout.src_size, block, what, axis)
         expected = list(param.shape)
         expected[dim] = -(-layout.src_size // block)
         if shape != tuple(expected):
@@ -211,11 +214,11 @@ class LinearBase(nn.Module):
         would split a scale block (checked when the model is built, before anything is read)."""
         for sid in self.shard_ids:
             layout = self.shard_layout(sid)
-            block = block_size[layout.dim]
+            block, axis = block_size[layout.dim], ("rows", "columns")[layout.dim]
             what = f"{name}" if sid is None else f"{name} shard {sid!r}"
             extent = (self.out_features, self.in_features)[layout.dim]
-            block_span(layout.dst_start, layout.size, extent, block, f"{what} (this rank's weight)")
-            block_span(layout.src_start, layout.size, layout.src_size, block, f"{what} (checkpoint)")
+            block_span(layout.dst_start, layout.size, extent, block, f"{what} (this rank's weight)", axis)
+            block_span(layout.src_start, layout.size, layout.src_size, block, f"{what} (checkpoint)", axis)
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         self.quant_method.process_weights_after_loading(self, dtype)
