@@ -389,7 +389,7 @@ def bench_paged(
         )  # fmt: skip
     if fp8_cache:
         _bench_fp8_cache(
-            name, q, kc, vc, bt, cu, seq, q_lens, kv_lens, max_k, decode, ms, rows, ceilings, graph
+            name, q, kc, vc, bt, cu, seq, q_lens, kv_lens, max_k, decode, ms, rows, ceilings, graph, sweep
         )
     if sweep:
         from tilellm.kernels import config
