@@ -50,8 +50,11 @@ def dequantized(b) -> torch.Tensor:
 
 def exact(dtype) -> float:
     """Twin on FP8 vs twin on the cache dequantized into q's dtype: the same fp32 rows for fp32
-    queries; fp16 rounds each dequantized value once (2^-11) and the output once more."""
-    return 1e-6 if dtype == torch.float32 else 2e-3
+    queries; fp16 rounds each dequantized value once (2^-11) and the output once more; bf16 the
+    same at 2^-8 (an H200 run measured 6.6e-3 of the output scale)."""
+    if dtype == torch.float32:
+        return 1e-6
+    return 2e-3 if dtype == torch.float16 else 1e-2
 
 
 # The three kernels: Triton's module, the twin's, and the arguments before the keywords.
