@@ -82,3 +82,37 @@ def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request):
         runner = llm.llm_engine.runner
         assert runner.kv_cache.dtype == torch.float8_e4m3fn and runner.kv_scales.shape[1] == 1
     assert outs[0] == outs[1]
+
+
+def _with_kv_scales(src: str, dst, names: tuple[str, str]) -> str:
+    """A copy of checkpoint `src` whose layers ship K and V cache scales under `names`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(f"{dst}/model.safetensors")
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.{names[0]}"] = torch.tensor(0.05 + i)
+        weights[f"model.layers.{i}.self_attn.{names[1]}"] = torch.tensor([0.25 + i])
+    save_file(weights, f"{dst}/model.safetensors")
+    return str(dst)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("k_scale", "v_scale"),
+        ("attn.k_scale", "attn.v_scale"),
+        ("k_proj.output_scale", "v_proj.output_scale"),
+    ],
+)
+def test_checkpoint_kv_scales_are_used(tiny_qwen3, tmp_path, names):
+    model_dir = _with_kv_scales(tiny_qwen3, tmp_path / "m", names)
+    llm = LLM(model_dir, kv_cache_dtype="fp8", num_kv_blocks=16)
+    runner = llm.llm_engine.runner
+    want = torch.tensor([[0.05, 0.25], [1.05, 1.25]])
+    assert torch.equal(runner.kv_scales, want) and not runner.kv_scales_pending
+    _greedy(llm)
+    assert torch.equal(runner.kv_scales, want)  # not measured again on the first prompt
+    assert LLM(model_dir, num_kv_blocks=16).llm_engine.runner.kv_scales is None  # 16/32-bit: unused

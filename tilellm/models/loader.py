@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tilellm.models.layers.layernorm import LayerNorm, RMSNorm
-from tilellm.models.layers.linear import default_weight_loader
+from tilellm.models.layers.linear import default_weight_loader, read_all
 from tilellm.models.parallel import check_tp, partition_kv_heads
 from tilellm.models.quantization import (
     apply_fp8,
@@ -288,6 +288,8 @@ def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
                     continue
                 if _is_ignored_input_scale(model, ckpt_name, mapping):
                     continue
+                if _load_kv_cache_scale(model, ckpt_name, f.get_slice(ckpt_name), path):
+                    continue
                 pname, shard_id = _packed_target(ckpt_name, mapping)
                 if pname not in params:
                     model_name = type(model).__name__
@@ -305,6 +307,30 @@ def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
     if missing:
         where = ", ".join(str(p) for p in files)
         raise ValueError(f"missing weight(s) {', '.join(repr(m) for m in missing)}: not found in {where}")
+
+
+# An FP8 KV cache's per-layer scales as checkpoints ship them (vLLM's formats): the attention
+# module's `k_scale` / `v_scale`, or the older `k_proj.output_scale` / `v_proj.output_scale`.
+_KV_CACHE_SCALE = re.compile(r"^(.*?)\.(?:(?:attn\.)?([kv])_scale|([kv])_proj\.output_scale)$")
+
+
+def _load_kv_cache_scale(model: nn.Module, ckpt_name: str, src: Any, path: pathlib.Path) -> bool:
+    """A KV cache scale of `ckpt_name`'s attention layer (kept on the layer as a float, used when
+    the cache is FP8); False when the tensor is not one."""
+    match = _KV_CACHE_SCALE.match(ckpt_name)
+    if match is None:
+        return False
+    try:
+        module = model.get_submodule(f"{match.group(1)}.attn")
+    except AttributeError:
+        return False
+    if not hasattr(module, "checkpoint_kv_scales"):
+        return False
+    value = read_all(src).float()
+    if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
+        raise ValueError(f"KV cache scale {ckpt_name!r} in {path} must be one positive number, got {value}")
+    module.checkpoint_kv_scales[match.group(2) or match.group(3)] = float(value)
+    return True
 
 
 def process_weights_after_loading(model: nn.Module, dtype: torch.dtype) -> None:

@@ -383,7 +383,12 @@ class ModelRunner:
         self.kv_scales, self.kv_scales_pending, self._kv_scales_logged = None, False, True
         if self.kv_dtype == FP8_DTYPE:
             self.kv_scales = torch.ones(len(layers), self.kv_spec.num_caches, device=self.device)
-            self.kv_scales_pending = True
+            shipped = [getattr(layer, "checkpoint_kv_scales", {}) for layer in layers]
+            if all("k" in s and "v" in s for s in shipped):
+                self.kv_scales.copy_(torch.tensor([[s["k"], s["v"]] for s in shipped]))
+                logger.info("FP8 KV cache scales from the checkpoint (%d layers)", len(layers))
+            else:
+                self.kv_scales_pending = True
         for i, layer in enumerate(layers):
             scales = [] if self.kv_scales is None else list(self.kv_scales[i].split(1))
             layer.bind_kv_cache(*self.kv_cache[:, i], *scales)

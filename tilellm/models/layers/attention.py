@@ -37,8 +37,10 @@ class Attention(nn.Module):
         # replay with their values); None for 16/32-bit caches.
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
-        # Set by the runner for the one step that measures the scales (`kv_scales.py`).
+        # Set by the runner for the one step that measures the scales (`ModelRunner._forward`).
         self.calibrate_kv_scales = False
+        # {"k": scale, "v": scale} when the checkpoint ships them (the loader fills it)
+        self.checkpoint_kv_scales: dict[str, float] = {}
 
     def bind_kv_cache(
         self,
