@@ -14,7 +14,12 @@
   through the block table, the top-k per query token by an exact radix select.
 - `sparse_mla_attention` (`sparse_mla.py`): MLA over each query token's selected latent rows only.
 - `fused_moe` (`moe.py`): the routed experts of an MoE layer, tokens sorted by expert into
-  grouped GEMMs (gate/up with SiLU-and-mul, then down weighted by the router).
+  grouped GEMMs (gate/up with SiLU-and-mul, then down weighted by the router); FP8 experts too.
+- `per_token_group_quant_fp8`, `w8a8_block_fp8_matmul` (`fp8_gemm.py`): FP8 linear layers,
+  activations quantized per token and 128-channel group, then the block-scaled W8A8 GEMM.
+
+Every kernel over the KV cache also reads an FP8 (e4m3) cache, with `k_scale` / `v_scale` (MLA:
+`kv_scale`) in device memory: the store quantizes, attention dequantizes in registers (`fp8.py`).
 
 On H100/H200 GPUs, long causal prefill batches and paged prompt chunks run `hopper.py` instead:
 the same tile walk in Gluon, with FlashAttention-3's producer warp, async warpgroup MMA and
@@ -25,6 +30,7 @@ and every other GPU and the CPU interpreter, runs the Triton kernels).
 (full / diagonal / skipped) and the split-KV plan, for whichever of the two kernels would run.
 """
 
+from tilellm.kernels.fp8_gemm import per_token_group_quant_fp8, w8a8_block_fp8_matmul
 from tilellm.kernels.indexer import index_topk
 from tilellm.kernels.merge import merge_attention_states
 from tilellm.kernels.mla import mla_decode_attention, mla_paged_attention
@@ -48,4 +54,6 @@ __all__ = [
     "fused_moe",
     "index_topk",
     "sparse_mla_attention",
+    "per_token_group_quant_fp8",
+    "w8a8_block_fp8_matmul",
 ]
