@@ -116,3 +116,18 @@ def test_checkpoint_kv_scales_are_used(tiny_qwen3, tmp_path, names):
     _greedy(llm)
     assert torch.equal(runner.kv_scales, want)  # not measured again on the first prompt
     assert LLM(model_dir, num_kv_blocks=16).llm_engine.runner.kv_scales is None  # 16/32-bit: unused
+
+
+def test_fp8_cache_with_ngram_speculation_gives_the_same_tokens(tiny_qwen3):
+    """Verification reads the FP8 cache through the paged kernel's multi-token rows: greedy
+    speculation must give the tokens of plain decoding over the same cache."""
+    rng = np.random.default_rng(5)
+    motif = rng.integers(0, 380, 6).tolist()
+    prompts = [motif * 4, rng.integers(0, 380, 11).tolist() + motif * 3]  # repeats: drafts get accepted
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}):
+        llm = LLM(tiny_qwen3, kv_cache_dtype="fp8", num_kv_blocks=32, speculative_config=spec)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0  # drafts were verified and kept
+    assert outs[1] == outs[0]
