@@ -10,6 +10,7 @@ Exits 1 when the accuracy is below the threshold recorded with the model (tilell
     tilellm demo --num-kv-blocks 12          # a small pool: watch the scheduler preempt
     tilellm demo --device cuda --attention-backend triton --num-requests 256
     tilellm demo --speculative               # n-gram speculative decoding on the record-editing model
+    tilellm demo --kv-cache-dtype fp8        # the KV cache in FP8 (e4m3): the accuracy gate still holds
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import sys
 
 from tilellm.commands.common import UsageError, check_demo_model, resolve_device
+from tilellm.config import KV_CACHE_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="KV pool size (default 4 per running request); small values preempt",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache values: auto (the model's dtype) or fp8 (e4m3, scales measured on the first prompt)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
@@ -61,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--num-requests and --arrivals-per-step must be >= 1")
     if args.model is not None:
         check_demo_model(args.model)
-    engine_kwargs = None
+    engine_kwargs: dict = {"kv_cache_dtype": args.kv_cache_dtype}
     if args.speculative:
         if args.num_speculative_tokens < 1:
             raise UsageError("--num-speculative-tokens must be >= 1")
@@ -70,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
 
             args.model = str(copy_model_path())
         spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-        engine_kwargs = {"speculative_config": {**spec, "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+        engine_kwargs["speculative_config"] = {**spec, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     device = resolve_device(args.device)
     if args.attention_backend == "triton" and device == "cpu":
         # The Triton kernels run on the CPU only under the interpreter, set before triton loads.
