@@ -258,3 +258,35 @@ def test_two_ranks_with_speculative_decoding(tiny_qwen3_kv2, method):
     finally:
         llm.shutdown()
     _assert_no_workers()
+
+
+def test_two_ranks_with_fp8_weights_and_cache_give_the_single_rank_tokens(tiny_qwen3_kv2, tmp_path):
+    """An FP8 checkpoint (16 x 16 blocks: each rank's q/k/v and gate/up shards fall on blocks)
+    whose layers ship their KV cache scales, over an FP8 cache: each rank holds its rows of the
+    weights and their block scales, and its heads' cache, with the same scales as one rank."""
+    from safetensors.torch import load_file, save_file
+
+    from tilellm.testing import quantize_model_dir_fp8
+
+    model_dir = quantize_model_dir_fp8(tiny_qwen3_kv2, tmp_path / "fp8", (16, 16))
+    weights = load_file(model_dir / "model.safetensors")
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.01)
+    save_file(weights, model_dir / "model.safetensors")
+    fp8 = dict(ENGINE, kv_cache_dtype="fp8")
+    prompts = _batches()[0]
+    want = _generate(LLM(str(model_dir), tensor_parallel_size=1, **fp8), prompts)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **fp8)
+    try:
+        runner = llm.llm_engine.runner
+        assert runner.kv_cache.dtype == torch.float8_e4m3fn and not runner.kv_scales_pending
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight.shape[0] == (4 + 2 * 2) * 16 // 2
+        got = _generate(llm, prompts)
+        for i, ((g_ids, g_lp), (w_ids, w_lp)) in enumerate(zip(got, want)):
+            assert g_ids == w_ids, f"prompt {i}"
+            assert abs(g_lp - w_lp) < 1e-3, f"prompt {i}: logprob {g_lp} vs {w_lp}"
+    finally:
+        llm.shutdown()
+    _assert_no_workers()
