@@ -48,6 +48,7 @@ from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
 from tilellm.kernels.reference.fp8_gemm import dequantize_fp8_block, quantize_fp8_block
 from tilellm.models.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, is_block_aligned
 from tilellm.models.layers.moe import FusedMoE
+from tilellm.models.layers.ops import resolve_fp8_gemm_ops
 
 SUPPORTED_QUANTIZATION = ("fp8",)
 DEFAULT_BLOCK_SIZE = (128, 128)  # online quantization's, and per-tensor checkpoints' where K allows
@@ -152,21 +153,6 @@ def resolve_quantization(raw_config: dict, quantization: str | None) -> tuple[Fp
     if quantization == "fp8":
         return Fp8Config(weight_block_size=DEFAULT_BLOCK_SIZE), True
     return None, False
-
-
-def resolve_fp8_gemm_ops(backend: str, device: torch.device | str) -> types.ModuleType:
-    """`tilellm.kernels.fp8_gemm` or `.reference.fp8_gemm` for backend "triton" | "reference" |
-    "auto", the policy of the fused ops (`tilellm.models.layers.ops`): Triton on CUDA or when
-    asked for, the PyTorch twin otherwise."""
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if torch.device(device).type == "cuda" else "reference"
-    if backend == "triton":
-        import tilellm.kernels.fp8_gemm as ops
-    else:
-        import tilellm.kernels.reference.fp8_gemm as ops
-    return ops
 
 
 def _fp8_param(*shape: int, device: torch.device) -> nn.Parameter:

@@ -1,5 +1,5 @@
-"""Which implementation of the fused element-wise ops (RMSNorm, SiLU-and-mul, RoPE) and of the fused
-MoE experts a model uses.
+"""Which implementation of the fused element-wise ops (RMSNorm, SiLU-and-mul, RoPE), of the fused
+MoE experts and of the FP8 GEMM a model uses.
 
 Same policy as the attention backends (`tilellm.attention.backends.backend_class`): the Triton
 kernels on CUDA or when asked for ("triton"; on CPU that needs TRITON_INTERPRET=1), the PyTorch
@@ -8,32 +8,33 @@ reference otherwise.
 
 from __future__ import annotations
 
+import importlib
 import types
 
 import torch
 
 
-def resolve_fused_ops(backend: str, device: torch.device | str) -> types.ModuleType:
-    """`tilellm.kernels.fused` or `.reference.fused` for backend "triton" | "reference" | "auto"."""
+def resolve_ops(backend: str, device: torch.device | str, kernels: str) -> types.ModuleType:
+    """`tilellm.kernels.<kernels>` or its twin `tilellm.kernels.reference.<kernels>` for backend
+    "triton" | "reference" | "auto" (Triton on CUDA, the twin otherwise)."""
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     if backend == "auto":
         backend = "triton" if torch.device(device).type == "cuda" else "reference"
-    if backend == "triton":
-        import tilellm.kernels.fused as ops
-    else:
-        import tilellm.kernels.reference.fused as ops
-    return ops
+    package = "tilellm.kernels" if backend == "triton" else "tilellm.kernels.reference"
+    return importlib.import_module(f"{package}.{kernels}")
+
+
+def resolve_fused_ops(backend: str, device: torch.device | str) -> types.ModuleType:
+    """`tilellm.kernels.fused` or `.reference.fused` (RMSNorm, SiLU-and-mul, RoPE)."""
+    return resolve_ops(backend, device, "fused")
 
 
 def resolve_moe_ops(backend: str, device: torch.device | str) -> types.ModuleType:
-    """`tilellm.kernels.moe` or `.reference.moe` (the `fused_moe` of MoE layers), same policy."""
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if torch.device(device).type == "cuda" else "reference"
-    if backend == "triton":
-        import tilellm.kernels.moe as ops
-    else:
-        import tilellm.kernels.reference.moe as ops
-    return ops
+    """`tilellm.kernels.moe` or `.reference.moe` (the `fused_moe` of MoE layers)."""
+    return resolve_ops(backend, device, "moe")
+
+
+def resolve_fp8_gemm_ops(backend: str, device: torch.device | str) -> types.ModuleType:
+    """`tilellm.kernels.fp8_gemm` or `.reference.fp8_gemm` (FP8 linear layers' quantizer and GEMM)."""
+    return resolve_ops(backend, device, "fp8_gemm")
