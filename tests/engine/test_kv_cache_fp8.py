@@ -1,8 +1,11 @@
 """`kv_cache_dtype="fp8"`: an e4m3 KV cache with per-layer scales measured on the first prompt.
 
-The Triton kernels and their PyTorch twins read the same FP8 cache, so the engine must give the
-same tokens on either backend; the trained demo model must stay above its accuracy gate; the
-pool holds 4x the tokens of an fp32 cache in the same bytes.
+The oracle: the 16/32-bit engine whose cache holds what the FP8 cache stands for (each stored
+row quantized and dequantized with the FP8 run's scales, `_emulated`) must give the FP8 engine's
+tokens and log-probabilities; a scale dropped or applied twice anywhere breaks that. The Triton
+kernels and their twins read the same FP8 cache, so the engine gives the same tokens on either
+backend; the trained demo model stays above its accuracy gate; the pool holds 4x the tokens of
+an fp32 cache in the same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from tilellm import LLM, SamplingParams
 from tilellm.demo import run_demo
+from tilellm.kernels.fp8 import dequantize_fp8, quantize_fp8
 
 
 def _prompts() -> list[list[int]]:
@@ -26,7 +30,44 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
 
 
-def test_fp8_cache_same_tokens_from_kernels_and_twins(tiny_qwen3):
+def _greedy_logprobs(llm: LLM) -> list[tuple[list[int], float]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
+
+
+def _emulated(model_dir: str, scales: torch.Tensor, monkeypatch) -> list[tuple[list[int], float]]:
+    """The 16/32-bit engine (the PyTorch twins) with every row stored in a layer's cache replaced
+    by its FP8 value times `scales[layer]` (the FP8 run's): what an FP8 cache stands for. The
+    indexer keys of DeepSeek-V3.2 are stored as they are, as in the FP8 engine."""
+    import tilellm.kernels.reference as reference_ops
+
+    llm = LLM(model_dir, fused_ops_backend="reference", num_kv_blocks=32)
+    pool = llm.llm_engine.runner.kv_cache  # [num_caches, num_layers, ...]
+    layer_of = {pool[0, i].data_ptr(): i for i in range(pool.shape[1])}
+    store = reference_ops.store_kvcache
+
+    def emulating_store(k, v, k_cache, v_cache, slot_mapping, **_):
+        layer = layer_of.get(k_cache.data_ptr())
+        if layer is not None:
+            k_scale = scales[layer, 0]
+            k = dequantize_fp8(quantize_fp8(k, k_scale), k_scale, k.dtype)
+            if v is not None:
+                v_scale = scales[layer, 1]
+                v = dequantize_fp8(quantize_fp8(v, v_scale), v_scale, v.dtype)
+        store(k, v, k_cache, v_cache, slot_mapping)
+
+    monkeypatch.setattr(reference_ops, "store_kvcache", emulating_store)
+    return _greedy_logprobs(llm)
+
+
+def _assert_same(got: list[tuple[list[int], float]], want: list[tuple[list[int], float]]) -> None:
+    for i, ((g_ids, g_lp), (w_ids, w_lp)) in enumerate(zip(got, want)):
+        assert g_ids == w_ids, f"prompt {i}"
+        assert abs(g_lp - w_lp) < 1e-4, f"prompt {i}: cumulative logprob {g_lp} vs {w_lp}"
+
+
+def test_fp8_cache_same_tokens_from_kernels_and_twins(tiny_qwen3, monkeypatch):
     outs = {}
     for backend in ("reference", "triton"):
         # the PyTorch RMSNorm and rotary on both: the same K and V reach the caches
@@ -42,6 +83,9 @@ def test_fp8_cache_same_tokens_from_kernels_and_twins(tiny_qwen3):
         assert scales.shape == (2, 2) and bool(torch.all(scales > 0)) and bool(torch.all(scales != 1.0))
         outs[backend] = (first, scales)
     assert outs["triton"][0] == outs["reference"][0]
+    fp8 = LLM(tiny_qwen3, kv_cache_dtype="fp8", fused_ops_backend="reference", num_kv_blocks=32)
+    got = _greedy_logprobs(fp8)
+    _assert_same(got, _emulated(tiny_qwen3, fp8.llm_engine.runner.kv_scales, monkeypatch))
     # measured on the same prompt: layer 0's K and V are the same bits, later layers' differ by
     # the attention kernels' fp32 rounding
     assert torch.equal(outs["triton"][1][0], outs["reference"][1][0])
@@ -68,7 +112,7 @@ def test_demo_stays_above_its_gate_with_an_fp8_cache():
 
 
 @pytest.mark.parametrize("model", ["tiny_deepseek_v2", "tiny_deepseek_v32"])
-def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request):
+def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request, monkeypatch):
     """MLA's latent rows (and DeepSeek-V3.2's sparse attention over them) from an FP8 cache; the
     indexer keys stay in the model's dtype."""
     model_dir = request.getfixturevalue(model)
@@ -82,6 +126,9 @@ def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request):
         runner = llm.llm_engine.runner
         assert runner.kv_cache.dtype == torch.float8_e4m3fn and runner.kv_scales.shape[1] == 1
     assert outs[0] == outs[1]
+    fp8 = LLM(model_dir, kv_cache_dtype="fp8", fused_ops_backend="reference", num_kv_blocks=32)
+    got = _greedy_logprobs(fp8)
+    _assert_same(got, _emulated(model_dir, fp8.llm_engine.runner.kv_scales, monkeypatch))
 
 
 def _with_kv_scales(src: str, dst, names: tuple[str, str]) -> str:
@@ -131,3 +178,23 @@ def test_fp8_cache_with_ngram_speculation_gives_the_same_tokens(tiny_qwen3):
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0  # drafts were verified and kept
     assert outs[1] == outs[0]
+
+
+def test_fp8_needs_an_ada_or_hopper_gpu(monkeypatch, tiny_qwen3):
+    from tilellm.config import EngineConfig
+    from tilellm.worker.model_runner import _check_fp8_support
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 .*sm_80"
+    ):
+        _check_fp8_support(torch.device("cuda"), EngineConfig(kv_cache_dtype="fp8"), model)
+    model.weight.data = model.weight.data.to(torch.float8_e4m3fn)
+    with pytest.raises(
+        ValueError,
+        match=r"FP8 weights \(an FP8 checkpoint or quantization=.fp8.\) need a GPU of compute capability 8.9",
+    ):
+        _check_fp8_support(torch.device("cuda"), EngineConfig(), model)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    _check_fp8_support(torch.device("cuda"), EngineConfig(kv_cache_dtype="fp8"), model)

@@ -15,17 +15,17 @@ of random values come out wrong). The PyTorch twins quantize with `quantize_fp8`
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from tilellm.kernels.config import interpreting
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_INTERPRETING = tl.constexpr(interpreting())
 
 
 @triton.jit
@@ -59,6 +59,12 @@ _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 def unit_scale(device: torch.device) -> torch.Tensor:
     """A [1] float32 tensor holding 1.0 on `device`: the scale of an FP8 cache given none."""
     if device not in _UNIT_SCALES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made inside a capture, its fill would run only on replays
+            raise ValueError(
+                "an FP8 cache read inside a CUDA graph capture needs its scales: pass k_scale / v_scale "
+                "(kv_scale for MLA), or call once before capturing"
+            )
         _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
     return _UNIT_SCALES[device]
 
@@ -86,6 +92,15 @@ def measure_kv_scale(x: torch.Tensor, scale: torch.Tensor, value_range: float) -
     """scale[0] = max(amax |x|, 1e-6) / value_range, on the device (no host sync)."""
     with torch.no_grad():
         scale.copy_(x.detach().abs().amax().float().clamp(min=1e-6).reshape(1) / value_range)
+
+
+def dequantized_rows(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered cache rows in fp32: an FP8 cache's times its scale (None = 1.0), others as they are
+    (the twins' reading of every cache)."""
+    rows = stored.float()
+    if is_fp8(stored) and scale is not None:
+        rows = rows * scale.reshape(())  # one element, whatever its shape
+    return rows
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

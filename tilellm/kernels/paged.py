@@ -177,7 +177,8 @@ def _paged_kernel(
     if DOT_FP16:
         # FP8 cache, 16-bit queries: the dots run in fp16, since e4m3 -> fp16 is one instruction
         # per two values on sm_89+ (-> bf16 goes through fp32); every e4m3 value and every
-        # probability is exact or finer in fp16, and bf16 queries fit its range (|q| < 65504).
+        # probability is exact or finer in fp16; a query beyond fp16's range (|q| > 65504) would
+        # overflow, far above what normalised queries reach.
         q = q.to(tl.float16)
 
     # -- this program's key range: causal end of the tile, cut into segments --

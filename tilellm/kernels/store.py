@@ -48,13 +48,13 @@ def _store_kernel(
     d = offs % HEAD_DIM
     k = tl.load(K + tok.to(tl.int64) * stride_kt + head * stride_kh + d, mask=ok)
     if QUANTIZE:
-        k = to_fp8(k.to(tl.float32) / tl.load(k_scale))
+        k = to_fp8(tl.div_rn(k.to(tl.float32), tl.load(k_scale)))  # div_rn: torch's exact division
     # Cache rows are [Hkv, D] contiguous: a slot is one row of Hkv * D values.
     tl.store(K_cache + slot * stride_cslot + offs, k, mask=ok)
     if HAS_V:
         v = tl.load(V + tok.to(tl.int64) * stride_vt + head * stride_vh + d, mask=ok)
         if QUANTIZE:
-            v = to_fp8(v.to(tl.float32) / tl.load(v_scale))
+            v = to_fp8(tl.div_rn(v.to(tl.float32), tl.load(v_scale)))
         tl.store(V_cache + slot * stride_cslot + offs, v, mask=ok)
 
 

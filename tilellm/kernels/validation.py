@@ -23,8 +23,9 @@ import os
 
 import torch
 
+from tilellm.kernels.fp8 import FP8_DTYPE  # an FP8 KV cache
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FP8_DTYPE = torch.float8_e4m3fn  # an FP8 KV cache (see `tilellm.kernels.fp8`)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
@@ -401,6 +402,16 @@ def check_cache_dtype(name, ref_arg, ref, caches: dict, scales: dict) -> None:
             raise ValueError(
                 f"{name}: {arg} dtype {cache.dtype} differs from {first_arg} dtype {first.dtype}"
             )
+    _check_scales(name, scales, first.device)
+
+
+def check_kv_scales(name, q, k_cache, v_cache, k_scale, v_scale) -> None:
+    """The optional dequantization scales of an attention call's K and V caches (whose dtypes
+    `check_paged` / `check_decode` / `check_sparse` have checked)."""
+    _check_scales(name, {"k_scale": k_scale, "v_scale": v_scale}, k_cache.device)
+
+
+def _check_scales(name, scales: dict, device: torch.device) -> None:
     for arg, scale in scales.items():
         if scale is None:
             continue
@@ -411,15 +422,8 @@ def check_cache_dtype(name, ref_arg, ref, caches: dict, scales: dict) -> None:
                 else type(scale).__name__
             )
             raise ValueError(f"{name}: {arg} must be a float32 tensor of one element, got {got}")
-        if scale.device != first.device:
-            raise ValueError(f"{name}: {arg} is on {scale.device} but the cache is on {first.device}")
-
-
-def check_kv_scales(name, q, k_cache, v_cache, k_scale, v_scale) -> None:
-    """The optional dequantization scales of an attention call's K and V caches."""
-    check_cache_dtype(
-        name, "q", q, {"k_cache": k_cache, "v_cache": v_cache}, {"k_scale": k_scale, "v_scale": v_scale}
-    )
+        if scale.device != device:
+            raise ValueError(f"{name}: {arg} is on {scale.device} but the cache is on {device}")
 
 
 def _check_int32(name, tensors: dict) -> None:

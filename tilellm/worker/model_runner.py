@@ -150,6 +150,8 @@ class ModelRunner:
             seed=config.seed,
         )
         self.dtype = next(self.model.parameters()).dtype
+        if self.is_cuda:
+            _check_fp8_support(self.device, config, self.model)
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
         num_layers, num_kv_heads, head_dim = model_kv_spec(self.hf_config, tp_size)
@@ -383,11 +385,18 @@ class ModelRunner:
         self.kv_scales, self.kv_scales_pending, self._kv_scales_logged = None, False, True
         if self.kv_dtype == FP8_DTYPE:
             self.kv_scales = torch.ones(len(layers), self.kv_spec.num_caches, device=self.device)
-            shipped = [getattr(layer, "checkpoint_kv_scales", {}) for layer in layers]
-            if all("k" in s and "v" in s for s in shipped):
-                self.kv_scales.copy_(torch.tensor([[s["k"], s["v"]] for s in shipped]))
+            names = ("k",) if self.kv_spec.num_caches == 1 else ("k", "v")  # MLA: the latent rows'
+            shipped = [layer.checkpoint_kv_scales for layer in layers]
+            if all(all(n in s for n in names) for s in shipped):
+                self.kv_scales.copy_(torch.tensor([[s[n] for n in names] for s in shipped]))
                 logger.info("FP8 KV cache scales from the checkpoint (%d layers)", len(layers))
             else:
+                if any(shipped):
+                    have = sum(all(n in s for n in names) for s in shipped)
+                    logger.warning(
+                        "the checkpoint ships KV cache scales for %d of %d layers: measuring them all "
+                        "on the first prompt instead", have, len(layers),
+                    )  # fmt: skip
                 self.kv_scales_pending = True
         for i, layer in enumerate(layers):
             scales = [] if self.kv_scales is None else list(self.kv_scales[i].split(1))
@@ -841,6 +850,21 @@ class ModelRunner:
                 handle.host.device_time_s = handle.start_event.elapsed_time(handle.event) / 1e3
         self.log_kv_scales()
         return handle.host
+
+
+def _check_fp8_support(device: torch.device, config: EngineConfig, model: torch.nn.Module) -> None:
+    """FP8 caches and weights need e4m3 arithmetic on the GPU (compute capability 8.9+: Ada,
+    Hopper and newer); elsewhere Triton cannot build the kernels, so say so before it tries."""
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (8, 9):
+        return
+    gpu = f"a GPU of compute capability 8.9 or newer (this one is sm_{capability[0]}{capability[1]})"
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs {gpu}; use kv_cache_dtype='auto'")
+    if any(p.dtype == FP8_DTYPE for p in model.parameters()):
+        raise ValueError(
+            f"FP8 weights (an FP8 checkpoint or quantization='fp8') need {gpu}; load a 16-bit checkpoint"
+        )
 
 
 def _deferred_errors(fn: Callable[[], torch.Tensor], errors: list[BaseException]) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from tilellm.kernels import validation
-from tilellm.kernels.fp8 import is_fp8, quantize_fp8
+from tilellm.kernels.fp8 import dequantized_rows, is_fp8, quantize_fp8
 
 # Upper bound on the fp32 score elements materialised at once (about 256 MiB); longer requests
 # are processed in chunks of query rows.
@@ -199,8 +199,8 @@ def sparse_attention(
             valid = idx >= 0
             pos = idx.clamp(min=0)
             blocks = block_table[i].long()[pos // block_size]
-            keys = _from_cache(k_cache[blocks, pos % block_size], k_scale)  # [n, K, Hkv, D] fp32
-            values = _from_cache(v_cache[blocks, pos % block_size], v_scale)
+            keys = dequantized_rows(k_cache[blocks, pos % block_size], k_scale)  # [n, K, Hkv, D] fp32
+            values = dequantized_rows(v_cache[blocks, pos % block_size], v_scale)
             qg = q[lo:hi].float().view(hi - lo, Hkv, Hq // Hkv, D)
             scores = torch.einsum("nhgd,nkhd->nhgk", qg, keys) * scale
             probs = _masked_softmax(scores, valid[:, None, None, :])
@@ -237,13 +237,6 @@ def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) 
     return quantize_fp8(x, scale if scale is not None else 1.0) if is_fp8(cache) else x
 
 
-def _from_cache(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Gathered cache rows as fp32 values: an FP8 cache's times its scale."""
-    if is_fp8(rows) and scale is not None:
-        return rows.float() * scale
-    return rows.float()
-
-
 def _paged(q, caches, block_table, bounds, kv_lens, scale, o) -> None:
     """Per request: gather its K/V through the block table (`caches` = (k_cache, v_cache,
     k_scale, v_scale)), then causal attention of its new tokens."""
@@ -255,8 +248,8 @@ def _paged(q, caches, block_table, bounds, kv_lens, scale, o) -> None:
         kv_len = kv_lens[i]
         positions = torch.arange(kv_len, device=q.device)
         blocks = block_table[i].long()[positions // block_size]
-        keys = _from_cache(k_cache[blocks, positions % block_size], k_scale)  # [kv_len, Hkv, D]
-        values = _from_cache(v_cache[blocks, positions % block_size], v_scale)
+        keys = dequantized_rows(k_cache[blocks, positions % block_size], k_scale)  # [kv_len, Hkv, D]
+        values = dequantized_rows(v_cache[blocks, positions % block_size], v_scale)
         q_positions = positions[kv_len - (end - start) :]
         o[start:end] = _attend(q[start:end], keys, values, q_positions, scale)
 

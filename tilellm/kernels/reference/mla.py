@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tilellm.kernels.fp8 import is_fp8
+from tilellm.kernels.fp8 import dequantized_rows
 from tilellm.kernels.mla import check_mla_decode, check_mla_hints, check_mla_paged, mla_output
 
 # Upper bound on the fp32 score elements materialised at once (about 256 MiB); requests with
@@ -84,14 +84,6 @@ def mla_decode_attention(
     bounds = list(range(q.shape[0] + 1))
     _mla(q, kv_cache, kv_scale, block_table, bounds, seq_lens.tolist(), kv_lora_rank, float(scale), o)
     return o
-
-
-def dequantized_rows(stored: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """Gathered cache rows in fp32: FP8 ones times their scale (None = 1.0), others as they are."""
-    rows = stored.float()
-    if is_fp8(stored) and kv_scale is not None:
-        rows = rows * kv_scale.reshape(())  # one element, whatever its shape
-    return rows
 
 
 def _mla(q, kv_cache, kv_scale, block_table, bounds, kv_lens, kv_lora_rank, scale, o) -> None:

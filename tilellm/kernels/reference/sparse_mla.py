@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from tilellm.kernels.fp8 import dequantized_rows
 from tilellm.kernels.mla import mla_output
-from tilellm.kernels.reference.mla import dequantized_rows
 from tilellm.kernels.sparse_mla import check_sparse_mla
 
 # Upper bound on the fp32 elements of gathered rows and scores materialised at once (about

@@ -100,6 +100,9 @@ class MLAAttention(nn.Module):
         self.kv_cache = torch.empty(0)  # bound by the runner once the pool is allocated
         self.kv_scale: torch.Tensor | None = None  # an FP8 cache's [1] float32 scale
         self.calibrate_kv_scales = False
+        # {"k": scale} (vLLM's MLA checkpoints name the latent cache's scale k_scale; a v_scale
+        # they ship is unused) when the checkpoint has them
+        self.checkpoint_kv_scales: dict[str, float] = {}
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
         self.kv_cache, self.kv_scale = kv_cache, kv_scale
