@@ -131,7 +131,7 @@ def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request, mon
     _assert_same(got, _emulated(model_dir, fp8.llm_engine.runner.kv_scales, monkeypatch))
 
 
-def _with_kv_scales(src: str, dst, names: tuple[str, str]) -> str:
+def _with_kv_scales(src: str, dst, names: tuple[str, str], num_layers: int = 2) -> str:
     """A copy of checkpoint `src` whose layers ship K and V cache scales under `names`."""
     import shutil
 
@@ -139,7 +139,7 @@ def _with_kv_scales(src: str, dst, names: tuple[str, str]) -> str:
 
     shutil.copytree(src, dst)
     weights = load_file(f"{dst}/model.safetensors")
-    for i in range(2):
+    for i in range(num_layers):
         weights[f"model.layers.{i}.self_attn.{names[0]}"] = torch.tensor(0.05 + i)
         weights[f"model.layers.{i}.self_attn.{names[1]}"] = torch.tensor([0.25 + i])
     save_file(weights, f"{dst}/model.safetensors")
@@ -198,3 +198,14 @@ def test_fp8_needs_an_ada_or_hopper_gpu(monkeypatch, tiny_qwen3):
         _check_fp8_support(torch.device("cuda"), EngineConfig(), model)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     _check_fp8_support(torch.device("cuda"), EngineConfig(kv_cache_dtype="fp8"), model)
+
+
+def test_mla_checkpoint_k_scale_is_the_latent_cache_scale(tiny_deepseek_v2, tmp_path):
+    import json
+
+    layers = json.loads(open(f"{tiny_deepseek_v2}/config.json").read())["num_hidden_layers"]
+    model_dir = _with_kv_scales(tiny_deepseek_v2, tmp_path / "m", ("k_scale", "v_scale"), layers)
+    runner = LLM(model_dir, kv_cache_dtype="fp8", num_kv_blocks=16).llm_engine.runner
+    want = torch.tensor([[0.05 + i] for i in range(layers)])
+    assert torch.equal(runner.kv_scales, want) and not runner.kv_scales_pending
+    assert LLM(model_dir, num_kv_blocks=16).llm_engine.runner.kv_scales is None  # loads, unused
