@@ -338,8 +338,12 @@ def apply_fp8(
             method = Fp8LinearMethod(block, ops, online=online, per_tensor=per_tensor)
             method.create_weights(module, name)
             module.quant_method = method
-        elif isinstance(module, FusedMoE) and not cfg.is_ignored(name) and not online:
-            module.enable_fp8(cfg.experts_block_size(module.hidden_size, module.intermediate_per_rank))
+        elif isinstance(module, FusedMoE) and not cfg.is_ignored(name):
+            block = cfg.experts_block_size(module.hidden_size, module.intermediate_per_rank)
+            if online:  # quantized after loading; its shapes checked now, before the weights are read
+                module.check_fp8_block(block)
+            else:
+                module.enable_fp8(block)
 
 
 def quantize_experts_online(model: nn.Module, cfg: Fp8Config) -> None:

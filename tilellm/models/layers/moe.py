@@ -171,7 +171,7 @@ class FusedMoE(nn.Module):
         [E, cdiv(H, bn), I_r / bk] are added, in float32 (`keep_fp32`). block_size = (bn, bk),
         (128, 128) for DeepSeek-V3.
         """
-        bn, bk = self._check_fp8_block(block_size)
+        bn, bk = self.check_fp8_block(block_size)
         E, H, i_r, dev = (
             self.num_experts,
             self.hidden_size,
@@ -191,14 +191,14 @@ class FusedMoE(nn.Module):
         its block's amax / 448), so at most one expert's copy in fp32 exists at a time."""
         if self.fp8_block_size is not None:
             raise ValueError(f"FusedMoE: the experts are already fp8 (block {list(self.fp8_block_size)})")
-        bn, bk = self._check_fp8_block(block_size)
+        bn, bk = self.check_fp8_block(block_size)
         w13_q, w13_s = _quantize_experts(self.w13_weight, (bn, bk))
         w2_q, w2_s = _quantize_experts(self.w2_weight, (bn, bk))
         self.w13_weight, self.w2_weight = _fp8_weight(w13_q), _fp8_weight(w2_q)
         self.w13_weight_scale_inv, self.w2_weight_scale_inv = _fp32_scale(w13_s), _fp32_scale(w2_s)
         self.fp8_block_size = (bn, bk)
 
-    def _check_fp8_block(self, block_size: tuple[int, int]) -> tuple[int, int]:
+    def check_fp8_block(self, block_size: tuple[int, int]) -> tuple[int, int]:
         """(bn, bk), checked against this rank's shapes: scales are sliced per rank in whole blocks
         and activations are quantized in groups of bk channels."""
         bn, bk = check_block_shape("FusedMoE", block_size)
