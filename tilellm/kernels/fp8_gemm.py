@@ -30,6 +30,7 @@ The PyTorch twins, and the input checks both sides share, are in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -136,7 +137,7 @@ def block_fp8_config(M: int, N: int, block_size: Sequence[int]) -> Fp8GemmConfig
     Built for sm_90a with Triton 3.6 (bk = 128, bf16 out): 128 x 128 / 8 warps / 4 stages takes
     128 KiB of shared memory and 177 registers, 64 x 128 / 4 warps / 4 stages 96 KiB and 184, no
     spills; tiles of 16 or 32 rows run mma.sync (the warpgroup MMA needs 64 rows per warpgroup).
-    Not yet swept on the GPU: `benchmarks/fp8_gemm.py` times these against two alternatives.
+    `benchmarks/fp8_gemm.py` times these against two alternatives (docs/benchmarks.md, G1).
     Under the interpreter: 32 x 64 tiles (fewer programs run faster there), narrower than a
     128-wide bn and small enough that the tests' shapes still span several tiles.
     """
@@ -164,6 +165,12 @@ def block_fp8_config(M: int, N: int, block_size: Sequence[int]) -> Fp8GemmConfig
         row_tiles = triton.cdiv(M, block_m)
         block_n = next((c for c in wide if row_tiles * triton.cdiv(N, c) >= num_sms()), wide[-1])
     return Fp8GemmConfig(block_m=block_m, block_n=block_n, group_m=8, num_warps=warps, num_stages=stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_config(M: int, N: int, bn: int, bk: int, interpreting_: bool) -> Fp8GemmConfig:
+    """`block_fp8_config`, chosen once per shape: every linear layer of every step asks."""
+    return block_fp8_config(M, N, (bn, bk))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -247,7 +254,7 @@ def w8a8_block_fp8_matmul(
         # tl.arange needs a power of two, and an fp8 tl.dot a reduction of at least 32
         raise ValueError(f"{name}: bk = {bk} must be a power of two >= 32 for the Triton kernel")
     (M, K), N = a.shape, b.shape[0]
-    cfg = config or block_fp8_config(M, N, (bn, bk))
+    cfg = config or _cached_config(M, N, bn, bk, interpreting())
     if bn % cfg.block_n or cfg.block_n & (cfg.block_n - 1) or cfg.block_n < 16:
         raise ValueError(
             f"{name}: config.block_n = {cfg.block_n} must be a power of two >= 16 dividing bn = {bn}"
