@@ -67,29 +67,38 @@ def test_sampling_with_graphs(tiny_qwen3, dtype):
 
 
 def test_short_and_long_context_graphs_match_eager(tmp_path):
-    """With max_model_len >= 2 * MIN_KEYS_PER_SPLIT the decode graphs split the KV range, and a
-    second graph per bucket without split-KV runs while contexts are short. Both give the eager
-    engine's greedy tokens: short prompts replay the short graphs, a prompt past the split
-    threshold replays the splitting ones (its batch's longest context decides)."""
+    """With max_model_len >= 2 * MIN_KEYS_PER_SPLIT the decode graphs of batches that fill the
+    GPU split the KV range, and a second graph per bucket without split-KV runs while contexts
+    are short (small batches split short contexts too: their one graph serves both). Every graph
+    gives the eager engine's greedy tokens: short prompts replay the short graphs, a prompt past
+    the split threshold replays the splitting ones (its batch's longest context decides), and a
+    single short prompt replays its bucket's plain graph, split into short segments."""
     from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT
     from tilellm.testing import make_tiny_model
 
     model = str(make_tiny_model(tmp_path / "m", seed=4, max_position_embeddings=4 * MIN_CONTEXT_TO_SPLIT))
     g = torch.Generator().manual_seed(0)
-    short = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 40, 200)]
+    # 70 requests of the tiny model's 2 KV heads: 140 programs, more than the SMs (large batch)
+    short = [torch.randint(0, 300, (int(n),), generator=g).tolist() for n in torch.randint(5, 300, (70,))]
     long = [torch.randint(0, 300, (MIN_CONTEXT_TO_SPLIT + 7,), generator=g).tolist()]
+    single = [torch.randint(0, 300, (700,), generator=g).tolist()]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def run(llm: LLM, prompts) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    eager = LLM(model, device="cuda", dtype="float32", num_kv_blocks=1024, enforce_eager=True)
-    want_short, want_long = run(eager, short), run(eager, short + long)
+    eager = LLM(model, device="cuda", dtype="float32", num_kv_blocks=4096, enforce_eager=True)
+    want_short, want_long, want_single = run(eager, short), run(eager, short + long), run(eager, single)
     del eager
-    llm = LLM(model, device="cuda", dtype="float32", num_kv_blocks=1024, enable_prefix_caching=False)
+    llm = LLM(model, device="cuda", dtype="float32", num_kv_blocks=4096, enable_prefix_caching=False)
     runner = llm.llm_engine.runner
     assert runner.short_graphs and set(runner.short_graphs) <= set(runner.graphs)
+    assert 1 not in runner.short_graphs and runner.decode_splits(1, 700) > 1
     assert run(llm, short) == want_short
-    assert runner.graph_replays["short"] > 0 and runner.graph_replays["plain"] == 0
-    assert run(llm, short + long) == want_long
+    # (a step of only part of the batch, between its prefill chunks, may replay a small bucket's plain graph)
+    assert runner.graph_replays["short"] > runner.graph_replays["plain"]
+    assert run(llm, single) == want_single
     assert runner.graph_replays["plain"] > 0
+    plain = runner.graph_replays["plain"]
+    assert run(llm, short + long) == want_long
+    assert runner.graph_replays["plain"] > plain

@@ -1,10 +1,11 @@
-"""Which decode buckets get a second, no-split CUDA graph: the runner asks its attention
-backend's split plan (CPU: the plan is computed for 132 SMs, as on an H100/H200)."""
+"""Which decode buckets get a second, "short" CUDA graph: the runner asks its attention backend's
+split plan for max_model_len and for contexts under MIN_CONTEXT_TO_SPLIT (CPU: the plan is
+computed for 132 SMs, as on an H100/H200)."""
 
 from __future__ import annotations
 
 from tilellm import LLM
-from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT
+from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT, SMALL_BATCH_MIN_KEYS
 
 
 def test_decode_graph_split_plan_follows_max_model_len(tmp_path):
@@ -14,7 +15,14 @@ def test_decode_graph_split_plan_follows_max_model_len(tmp_path):
     # The Triton backend plans split-KV (the reference backend has nothing to split).
     long_ctx = LLM(model, num_kv_blocks=600, max_num_seqs=4, attention_backend="triton").llm_engine.runner
     assert long_ctx.max_model_len >= MIN_CONTEXT_TO_SPLIT
-    assert long_ctx.decode_splits(1, long_ctx.max_model_len) > 1  # one request of a long context: split it
+    splits = long_ctx.decode_splits
+    # A small batch (fewer programs than SMs) splits short and long contexts alike, into segments
+    # as short as SMALL_BATCH_MIN_KEYS keys: the short plan is the plain one, no second graph.
+    assert splits(1, long_ctx.max_model_len) == splits(1, MIN_CONTEXT_TO_SPLIT - 1) > 1
+    assert splits(1, 2 * SMALL_BATCH_MIN_KEYS - 1) == 1
+    # A larger batch splits only long contexts: its short graph has no split-KV.
+    assert splits(100, long_ctx.max_model_len) > 1
+    assert splits(100, MIN_CONTEXT_TO_SPLIT - 1) == 1
     short_ctx = LLM(
         model,
         num_kv_blocks=600,
@@ -23,4 +31,4 @@ def test_decode_graph_split_plan_follows_max_model_len(tmp_path):
         attention_backend="triton",
     )
     short = short_ctx.llm_engine.runner
-    assert short.decode_splits(1, short.max_model_len) == 1  # never long enough to split
+    assert short.decode_splits(100, short.max_model_len) == 1  # never long enough to split

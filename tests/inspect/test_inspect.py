@@ -166,7 +166,8 @@ def test_plain_words_for_idle_programs_and_the_split_plan():
     idle = insp.schedule.num_empty_programs
     assert idle > 0
     sentence = f"{idle} programs find their query tile past the request's end and exit immediately"
-    split = describe_batch("1:40,1:700,1:3000", num_q_heads=8, num_kv_heads=2, head_dim=128)
+    # 17 requests x 8 KV heads: more programs than SMs, so only the long request's keys are cut
+    split = describe_batch([(1, 3000)] + [(1, 40)] * 16, num_q_heads=32, num_kv_heads=8, head_dim=128)
     assert split.schedule.split_plan.num_splits > 1
     aim = f"the split plan aims for 16 programs per SM, {16 * split.schedule.split_plan.num_sms} on"
     for render in (render_text, render_html):
@@ -176,6 +177,9 @@ def test_plain_words_for_idle_programs_and_the_split_plan():
         assert aim in split_page and "cut into 2 segments" in split_page
         for jargon in ("exit at once", "exits at once", "target 16 per SM", "(target "):
             assert jargon not in page and jargon not in split_page, jargon
+    # A small batch (6 programs): even short requests are cut, into short segments.
+    small = words.split_plan(describe_batch("1:40,1:700,1:3000", num_q_heads=8, num_kv_heads=2, head_dim=128))
+    assert "cut into 16 segments" in small and "fewer programs than the GPU's 132 SMs" in small, small
     forced = describe_batch("6:70,1:33,20:20", num_q_heads=4, num_kv_heads=4, head_dim=64, num_splits=3)
     assert "because --num-splits 3 asks for it" in words.split_plan(forced)
     prefill = describe_batch("48,100,7", num_q_heads=4, num_kv_heads=2, head_dim=64)

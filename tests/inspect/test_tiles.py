@@ -232,15 +232,17 @@ def test_paged_report_matches_kernel(num_splits, device):
     assert plan.num_splits == sched.split_plan.num_splits, (plan, sched.split_plan)
     if num_splits is None:
         assert plan.num_splits > 1, plan.reason
-        # A chosen plan keeps segments >= MIN_KEYS_PER_SPLIT keys: short requests are not cut.
-        assert plan.min_keys_per_split == schedule.MIN_KEYS_PER_SPLIT
+        # A chosen plan keeps segments >= its minimum: shorter requests are not cut. This batch
+        # of 6 programs is a small one (fewer than the SMs): its minimum is the small-batch one.
+        minimum = plan.min_keys_per_split
+        assert minimum == schedule.SMALL_BATCH_MIN_KEYS
         for p in sched.programs:
-            if pairs[p.request][1] <= schedule.MIN_KEYS_PER_SPLIT and p.split > 0:
+            if pairs[p.request][1] <= minimum and p.split > 0:
                 assert p.full + p.diagonal == 0, p
         long_segments = [p for p in sched.programs if p.request == len(pairs) - 1 and p.full + p.diagonal]
         assert len(long_segments) > 1
         for p in long_segments[:-1]:  # every segment but the last holds at least the minimum
-            assert (p.full + p.diagonal) * sched.block_n >= schedule.MIN_KEYS_PER_SPLIT, long_segments
+            assert (p.full + p.diagonal) * sched.block_n >= minimum, long_segments
     stats = stats.cpu()
     assert stats.shape == (len(pairs), 1, cdiv(max(q for q, _ in pairs), sched.block_q) * plan.num_splits, 2)
     splits = plan.num_splits

@@ -387,6 +387,19 @@ def bench_paged(
             Row(name, f"tilellm {str(dtype)[6:]} CUDA graph", ms_g, flops / ms_g / 1e9, byts / ms_g / 1e6,
                 floor, note=f"eager call: {host * 1e3:.0f} us of host work")
         )  # fmt: skip
+        # As most users call it: required arguments only (the plan comes from the block table's
+        # width, no host sync), eagerly and captured in a graph as called.
+        if decode:
+            bare = lambda: tk.decode_attention(q, kc, vc, bt, seq)
+        else:
+            bare = lambda: tk.paged_attention(q, kc, vc, bt, cu, seq, max_q)
+        _check(f"{name} required args", bare()[:n], ref)
+        ms_b, host_b, ms_bg = _bench(bare), _host_ms(bare), _bench_graph(bare)
+        rows.append(
+            Row(name, f"tilellm {str(dtype)[6:]} eager, required args", ms_b, flops / ms_b / 1e9,
+                byts / ms_b / 1e6, floor,
+                note=f"{host_b * 1e3:.0f} us host; {ms_bg / ms_b:.0%} of its graph ({ms_bg * 1e3:.1f} us)")
+        )  # fmt: skip
     if fp8_cache:
         _bench_fp8_cache(
             name, q, kc, vc, bt, cu, seq, q_lens, kv_lens, max_k, decode, ms, rows, ceilings, graph, sweep

@@ -13,6 +13,7 @@ from tilellm.kernels.schedule import (
     MAX_SPLITS,
     MIN_CONTEXT_TO_SPLIT,
     MIN_KEYS_PER_SPLIT,
+    SMALL_BATCH_MIN_KEYS,
     programs_per_sm,
     target_programs,
 )
@@ -60,6 +61,13 @@ def split_plan(insp: Inspection) -> str:
         return (
             f"each program's keys are cut into {n} segment(s) because --num-splits {n} asks for it: "
             f"{base} programs become {base * n}"
+        )
+    if plan.min_keys_per_split == SMALL_BATCH_MIN_KEYS:
+        return (
+            f"each program's keys are cut into {n} segments, so {base} programs become {base * n}: a "
+            f"batch of fewer programs than the GPU's {sms} SMs is bound by each program's walk over its "
+            f"keys, so even short requests are cut, into segments of at least {SMALL_BATCH_MIN_KEYS} "
+            "keys, whose partial results are merged afterwards"
         )
     if n == 1 and plan.kv_len_per_split < MIN_CONTEXT_TO_SPLIT:
         return (

@@ -283,7 +283,8 @@ def paged_attention(
         num_splits: None chooses split-KV segments (`tilellm.kernels.schedule.plan_split_kv`); an int
             forces that many; a `SplitPlan` made on the host is used as is (no host sync: the
             engine plans once per step, outside CUDA graphs).
-        max_seqlen_k: optional longest `seq_lens` (with an int `num_splits`, saves reading seq_lens).
+        max_seqlen_k: optional bound on `seq_lens` for the split plan (default: the block
+            table's width x block_size; the kernels never read seq_lens on the host).
         out: optional [T, Hq, D] output buffer.
         k_scale, v_scale: FP8 caches (float8_e4m3fn) only: [1] float32 dequantization scales on
             the device (None = 1.0); the cached values are stored * scale.
@@ -346,7 +347,7 @@ def paged_tile_stats(
         o,
         None,
         num_splits,
-        None,
+        int(seq_lens.max()) if seq_lens.numel() else 0,  # a diagnostic: the exact plan, one sync
         is_decode=False,
         record_stats=True,
     )
@@ -367,6 +368,10 @@ def _launch(
     group = Hq // Hkv
     internal = kv_lo is not None or kv_hi is not None or parts is not None or tiles_fastest is not None
     kv_fp8 = is_fp8(k_cache)
+    if max_seqlen_k is None and seq_lens.device.type != "cpu":
+        # Plan from what the host knows: no request holds more keys than its block table row
+        # maps. Reading seq_lens instead would sync with the device and could not be captured.
+        max_seqlen_k = block_table.shape[1] * page
     if isinstance(num_splits, PagedPlan) and num_splits.kernel == "gluon" and kv_fp8:
         num_splits = None  # the Gluon kernel reads 16-bit pages only: plan for the Triton one
     if isinstance(num_splits, PagedPlan):

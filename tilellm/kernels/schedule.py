@@ -41,6 +41,16 @@ LARGE_TILE_PROGRAMS_PER_SM = 1.5
 # uses 0.8 too): D1's 2048 decode programs against a target of 2112 ran 4319 GB/s unsplit and
 # 4142 in 2 segments.
 FILL_SHARE = 0.8
+# Small batches (fewer decode programs than SMs: batch 1-16 of Qwen3's 8 KV heads) are bound by
+# each program's walk over its keys, not by bandwidth: they split short contexts too, into
+# segments of at least SMALL_BATCH_MIN_KEYS keys, at most SMALL_BATCH_MAX_SPLITS of them, and
+# about SMALL_BATCH_PROGRAMS_PER_SM programs per SM in all (the merge grows with the programs).
+# Measured on an H200 in a CUDA graph (us, decode, 8 KV heads, by segment count 1/2/4/8/16):
+# batch 1, 640 keys 20.0/14.6/11.2/9.5/9.8, 2048 keys 55.8/34.7/20.7/14.1/12.7; batch 8,
+# 640 keys 23.6/17.6/15.2/15.1/18.7, 2048 keys 64.3/41.5/29.7/28.6/31.8.
+SMALL_BATCH_MIN_KEYS = 64
+SMALL_BATCH_MAX_SPLITS = 16
+SMALL_BATCH_PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,8 @@ def choose_num_splits(
     No split when contexts are short or the programs already reach FILL_SHARE of
     `target_programs` (PROGRAMS_PER_SM decode tiles per SM, LARGE_TILE_PROGRAMS_PER_SM of larger
     ones); otherwise enough segments for the target, each of at least MIN_KEYS_PER_SPLIT keys of
-    the longest context, at most MAX_SPLITS. `num_splits` forces the count. The longest
+    the longest context, at most MAX_SPLITS. Decode batches of fewer programs than SMs also
+    split short contexts (`_plan_small_batch`). `num_splits` forces the count. The longest
     context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
     host sync: the engine plans on the host instead and passes the plan).
     """
@@ -114,6 +125,34 @@ def choose_num_splits(
         return SplitPlan(n, f"forced: num_splits={n}", sms, base, cdiv(known, n) if known else 0)
     if max_seqlen_k is None:
         max_seqlen_k = _host_max(seq_lens, allow_device=True)
+    plan = _plan_large(base, max_seqlen_k, sms, rows_per_program)
+    if rows_per_program <= DECODE_ROWS and 0 < base < sms:
+        return _plan_small_batch(plan, max_seqlen_k)
+    return plan
+
+
+def _plan_small_batch(plan: SplitPlan, max_seqlen_k: int) -> SplitPlan:
+    """A decode batch of fewer programs than SMs (see SMALL_BATCH_MIN_KEYS): at least the
+    bandwidth rule's segments, but as short as SMALL_BATCH_MIN_KEYS keys."""
+    base, sms = plan.base_programs, plan.num_sms
+    n_small = min(
+        SMALL_BATCH_MAX_SPLITS,
+        cdiv(SMALL_BATCH_PROGRAMS_PER_SM * sms, base),
+        max_seqlen_k // SMALL_BATCH_MIN_KEYS,
+    )
+    n = max(plan.num_splits, n_small)
+    if n < 2:
+        return plan
+    reason = (
+        f"split {n}: a small batch, {base} programs for {sms} SMs; segments of >= {SMALL_BATCH_MIN_KEYS} "
+        f"keys ({n_small} for about {SMALL_BATCH_PROGRAMS_PER_SM} programs per SM, at most "
+        f"{SMALL_BATCH_MAX_SPLITS}; the bandwidth rule's {plan.num_splits})"
+    )
+    return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), SMALL_BATCH_MIN_KEYS)
+
+
+def _plan_large(base: int, max_seqlen_k: int, sms: int, rows_per_program: int) -> SplitPlan:
+    """The bandwidth rule: split long contexts until the programs fill the GPU."""
     if max_seqlen_k < MIN_CONTEXT_TO_SPLIT:
         return SplitPlan(
             1,

@@ -4,10 +4,11 @@ Decode steps (one new token per request) replay a graph captured at the next buc
 (1, 2, 4, 8, 16, 24, 32, ... up to `max_num_seqs`); padding rows store nothing (slot -1) and
 attend to one key. A graph is captured from static input buffers that are themselves a
 `StepInputs`, planned by the attention backend like any step, so it fixes that plan: its split-KV
-segments are planned for `max_model_len`-long contexts. Where that plan splits, a second "short"
-graph without split-KV is captured for the bucket and replayed while the batch's longest context
-is too short to split (the plan's own rule), which saves the merge kernel and the partial
-outputs on most steps. With prefix caching, a third "cascade" variant per bucket (from the
+segments are planned for `max_model_len`-long contexts. Where contexts shorter than
+MIN_CONTEXT_TO_SPLIT get another plan, a second "short" graph is captured for the bucket with that
+plan (no split-KV for large batches, short segments for small ones) and replayed while the batch's
+longest context is that short, which saves the merge kernel and most partial outputs on most
+steps. With prefix caching, a third "cascade" variant per bucket (from the
 smallest batch that cascade decode ever serves) reads a shared prefix once for the batch.
 
 With speculative decoding, a "verify" variant per bucket up to VERIFY_GRAPH_MAX_BATCH replays
@@ -145,13 +146,18 @@ class DecodeGraphs:
     # -- capture --------------------------------------------------------------------------------
 
     def capture(self, sync: Callable[[], None], enable_cascade: bool) -> None:
-        """Capture every bucket's plain graph, the short variant where the plain one splits, and
+        """Capture every bucket's plain graph, the short variant where short contexts plan otherwise, and
         the cascade variant when `enable_cascade`. A failure of the plain graphs raises; a failed
         cascade capture only drops that variant."""
         t0 = time.perf_counter()
         self._sync = sync
         pool = self._capture_variant("plain", self.sizes, None)
-        splitting = [bs for bs in self.sizes if self.decode_splits(bs, self.max_model_len) > 1]
+        short, longest = MIN_CONTEXT_TO_SPLIT - 1, self.max_model_len
+        splitting = [
+            bs
+            for bs in self.sizes
+            if longest > short and self.decode_splits(bs, longest) != self.decode_splits(bs, short)
+        ]
         if splitting:
             self._capture_variant("short", splitting, pool, max_seqlen_k=MIN_CONTEXT_TO_SPLIT - 1)
         if enable_cascade:
