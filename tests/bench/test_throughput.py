@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tilellm.bench.throughput import e1
 
 
@@ -16,15 +18,32 @@ def test_e1_repeats_and_unfused_variant(tmp_path):
     # scale 0.1: 26 prompts of 10-102 tokens, so most span whole 16-token blocks the cache could share
     argv = ["bench", "throughput", "--workloads", "E1", "--scale", "0.1", "--model", str(model)]
     argv += ["--dtype", "float32", "--device", "cpu", "--repeat", "2", "--compare-fused", "--json", str(out)]
-    assert main(argv) == 0
+    assert main(argv + ["--profile"]) == 0
     results = json.loads(out.read_text())["results"]
     want = sum(e1(0.1).max_tokens)
-    assert [r["variant"] for r in results] == ["run 1/2", "run 2/2", "unfused RMSNorm/SiLU/rotary"]
-    assert results[2]["extra"]["fused_speedup"] > 0
+    assert [r["variant"] for r in results] == [
+        "run 1/2",
+        "run 2/2",
+        "profiled",
+        "unfused RMSNorm/SiLU/rotary",
+    ]
+    assert results[3]["extra"]["fused_speedup"] > 0
+    # --profile: a rerun's time by kernel class (on the CPU, operators' self time), within its wall time
+    b = results[2]["extra"]["breakdown"]
+    assert b["steps"] == results[2]["steps"] > 0 and b["wall_s"] == pytest.approx(
+        results[2]["seconds"], abs=1e-3
+    )
+    assert b["device_s_by_class"]["GEMM (linear layers, LM head)"] > 0
+    assert 0 < b["device_busy_s"] <= b["wall_s"] and set(b["host_ms_per_step"]) == {
+        "schedule",
+        "prepare and launch",
+        "postprocess",
+    }
+    assert all("breakdown" not in r["extra"] for i, r in enumerate(results) if i != 2)
     for r in results:  # ignore_eos: every run produces exactly E1's output tokens
         assert r["workload"] == "E1" and r["output_tokens"] == want and r["output_tok_s"] > 0
     # Each run's prompts are shifted away from the other runs' and the warm-ups': no cache hits.
-    assert [r["extra"]["prefix_cache_hit_rate"] for r in results] == [0.0, 0.0, 0.0]
+    assert [r["extra"]["prefix_cache_hit_rate"] for r in results] == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_tensor_parallel_run_reports_its_size(tmp_path, capsys, monkeypatch):

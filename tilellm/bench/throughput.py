@@ -20,6 +20,7 @@ the same process. `--json FILE` writes every number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import gc
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from tilellm.bench import breakdown
 from tilellm.commands.common import UsageError, check_model_dir, flag_error, resolve_device
 
 E1_OUTPUT_TOKENS = 133966
@@ -104,6 +106,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run E1 with every request constrained by a JSON schema (E1_JSON_SCHEMA), on the "
         "same engine; a random-weight model gets a synthetic byte-level tokenizer of its vocabulary",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each workload, run it once more under torch.profiler and print where the time goes: "
+        "device time by kernel class, the device's idle time, the host's work per step",
     )
     p.add_argument("--hf-baseline", action="store_true", help="also run transformers generate on E1")
     p.add_argument(
@@ -327,8 +335,12 @@ def compiled_kernel_variants() -> int:
     return total
 
 
-def run_workload(llm: Any, w: Workload, variant: str = "", structured_outputs: Any = None) -> Result:
-    """`structured_outputs`: a `StructuredOutputsParams` every request is constrained by."""
+def run_workload(
+    llm: Any, w: Workload, variant: str = "", structured_outputs: Any = None, *, profile: bool = False
+) -> Result:
+    """`structured_outputs`: a `StructuredOutputsParams` every request is constrained by.
+    `profile`: run under torch.profiler and add the run's breakdown (`tilellm.bench.breakdown`)
+    to `extra["breakdown"]` (the profiler's own cost slows the run a little)."""
     from tilellm import SamplingParams
 
     engine = llm.llm_engine
@@ -355,11 +367,12 @@ def run_workload(llm: Any, w: Workload, variant: str = "", structured_outputs: A
     engine.record_steps = True
     engine.runner.time_device = True
     compiled_before = compiled_kernel_variants()
-    _sync()
-    t0 = time.perf_counter()
-    outs = llm.generate(w.prompts, params, use_tqdm=True)
-    _sync()
-    seconds = time.perf_counter() - t0
+    with breakdown.profiled_kernels() if profile else contextlib.nullcontext([]) as kernels:
+        _sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(w.prompts, params, use_tqdm=True)
+        _sync()
+        seconds = time.perf_counter() - t0
     engine.runner.time_device = False
     engine.record_steps = False
     lengths = [len(o.outputs[0].token_ids) for o in outs]
@@ -434,6 +447,16 @@ def run_workload(llm: Any, w: Workload, variant: str = "", structured_outputs: A
     hits = stats.prefix_cache_hits - stats0.prefix_cache_hits
     r.extra["prefix_cache_hit_rate"] = hits / max(stats.prefix_cache_queries - stats0.prefix_cache_queries, 1)
     r.extra["preemptions"] = stats.num_preemptions - stats0.num_preemptions
+    if profile:
+        b = breakdown.breakdown_from_events(kernels, seconds, tm.num_steps)
+        steps = max(tm.num_steps, 1)
+        b.host_ms_per_step = {
+            "schedule": tm.schedule_s / steps * 1e3,
+            "prepare and launch": tm.prepare_s / steps * 1e3,
+            "postprocess": tm.postprocess_s / steps * 1e3,
+        }
+        r.extra["breakdown"] = b.as_dict()
+        print(b.format(f"{w.name} {variant}".strip()), flush=True)
     return r
 
 
@@ -585,6 +608,13 @@ def _print_table(results: list[Result]) -> None:
             )
 
 
+def _profiled(llm: Any, w: Workload, shift: int, variant: str = "") -> Result:
+    """`w` once more under the profiler, prompt ids shifted by `shift` (even: no run or warm-up
+    before it finds these prompts in the prefix cache)."""
+    rerun = dataclasses.replace(w, prompts=[[t + shift for t in p] for p in w.prompts])
+    return run_workload(llm, rerun, f"{variant} profiled".strip(), profile=True)
+
+
 SHORT_RUN = "--scale 0.02 --workloads E1"
 
 
@@ -643,8 +673,10 @@ def main(args: argparse.Namespace) -> int:
                 results.append(
                     run_workload(llm, run, f"run {k + 1}/{args.repeat}" if args.repeat > 1 else "")
                 )
+            if args.profile:
+                results.append(_profiled(llm, w, 2 * args.repeat))
             if args.structured_outputs:
-                results += _e1_structured(llm, w, 2 * args.repeat)
+                results += _e1_structured(llm, w, 2 * args.repeat + 2)
             llm = None
             _free()
             if args.compare_fused:
@@ -657,19 +689,25 @@ def main(args: argparse.Namespace) -> int:
                 _free()
         if "E2" in names:
             w = e2(args.scale)
+            e2_runs, profiled = [], []
             for caching in (True, False):
                 llm = _make_llm(
                     args, model, load_format, max_model_len=_needed_len(w), enable_prefix_caching=caching
                 )
-                results.append(run_workload(llm, w, "prefix caching " + ("on" if caching else "off")))
+                e2_runs.append(run_workload(llm, w, "prefix caching " + ("on" if caching else "off")))
+                if args.profile and caching:
+                    profiled.append(_profiled(llm, w, 2, "prefix caching on"))
                 llm = None
                 _free()  # before the next engine sizes its KV pool from free memory
-            on, off = results[-2], results[-1]
+            on, off = e2_runs
             on.extra["speedup_vs_off"] = off.seconds / on.seconds
+            results += e2_runs + profiled
         if "E3" in names:
             w = e3(args.scale)
             llm = _make_llm(args, model, load_format, max_model_len=_needed_len(w))
             results.append(run_workload(llm, w))
+            if args.profile:
+                results.append(_profiled(llm, w, 2))
             llm = None
             _free()
         if "E6" in names:

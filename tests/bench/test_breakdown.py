@@ -1,0 +1,59 @@
+"""`tilellm.bench.breakdown`: kernels grouped by class, their time set against the wall time."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tilellm.bench.breakdown import OTHER, breakdown_from_events, kernel_class
+
+# Kernel names as torch.profiler reports them on an H200 (an E1 decode step and a batch-1 step).
+NAMES = [
+    ("_paged_kernel", "attention"),
+    ("_attention_kernel", "attention"),
+    ("_prefill_kernel", "attention"),
+    ("_merge_kernel", "attention"),
+    ("_score_kernel", "attention"),
+    ("_store_kernel", "KV store"),
+    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "GEMM (linear layers, LM head)"),
+    (
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>",
+        "GEMM (linear layers, LM head)",
+    ),
+    ("_w8a8_block_fp8_matmul_kernel", "GEMM (linear layers, LM head)"),
+    ("_per_token_group_quant_kernel", "FP8 quantization"),
+    ("_fused_moe_kernel", "MoE experts"),
+    ("_rms_norm_kernel", "RMSNorm"),
+    ("_silu_and_mul_kernel", "SiLU-and-mul"),
+    ("_rotary_kernel", "rotary"),
+    ("_gumbel_argmax_kernel", "sampling"),
+    (
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<f",
+        "sampling",
+    ),
+    ("Memcpy HtoD (Pinned -> Device)", "copies and fills"),
+    ("void at::native::(anonymous namespace)::indexSelectSmallIndex<c10::BFloat16, long>", OTHER),
+]
+
+
+@pytest.mark.parametrize("name,cls", NAMES)
+def test_kernel_class(name, cls):
+    assert kernel_class(name) == cls
+
+
+def test_breakdown_sums_by_class_and_leaves_idle_time():
+    ev = lambda key, us, count: SimpleNamespace(key=key, self_device_time_total=us, count=count)  # noqa: E731
+    events = [
+        ev("_paged_kernel", 3e6, 28),
+        ev("_merge_kernel", 0.5e6, 28),
+        ev("nvjet_sm90_tst_64x8", 1e6, 56),
+        ev("aten::empty", 0.0, 9),  # host-only: no device time, not counted
+    ]
+    b = breakdown_from_events(events, wall_s=5.0, steps=10)
+    assert b.device_s_by_class == {"attention": 3.5, "GEMM (linear layers, LM head)": 1.0}
+    assert b.launches_by_class == {"attention": 56, "GEMM (linear layers, LM head)": 56}
+    assert b.busy_s == pytest.approx(4.5) and b.idle_s == pytest.approx(0.5)
+    text = b.format("E1")
+    assert "attention" in text.splitlines()[2] and "350.000" in text  # the largest first; ms per step
+    assert b.as_dict()["device_idle_s"] == 0.5
