@@ -126,7 +126,7 @@ def paged_case(device, dtype) -> Case:
 
 
 def paged_long_case(device, dtype) -> Case:
-    """Few programs and 5000 keys: the planner splits the context (4 segments on 132 SMs)."""
+    """Few programs and 5000 keys: the split-KV planner cuts the context into segments."""
     return _paged_case([(1, 5000), (4, 300)], 8, 2, device, dtype, seed=5)
 
 
@@ -151,6 +151,7 @@ def decode_case(device, dtype) -> Case:
 
 
 def decode_long_case(device, dtype) -> Case:
+    """One request of 5000 keys, page 16: the split-KV planner cuts it into segments."""
     return _decode_case([n for _, n in LONG], device, dtype, seed=8)
 
 
@@ -227,7 +228,7 @@ def mla_decode_case(device, dtype) -> Case:
 
 
 def mla_decode_long_case(device, dtype) -> Case:
-    """5000 keys over two programs: plan_mla splits (19 segments on 132 SMs)."""
+    """5000 keys over two programs: plan_mla cuts the context into segments."""
     return _mla_decode_case([n for _, n in LONG], device, dtype, seed=13)
 
 
@@ -305,7 +306,7 @@ def index_topk_case(device, dtype) -> Case:
 
 
 def index_topk_long_case(device, dtype) -> Case:
-    """Two decode rows, 5000 keys: the score kernel splits the keys (4 segments on 132 SMs)."""
+    """Two decode rows, 5000 keys: the score kernel cuts the keys into segments."""
     return _index_case([(1, 5000), (1, 300)], 16, 128, 256, device, dtype, seed=17)
 
 
