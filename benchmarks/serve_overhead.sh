@@ -13,8 +13,11 @@
 #      of the engine process during each run says which of the two bounds it;
 #   4. SIGTERM to the server, then a table: output tok/s per run and the serving overhead
 #      1 - (server output tok/s at rate inf) / (offline E1 output tok/s); target < 10%.
-# Files in $OUT (7): offline_e1.json/.log, server.log, bench_serve.log, serve.json (every run +
-# offline), metrics.txt (the server's /metrics after the runs), summary.txt.
+#   5. the plainest client (benchmarks/plain_client.py: one asyncio + httpx client, every request at
+#      once, not streamed) at each httpx connection limit of $PLAIN_CONNECTIONS (default: 0 = none,
+#      and 100 = httpx's default), then streamed without a limit.
+# Files in $OUT (8): offline_e1.json/.log, server.log, bench_serve.log, plain_client.log, serve.json
+# (every run + offline), metrics.txt (the server's /metrics after the runs), summary.txt.
 #
 # Usage: bash benchmarks/serve_overhead.sh   (about 2 minutes on an H200 with RATES=inf)
 # CPU dry run: SCALE=0.02 DEVICE=cpu bash benchmarks/serve_overhead.sh
@@ -44,6 +47,7 @@ SCALE=${SCALE:-1}
 DEVICE=${DEVICE:-}
 DTYPE=${DTYPE:-bfloat16}
 RATES=${RATES:-inf 64 16}
+PLAIN_CONNECTIONS=${PLAIN_CONNECTIONS-0 100}
 CLIENTS=${CLIENTS:-1}
 MAX_BATCHED=${MAX_BATCHED:-16384}  # the same token budget offline and served
 PORT=${PORT:-8011}
@@ -173,6 +177,18 @@ if [ $healthy = 1 ]; then
         --json "$WORK/serve_${i}_rate_${rate}.json"
     done
   done
+  # The plainest client (benchmarks/plain_client.py): one asyncio + httpx client, every request at
+  # once, not streamed, at each connection limit of $PLAIN_CONNECTIONS (0: none; 100 is httpx's
+  # default), then streamed without a limit.
+  for conn in $PLAIN_CONNECTIONS stream; do
+    i=$((i + 1))
+    lim=$(limit 150)
+    if [ "$lim" -lt 10 ]; then echo "SKIPPED: no time left in the budget"; break; fi
+    if [ "$conn" = stream ]; then args=(--stream); else args=(--max-connections "$conn"); fi
+    step "plain client: ${args[*]} (prompt ids +$i)"
+    timeout -k 5 "$lim" python3 benchmarks/plain_client.py --base-url "$URL" --scale "$SCALE" \
+      --prompt-id-offset "$i" "${args[@]}" --json "$WORK/plain_${i}.json" 2>&1 | tee -a "$OUT/plain_client.log"
+  done
   timeout 10 python3 -c "
 import urllib.request
 open('$OUT/metrics.txt', 'w').write(urllib.request.urlopen('$URL/metrics', timeout=5).read().decode())
@@ -193,7 +209,6 @@ runs = []
 for f in sorted(glob.glob(os.path.join(work, "serve_*_rate_*.json")),
                 key=lambda f: int(re.search(r"serve_(\d+)_", f).group(1))):
     runs.append(json.load(open(f)))
-json.dump({"offline_e1": offline, "serve": runs}, open(os.path.join(out, "serve.json"), "w"), indent=2)
 
 def num(v, fmt):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
@@ -208,6 +223,10 @@ if offline:
           f"{offline['seconds']:>7.2f} {base:>10,.0f} {100.0:>8.1f}% "
           f"{num(offline['ttft_p50_s'] and 1000 * offline['ttft_p50_s'], '>9.0f')} "
           f"{num(offline['ttft_p99_s'] and 1000 * offline['ttft_p99_s'], '>9.0f')} {'-':>9} {'-':>8}")
+plain = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(work, "plain_*.json")),
+                                             key=lambda f: int(re.search(r"plain_(\d+)", f).group(1)))]
+json.dump({"offline_e1": offline, "serve": runs, "plain_client": plain},
+          open(os.path.join(out, "serve.json"), "w"), indent=2)
 for r in runs:
     share = f"{100 * r['output_throughput'] / base:>8.1f}%" if base else f"{'-':>9}"
     rate = r["request_rate"] if r["request_rate"] == "inf" else format(r["request_rate"], "g")
@@ -224,6 +243,11 @@ if base and sat:
           f"target < 10%)")
 else:
     print("serving overhead: not computed (missing the offline result or a clean rate-inf run)")
+for r in plain:
+    mode = "streamed" if r["stream"] else "not streamed"
+    share = f"{100 * r['output_tok_s'] / base:.1f}% of offline" if base else ""
+    print(f"plain client, {mode}, max_connections {r['max_connections'] or 'none'}: "
+          f"{r['output_tok_s']:,.0f} output tok/s ({r['output_tokens']} tokens, {r['seconds']:.2f} s) {share}")
 for r in runs:
     if r["failed"]:
         print(f"rate {r['request_rate']}: {r['failed']} failed: {r['errors'][:3]}")
