@@ -37,8 +37,12 @@ def test_cascade_decode_tokens_match_transformers(tiny_qwen3, backend, monkeypat
     calls = []
     real = ops.cascade_decode_attention
     monkeypatch.setattr(ops, "cascade_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # A 5-block shared prefix under a lowered length threshold (the thresholds themselves are
+    # test_shared_prefix_len's): the engine path is the same as for a 256-key prefix, and the
+    # interpreter's prefill and cascade passes cost a fraction of 17 blocks'.
+    monkeypatch.setattr(metadata, "CASCADE_MIN_PREFIX", 64)
     rng = np.random.default_rng(3)
-    shared = rng.integers(0, 380, 17 * 16).tolist()
+    shared = rng.integers(0, 380, 5 * 16).tolist()
     prompts = [shared + rng.integers(0, 380, 3).tolist() for _ in range(metadata.CASCADE_MIN_REQUESTS + 1)]
     # Triton runs on the GPU when there is one (the interpreter's CPU tensors otherwise); there the
     # cascade kernel runs inside the captured cascade graphs.
