@@ -41,7 +41,7 @@ def ignored_fields(req: BaseModel, prefix: str = "") -> list[str]:
         value = getattr(req, name)
         if isinstance(value, BaseModel):
             out += ignored_fields(value, f"{prefix}{name}.")
-        elif isinstance(value, list):
+        elif isinstance(value, list) and not (value and type(value[0]) is int):  # (token ids: no models)
             for i, item in enumerate(value):
                 if isinstance(item, BaseModel):
                     out += ignored_fields(item, f"{prefix}{name}[{i}].")
@@ -82,8 +82,9 @@ class _SamplingFields(_Request):
 
 
 def _is_token_ids(value: Any) -> bool:
-    """One pass over a list: every item a non-negative int (bools are not token ids)."""
-    return all(type(t) is int and t >= 0 for t in value)
+    """Every item a non-negative int (bools are not token ids), in C loops (`set(map(type, ...))`,
+    `min`): a 1000-token prompt checked item by item in Python costs about 0.1 ms per request."""
+    return not value or (set(map(type, value)) == {int} and min(value) >= 0)
 
 
 class CompletionRequest(_SamplingFields):

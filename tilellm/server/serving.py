@@ -117,6 +117,11 @@ def plain_choice(index: int, key: str, text: str, token_ids: list[int] | None = 
     return f'{{"index":{index},"{key}":{body},"logprobs":null,"finish_reason":null{ids}}}'
 
 
+def _has_text(prompt: Any) -> bool:
+    """Whether a completion prompt (text, texts, token ids or lists of them) holds any text."""
+    return isinstance(prompt, str) or any(isinstance(p, str) for p in prompt)
+
+
 def _merge(batch: list[RequestUpdate]) -> dict[tuple[int, int], SeqDelta]:
     """Coalesce queued updates per (tag, index), in order: the client gets one chunk per choice.
     The deltas are read, never changed: one update (the usual case) is handed out as it is."""
@@ -451,13 +456,19 @@ class OpenAIServing:
         check_unsupported(req)
         if req.echo:
             self._need_tokenizer("echo", "echo")
-        prompts = await self._off_loop(self._completion_prompts, req)
+        # Text is tokenized off the event loop; token ids are only checked, here (a thread hop
+        # costs more than the check, and every request in a burst waits behind the loop).
+        if _has_text(req.prompt):
+            prompts = await self._off_loop(self._completion_prompts, req)
+        else:
+            prompts = self._completion_prompts(req)
         # echo with logprobs scores the prompt's tokens too (lm-eval's loglikelihood requests).
         want_prompt = req.logprobs if req.echo and req.logprobs is not None else None
         if req.prompt_logprobs is not None:
             want_prompt = max(want_prompt or 0, req.prompt_logprobs)
         params = self._sampling_params(req, req.max_tokens, req.logprobs, {}, want_prompt)
-        await self._off_loop(self._check_grammar, params, req)
+        if params.structured_outputs is not None:
+            await self._off_loop(self._check_grammar, params, req)
         max_tokens = self._check_request(params, prompts, {})
         base_id = f"cmpl-{uuid.uuid4().hex}"
         queue, ticket = self._submit(base_id, prompts, params, max_tokens)
