@@ -23,7 +23,9 @@ BAD = [
     ("stop", 5),
     ("stop_token_ids", [1.0]),
     ("prompt", [True, False]),
+    ("prompt", [1, True]),  # one bool among ints
     ("prompt", [4.0, 5.0]),
+    ("prompt", [[1, 2], [3, -1]]),  # a negative id in the second prompt
     ("prompt", 5),
 ]
 
