@@ -42,8 +42,15 @@ def test_gqa(heads, dtype, device):
     run_and_check(b, device, f"heads={heads}")
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
-@pytest.mark.parametrize("head_dim", [16, 64, 256])
+# Every head dim at 1-, 16- and 64-key pages; 256-key pages (longer than a key tile, contexts
+# up to 515 keys: the priciest under the interpreter) at head dim 64 only. The page walk does
+# not depend on the head dim, nor the head's width on the page size.
+BLOCK_SIZES_HEAD_DIMS = [(bs, d) for bs in (1, 16, 64) for d in (16, 64, 256)] + [(256, 64)]
+
+
+@pytest.mark.parametrize(
+    "block_size, head_dim", BLOCK_SIZES_HEAD_DIMS, ids=[f"{d}-{bs}" for bs, d in BLOCK_SIZES_HEAD_DIMS]
+)
 def test_block_sizes_and_head_dims(block_size, head_dim, device):
     b = make_paged_batch(
         [(1, n) for n in contexts(block_size)], 8, 2, head_dim, block_size, torch.float32, device
@@ -51,13 +58,18 @@ def test_block_sizes_and_head_dims(block_size, head_dim, device):
     run_and_check(b, device, f"bs={block_size} D={head_dim}")
 
 
+_PLANNED: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the planned count's output
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 7])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forced_splits_agree(num_splits, dtype, device):
     b = make_paged_batch([(1, 300), (1, 1), (1, 95)], 8, 2, 32, 16, dtype, device, seed=3)
     o = run_and_check(b, device, f"num_splits={num_splits}", num_splits=num_splits)
-    o_auto = tk.decode_attention(*decode_args(b))
-    assert_close(o, o_auto, tolerance(dtype, device), f"num_splits={num_splits} vs None")
+    # The batch is the same for every num_splits: the planned launch runs once per dtype.
+    if (dtype, device) not in _PLANNED:
+        _PLANNED[dtype, device] = tk.decode_attention(*decode_args(b))
+    assert_close(o, _PLANNED[dtype, device], tolerance(dtype, device), f"num_splits={num_splits} vs None")
 
 
 def test_heuristic_splits_long_context(device):

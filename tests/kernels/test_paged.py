@@ -58,10 +58,16 @@ def test_block_sizes_around_boundaries(block_size, device):
     run_and_check(b, device, f"block_size={bs}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(
+    "num_splits, dtype",
+    [(1, torch.float32), (1, torch.float16), (3, torch.float16)],
+    ids=["1-fp32", "1-fp16", "3-fp16"],
+)
 def test_k_gathered_as_rows(num_splits, dtype, device):
-    """The K-as-rows gather (`TileConfig.k_rows`, a tile-table option) gives the same answer."""
+    """The K-as-rows gather (`TileConfig.k_rows`, a tile-table option) gives the same answer.
+
+    Both dtypes on one segment, and 3 segments in fp16: the gather's addresses do not depend on
+    the dtype, so fp32 with 3 segments repeated a covered path."""
     from tilellm.kernels import config
 
     b = make_paged_batch(MIXED, 8, 2, 32, 16, dtype, device, seed=11)
@@ -95,14 +101,19 @@ def test_vllm_style_batch(device):
     run_and_check(b, device, "vllm pairs")
 
 
+_PLANNED: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the planned count's output
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 7])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forced_splits_agree(num_splits, dtype, device):
     """Forced split-KV counts give the reference's answer and agree with the planned count."""
     b = make_paged_batch([(1, 150), (4, 37), (9, 9)], 8, 2, 32, 16, dtype, device, seed=7)
     o = run_and_check(b, device, f"num_splits={num_splits}", num_splits=num_splits)
-    o_auto = tk.paged_attention(*b.args())
-    assert_close(o, o_auto, tolerance(dtype, device), f"num_splits={num_splits} vs None")
+    # The batch is the same for every num_splits: the planned launch runs once per dtype.
+    if (dtype, device) not in _PLANNED:
+        _PLANNED[dtype, device] = tk.paged_attention(*b.args())
+    assert_close(o, _PLANNED[dtype, device], tolerance(dtype, device), f"num_splits={num_splits} vs None")
 
 
 def test_heuristic_split_on_long_context(device):
