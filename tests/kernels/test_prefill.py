@@ -36,9 +36,24 @@ def run_and_check(args, device, what, **kw):
     assert_close(o, ref.prefill_attention(*args, **kw), tolerance(q.dtype, device), what)
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"{h[0]}q{h[1]}kv")
+_MASK = {True: "causal", False: "full"}
+
+
+def _gqa_cases():
+    """Every GQA layout causal and full in fp32 (the tight tolerance; the mask meets the packed
+    heads there); in fp16 every layout once, causal and full in turn: its loads and casts do
+    not depend on the layout or the mask, so the full cross product repeated covered paths."""
+    cases = []
+    for i, heads in enumerate(GQA):
+        name = f"{heads[0]}q{heads[1]}kv"
+        for causal in (True, False):
+            cases.append(pytest.param(heads, torch.float32, causal, id=f"{name}-fp32-{_MASK[causal]}"))
+        causal = i % 2 == 0
+        cases.append(pytest.param(heads, torch.float16, causal, id=f"{name}-fp16-{_MASK[causal]}"))
+    return cases
+
+
+@pytest.mark.parametrize("heads, dtype, causal", _gqa_cases())
 def test_mixed_lengths_gqa(heads, dtype, causal, device):
     args = make(LENGTHS, heads, 32, dtype, device, seed=heads[0] + heads[1])
     run_and_check(args, device, f"heads={heads} causal={causal}", causal=causal)
@@ -154,9 +169,20 @@ def check_dims(args, device, what, **kw):
     assert_close(o.cpu(), naive_prefill(*args[:4], **kw), tol, f"{what} vs naive")
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 1), (8, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
-@pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"qk{d[0]}v{d[1]}")
+def _dims_cases():
+    """Every (dims, heads) pair once, causal and full in turn: each dims is run causal and full,
+    and so is each head layout. The mask does not depend on the head dims (the mask against
+    packed heads is test_mixed_lengths_gqa's, causal and full for every layout)."""
+    cases = []
+    for i, dims in enumerate(HEAD_DIMS):
+        for j, heads in enumerate([(4, 4), (4, 1), (8, 2)]):
+            causal = (i + j) % 2 == 0
+            name = f"qk{dims[0]}v{dims[1]}-{heads[0]}q{heads[1]}kv-{_MASK[causal]}"
+            cases.append(pytest.param(dims, heads, causal, id=name))
+    return cases
+
+
+@pytest.mark.parametrize("dims, heads, causal", _dims_cases())
 def test_unequal_head_dims(dims, heads, causal, device):
     args = make_dims(MLA_LENGTHS, heads, dims, torch.float32, device, seed=dims[0] + heads[1])
     check_dims(args, device, f"dims={dims} heads={heads} causal={causal}", causal=causal)
