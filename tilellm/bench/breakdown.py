@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 # (class, name fragments), first match wins; names are lower-cased. Order matters: "_store_kernel"
 # is the KV store, not attention; cuBLAS's split-K reduction belongs to its GEMM.
@@ -133,6 +134,6 @@ def profiled_kernels() -> Iterator[list]:
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         yield out
     for ev in prof.key_averages():
-        if not cuda:  # operators' self time stands for their "device" time
-            ev.self_device_time_total = ev.self_cpu_time_total
-        out.append(ev)
+        # (on the CPU an operator's self time stands for its "device" time)
+        us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        out.append(SimpleNamespace(key=ev.key, count=ev.count, self_device_time_total=us))
