@@ -223,3 +223,46 @@ def test_engine_kwargs_are_checked(tiny_qwen3):
         LLMEngine(tiny_qwen3, bogus=1)
     with pytest.raises(ValueError, match="block_size"):
         LLMEngine(tiny_qwen3, block_size=0)
+
+
+def test_generate_runs_with_the_heap_frozen(llm, monkeypatch):
+    """Each step of `LLM.generate` runs with the heap from before the call frozen (so a full
+    collection does not scan the engine's start-up objects); after it everything is collectable
+    again, also when a step raises."""
+    import gc
+
+    engine = llm.llm_engine
+    seen = []
+    step = engine.step
+
+    def recording_step(**kwargs):
+        seen.append(gc.get_freeze_count())
+        return step(**kwargs)
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    before = gc.get_freeze_count()
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert seen and min(seen) > before
+    assert gc.get_freeze_count() == before
+
+    def failing_step(**kwargs):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="step failed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert gc.get_freeze_count() == before
+
+
+def test_frozen_heap_nests():
+    import gc
+
+    from tilellm.engine.llm import frozen_heap
+
+    before = gc.get_freeze_count()
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        with frozen_heap():
+            assert gc.get_freeze_count() >= outer
+        assert gc.get_freeze_count() >= outer > before  # the inner exit does not unfreeze
+    assert gc.get_freeze_count() == before
