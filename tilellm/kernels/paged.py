@@ -106,11 +106,15 @@ def _paged_tiles(
 # Per-step values (token counts, table widths, split counts) and index-array pointers (views
 # into the step's payload, or slices of it) are not specialised on: Triton would otherwise
 # compile a new variant whenever one of them changes divisibility by 16 or alignment, in the
-# middle of serving. K/V/Q/O keep their alignment specialisation (vectorised loads).
+# middle of serving. That includes the FP8 scale pointers, which carry `seq_lens` when unread (in a
+# mixed step, the slice after its decodes: misaligned after 1-3 of them). K/V/Q/O keep their
+# alignment specialisation (vectorised loads).
 @triton.jit(
     do_not_specialize=["num_tokens", "stride_bt", "num_splits", "min_split_keys", "part_base"],
     do_not_specialize_on_alignment=[
         "stats",
+        "k_scale",
+        "v_scale",
         "block_table",
         "cu_seqlens_q",
         "seq_lens",
