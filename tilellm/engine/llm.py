@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _freeze_lock = threading.Lock()
 _freeze_depth = 0
+_froze = False  # whether the outermost `frozen_heap` froze (and so unfreezes) the heap
 
 
 @contextlib.contextmanager
@@ -38,20 +39,23 @@ def frozen_heap():
 
     The heap an engine builds (torch, Triton, the model, CUDA graphs) makes a full collection
     cost 0.2-0.3 s; one lands in the first steps of a large batch, whose requests allocate enough
-    to trigger it (E1 on an H200: a 296 ms stall in its second step). Frozen, a collection during
-    generation scans only what the generation allocated. Exit gives the objects back (an engine
-    dropped later is still collected). Nested and concurrent uses unfreeze on the last exit."""
-    global _freeze_depth
+    to trigger it (E1 on an H200: a 296 ms pause in its second step's scheduling). Frozen, a
+    collection during generation scans only what the generation allocated. Exit gives the objects
+    back (an engine dropped later is still collected). Nested and concurrent uses unfreeze on the
+    last exit; a heap someone else froze before is left as it is."""
+    global _freeze_depth, _froze
     with _freeze_lock:
         if _freeze_depth == 0:
-            gc.freeze()
+            _froze = gc.get_freeze_count() == 0
+            if _froze:
+                gc.freeze()
         _freeze_depth += 1
     try:
         yield
     finally:
         with _freeze_lock:
             _freeze_depth -= 1
-            if _freeze_depth == 0:
+            if _freeze_depth == 0 and _froze:
                 gc.unfreeze()
 
 
