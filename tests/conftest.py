@@ -91,6 +91,21 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_language_once_per_launch()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Workers for `-n auto` (pyproject's addopts): on CPU one per core, at most 4 (each holds
+    its own torch and interpreter state); with a GPU none, a plain run (the GPU tests size their
+    memory as if they ran alone)."""
+    return 0 if HAS_CUDA else max(1, min(4, os.cpu_count() or 1))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker of several: its share of the cores
+    import torch
+
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_slow = pytest.mark.skip(reason="slow test: set TILELLM_SLOW=1 to run")
