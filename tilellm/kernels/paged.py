@@ -107,8 +107,8 @@ def _paged_tiles(
 # into the step's payload, or slices of it) are not specialised on: Triton would otherwise
 # compile a new variant whenever one of them changes divisibility by 16 or alignment, in the
 # middle of serving. That includes the FP8 scale pointers, which carry `seq_lens` when unread (in a
-# mixed step, the slice after its decodes: misaligned after 1-3 of them). K/V/Q/O keep their
-# alignment specialisation (vectorised loads).
+# mixed step, the slice after its decodes: not 16-byte aligned unless they are a multiple of 4).
+# K/V/Q/O keep their alignment specialisation (vectorised loads).
 @triton.jit(
     do_not_specialize=["num_tokens", "stride_bt", "num_splits", "min_split_keys", "part_base"],
     do_not_specialize_on_alignment=[
