@@ -59,7 +59,8 @@ run_step() {
 }
 
 if selected tests; then
-  run_step tests "${TESTS_TIMEOUT:-500}" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
+  # (-o addopts: one process whether or not pytest-xdist is installed; the GPU tests run alone)
+  run_step tests "${TESTS_TIMEOUT:-500}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu \
     tests/kernels tests/engine tests/models
 fi
 if selected kernels; then

@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/tp.log"
-timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/distributed/test_tensor_parallel_gpu.py 2>&1 \
+timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/distributed/test_tensor_parallel_gpu.py 2>&1 \
   | tail -5 | tee -a "$OUT/tp.log"
 for tp in ${TP_SIZES:-1 2}; do
   # --dump-traceback-after prints every rank's stacks before the limit: a slow build tells from a hang.
