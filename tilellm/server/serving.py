@@ -270,6 +270,12 @@ class OpenAIServing:
                 f"{param}: contains a lone UTF-16 surrogate (invalid Unicode)", param
             ) from None
 
+    async def _check_grammar_off_loop(self, params: Any, req: Any, param: str | None = None) -> None:
+        """`_check_grammar` in the tokenizer pool, for requests with a structured output (the
+        others need no check, and a thread hop costs every request in a burst time on the loop)."""
+        if params.structured_outputs is not None:
+            await self._off_loop(self._check_grammar, params, req, param)
+
     def _check_grammar(self, params: Any, req: Any, param: str | None = None) -> None:
         """400 for a structured output the grammar backend cannot compile (compiled here, off the
         event loop, before admission; the engine compiles it again, from its cache when it is in
@@ -467,8 +473,7 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             want_prompt = max(want_prompt or 0, req.prompt_logprobs)
         params = self._sampling_params(req, req.max_tokens, req.logprobs, {}, want_prompt)
-        if params.structured_outputs is not None:
-            await self._off_loop(self._check_grammar, params, req)
+        await self._check_grammar_off_loop(params, req)
         max_tokens = self._check_request(params, prompts, {})
         base_id = f"cmpl-{uuid.uuid4().hex}"
         queue, ticket = self._submit(base_id, prompts, params, max_tokens)
@@ -802,9 +807,7 @@ class OpenAIServing:
         top = (req.top_logprobs or 0) if req.logprobs else None
         forced = plan.structured_outputs if plan is not None else None
         params = self._sampling_params(req, requested, top, renames, structured_outputs=forced)
-        await self._off_loop(
-            self._check_grammar, params, req, "tools" if forced is not None else format_param
-        )
+        await self._check_grammar_off_loop(params, req, "tools" if forced is not None else format_param)
         max_tokens = self._check_request(params, [prompt], renames)
         return PreparedChat(plan, prompt, params, max_tokens, top)
 
