@@ -91,7 +91,7 @@ def test_serve_shuts_down_gracefully_on_signal(tiny_model_dir, sig, grace, max_t
             lines = resp.iter_lines()
             events.append(next(ln for ln in lines if ln.startswith("data: ")))
             sender.start()
-            time.sleep(0.3)  # the plain request is in the engine too
+            _wait_running(url, headers, 2)  # the plain request is in the engine too
             proc.send_signal(sig)  # mid-stream
             events += [ln for ln in lines if ln.startswith("data: ")]
         sender.join(60)
@@ -153,6 +153,20 @@ def test_serve_exits_nonzero_when_its_engine_dies(tiny_model_dir):
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def _wait_running(url: str, headers: dict, count: int, timeout: float = 30) -> None:
+    """Until the server's engine runs `count` requests (its `num_requests_running` gauge): a fixed
+    sleep lets a loaded machine signal the server before the request has even connected."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+        gauge = "tilellm:num_requests_running{"
+        running = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(gauge))
+        if running >= count:
+            return
+        assert time.monotonic() < deadline, f"{running:.0f} of {count} requests running after {timeout} s"
+        time.sleep(0.02)
 
 
 def httpx_refused(url: str) -> bool:
