@@ -728,6 +728,20 @@ def test_invalid_input_raises(mod, kernel, mutate, message):
         call(mod, args)
 
 
+@pytest.mark.parametrize(
+    ("kernel", "mutate", "message"), [pytest.param(k, m, msg, id=f"{k}-{i}") for k, i, m, msg in CASES]
+)
+def test_invalid_input_raises_after_its_valid_call(kernel, mutate, message):
+    """The checks remember the layouts that passed (`validation._layout_key`): a broken input
+    must still be rejected right after its valid starting point passed."""
+    make, call = KERNELS[kernel]
+    call(tk, make())
+    args = make()
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        call(tk, args)
+
+
 @pytest.mark.parametrize("mod", MODULES)
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_starting_points_are_valid(mod, kernel):

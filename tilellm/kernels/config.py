@@ -288,6 +288,11 @@ def max_shared_memory(device_index: int | None = None) -> int:
 _overrides: dict[str, TileConfig] = {}
 
 
+def overridden() -> bool:
+    """Whether `override` forces a tile config now (planners then skip their per-shape caches)."""
+    return bool(_overrides)
+
+
 @contextlib.contextmanager
 def override(**configs: TileConfig) -> Iterator[None]:
     """Force tile configs for a block of code (benchmark sweeps): `override(prefill=TileConfig(...))`.

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import interpreting, num_sms
 from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, to_fp8
+from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_per_token_group_quant
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -76,6 +77,9 @@ def _per_token_group_quant_kernel(
     tl.store(S + rows64 * stride_sm + g * stride_sg, s, mask=row_ok)
 
 
+_per_token_group_quant_launch = FastLaunch(_per_token_group_quant_kernel)
+
+
 def per_token_group_quant_fp8(
     x: torch.Tensor, group_size: int, *, eps: float = 1e-10, column_major_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +104,7 @@ def per_token_group_quant_fp8(
     # About 4K elements a program: whole groups of several rows (16 rows of a 128-wide group).
     block_m = min(max(1, 4096 // block_g), triton.next_power_of_2(M), 16 if not interpreting() else 64)
     grid = (triton.cdiv(M, block_m), G)
-    _per_token_group_quant_kernel[grid](
+    _per_token_group_quant_launch[grid](
         x, x_q, x_s, M, float(eps),
         x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),
         GROUP=group_size, BLOCK_G=block_g, BLOCK_M=block_m, num_warps=4,
@@ -225,6 +229,9 @@ def _w8a8_block_fp8_matmul_kernel(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=ok)
 
 
+_w8a8_block_fp8_matmul_launch = FastLaunch(_w8a8_block_fp8_matmul_kernel)
+
+
 def w8a8_block_fp8_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -263,7 +270,7 @@ def w8a8_block_fp8_matmul(
         return torch.zeros((M, N), dtype=output_dtype, device=a.device)
     c = _empty((M, N), output_dtype, a.device)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _w8a8_block_fp8_matmul_kernel[grid](
+    _w8a8_block_fp8_matmul_launch[grid](
         a, b, c, a_s, b_s, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.reference.fused import check_apply_rotary, check_rms_norm, check_silu_and_mul
 
 
@@ -55,6 +56,9 @@ def _rms_norm_kernel(
     tl.store(y_ptr + rows64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_rms_norm_launch = FastLaunch(_rms_norm_kernel)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +81,7 @@ def rms_norm(
         block_h = triton.next_power_of_2(h)
         block_n = max(1, min(64, 4096 // block_h))
         grid = (triton.cdiv(n, block_n),)
-        _rms_norm_kernel[grid](
+        _rms_norm_launch[grid](
             x, residual, weight, y, res_out,
             x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0),
             n, h, float(eps),
@@ -108,6 +112,9 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + rows64 * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_silu_and_mul_launch = FastLaunch(_silu_and_mul_kernel)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2I] = [gate | up] -> silu(gate) * up, [N, I] in x's dtype."""
     check_silu_and_mul(x)
@@ -119,7 +126,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block_i = min(triton.next_power_of_2(i), 2048)
         block_n = max(1, min(64, 4096 // block_i))
         grid = (triton.cdiv(n, block_n), triton.cdiv(i, block_i))
-        _silu_and_mul_kernel[grid](
+        _silu_and_mul_launch[grid](
             x, out, x.stride(0), out.stride(0), n, i, BLOCK_N=block_n, BLOCK_I=block_i
         )  # fmt: skip
     return out
@@ -186,6 +193,9 @@ def _rotary_kernel(
                      half, eps, HAS_NORM=HAS_NORM, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
 
 
+_rotary_launch = FastLaunch(_rotary_kernel)
+
+
 def apply_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,7 +231,7 @@ def apply_rotary(
         block_r = max(1, min(256, 2048 // block_half))
         num_q_programs = triton.cdiv(t * hq, block_r)
         grid = (num_q_programs + triton.cdiv(t * hk, block_r),)
-        _rotary_kernel[grid](
+        _rotary_launch[grid](
             q, k, q_out, k_out, qw, kw, positions, cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E
+from tilellm.kernels.launch import FastLaunch
 
 LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
@@ -73,6 +74,9 @@ def _merge_kernel(
         tl.store(LSE + tok * num_heads + head, lse_ref + tl.log(w_sum))
 
 
+_merge_launch = FastLaunch(_merge_kernel)
+
+
 def merge_attention_states(
     o_parts: torch.Tensor, lse_parts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +107,7 @@ def merge_into(
         o_parts = o_parts.contiguous()
     if lse_parts.stride(2) != 1:
         lse_parts = lse_parts.contiguous()
-    _merge_kernel[(T, H)](
+    _merge_launch[(T, H)](
         o_parts,
         lse_parts,
         out,

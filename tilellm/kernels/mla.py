@@ -56,6 +56,7 @@ import triton.language as tl
 from tilellm.kernels import validation as v
 from tilellm.kernels.config import LN_2, LOG2_E, dot_precision, interpreting, num_sms
 from tilellm.kernels.fp8 import is_fp8, unit_scale
+from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.merge import merge_into
 
 LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
@@ -477,6 +478,9 @@ def _mla_kernel(
         )
 
 
+_mla_launch = FastLaunch(_mla_kernel)
+
+
 # ----------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------
@@ -599,7 +603,7 @@ def _launch(
         lse_parts = torch.empty((splits, T, H * (lora_pad // chunk)), dtype=torch.float32, device=q.device)
     else:
         o_parts = lse_parts = o  # unused
-    _mla_kernel[grid](
+    _mla_launch[grid](
         q, kv_cache, kv_scale_arg(kv_cache, kv_scale), o, o_parts, lse_parts,
         block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
         float(scale) * LOG2_E, T, H,

@@ -20,6 +20,8 @@ log-sum-exp, and `merge_attention_states`' kernel combines them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,9 +34,11 @@ from tilellm.kernels.config import (
     dot_precision,
     launch_gluon,
     num_sms,
+    overridden,
     paged_config,
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
+from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.merge import merge_into
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
@@ -382,6 +386,13 @@ def _launch(
         paged_plan = num_splits  # planned on the host by the caller (no sync, CUDA-graph safe)
     elif isinstance(num_splits, SplitPlan):
         paged_plan = PagedPlan("triton", num_splits)
+    elif max_seqlen_k is not None and not overridden():
+        # A pure function of the shapes: planned once per shape, not on every eager call.
+        paged_plan = _plan_for_shape(
+            batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, T, max_seqlen_k, num_splits, is_decode,
+            not internal and not kv_fp8 and k_cache.is_contiguous() and v_cache.is_contiguous(),
+            q.device.index,
+        )  # fmt: skip
     else:
         paged_plan = plan_paged(
             batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, num_tokens=T, seq_lens=seq_lens,
@@ -405,15 +416,14 @@ def _launch(
             batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, num_tokens=T, seq_lens=seq_lens,
             max_seqlen_k=max_seqlen_k, is_decode=is_decode, allow_gluon=False,
         )  # fmt: skip
-    cfg, block_q = paged_config(D, q.dtype, group, 1 if is_decode else max_seqlen_q, kv_fp8=kv_fp8)
-    q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
     plan = paged_plan.split
     splits = plan.num_splits
     if tiles_fastest is None:
         tiles_fastest = paged_plan.tiles_first
-    if tiles_fastest is None:
-        tiles_fastest = query_tiles_first(q_tiles)
-    grid = paged_grid(Hkv, batch, q_tiles, splits, tiles_fastest)
+    tiles = _tiles if not overridden() else _tiles.__wrapped__
+    cfg, block_q, q_tiles, grid, tiles_fastest = tiles(
+        D, q.dtype, group, 1 if is_decode else max_seqlen_q, kv_fp8, Hkv, batch, splits, tiles_fastest
+    )
     stats = None
     if record_stats:
         stats = torch.zeros(batch * Hkv * q_tiles * splits * 2, dtype=torch.int32, device=q.device)
@@ -431,7 +441,7 @@ def _launch(
     if kv_fp8 and (k_scale is None or v_scale is None):
         one = unit_scale(q.device)
         k_scale, v_scale = k_scale if k_scale is not None else one, v_scale if v_scale is not None else one
-    _paged_kernel[grid](
+    _paged_launch[grid](
         q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
         block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
@@ -456,6 +466,32 @@ def _launch(
     if record_stats:
         return stats.view(batch, Hkv, q_tiles * splits, 2), plan
     return None
+
+
+_paged_launch = FastLaunch(_paged_kernel)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_for_shape(
+    batch, num_q_heads, num_kv_heads, head_dim, dtype, page, max_seqlen_q, num_tokens, max_seqlen_k, num_splits,
+    is_decode, allow_gluon, device_index,
+) -> PagedPlan:  # fmt: skip
+    """`plan_paged` for a batch known by its shapes and `max_seqlen_k` (seq_lens unread)."""
+    return plan_paged(
+        batch, num_q_heads, num_kv_heads, head_dim, dtype, page, max_seqlen_q, num_tokens=num_tokens,
+        max_seqlen_k=max_seqlen_k, num_splits=num_splits, is_decode=is_decode, allow_gluon=allow_gluon,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _tiles(head_dim, dtype, group, tile_tokens, kv_fp8, num_kv_heads, batch, splits, tiles_fastest):
+    """The Triton kernel's tiles, query tiles, grid and launch order for a batch's shape."""
+    cfg, block_q = paged_config(head_dim, dtype, group, tile_tokens, kv_fp8=kv_fp8)
+    q_tiles = triton.cdiv(max(tile_tokens, 1), block_q)
+    if tiles_fastest is None:
+        tiles_fastest = query_tiles_first(q_tiles)
+    grid = paged_grid(num_kv_heads, batch, q_tiles, splits, tiles_fastest)
+    return cfg, block_q, q_tiles, grid, tiles_fastest
 
 
 def cascade_decode_attention(

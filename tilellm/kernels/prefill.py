@@ -39,6 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E, dot_precision, launch_gluon, prefill_config
+from tilellm.kernels.launch import FastLaunch
 
 
 @triton.jit
@@ -158,6 +159,9 @@ def _prefill_kernel(
         tl.store(stats + pid * 2 + 1, tl.cdiv(diag_end - full_end, BLOCK_N))
 
 
+_prefill_launch = FastLaunch(_prefill_kernel)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -257,7 +261,7 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     k_tail_desc = TensorDescriptor.from_tensor(k_rows, [cfg.block_n, qk_tail]) if qk_tail else k_desc
     v_desc = TensorDescriptor.from_tensor(rows_view(v), [cfg.block_n, v_block])
     grid = (triton.cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
-    _prefill_kernel[grid](
+    _prefill_launch[grid](
         q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, o, cu_seqlens,
         stats if stats is not None else cu_seqlens, scale * LOG2_E, o.stride(0), o.stride(1),
         GROUP=Hq // k.shape[1], QK_DIM=D, QK_MAIN=qk_main, QK_TAIL=qk_tail, V_DIM=Dv, V_BLOCK=v_block,

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tilellm.kernels.launch import FastLaunch
+
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
@@ -152,6 +154,9 @@ def _gumbel_argmax_kernel(
     tl.store(part_idx_ptr + row * num_chunks + chunk, best_idx.to(tl.int64))
 
 
+_gumbel_argmax_launch = FastLaunch(_gumbel_argmax_kernel)
+
+
 GUMBEL_BLOCK = 2048
 GUMBEL_CHUNK = 4 * GUMBEL_BLOCK  # vocab entries per program: V=151936 -> 19 programs per row
 
@@ -168,7 +173,7 @@ def gumbel_argmax_triton(
     chunks = triton.cdiv(v, GUMBEL_CHUNK)
     part_val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((n, chunks), dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(n, chunks)](
+    _gumbel_argmax_launch[(n, chunks)](
         logits,
         logits.stride(0),
         inv_temp,

@@ -17,6 +17,7 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E, dot_precision, interpreting
 from tilellm.kernels.fp8 import is_fp8, unit_scale
+from tilellm.kernels.launch import FastLaunch
 
 
 @triton.jit
@@ -109,6 +110,9 @@ def _sparse_kernel(
     )
 
 
+_sparse_launch = FastLaunch(_sparse_kernel)
+
+
 def sparse_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -153,7 +157,7 @@ def sparse_attention(
     block_n = 16 if interpreting() else 64
     kv_fp8 = is_fp8(k_cache)
     one = unit_scale(q.device) if kv_fp8 else cu_seqlens_q  # unread unless KV_FP8
-    _sparse_kernel[(T, Hkv)](
+    _sparse_launch[(T, Hkv)](
         q,
         k_cache,
         v_cache,

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation
 from tilellm.kernels.fp8 import is_fp8, to_fp8, unit_scale
+from tilellm.kernels.launch import FastLaunch
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping"])
@@ -58,6 +59,9 @@ def _store_kernel(
         tl.store(V_cache + slot * stride_cslot + offs, v, mask=ok)
 
 
+_store_launch = FastLaunch(_store_kernel)
+
+
 def store_kvcache(
     k: torch.Tensor,
     v: torch.Tensor | None,
@@ -85,7 +89,7 @@ def store_kvcache(
     has_v = v is not None
     quantize = is_fp8(k_cache)
     one = unit_scale(k.device) if quantize and (k_scale is None or v_scale is None) else None
-    _store_kernel[(T,)](
+    _store_launch[(T,)](
         k,
         v if has_v else k,
         k_cache,

@@ -1,0 +1,122 @@
+"""`FastLaunch`: the same compiled kernel as `kernel[grid](...)`, with less host work.
+
+The fast path must never launch a binary specialised for other arguments: a misaligned pointer,
+an integer that becomes 1 or a multiple of 16, a new dtype or constexpr each get the kernel that
+Triton itself would run. On the CPU the interpreter runs every launch (the slow path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tests.conftest import DEVICE, HAS_CUDA
+from tilellm.kernels.launch import FastLaunch
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, stride_x, BLOCK: tl.constexpr, NEGATE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs * stride_x, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    r = alpha * x + y
+    if NEGATE:
+        r = -r
+    tl.store(out_ptr + offs, r, mask=mask)
+
+
+_axpy_launch = FastLaunch(_axpy_kernel)
+
+
+def _axpy(x: torch.Tensor, y: torch.Tensor, alpha: float, *, negate: bool = False, block: int = 64):
+    n = y.numel()
+    out = torch.empty_like(y)
+    stride = x.stride(0)
+    _axpy_launch[(triton.cdiv(n, block),)](x, y, out, n, alpha, stride, BLOCK=block, NEGATE=negate)
+    return out
+
+
+def _expected(x, y, alpha, negate=False):
+    r = alpha * x + y
+    return -r if negate else r
+
+
+def test_fast_launch_matches_the_kernel():
+    torch.manual_seed(0)
+    for n in (1, 16, 17, 100):
+        x = torch.randn(n, device=DEVICE)
+        y = torch.randn(n, device=DEVICE)
+        for negate in (False, True):
+            torch.testing.assert_close(_axpy(x, y, 0.5, negate=negate), _expected(x, y, 0.5, negate))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the fast path runs compiled kernels only")
+def test_fast_path_is_taken_and_respects_every_specialisation():
+    torch.manual_seed(0)
+    base = torch.randn(4096 + 64, device=DEVICE)
+    y = torch.randn(4096, device=DEVICE)
+    _axpy(base[:4096], y, 2.0)  # the first call takes Triton's path and records the binary
+    before = _axpy_launch.fast_launches
+    torch.testing.assert_close(_axpy(base[:4096], y, 2.0), _expected(base[:4096], y, 2.0))
+    assert _axpy_launch.fast_launches == before + 1
+    # Inputs Triton specialises differently: each result must still be right, the first call of
+    # each new specialisation through Triton's path, the second through the fast one.
+    cases = [
+        (base[1:4097], y),  # a pointer not 16-byte aligned
+        (base[:1], y[:1]),  # n == 1
+        (base[:17], y[:17]),  # n not a multiple of 16
+        (base[::2][:2048], y[:2048]),  # stride 2
+        (base[:4096].double(), y.double()),  # another dtype
+    ]
+    for x, yy in cases:
+        for _ in range(2):
+            torch.testing.assert_close(_axpy(x, yy, -1.5), _expected(x, yy, -1.5))
+        torch.testing.assert_close(_axpy(x, yy, -1.5, block=128), _expected(x, yy, -1.5))
+    for negate in (True, False):
+        for _ in range(2):
+            got = _axpy(base[:4096], y, 3.0, negate=negate)
+            torch.testing.assert_close(got, _expected(base[:4096], y, 3.0, negate))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the fast path runs compiled kernels only")
+def test_launch_hooks_take_tritons_path():
+    from triton import knobs
+
+    x = torch.randn(64, device=DEVICE)
+    y = torch.randn(64, device=DEVICE)
+    _axpy(x, y, 1.0)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        before = _axpy_launch.fast_launches
+        torch.testing.assert_close(_axpy(x, y, 1.0), _expected(x, y, 1.0))
+        assert _axpy_launch.fast_launches == before
+        assert seen, "a profiler's launch hook must see every launch"
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a GPU")
+def test_fast_launch_is_captured_in_a_cuda_graph():
+    x = torch.randn(256, device=DEVICE)
+    y = torch.randn(256, device=DEVICE)
+    out = _axpy(x, y, 1.0)
+    out = _axpy(x, y, 1.0)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = _axpy(x, y, 1.0)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, _expected(x, y, 1.0))

@@ -1,0 +1,117 @@
+"""Launching a Triton kernel with little host work.
+
+`kernel[grid](*args)` costs 20-30 us of host time on an H200's host for a kernel of 30 arguments
+(Triton's `JITFunction.run`: option and knob lookups, the cache key as a string, launch metadata
+for profiler hooks, then the compiled launcher). An eager decode call launches two kernels (the
+split-KV pass and its merge), so those launches were most of the call's host time.
+
+`FastLaunch(kernel)[grid](*args)` launches the same compiled binary with the same arguments. It
+runs Triton's own binder (native code: each argument's type, 16-byte alignment and integer
+specialisation, exactly as Triton keys its cache) and looks the compiled kernel up by that
+specialisation; only a first call, or one Triton would compile anew, goes through
+`JITFunction.run`. The slow path runs instead under the interpreter, with `TRITON_DEBUG`, with
+launch hooks installed (a profiler such as proton), or on a Triton whose internals differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tilellm.kernels.config import interpreting
+
+
+def _hooks_installed() -> bool:
+    """Whether a launch hook (a profiler) is installed: then every launch takes Triton's path."""
+    from triton import knobs
+
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+class FastLaunch:
+    """`FastLaunch(jit_fn)[grid](*args, **kwargs)`: `jit_fn[grid](*args, **kwargs)` with less host work.
+
+    `grid` is a tuple of one to three ints (no callables). The compiled kernels are keyed per
+    device by Triton's own specialisation of the arguments plus the launch options, so every call
+    runs the binary that `jit_fn[grid]` would run.
+    """
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        self._kernels: dict[tuple, Any] = {}
+        self._binders: dict[int, Callable] = {}
+        self.fast_launches = 0  # calls that skipped JITFunction.run (tests read it)
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+
+    def _slow(self, grid, args, kwargs):
+        return self.fn[grid](*args, **kwargs)
+
+    def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if interpreting() or _hooks_installed():
+            self._slow(grid, args, kwargs)
+            return
+        device = torch.cuda.current_device()
+        binder = self._binders.get(device)
+        if binder is None:
+            kernel = self._slow(grid, args, kwargs)
+            binder = self._binder(device)
+            if binder is not None and kernel is not None:
+                self._remember(binder, device, args, kwargs, kernel)
+            return
+        bound_args, specialization, options = binder(*args, **kwargs)
+        key = (device, tuple(specialization), tuple(options.items()))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._slow(grid, args, kwargs)  # compiles, or finds Triton's cached binary
+            if kernel is not None:
+                self._kernels[key] = getattr(kernel, "result", lambda: kernel)()
+            return
+        stream = _current_stream(device)
+        g0 = grid[0]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   *bound_args.values())  # fmt: skip
+        self.fast_launches += 1
+
+    def _binder(self, device: int) -> Callable | None:
+        """Triton's argument binder for `device`, or None (and the slow path for good) when this
+        Triton keeps it elsewhere or the debug knob asks for its checks."""
+        from triton import knobs
+
+        if knobs.runtime.debug or getattr(self.fn, "debug", False):
+            return None
+        try:
+            caches = self.fn.device_caches[device]
+            binder = caches[4]
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return None
+        if not callable(binder):
+            return None
+        self._binders[device] = binder
+        return binder
+
+    def _remember(self, binder, device, args, kwargs, kernel) -> None:
+        try:
+            _, specialization, options = binder(*args, **kwargs)
+        except Exception:  # an unusual call: it keeps the slow path
+            return
+        key = (device, tuple(specialization), tuple(options.items()))
+        self._kernels[key] = getattr(kernel, "result", lambda: kernel)()
+
+
+def _current_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if _raw_stream is None else _raw_stream(device)
+
+
+try:  # the raw handle of the current stream without a Stream object (what Triton's driver calls)
+    _raw_stream: Callable[[int], int] | None = torch._C._cuda_getCurrentRawStream
+except AttributeError:
+    _raw_stream = None
