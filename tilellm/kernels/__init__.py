@@ -26,6 +26,10 @@ the same tile walk in Gluon, with FlashAttention-3's producer warp, async warpgr
 ping-pong consumers (`config.prefill_config`, `config.paged_uses_gluon` decide; everything else,
 and every other GPU and the CPU interpreter, runs the Triton kernels).
 
+Every Triton kernel here launches through `launch.FastLaunch`: once a binary is compiled for a call's
+argument specialisation, a launch skips `JITFunction.run`'s host work (about half of an eager
+decode call's host time went there).
+
 `tilellm.kernels.schedule` reports, for a batch, the launch grid, the tiles each program visits
 (full / diagonal / skipped) and the split-KV plan, for whichever of the two kernels would run.
 """

@@ -62,6 +62,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation as v
 from tilellm.kernels.config import dot_precision, interpreting, num_sms
+from tilellm.kernels.launch import FastLaunch
 
 # Scores (as int32 order keys) held at once: [chunk of query tokens, L keys], 256 MiB.
 SCRATCH_ELEMENTS = 1 << 26
@@ -224,6 +225,9 @@ def _score_kernel(
         tl.store(s_row[:, None] + k_pos[None, :], key, mask=visible)
 
 
+_score_launch = FastLaunch(_score_kernel)
+
+
 @triton.jit(do_not_specialize=["chunk_lo", "stride_ot", "topk"])
 def _select_kernel(
     Scores, Out, positions,
@@ -282,6 +286,9 @@ def _select_kernel(
         ties_seen += tl.sum(tie.to(tl.int32))
     for s in tl.range(written, topk, BLOCK_S):
         tl.store(o_row + s + offs, tl.full([BLOCK_S], -1, tl.int32), mask=s + offs < topk)
+
+
+_select_launch = FastLaunch(_select_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +355,7 @@ def index_topk(
     positions = token_positions(cu_seqlens_q, seq_lens, T)
     for lo in range(0, T, chunk):
         hi = min(T, lo + chunk)
-        _score_kernel[(q_tiles * splits, batch)](
+        _score_launch[(q_tiles * splits, batch)](
             q, weights, index_cache, scores,
             block_table, cu_seqlens_q, seq_lens,
             float(scale), lo, hi, Hi,
@@ -358,7 +365,7 @@ def index_topk(
             HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, HI_PAD=hi_pad, BLOCK_N=cfg.block_n,
             PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-        _select_kernel[(hi - lo,)](
+        _select_launch[(hi - lo,)](
             scores, o, positions, lo, scores.stride(0), o.stride(0), topk,
             BLOCK_S=cfg.block_s, num_warps=cfg.select_warps,
         )  # fmt: skip

@@ -58,6 +58,7 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.config import dot_precision, interpreting
 from tilellm.kernels.fp8 import is_fp8
+from tilellm.kernels.launch import FastLaunch
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,9 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
 
 
+_fused_moe_launch = FastLaunch(_fused_moe_kernel)
+
+
 @triton.jit
 def _fp8_dot(a, b, UPCAST: tl.constexpr):
     """a [M, K] @ b [K, N] of fp8 tiles, in fp32 (a fresh accumulator: the caller scales it)."""
@@ -254,6 +258,9 @@ def _moe_sum_kernel(
         acc += tl.load(x_ptrs + k * stride_xk, mask=ok, other=0.0).to(tl.float32)
     o_ptrs = Out + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=ok)
+
+
+_moe_sum_launch = FastLaunch(_moe_sum_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,7 +368,7 @@ def _grouped_gemm(
         scale_strides = (a_scale.stride(0), a_scale.stride(1), *w_scale.stride())
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(n, block_n),)
-    _fused_moe_kernel[grid](
+    _fused_moe_launch[grid](
         a, w, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, w_scale,
         n, k, topk_weights.numel(), num_blocks_m,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
@@ -379,7 +386,7 @@ def _moe_sum(down: torch.Tensor, out: torch.Tensor) -> None:
     block_h = min(1024, triton.next_power_of_2(H))
     block_t = min(max(1, 4096 // block_h), triton.next_power_of_2(T))
     grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
-    _moe_sum_kernel[grid](
+    _moe_sum_launch[grid](
         down, out, T, H, down.stride(0), down.stride(1), out.stride(0),
         TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
