@@ -1,0 +1,95 @@
+"""Host time of eager kernel calls: microseconds of Python and launch work per call.
+
+Each call is repeated 200 times with the GPU left to run behind (one synchronize per round),
+best of 7 rounds; the shapes are D1-D3's decode batches (docs/workloads.md), a small decode
+batch whose plan splits short contexts, a verification-shaped `paged_attention`, a prefill, the
+KV store and an RMSNorm. A kernel whose device time is longer than its host time hides the
+host in an eager loop, so the figures say which calls a host can keep up with.
+
+Usage: python benchmarks/kernel_host_time.py [--json FILE]   (a CUDA GPU; about 20 s)
+Compare two trees by running it with each on PYTHONPATH, one after the other, on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import triton
+
+import tilellm.kernels as tk
+from tilellm.kernels.fused import rms_norm
+
+DEVICE = "cuda"
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def _decode_batch(batch: int, seq_len: int):
+    blocks = batch * triton.cdiv(seq_len, PAGE)
+    k_cache = torch.randn(blocks, PAGE, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(blocks, device=DEVICE, dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), seq_len, device=DEVICE, dtype=torch.int32)
+    q = torch.randn(batch, HQ, D, device=DEVICE, dtype=torch.bfloat16)
+    return q, k_cache, v_cache, block_table, seq_lens
+
+
+def host_us(fn: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
+    """Best of `rounds` of `calls` eager calls: microseconds of host time per call."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="write the figures to this file")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    res: dict[str, float] = {}
+    decode = {"D1": (256, 2048), "D2": (8, 32768), "D3": (1, 131072), "4 x 256": (4, 256)}
+    for name, (batch, seq_len) in decode.items():
+        a = _decode_batch(batch, seq_len)
+        res[f"decode {name}, required args"] = host_us(lambda a=a: tk.decode_attention(*a))
+        res[f"decode {name}, max_seqlen_k"] = host_us(
+            lambda a=a, n=seq_len: tk.decode_attention(*a, max_seqlen_k=n)
+        )
+    q, kc, vc, bt, seq = _decode_batch(64, 1024)
+    q_verify = torch.randn(256, HQ, D, device=DEVICE, dtype=torch.bfloat16)
+    cu = torch.arange(0, 257, 4, device=DEVICE, dtype=torch.int32)
+    res["paged_attention 64 x 4 tokens"] = host_us(
+        lambda: tk.paged_attention(q_verify, kc, vc, bt, cu, seq, 4)
+    )
+    q_pre = torch.randn(2048, HQ, D, device=DEVICE, dtype=torch.bfloat16)
+    k_pre = torch.randn(2048, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+    cu_pre = torch.arange(0, 2049, 512, device=DEVICE, dtype=torch.int32)
+    res["prefill_attention 4 x 512"] = host_us(
+        lambda: tk.prefill_attention(q_pre, k_pre, k_pre, cu_pre, 512), calls=50
+    )
+    slots = torch.arange(256, device=DEVICE, dtype=torch.int64)
+    k_new = torch.randn(256, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+    res["store_kvcache 256 tokens"] = host_us(lambda: tk.store_kvcache(k_new, k_new, kc, vc, slots))
+    x = torch.randn(256, 1024, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
+    res["rms_norm 256 x 1024"] = host_us(lambda: rms_norm(x, w, 1e-6))
+    print(f"# {torch.cuda.get_device_name()}, tilellm from {tk.__file__}")
+    for k, v in res.items():
+        print(f"{k:40s} {v:8.1f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
