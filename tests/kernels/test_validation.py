@@ -742,6 +742,26 @@ def test_invalid_input_raises_after_its_valid_call(kernel, mutate, message):
         call(tk, args)
 
 
+class _TensorLike:
+    """Everything the remembered layouts read of a tensor, but no tensor."""
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.dtype, self.device, self._strides = t.shape, t.dtype, t.device, t.stride()
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+
+@pytest.mark.parametrize("kernel", ["paged", "decode"])
+def test_a_tensor_like_argument_is_rejected_after_a_tensor_passed(kernel):
+    make, call = KERNELS[kernel]
+    call(tk, make())
+    args = make()
+    args["block_table"] = _TensorLike(args["block_table"])
+    with pytest.raises(ValueError, match=r"block_table must be a torch.Tensor"):
+        call(tk, args)
+
+
 @pytest.mark.parametrize("mod", MODULES)
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_starting_points_are_valid(mod, kernel):

@@ -9,8 +9,11 @@ split-KV pass and its merge), so those launches were most of the call's host tim
 runs Triton's own binder (native code: each argument's type, 16-byte alignment and integer
 specialisation, exactly as Triton keys its cache) and looks the compiled kernel up by that
 specialisation; only a first call, or one Triton would compile anew, goes through
-`JITFunction.run`. The slow path runs instead under the interpreter, with `TRITON_DEBUG`, with
-launch hooks installed (a profiler such as proton), or on a Triton whose internals differ.
+`JITFunction.run`. The slow path runs instead under the interpreter, with launch or pre-run
+hooks installed (a profiler such as proton), in Triton's debug, instrumentation or sanitiser
+modes, or on a Triton whose internals differ. One check of `JITFunction.run` is not repeated:
+that the module globals a kernel read when it was compiled still hold the same values (the
+kernels here read only constants).
 """
 
 from __future__ import annotations
@@ -23,14 +26,22 @@ import torch
 from tilellm.kernels.config import interpreting
 
 
-def _hooks_installed() -> bool:
-    """Whether a launch hook (a profiler) is installed: then every launch takes Triton's path."""
+def _default_settings() -> bool:
+    """Whether Triton runs with its default settings: no launch hook (a profiler), no debug mode,
+    no instrumentation or sanitiser mode, no stage-inspection hook. Those change what
+    `JITFunction.run` does or compiles, so every launch then takes Triton's path."""
     from triton import knobs
 
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+    runtime, compilation = knobs.runtime, knobs.compilation
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
+            return False
+    return not (
+        runtime.debug
+        or compilation.instrumentation_mode
+        or getattr(compilation, "fpsan_homomorphic_casts", False)
+        or getattr(runtime, "add_stages_inspection_hook", None) is not None
+    )
 
 
 class FastLaunch:
@@ -54,7 +65,7 @@ class FastLaunch:
         return self.fn[grid](*args, **kwargs)
 
     def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if interpreting() or _hooks_installed():
+        if interpreting() or getattr(self.fn, "pre_run_hooks", None) or not _default_settings():
             self._slow(grid, args, kwargs)
             return
         device = torch.cuda.current_device()
@@ -84,27 +95,26 @@ class FastLaunch:
     def _binder(self, device: int) -> Callable | None:
         """Triton's argument binder for `device`, or None (and the slow path for good) when this
         Triton keeps it elsewhere or the debug knob asks for its checks."""
-        from triton import knobs
-
-        if knobs.runtime.debug or getattr(self.fn, "debug", False):
+        if getattr(self.fn, "debug", False):
             return None
         try:
             caches = self.fn.device_caches[device]
-            binder = caches[4]
-        except (AttributeError, IndexError, KeyError, TypeError):
+        except (AttributeError, KeyError, TypeError):
             return None
-        if not callable(binder):
+        # (kernel cache, key cache, target, backend, binder) in Triton 3.4-3.9
+        if not isinstance(caches, tuple) or len(caches) != 5 or not callable(caches[4]):
             return None
+        binder = caches[4]
         self._binders[device] = binder
         return binder
 
     def _remember(self, binder, device, args, kwargs, kernel) -> None:
         try:
             _, specialization, options = binder(*args, **kwargs)
-        except Exception:  # an unusual call: it keeps the slow path
+            key = (device, tuple(specialization), tuple(options.items()))
+            self._kernels[key] = getattr(kernel, "result", lambda: kernel)()
+        except Exception:  # an unusual call (say, an unhashable option): it keeps the slow path
             return
-        key = (device, tuple(specialization), tuple(options.items()))
-        self._kernels[key] = getattr(kernel, "result", lambda: kernel)()
 
 
 def _current_stream(device: int) -> int:

@@ -480,6 +480,7 @@ def _plan_for_shape(
     return plan_paged(
         batch, num_q_heads, num_kv_heads, head_dim, dtype, page, max_seqlen_q, num_tokens=num_tokens,
         max_seqlen_k=max_seqlen_k, num_splits=num_splits, is_decode=is_decode, allow_gluon=allow_gluon,
+        num_sms=num_sms(device_index),
     )  # fmt: skip
 
 
