@@ -2,7 +2,8 @@
 # The whole GPU benchmark in one call, on one CUDA GPU:
 #   tests       python -m pytest -q -m gpu tests/kernels tests/engine tests/models
 #   kernels     tilellm bench kernels --graph (every kernel workload beside cuDNN / FlashAttention SDPA,
-#               paged and decode workloads also replayed from CUDA graphs)
+#               paged and decode workloads also replayed from CUDA graphs), then the host time of
+#               eager kernel calls (benchmarks/kernel_host_time.py)
 #   throughput  tilellm bench throughput --workloads E1,E2 (random Qwen3-0.6B weights, bf16)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
@@ -66,6 +67,7 @@ fi
 if selected kernels; then
   run_step kernels "${KERNELS_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench kernels --graph \
     --json "$OUT/kernels.json"
+  run_step kernel_host_time 120 "$PYTHON" benchmarks/kernel_host_time.py --json "$OUT/kernel_host_time.json"
 fi
 if selected throughput; then
   run_step throughput "${THROUGHPUT_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench throughput \
