@@ -58,6 +58,25 @@ def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_sc
     whose width (kv_lora_rank + rope dims, 576 in DeepSeek) need not be a power of two. The
     caches hold k's dtype, or FP8 with optional scales (`check_cache_dtype`)."""
     name = "store_kvcache"
+    key = _layout_key(name, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if key not in _PASSED_LAYOUTS:
+        _check_store_layout(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        _remember_layout(key)
+    if not deep_checks_enabled(k) or k.shape[0] == 0:
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    slots = slot_mapping.cpu()
+    bad = (slots < -1) | (slots >= num_slots)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: slot_mapping[{t}] = {int(slots[t])} is out of range [-1, {num_slots}) "
+            f"(num_blocks * block_size = {k_cache.shape[0]} * {k_cache.shape[1]})"
+        )
+
+
+def _check_store_layout(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    name = "store_kvcache"
     _check_rank(name, "k", k, 3, "[T, Hkv, D]")
     if (v is None) != (v_cache is None):
         raise ValueError(f"{name}: v and v_cache must both be given, or both be None (one cache of rows)")
@@ -93,22 +112,22 @@ def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_sc
         raise ValueError(f"{name}: slot_mapping has {slot_mapping.shape[0]} entries, but k has {T} tokens")
     _check_last_dim_stride(name, {"k": k} if v is None else {"k": k, "v": v})
     _check_contiguous(name, {"slot_mapping": slot_mapping})
-    if not deep_checks_enabled(k) or T == 0:
-        return
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    slots = slot_mapping.cpu()
-    bad = (slots < -1) | (slots >= num_slots)
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"{name}: slot_mapping[{t}] = {int(slots[t])} is out of range [-1, {num_slots}) "
-            f"(num_blocks * block_size = {k_cache.shape[0]} * {k_cache.shape[1]})"
-        )
 
 
 def check_prefill(name, q, k, v, cu_seqlens, max_seqlen) -> None:
     """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]: v's head dim may differ from q's and k's
     (MLA's prefill), and prefill head dims need not be powers of two (`_check_prefill_head_dim`)."""
+    key = _layout_key(name, q, k, v, cu_seqlens)
+    if key not in _PASSED_LAYOUTS:
+        _check_prefill_layout(name, q, k, v, cu_seqlens)
+        _remember_layout(key)
+    _check_max_seqlen_type(name, "max_seqlen", max_seqlen)
+    if deep_checks_enabled(q):
+        lens = _check_cu_seqlens_values(name, "cu_seqlens", cu_seqlens, q.shape[0])
+        _check_max_seqlen_value(name, "max_seqlen", max_seqlen, lens)
+
+
+def _check_prefill_layout(name, q, k, v, cu_seqlens) -> None:
     _check_rank(name, "q", q, 3, "[T, Hq, D]")
     _check_rank(name, "k", k, 3, "[T, Hkv, D]")
     _check_rank(name, "v", v, 3, "[T, Hkv, Dv]")
@@ -133,10 +152,6 @@ def check_prefill(name, q, k, v, cu_seqlens, max_seqlen) -> None:
     _check_prefill_head_dim(name, "Dv", v.shape[2])
     _check_last_dim_stride(name, {"q": q, "k": k, "v": v})
     _check_cu_seqlens_len(name, "cu_seqlens", cu_seqlens)
-    _check_max_seqlen_type(name, "max_seqlen", max_seqlen)
-    if deep_checks_enabled(q):
-        lens = _check_cu_seqlens_values(name, "cu_seqlens", cu_seqlens, T)
-        _check_max_seqlen_value(name, "max_seqlen", max_seqlen, lens)
 
 
 def prefill_output(name, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -378,9 +393,13 @@ _MAX_PASSED_LAYOUTS = 4096
 
 
 def _layout_key(name: str, *tensors) -> tuple | None:
-    """(name, then type, shape, strides, dtype and device of each tensor); None if one is none."""
+    """(name, then type, shape, strides, dtype and device of each tensor, None for a None);
+    None if an argument is neither a tensor nor None."""
     try:
-        return (name, *[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+        return (
+            name,
+            *[None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors],
+        )
     except (AttributeError, TypeError):
         return None  # not a tensor: the checks say which
 
