@@ -3,9 +3,9 @@
 `kernel[grid](*args)` cost 30.7 us of host time on an H200 machine's host for a kernel of 34
 arguments, of which the compiled launcher took 9.2 (the rest is Triton's `JITFunction.run`:
 option and knob lookups, the cache key as a string, launch metadata for profiler hooks). An eager
-decode call launches two kernels (the split-KV pass and its merge): through `kernel[grid]`, those
-launches are most of the call's host time (docs/benchmarks.md, "Kernels called with their
-required arguments").
+decode call launches one kernel, or two when it splits the keys (the split-KV pass and its
+merge): through `kernel[grid]`, about 60 of a split call's 145-158 us (docs/benchmarks.md,
+"Kernels called with their required arguments").
 
 `FastLaunch(kernel)[grid](*args)` launches the same compiled binary with the same arguments. It
 runs Triton's own binder (native code: each argument's type, 16-byte alignment and integer
