@@ -56,7 +56,7 @@ class FastLaunch:
     def __init__(self, fn: Any):
         self.fn = fn
         self._kernels: dict[tuple, Any] = {}
-        self._binders: dict[int, Callable] = {}
+        self._binders: dict[int, Callable | None] = {}  # None: this kernel takes Triton's path
         self.fast_launches = 0  # calls that skipped JITFunction.run (tests read it)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
@@ -70,12 +70,11 @@ class FastLaunch:
             self._slow(grid, args, kwargs)
             return
         device = torch.cuda.current_device()
-        binder = self._binders.get(device)
+        if device not in self._binders:
+            self._binders[device] = self._find_binder(device)
+        binder = self._binders[device]
         if binder is None:
-            kernel = self._slow(grid, args, kwargs)
-            binder = self._binder(device)
-            if binder is not None and kernel is not None:
-                self._remember(binder, device, args, kwargs, kernel)
+            self._slow(grid, args, kwargs)
             return
         bound_args, specialization, options = binder(*args, **kwargs)
         key = (device, tuple(specialization), tuple(options.items()))
@@ -93,9 +92,9 @@ class FastLaunch:
                    *bound_args.values())  # fmt: skip
         self.fast_launches += 1
 
-    def _binder(self, device: int) -> Callable | None:
-        """Triton's argument binder for `device`, or None (and the slow path for good) when this
-        Triton keeps it elsewhere or the debug knob asks for its checks."""
+    def _find_binder(self, device: int) -> Callable | None:
+        """Triton's argument binder for `device`, or None (the slow path for good) when this
+        Triton keeps it elsewhere or the kernel was built with `debug=True`."""
         if getattr(self.fn, "debug", False):
             return None
         try:
@@ -105,17 +104,7 @@ class FastLaunch:
         # (kernel cache, key cache, target, backend, binder) in Triton 3.4-3.9
         if not isinstance(caches, tuple) or len(caches) != 5 or not callable(caches[4]):
             return None
-        binder = caches[4]
-        self._binders[device] = binder
-        return binder
-
-    def _remember(self, binder, device, args, kwargs, kernel) -> None:
-        try:
-            _, specialization, options = binder(*args, **kwargs)
-            key = (device, tuple(specialization), tuple(options.items()))
-            self._kernels[key] = getattr(kernel, "result", lambda: kernel)()
-        except Exception:  # an unusual call (say, an unhashable option): it keeps the slow path
-            return
+        return caches[4]
 
 
 def _current_stream(device: int) -> int:

@@ -58,10 +58,7 @@ def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_sc
     whose width (kv_lora_rank + rope dims, 576 in DeepSeek) need not be a power of two. The
     caches hold k's dtype, or FP8 with optional scales (`check_cache_dtype`)."""
     name = "store_kvcache"
-    key = _layout_key(name, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if key not in _PASSED_LAYOUTS:
-        _check_store_layout(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        _remember_layout(key)
+    _check_layout_once(_check_store_layout, name, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if not deep_checks_enabled(k) or k.shape[0] == 0:
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -75,8 +72,7 @@ def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_sc
         )
 
 
-def _check_store_layout(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
-    name = "store_kvcache"
+def _check_store_layout(name, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     _check_rank(name, "k", k, 3, "[T, Hkv, D]")
     if (v is None) != (v_cache is None):
         raise ValueError(f"{name}: v and v_cache must both be given, or both be None (one cache of rows)")
@@ -117,10 +113,7 @@ def _check_store_layout(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) 
 def check_prefill(name, q, k, v, cu_seqlens, max_seqlen) -> None:
     """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]: v's head dim may differ from q's and k's
     (MLA's prefill), and prefill head dims need not be powers of two (`_check_prefill_head_dim`)."""
-    key = _layout_key(name, q, k, v, cu_seqlens)
-    if key not in _PASSED_LAYOUTS:
-        _check_prefill_layout(name, q, k, v, cu_seqlens)
-        _remember_layout(key)
+    _check_layout_once(_check_prefill_layout, name, q, k, v, cu_seqlens)
     _check_max_seqlen_type(name, "max_seqlen", max_seqlen)
     if deep_checks_enabled(q):
         lens = _check_cu_seqlens_values(name, "cu_seqlens", cu_seqlens, q.shape[0])
@@ -164,10 +157,7 @@ def prefill_output(name, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor | N
 
 
 def check_paged(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q) -> None:
-    key = _layout_key(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens)
-    if key not in _PASSED_LAYOUTS:
-        _check_paged_layout(name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens)
-        _remember_layout(key)
+    _check_layout_once(_check_paged_layout, name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens)
     _check_max_seqlen_type(name, "max_seqlen_q", max_seqlen_q)
     if not deep_checks_enabled(q):
         return
@@ -212,10 +202,7 @@ def _check_paged_layout(name, q, k_cache, v_cache, block_table, cu_seqlens_q, se
 
 
 def check_decode(name, q, k_cache, v_cache, block_table, seq_lens) -> None:
-    key = _layout_key(name, q, k_cache, v_cache, block_table, seq_lens)
-    if key not in _PASSED_LAYOUTS:
-        _check_decode_layout(name, q, k_cache, v_cache, block_table, seq_lens)
-        _remember_layout(key)
+    _check_layout_once(_check_decode_layout, name, q, k_cache, v_cache, block_table, seq_lens)
     if not deep_checks_enabled(q):
         return
     kv_lens = _check_seq_lens_values(name, seq_lens, torch.ones(q.shape[0], dtype=torch.int64))
@@ -404,7 +391,12 @@ def _layout_key(name: str, *tensors) -> tuple | None:
         return None  # not a tensor: the checks say which
 
 
-def _remember_layout(key: tuple | None) -> None:
+def _check_layout_once(check, name: str, *tensors) -> None:
+    """`check(name, *tensors)` unless these layouts passed it before (`_layout_key`)."""
+    key = _layout_key(name, *tensors)
+    if key in _PASSED_LAYOUTS:
+        return
+    check(name, *tensors)
     if key is None:
         return
     if len(_PASSED_LAYOUTS) >= _MAX_PASSED_LAYOUTS:
