@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from triton import knobs
 
 from tilellm.kernels.config import interpreting
 
@@ -33,6 +32,8 @@ def _default_settings() -> bool:
     """Whether Triton runs with its default settings: no launch hook (a profiler), no debug mode,
     no instrumentation or sanitiser mode, no stage-inspection hook. Those change what
     `JITFunction.run` does or compiles, so every launch then takes Triton's path."""
+    from triton import knobs
+
     runtime, compilation = knobs.runtime, knobs.compilation
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
