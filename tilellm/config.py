@@ -107,6 +107,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "triton", "reference")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,13 @@ class EngineConfig:
     gpu_memory_utilization: float = _arg(0.9, "share of GPU memory the engine may use")
     enable_prefix_caching: bool = _arg(True, "share cached prefix blocks between requests")
     enforce_eager: bool = _arg(False, "disable CUDA graphs")
+    cudagraph_mode: str = _arg(
+        "full_and_piecewise",
+        "CUDA graphs (vLLM's compilation_config.cudagraph_mode): full_and_piecewise (decode steps "
+        "in whole-step graphs, prefill and mixed steps in piecewise graphs around eager attention), "
+        "full_decode_only (decode steps only), none (every step eager, as enforce_eager)",
+        choices=CUDAGRAPH_MODES,
+    )
     tensor_parallel_size: int = _arg(1, "GPUs (processes) the model is split over", short="-tp")
     seed: int = _arg(0, "seed of requests that bring none")
     device: str | None = _arg(None, "cuda or cpu (default: cuda when available)")
@@ -193,6 +201,13 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}"
+            )
+        if isinstance(self.cudagraph_mode, str):  # vLLM spells the modes in capitals
+            object.__setattr__(self, "cudagraph_mode", self.cudagraph_mode.lower())
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(
+                "cudagraph_mode must be 'full_and_piecewise', 'full_decode_only' or 'none', "
+                f"got {self.cudagraph_mode!r}"
             )
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")

@@ -429,7 +429,7 @@ def run_workload(
     r.extra["num_short_graphs"] = len(getattr(engine.runner, "short_graphs", {}))
     r.extra["graph_replays"] = dict(getattr(engine.runner, "graph_replays", {}))
     # Host microseconds per step inside the runner's launch, by path and phase.
-    for path in ("graph", "eager"):
+    for path in ("graph", "piecewise", "eager"):
         n = runner_times.get(f"{path}.steps", 0)
         if n:
             r.extra[f"launch_us_{path}"] = {

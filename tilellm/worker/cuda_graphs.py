@@ -134,7 +134,9 @@ class DecodeGraphs:
             "cascade": {},
             "verify": {},
         }
-        self.replays = {"plain": 0, "short": 0, "cascade": 0, "verify": 0}  # steps by graph variant
+        # steps by graph variant ("piecewise": prefill and mixed steps, counted by the runner)
+        self.replays = {"plain": 0, "short": 0, "cascade": 0, "verify": 0, "piecewise": 0}
+        self.pool = None  # the memory pool the graphs share, once captured
 
     def __bool__(self) -> bool:
         return bool(self.variants["plain"])
@@ -151,7 +153,7 @@ class DecodeGraphs:
         cascade capture only drops that variant."""
         t0 = time.perf_counter()
         self._sync = sync
-        pool = self._capture_variant("plain", self.sizes, None)
+        pool = self.pool = self._capture_variant("plain", self.sizes, None)
         short, longest = MIN_CONTEXT_TO_SPLIT - 1, self.max_model_len
         splitting = [
             bs

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import time
 import weakref
@@ -43,6 +44,7 @@ from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
 from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
 from tilellm.worker.logits_processors import BadWordsState, PenaltyState
+from tilellm.worker.piecewise_graphs import PiecewiseGraphs
 from tilellm.worker.rejection import DraftVerification
 from tilellm.worker.sampler import HostSampling, PromptLogprobs, Sampler, SamplerOutput, prompt_logprobs_of
 from tilellm.worker.staging import PinnedStaging
@@ -252,16 +254,30 @@ class ModelRunner:
             group=group,
             verify_width=spec.num_speculative_tokens + 1 if spec is not None else 0,
         )
+        self.piecewise_graphs = PiecewiseGraphs(
+            self.device,
+            config.max_num_batched_tokens,
+            forward=self._forward_hidden,
+            synthetic=self._synthetic_tokens,
+            group=group,
+        )
         if self.is_cuda:
             self._warmup_kernels()
-        if self.is_cuda and not config.enforce_eager:
-            self._capture_graphs()
+        if self.is_cuda and self.uses_graphs:
+            with _no_garbage_collection():
+                self._capture_graphs()
+                if config.cudagraph_mode == "full_and_piecewise":
+                    self._capture_piecewise_graphs()
             if self.draft is not None:
                 self.draft.capture_graphs(
                     config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self._sync
                 )
         if self.driver is not None:  # the workers stop when this runner goes (or at exit)
             weakref.finalize(self, self.driver.shutdown)
+
+    @property
+    def uses_graphs(self) -> bool:
+        return not self.config.enforce_eager and self.config.cudagraph_mode != "none"
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -308,7 +324,11 @@ class ModelRunner:
         current = torch.cuda.memory_allocated()
         torch.cuda.empty_cache()
         reserve = kv_pool.GRAPH_RESERVE_BYTES
-        if not self.config.enforce_eager:  # the captured graphs' logits outputs
+        if self.uses_graphs and self.config.cudagraph_mode == "full_and_piecewise":
+            # piecewise graphs hold their activations in the graphs' pool, apart from the eager
+            # steps' (the profiling step measured the largest), plus one attention output buffer
+            reserve += peak - current
+        if self.uses_graphs:  # the captured graphs' logits outputs
             spec = self.config.speculative_config
             width = spec.num_speculative_tokens + 1 if spec is not None else 0
             rows = graph_logits_rows(self.config.max_num_seqs, self.config.enable_prefix_caching, width)
@@ -425,6 +445,13 @@ class ModelRunner:
             x = dataclasses.replace(x, cascade_prefix_len=np.array([cascade_prefix], dtype=np.int32))
         return self._to_device(x)
 
+    def _synthetic_tokens(self, num_tokens: int) -> StepInputs:
+        """A made-up prefill of `num_tokens` tokens (requests of at most `max_model_len`) that
+        stores nothing: what piecewise graphs are captured on."""
+        chunk = min(num_tokens, self.max_model_len)
+        lens = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+        return self._synthetic_inputs(lens, lens)
+
     def _to_device(self, x: StepInputs) -> StepInputs:
         header = x.header()
         return StepInputs.from_payload(header, torch.from_numpy(x.to_words(header)).to(self.device))
@@ -505,6 +532,21 @@ class ModelRunner:
         if self.group is not None and not self.group.agree_min(int(bool(graphs.variants["cascade"]))):
             graphs.clear("cascade")  # likewise for the cascade variant
 
+    @torch.inference_mode()
+    def _capture_piecewise_graphs(self) -> None:
+        """Prefill and mixed steps' piecewise graphs (`piecewise_graphs.py`), in the decode graphs'
+        memory pool. Without them those steps run eagerly."""
+        try:
+            self.piecewise_graphs.capture(self.decode_graphs.pool, self._sync)
+        except WorkerError:
+            raise
+        except Exception:
+            logger.exception("piecewise CUDA graph capture failed: prefill and mixed steps run eagerly")
+            self.piecewise_graphs.clear()
+            torch.cuda.synchronize()
+        if self.group is not None and not self.group.agree_min(int(bool(self.piecewise_graphs))):
+            self.piecewise_graphs.clear()
+
     @property
     def verify_pad(self) -> tuple[int, int]:
         """(k, most requests): verification steps of at most that many decoding requests are
@@ -549,6 +591,14 @@ class ModelRunner:
         """The step's attention metadata, planned once for every layer."""
         return self.attn_backend.plan(x.attention_metadata(), self.attn_spec)
 
+    def _forward_hidden(
+        self, x: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of `input_ids` / `positions` over `x`'s attention metadata
+        (what the piecewise graphs capture)."""
+        with attention_context(self._plan(x)):
+            return self.model(input_ids, positions)
+
     def _forward_all_rows(self, x: StepInputs) -> torch.Tensor:
         """Logits [T, V] of every row (what a decode graph captures)."""
         with attention_context(self._plan(x)):
@@ -568,8 +618,13 @@ class ModelRunner:
             if self._selection_layer is not None:  # a replay runs no Python: nothing to show
                 self._selection_layer.last_topk_indices = None
             return self.decode_graphs.replay(x), None
+        piecewise = self.piecewise_graphs.bucket(x.num_tokens) is not None
         with attention_context(self._plan(x)), self._measuring_kv_scales():
-            hidden = self.model(x.input_ids, x.positions)
+            if piecewise:  # every layer but attention from graphs; hidden read before any replay
+                self.decode_graphs.replays["piecewise"] += 1
+                hidden = self.piecewise_graphs.replay(x)
+            else:
+                hidden = self.model(x.input_ids, x.positions)
         logits = self.model.compute_logits(hidden[x.logits_indices])
         if x.prompt_logits_indices is None:
             return logits, None
@@ -747,6 +802,8 @@ class ModelRunner:
         handle.start_event = start_ev
         t4 = time.perf_counter()
         path = "graph" if x.graph_size else "eager"
+        if not x.graph_size and self.piecewise_graphs.bucket(x.num_tokens) is not None:
+            path = "piecewise"
         ht = self.host_times
         for phase, dt in (("stage", t1 - t0), ("inputs", t2 - t1), ("forward", t3 - t2), ("sample", t4 - t3)):
             key = f"{path}.{phase}"
@@ -865,6 +922,21 @@ def _check_fp8_support(device: torch.device, config: EngineConfig, model: torch.
         raise ValueError(
             f"FP8 weights (an FP8 checkpoint or quantization='fp8') need {gpu}; load a 16-bit checkpoint"
         )
+
+
+@contextlib.contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    """Python's cyclic collector off while graphs are captured: a collection inside a capture
+    can free another engine's graphs and memory (CUDA calls a capture forbids), which ends the
+    capture with "operation failed due to a previous error during capture"."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _deferred_errors(fn: Callable[[], torch.Tensor], errors: list[BaseException]) -> torch.Tensor | None:

@@ -7,10 +7,13 @@ the plan its backend made once for the step (`tilellm.attention.backends`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from tilellm.attention import AttentionBackend, AttentionSpec, get_attention_metadata
+from tilellm.attention.graph_break import attention_call
 
 
 class Attention(nn.Module):
@@ -61,6 +64,9 @@ class Attention(nn.Module):
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention_call(self._attend, q, k, v)  # a piecewise CUDA graph breaks here
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(self, q, k, v, get_attention_metadata())
 
 
@@ -123,6 +129,10 @@ class MLAAttention(nn.Module):
         k_pe: torch.Tensor,
         kv_b_weight: torch.Tensor,
     ) -> torch.Tensor:
+        attend = functools.partial(self._attend, kv_b_weight=kv_b_weight)
+        return attention_call(attend, q_nope, q_pe, latent, k_pe)  # a piecewise CUDA graph breaks here
+
+    def _attend(self, q_nope, q_pe, latent, k_pe, *, kv_b_weight) -> torch.Tensor:
         return self.backend.forward_mla(
             self, q_nope, q_pe, latent, k_pe, kv_b_weight, get_attention_metadata()
         )
@@ -163,6 +173,12 @@ class SparseMLAAttention(MLAAttention):
         index_q: torch.Tensor,
         index_weights: torch.Tensor,
         index_k: torch.Tensor,
+    ) -> torch.Tensor:
+        attend = functools.partial(self._attend_sparse, kv_b_weight=kv_b_weight)
+        return attention_call(attend, q_nope, q_pe, latent, k_pe, index_q, index_weights, index_k)
+
+    def _attend_sparse(
+        self, q_nope, q_pe, latent, k_pe, index_q, index_weights, index_k, *, kv_b_weight
     ) -> torch.Tensor:
         return self.backend.forward_sparse_mla(
             self, q_nope, q_pe, latent, k_pe, kv_b_weight, index_q, index_weights, index_k,
