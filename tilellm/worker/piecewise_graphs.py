@@ -116,7 +116,6 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.buckets: dict[int, _Bucket] = {}
         self._out = torch.empty(0, dtype=torch.uint8, device=device)  # the shared attention output
-        self.replays = 0
 
     def __bool__(self) -> bool:
         return bool(self.buckets)
@@ -225,7 +224,6 @@ class PiecewiseGraphs:
         b = self.buckets[t]
         self.input_ids[:n].copy_(x.input_ids)
         self.positions[:n].copy_(x.positions)
-        self.replays += 1
         for graph, brk in zip(b.graphs, b.breaks):
             graph.replay()
             brk.out[:n].copy_(brk.fn(*(a[:n] for a in brk.inputs)))
