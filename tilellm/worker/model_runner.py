@@ -326,7 +326,8 @@ class ModelRunner:
         reserve = kv_pool.GRAPH_RESERVE_BYTES
         if self.uses_graphs and self.config.cudagraph_mode == "full_and_piecewise":
             # piecewise graphs hold their activations in the graphs' pool, apart from the eager
-            # steps' (the profiling step measured the largest), plus one attention output buffer
+            # steps' (the profiling step measured the largest; the shared attention output
+            # buffer is smaller than it)
             reserve += peak - current
         if self.uses_graphs:  # the captured graphs' logits outputs
             spec = self.config.speculative_config
