@@ -37,12 +37,12 @@ def _greedy_logprobs(llm: LLM) -> list[tuple[list[int], float]]:
 
 
 def _emulated(model_dir: str, scales: torch.Tensor, monkeypatch) -> list[tuple[list[int], float]]:
-    """The 16/32-bit engine (the PyTorch twins) with every row stored in a layer's cache replaced
-    by its FP8 value times `scales[layer]` (the FP8 run's): what an FP8 cache stands for. The
-    indexer keys of DeepSeek-V3.2 are stored as they are, as in the FP8 engine."""
+    """The 16/32-bit engine (the PyTorch twins, on any device) with every row stored in a layer's
+    cache replaced by its FP8 value times `scales[layer]` (the FP8 run's): what an FP8 cache
+    stands for. The indexer keys of DeepSeek-V3.2 are stored as they are, as in the FP8 engine."""
     import tilellm.kernels.reference as reference_ops
 
-    llm = LLM(model_dir, fused_ops_backend="reference", num_kv_blocks=32)
+    llm = LLM(model_dir, attention_backend="reference", fused_ops_backend="reference", num_kv_blocks=32)
     pool = llm.llm_engine.runner.kv_cache  # [num_caches, num_layers, ...]
     layer_of = {pool[0, i].data_ptr(): i for i in range(pool.shape[1])}
     store = reference_ops.store_kvcache
@@ -50,10 +50,10 @@ def _emulated(model_dir: str, scales: torch.Tensor, monkeypatch) -> list[tuple[l
     def emulating_store(k, v, k_cache, v_cache, slot_mapping, **_):
         layer = layer_of.get(k_cache.data_ptr())
         if layer is not None:
-            k_scale = scales[layer, 0]
+            k_scale = scales[layer, 0].to(k.device)
             k = dequantize_fp8(quantize_fp8(k, k_scale), k_scale, k.dtype)
             if v is not None:
-                v_scale = scales[layer, 1]
+                v_scale = scales[layer, 1].to(k.device)
                 v = dequantize_fp8(quantize_fp8(v, v_scale), v_scale, v.dtype)
         store(k, v, k_cache, v_cache, slot_mapping)
 
@@ -83,7 +83,10 @@ def test_fp8_cache_same_tokens_from_kernels_and_twins(tiny_qwen3, monkeypatch):
         assert scales.shape == (2, 2) and bool(torch.all(scales > 0)) and bool(torch.all(scales != 1.0))
         outs[backend] = (first, scales)
     assert outs["triton"][0] == outs["reference"][0]
-    fp8 = LLM(tiny_qwen3, kv_cache_dtype="fp8", fused_ops_backend="reference", num_kv_blocks=32)
+    fp8 = LLM(
+        tiny_qwen3, kv_cache_dtype="fp8", attention_backend="reference", fused_ops_backend="reference",
+        num_kv_blocks=32,
+    )  # fmt: skip
     got = _greedy_logprobs(fp8)
     _assert_same(got, _emulated(tiny_qwen3, fp8.llm_engine.runner.kv_scales, monkeypatch))
     # measured on the same prompt: layer 0's K and V are the same bits, later layers' differ by
@@ -126,7 +129,10 @@ def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request, mon
         runner = llm.llm_engine.runner
         assert runner.kv_cache.dtype == torch.float8_e4m3fn and runner.kv_scales.shape[1] == 1
     assert outs[0] == outs[1]
-    fp8 = LLM(model_dir, kv_cache_dtype="fp8", fused_ops_backend="reference", num_kv_blocks=32)
+    fp8 = LLM(
+        model_dir, kv_cache_dtype="fp8", attention_backend="reference", fused_ops_backend="reference",
+        num_kv_blocks=32,
+    )  # fmt: skip
     got = _greedy_logprobs(fp8)
     _assert_same(got, _emulated(model_dir, fp8.llm_engine.runner.kv_scales, monkeypatch))
 
@@ -159,9 +165,9 @@ def test_checkpoint_kv_scales_are_used(tiny_qwen3, tmp_path, names):
     llm = LLM(model_dir, kv_cache_dtype="fp8", num_kv_blocks=16)
     runner = llm.llm_engine.runner
     want = torch.tensor([[0.05, 0.25], [1.05, 1.25]])
-    assert torch.equal(runner.kv_scales, want) and not runner.kv_scales_pending
+    assert torch.equal(runner.kv_scales.cpu(), want) and not runner.kv_scales_pending
     _greedy(llm)
-    assert torch.equal(runner.kv_scales, want)  # not measured again on the first prompt
+    assert torch.equal(runner.kv_scales.cpu(), want)  # not measured again on the first prompt
     assert LLM(model_dir, num_kv_blocks=16).llm_engine.runner.kv_scales is None  # 16/32-bit: unused
 
 
@@ -207,5 +213,5 @@ def test_mla_checkpoint_k_scale_is_the_latent_cache_scale(tiny_deepseek_v2, tmp_
     model_dir = _with_kv_scales(tiny_deepseek_v2, tmp_path / "m", ("k_scale", "v_scale"), layers)
     runner = LLM(model_dir, kv_cache_dtype="fp8", num_kv_blocks=16).llm_engine.runner
     want = torch.tensor([[0.05 + i] for i in range(layers)])
-    assert torch.equal(runner.kv_scales, want) and not runner.kv_scales_pending
+    assert torch.equal(runner.kv_scales.cpu(), want) and not runner.kv_scales_pending
     assert LLM(model_dir, num_kv_blocks=16).llm_engine.runner.kv_scales is None  # loads, unused
