@@ -304,6 +304,42 @@ def test_quantize_then_gemm_matches_twin_pipeline(device, poison_outputs):
     assert_gemm_close(got, ref.w8a8_block_fp8_matmul(a_r, b, a_s_r, b_s, [128, 128]), device, "pipeline")
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+def test_split_k_matches_twin(split_k, device, poison_outputs):
+    """K's 4 k-blocks in runs of 2 + 2, 2 + 2 + 0 (an empty run) and 1 x 4 (5 runs asked, one
+    per k-block given): each run's fp32 partials summed in order, the output rounded once."""
+    a, b, a_s, b_s = make_gemm(3, 96, 128, [32, 32], device, seed=split_k)
+    cfg = tk.Fp8GemmConfig(block_m=16, block_n=32, group_m=8, num_warps=4, num_stages=1, split_k=split_k)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [32, 32], dtype, config=cfg)
+        expected = ref.w8a8_block_fp8_matmul(a, b, a_s, b_s, [32, 32], dtype)
+        assert_gemm_close(got, expected, device, f"split_k={split_k} {dtype}")
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_linear_quantizes_in_the_gemm(split_k, device, poison_outputs):
+    """`w8a8_block_fp8_linear(x, ...)` is `per_token_group_quant_fp8` then the GEMM, bit for bit
+    at the same tiles (the same x_q and x_s reach the same dots), and the twin's pipeline."""
+    gen = torch.Generator().manual_seed(7)
+    x = spread((5, 256), gen, torch.bfloat16, device)
+    b, b_s = ref.quantize_fp8_block(spread((96, 256), gen, device=device), [32, 128])
+    cfg = tk.Fp8GemmConfig(block_m=16, block_n=32, group_m=8, num_warps=4, num_stages=1, split_k=split_k)
+    got = tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], config=cfg)
+    a, a_s = tk.per_token_group_quant_fp8(x, 128)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [32, 128], config=cfg))
+    want = ref.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32)
+    assert_gemm_close(tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32), want, device, "fp32")
+
+
+def test_linear_rejects_bad_input(device):
+    b, b_s = ref.quantize_fp8_block(torch.randn(64, 128, device=device), [64, 64])
+    with pytest.raises(ValueError, match="w8a8_block_fp8_linear: x must be"):
+        tk.w8a8_block_fp8_linear(b, b, b_s, [64, 64])
+    with pytest.raises(ValueError, match="a .M, K. and b .N, K. must share K"):
+        tk.w8a8_block_fp8_linear(torch.randn(2, 64, device=device), b, b_s, [64, 64])
+
+
 def test_empty_inputs(device):
     a, b, a_s, b_s = make_gemm(1, 64, 64, [32, 32], device)
     for fn in (tk.w8a8_block_fp8_matmul, ref.w8a8_block_fp8_matmul):
@@ -324,13 +360,18 @@ def test_config_table(monkeypatch):
     monkeypatch.setattr(tk, "num_sms", lambda: 132)
     for M in (1, 16, 64, 256, 1024, 4096):
         for N in (1024, 4096, 6144, 24576):
-            cfg = tk.block_fp8_config(M, N, [128, 128])
+            cfg = tk.block_fp8_config(M, N, [128, 128], 4096)
             assert 128 % cfg.block_n == 0 and cfg.block_n >= 32, (M, N, cfg)
             assert cfg.block_m in (16, 32, 64, 128) and (M > 64 or cfg.block_m <= max(16, M)), (M, N, cfg)
-    decode = tk.block_fp8_config(1, 4096, [128, 128])
-    assert (decode.block_m, decode.block_n) == (16, 32)  # 128 column tiles of 32: a wave of programs
-    assert tk.block_fp8_config(1, 24576, [128, 128]).block_n == 128  # 192 tiles of 128 already fill the SMs
-    large = tk.block_fp8_config(4096, 4096, [128, 128])
+            assert cfg.split_k == 1 or M <= 16, (M, N, cfg)
+    # decode: 128-column tiles, the k-blocks split until there are two programs per SM
+    decode = tk.block_fp8_config(1, 4096, [128, 128], 12288)
+    assert (decode.block_m, decode.block_n, decode.num_stages, decode.split_k) == (16, 128, 3, 8)
+    assert tk.block_fp8_config(1, 24576, [128, 128], 4096).split_k == 2  # 192 tiles x 2 >= 264
+    assert tk.block_fp8_config(1, 4096, [128, 128], 1024).split_k == 4  # runs of >= 2 of the 8 k-blocks
+    assert tk.block_fp8_config(1, 4096, [128, 128]).split_k == 1  # K unknown: no split
+    assert tk.block_fp8_config(17, 4096, [128, 128], 4096).block_n == 32  # 128 column tiles of 32
+    large = tk.block_fp8_config(4096, 4096, [128, 128], 4096)
     assert (large.block_m, large.block_n, large.num_warps, large.num_stages) == (128, 128, 8, 4)
     assert tk.block_fp8_config(1, 4096, [48, 128]).block_n == 16  # the widest power of two dividing 48
 

@@ -16,7 +16,8 @@
 - `fused_moe` (`moe.py`): the routed experts of an MoE layer, tokens sorted by expert into
   grouped GEMMs (gate/up with SiLU-and-mul, then down weighted by the router); FP8 experts too.
 - `per_token_group_quant_fp8`, `w8a8_block_fp8_matmul` (`fp8_gemm.py`): FP8 linear layers,
-  activations quantized per token and 128-channel group, then the block-scaled W8A8 GEMM.
+  activations quantized per token and 128-channel group, then the block-scaled W8A8 GEMM;
+  `w8a8_block_fp8_linear`: both in one kernel (decode steps of a few tokens).
 
 Every kernel over the KV cache also reads an FP8 (e4m3) cache, with `k_scale` / `v_scale` (MLA:
 `kv_scale`) in device memory: the store quantizes, attention dequantizes in registers (`fp8.py`).
@@ -34,7 +35,7 @@ us a launch of a 34-argument kernel cost on an H200's host).
 (full / diagonal / skipped) and the split-KV plan, for whichever of the two kernels would run.
 """
 
-from tilellm.kernels.fp8_gemm import per_token_group_quant_fp8, w8a8_block_fp8_matmul
+from tilellm.kernels.fp8_gemm import per_token_group_quant_fp8, w8a8_block_fp8_linear, w8a8_block_fp8_matmul
 from tilellm.kernels.indexer import index_topk
 from tilellm.kernels.merge import merge_attention_states
 from tilellm.kernels.mla import mla_decode_attention, mla_paged_attention
@@ -59,5 +60,6 @@ __all__ = [
     "index_topk",
     "sparse_mla_attention",
     "per_token_group_quant_fp8",
+    "w8a8_block_fp8_linear",
     "w8a8_block_fp8_matmul",
 ]

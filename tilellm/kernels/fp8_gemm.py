@@ -124,36 +124,50 @@ class Fp8GemmConfig:
     group_m: int  # row tiles per L2 group of the program order
     num_warps: int
     num_stages: int
+    split_k: int = 1  # k-block runs per tile, each its own program (few tiles: fill the SMs)
 
 
 _BLOCK_N_CHOICES = (128, 64, 32, 16)
 
 
-def block_fp8_config(M: int, N: int, block_size: Sequence[int]) -> Fp8GemmConfig:
+def block_fp8_config(M: int, N: int, block_size: Sequence[int], K: int | None = None) -> Fp8GemmConfig:
     """Tiles for `w8a8_block_fp8_matmul` of an [M, K] x [N, K]^T product (BLOCK_K is bk).
 
-    Few rows (decode, M <= 64) read each weight byte once and are bound by the weight's
-    bandwidth: 16-64-row tiles waste little of the MMA on padding, and the columns are split
-    finely enough (down to 32) that the grid covers every SM, 5 stages deep to keep loads in
-    flight (vLLM's tuned H200 tables pick 16 x 32..128 and 64 x 32..128 tiles there). Many rows
-    are compute bound: 64 x 128 tiles of 4 warps up to 1023 rows, then 128 x 128 tiles of 8 warps
-    (two warpgroups of Hopper's 64-row MMA) 4 stages deep: 32 KiB of shared memory a stage.
-    Built for sm_90a with Triton 3.6 (bk = 128, bf16 out): 128 x 128 / 8 warps / 4 stages takes
-    128 KiB of shared memory and 177 registers, 64 x 128 / 4 warps / 4 stages 96 KiB and 184, no
-    spills; tiles of 16 or 32 rows run mma.sync (the warpgroup MMA needs 64 rows per warpgroup).
-    `benchmarks/fp8_gemm.py` times these against two alternatives (docs/benchmarks.md, G1).
-    Under the interpreter: 32 x 64 tiles (fewer programs run faster there), narrower than a
-    128-wide bn and small enough that the tests' shapes still span several tiles.
+    Decode (M <= 16) reads each weight byte once and is bound by how many bytes are in flight:
+    16-row tiles (mma.sync: Hopper's warpgroup MMA needs 64 rows), 128 columns, 3 stages, and the
+    k-blocks split into up to 8 runs (`split_k`, each run its own program, the fp32 partials
+    summed after) until there are two programs per SM: a 1-token step of Qwen3-8B's down_proj
+    (32 column tiles) then has 256 programs instead of 32. Chosen from a sweep on the H200 of
+    block_n {32, 64, 128} x stages {3, 5} x split_k {1, 2, 4, 8} at 1 and 16 tokens on Qwen3-0.6B's
+    and 8B's layers: this rule picks the best measured or one within 5% of it on each
+    (docs/benchmarks.md, G1). 17-64 rows: 32-64-row tiles, 5 stages, the columns split finely
+    enough (down to 32) that the grid covers every SM. Many rows are compute bound: 64 x 128 tiles
+    of 4 warps up to 1023 rows, then 128 x 128 tiles of 8 warps (two warpgroups of Hopper's
+    64-row MMA) 4 stages deep: 32 KiB of shared memory a stage. Built for sm_90a with Triton 3.6
+    (bk = 128, bf16 out): 128 x 128 / 8 warps / 4 stages takes 128 KiB of shared memory and 177
+    registers, 64 x 128 / 4 warps / 4 stages 96 KiB and 184, no spills.
+    `benchmarks/fp8_gemm.py` times these against two alternatives. K (default: no split) gives
+    the number of k-blocks a split may divide. Under the interpreter: 32 x 64 tiles (fewer
+    programs run faster there), narrower than a 128-wide bn and small enough that the tests'
+    shapes still span several tiles.
     """
-    bn = block_size[0]
+    bn, bk = block_size[0], block_size[1]
     divisors = [c for c in _BLOCK_N_CHOICES if bn % c == 0]  # widest first
     if not divisors:
         raise ValueError(f"w8a8_block_fp8_matmul: bn = {bn} must be a multiple of 16 for the Triton kernel")
     if interpreting():
         return Fp8GemmConfig(block_m=32, block_n=min(64, divisors[0]), group_m=4, num_warps=4, num_stages=1)
     if M <= 16:
-        block_m, warps, stages = 16, 4, 5
-    elif M <= 32:
+        block_n = divisors[0]
+        tiles = triton.cdiv(N, block_n)
+        max_split = min(8, max(1, (K or 0) // bk // 2))  # runs of at least two k-blocks
+        split_k = 1
+        while split_k < max_split and tiles * split_k < 2 * num_sms():
+            split_k *= 2
+        return Fp8GemmConfig(
+            block_m=16, block_n=block_n, group_m=8, num_warps=4, num_stages=3, split_k=split_k
+        )
+    if M <= 32:
         block_m, warps, stages = 32, 4, 5
     elif M <= 64:
         block_m, warps, stages = 64, 4, 5
@@ -172,23 +186,28 @@ def block_fp8_config(M: int, N: int, block_size: Sequence[int]) -> Fp8GemmConfig
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_config(M: int, N: int, bn: int, bk: int, interpreting_: bool) -> Fp8GemmConfig:
+def _cached_config(M: int, N: int, K: int, bn: int, bk: int, interpreting_: bool) -> Fp8GemmConfig:
     """`block_fp8_config`, chosen once per shape: every linear layer of every step asks."""
-    return block_fp8_config(M, N, (bn, bk))
+    return block_fp8_config(M, N, (bn, bk), K)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "eps"])
 def _w8a8_block_fp8_matmul_kernel(
-    A, B, C, As, Bs, M, N, K,
+    A, B, C, As, Bs, M, N, K, eps,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_as_m, stride_as_k, stride_bs_n, stride_bs_k,
+    stride_as_m, stride_as_k, stride_bs_n, stride_bs_k, stride_c_split,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, QUANT_A: tl.constexpr,
 ):  # fmt: skip
     """C[rows, cols] = sum_j As[rows, j] * Bs[cols // GROUP_N, j] * (A[rows, block j] @ B[cols, block j]^T).
 
     A [M, K] e4m3, B [N, K] e4m3, As [M, K // BLOCK_K], Bs [ceil(N / GROUP_N), K // BLOCK_K]
     fp32; K a multiple of BLOCK_K, GROUP_N a multiple of BLOCK_N.
+    QUANT_A: A holds the unquantized activations (fp32/fp16/bf16) and each [BLOCK_M, BLOCK_K]
+    tile is quantized here, as `_per_token_group_quant_kernel` does it (As unread).
+    SPLIT_K > 1: program (tile, s) takes the k-blocks [s * per, (s + 1) * per), per =
+    ceil(K / BLOCK_K / SPLIT_K), and writes its fp32 partial sums to C + s * stride_c_split ([SPLIT_K, M, N], summed after).
     """
     # -- program id -> (row tile, column tile), GROUP_M row tiles at a time --
     pid = tl.program_id(0)
@@ -211,25 +230,51 @@ def _w8a8_block_fp8_matmul_kernel(
     as_ptrs = As + rows * stride_as_m  # [BLOCK_M]: this tile's rows' scales of k-block 0
     bs_ptr = Bs + ((pid_n * BLOCK_N) // GROUP_N) * stride_bs_n  # one weight block row per tile
 
+    # -- this program's k-blocks: all of them, or one of SPLIT_K equal runs --
+    num_k_blocks = K // BLOCK_K
+    per_split = tl.cdiv(num_k_blocks, SPLIT_K)
+    first_j = tl.program_id(1) * per_split
+    last_j = tl.minimum(first_j + per_split, num_k_blocks)
+    a_ptrs += first_j * BLOCK_K * stride_ak
+    b_ptrs += first_j * BLOCK_K * stride_bk
+
     # -- acc = sum over k-blocks of the scaled fp8 partial products, in fp32 --
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in range(0, K // BLOCK_K):
-        a = tl.load(a_ptrs)
+    for j in range(first_j, last_j):
         b = tl.load(b_ptrs)
-        a_s = tl.load(as_ptrs + j * stride_as_k)
         b_s = tl.load(bs_ptr + j * stride_bs_k)
+        if QUANT_A:  # the per-token-group quantization of this k-block, bit for bit
+            x = tl.load(a_ptrs).to(tl.float32)
+            a_s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), _FP8_MAX)
+            a = to_fp8(tl.div_rn(x, a_s[:, None]))
+        else:
+            a = tl.load(a_ptrs)
+            a_s = tl.load(as_ptrs + j * stride_as_k)
         partial = tl.dot(a, b)  # exact e4m3 products, summed by the tensor cores over one block
         acc += partial * (a_s[:, None] * b_s)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # -- one rounding to C's dtype --
-    c_ptrs = C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    # -- one rounding to C's dtype (split: fp32 partials, rounded by the reduction) --
+    c_ptrs = C + tl.program_id(1) * stride_c_split
+    c_ptrs += offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _split_k_sum_kernel(P, C, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """C[i] = sum_s P[s, i] in split order, rounded once to C's dtype; P [SPLIT_K, MN] fp32."""
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = offs < MN
+    acc = tl.load(P + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(P + s * MN + offs, mask=ok, other=0.0)
+    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
+
+
 _w8a8_block_fp8_matmul_launch = FastLaunch(_w8a8_block_fp8_matmul_kernel)
+_split_k_sum_launch = FastLaunch(_split_k_sum_kernel)
 
 
 def w8a8_block_fp8_matmul(
@@ -257,26 +302,74 @@ def w8a8_block_fp8_matmul(
     """
     name = "w8a8_block_fp8_matmul"
     bn, bk = check_block_fp8_matmul(name, a, b, a_s, b_s, block_size, output_dtype)
+    return _matmul(name, a, b, a_s, b_s, bn, bk, output_dtype, config, quant_a=False, eps=0.0)
+
+
+def w8a8_block_fp8_linear(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    block_size: list[int],
+    output_dtype: torch.dtype | None = None,
+    *,
+    eps: float = 1e-10,
+    config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """`w8a8_block_fp8_matmul(*per_token_group_quant_fp8(x, bk), ...)` in one kernel.
+
+    x [M, K] float32/float16/bfloat16 is quantized per token and bk-wide group as the GEMM loads
+    it (the same x_q and x_s bit for bit, so the same C); b [N, K] e4m3 and b_s [ceil(N / bn),
+    K // bk] fp32 as for `w8a8_block_fp8_matmul`; C [M, N] in `output_dtype` (default x's dtype).
+    One launch and no x_q round trip through memory: what a decode step's small GEMMs want.
+    """
+    name = "w8a8_block_fp8_linear"
+    output_dtype = x.dtype if output_dtype is None else output_dtype
+    bn, bk = check_block_fp8_matmul(name, x, b, None, b_s, block_size, output_dtype)
+    check_per_token_group_quant(x, bk, eps)
+    return _matmul(name, x, b, None, b_s, bn, bk, output_dtype, config, quant_a=True, eps=eps)
+
+
+def _matmul(
+    name: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_s: torch.Tensor | None,
+    b_s: torch.Tensor,
+    bn: int,
+    bk: int,
+    output_dtype: torch.dtype,
+    config: Fp8GemmConfig | None,
+    *,
+    quant_a: bool,
+    eps: float,
+) -> torch.Tensor:
+    """The checked GEMM's launch (a quantized with a_s, or quantized in the kernel: quant_a)."""
     if bk < 32 or bk & (bk - 1):
         # tl.arange needs a power of two, and an fp8 tl.dot a reduction of at least 32
         raise ValueError(f"{name}: bk = {bk} must be a power of two >= 32 for the Triton kernel")
     (M, K), N = a.shape, b.shape[0]
-    cfg = config or _cached_config(M, N, bn, bk, interpreting())
+    cfg = config or _cached_config(M, N, K, bn, bk, interpreting())
     if bn % cfg.block_n or cfg.block_n & (cfg.block_n - 1) or cfg.block_n < 16:
         raise ValueError(
             f"{name}: config.block_n = {cfg.block_n} must be a power of two >= 16 dividing bn = {bn}"
         )
     if M == 0 or N == 0 or K == 0:
         return torch.zeros((M, N), dtype=output_dtype, device=a.device)
+    split_k = max(1, min(cfg.split_k, K // bk))
     c = _empty((M, N), output_dtype, a.device)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    out = c if split_k == 1 else _empty((split_k, M, N), torch.float32, a.device)
+    scales = (0, 0) if a_s is None else (a_s.stride(0), a_s.stride(1))
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split_k)
     _w8a8_block_fp8_matmul_launch[grid](
-        a, b, c, a_s, b_s, M, N, K,
+        a, b, out, b_s if a_s is None else a_s, b_s, M, N, K, float(eps),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1),
+        *scales, b_s.stride(0), b_s.stride(1), M * N,
         GROUP_N=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split_k, QUANT_A=quant_a, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if split_k > 1:
+        block = 1024
+        _split_k_sum_launch[(triton.cdiv(M * N, block),)](out, c, M * N, SPLIT_K=split_k, BLOCK=block)
     return c
 
 

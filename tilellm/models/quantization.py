@@ -16,6 +16,9 @@ and bk-wide group of channels:
     x_q, x_s = per_token_group_quant_fp8(x, bk)                    # [M, K] e4m3, [M, K / bk] fp32
     y = w8a8_block_fp8_matmul(x_q, weight, x_s, weight_scale_inv, [bn, bk], x.dtype)   # [M, N]
 
+in one kernel for steps of a few tokens (`w8a8_block_fp8_linear(x, weight, weight_scale_inv, ...)`),
+and through cuBLAS's block-scaled GEMM for steps of many (`scaled_mm_block_fp8`).
+
 Per-tensor checkpoints (no `weight_block_size`: a scalar `X.weight_scale`, perhaps an
 `X.input_scale`) are held in the same block form, blocks of 128 rows by 128 columns (fewer
 columns when K is not a multiple of 128: `per_tensor_group`), every block of a shard holding
@@ -171,6 +174,9 @@ def _fp32_param(*shape: int, device: torch.device) -> nn.Parameter:
 logger = logging.getLogger(__name__)
 
 SCALED_MM_MIN_TOKENS = 1024  # below this the Triton kernel (weight-bandwidth bound steps)
+# Up to this many tokens the Triton GEMM quantizes its input as it loads it (one launch, no x_q
+# round trip: 1-token steps measured faster on every Qwen3-0.6B / 8B layer, docs/benchmarks.md).
+IN_GEMM_QUANT_MAX_TOKENS = 16
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -233,8 +239,13 @@ class Fp8LinearMethod(LinearMethod):
             else:
                 y = y.view(*x.shape[:-1], y.shape[-1])
                 return y if bias is None else y + bias
-        x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk)
-        y = self.ops.w8a8_block_fp8_matmul(x_q, layer.weight, x_s, layer.weight_scale_inv, [bn, bk], x.dtype)
+        if num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:
+            y = self.ops.w8a8_block_fp8_linear(x2d, layer.weight, layer.weight_scale_inv, [bn, bk])
+        else:
+            x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk)
+            y = self.ops.w8a8_block_fp8_matmul(
+                x_q, layer.weight, x_s, layer.weight_scale_inv, [bn, bk], x.dtype
+            )
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 

@@ -292,6 +292,7 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
 # The twins of the FP8 GEMM, MLA, MoE, indexer and sparse MLA kernels live beside these (one module each),
 # re-exported here so that this package holds every twin under its kernel's name.
 from tilellm.kernels.reference.fp8_gemm import per_token_group_quant_fp8 as per_token_group_quant_fp8  # noqa: E402
+from tilellm.kernels.reference.fp8_gemm import w8a8_block_fp8_linear as w8a8_block_fp8_linear  # noqa: E402
 from tilellm.kernels.reference.fp8_gemm import w8a8_block_fp8_matmul as w8a8_block_fp8_matmul  # noqa: E402
 from tilellm.kernels.reference.indexer import index_topk as index_topk  # noqa: E402
 from tilellm.kernels.reference.mla import mla_decode_attention as mla_decode_attention  # noqa: E402

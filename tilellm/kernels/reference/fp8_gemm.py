@@ -67,16 +67,24 @@ def check_block_fp8_matmul(
     name: str,
     a: torch.Tensor,
     b: torch.Tensor,
-    a_s: torch.Tensor,
+    a_s: torch.Tensor | None,
     b_s: torch.Tensor,
     block_size: Sequence[int],
     output_dtype: torch.dtype,
 ) -> tuple[int, int]:
-    """The checks of `w8a8_block_fp8_matmul` (and of its other paths, under their `name`) -> (bn, bk)."""
+    """The checks of `w8a8_block_fp8_matmul` (and of its other paths, under their `name`) -> (bn, bk).
+
+    a_s None: a holds unquantized activations (`w8a8_block_fp8_linear`), a contiguous last dim.
+    """
     bn, bk = check_block_size(name, block_size)
-    _check_2d(name, "a", a, (FP8_DTYPE,), "[M, K]")
+    if a_s is None:
+        _check_2d(name, "x", a, FLOAT_DTYPES, "[M, K]")
+        if a.shape[1] > 1 and a.stride(1) != 1:
+            raise ValueError(f"{name}: x's last dim must be contiguous, got strides {tuple(a.stride())}")
+    else:
+        _check_2d(name, "a", a, (FP8_DTYPE,), "[M, K]")
+        _check_2d(name, "a_s", a_s, (torch.float32,), "[M, K // bk]")
     _check_2d(name, "b", b, (FP8_DTYPE,), "[N, K]")
-    _check_2d(name, "a_s", a_s, (torch.float32,), "[M, K // bk]")
     _check_2d(name, "b_s", b_s, (torch.float32,), "[ceil(N / bn), K // bk]")
     (M, K), N = a.shape, b.shape[0]
     if b.shape[1] != K:
@@ -85,16 +93,17 @@ def check_block_fp8_matmul(
         )
     if K % bk:
         raise ValueError(f"{name}: K = {K} must be a multiple of the block size bk = {bk}")
-    if tuple(a_s.shape) != (M, K // bk):
+    if a_s is not None and tuple(a_s.shape) != (M, K // bk):
         raise ValueError(f"{name}: a_s must be [M, K // bk] = {[M, K // bk]}, got {list(a_s.shape)}")
     b_s_shape = (-(-N // bn), K // bk)
     if tuple(b_s.shape) != b_s_shape:
         raise ValueError(
             f"{name}: b_s must be [ceil(N / bn), K // bk] = {list(b_s_shape)}, got {list(b_s.shape)}"
         )
-    devices = {t.device for t in (a, b, a_s, b_s)}
+    devices = {t.device for t in (a, b, a_s, b_s) if t is not None}
     if len(devices) != 1:
-        raise ValueError(f"{name}: a, b, a_s and b_s must be on one device, got {sorted(map(str, devices))}")
+        names = "x, b and b_s" if a_s is None else "a, b, a_s and b_s"
+        raise ValueError(f"{name}: {names} must be on one device, got {sorted(map(str, devices))}")
     if output_dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: output_dtype must be float32 / float16 / bfloat16, got {output_dtype}")
     return bn, bk
@@ -147,6 +156,27 @@ def w8a8_block_fp8_matmul(
         partial = a[:, cols].float() @ b[:, cols].float().T  # [M, N]
         acc += partial * (a_s[:, j, None] * b_s_rows[None, :, j])
     return acc.to(output_dtype)
+
+
+def w8a8_block_fp8_linear(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    block_size: list[int],
+    output_dtype: torch.dtype | None = None,
+    *,
+    eps: float = 1e-10,
+) -> torch.Tensor:
+    """C [M, N] = `w8a8_block_fp8_matmul(*per_token_group_quant_fp8(x, bk), b, b_s, ...)`.
+
+    x [M, K] float32/float16/bfloat16, quantized per token and bk-wide group; b [N, K] e4m3 with
+    b_s [ceil(N / bn), K // bk] fp32; C in `output_dtype` (default x's dtype).
+    """
+    output_dtype = x.dtype if output_dtype is None else output_dtype
+    bn, bk = check_block_fp8_matmul("w8a8_block_fp8_linear", x, b, None, b_s, block_size, output_dtype)
+    check_per_token_group_quant(x, bk, eps)
+    x_q, x_s = per_token_group_quant_fp8(x, bk, eps=eps)
+    return w8a8_block_fp8_matmul(x_q, b, x_s, b_s, [bn, bk], output_dtype)
 
 
 def _div_exact(t: torch.Tensor, divisor: float) -> torch.Tensor:
