@@ -21,7 +21,7 @@ token and bk-wide group of channels. With j the k-block index (channels [j * bk,
    and N load wrapped, valid rows and are never stored.
 3. `scaled_mm_block_fp8`: the same product through `torch.nn.functional.scaled_mm` (cuBLASLt's
    block-scaled GEMM, "BlockWise1x128" activations x "BlockWise128x128" weights; sm_90 only),
-   which FP8 linear layers run from 1024 tokens a step (`tilellm.models.quantization`), and
+   which FP8 linear layers run from 256 tokens a step (`tilellm.models.quantization`), and
    `benchmarks/fp8_gemm.py` compares.
 
 The PyTorch twins, and the input checks both sides share, are in
