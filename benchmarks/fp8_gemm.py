@@ -13,6 +13,8 @@ non-zero inputs:
 - `bf16`: torch.matmul(x, W^T) with x, W in bf16;
 - `fp8`: `w8a8_block_fp8_matmul(x_q, W_q, x_s, W_s, [128, 128])` with x already quantized;
 - `fp8+q`: the same with the activation quantization (`per_token_group_quant_fp8`) included;
+- `linear`: `w8a8_block_fp8_linear(x, W_q, W_s, [128, 128])`, the quantization inside the GEMM
+  (what a layer runs for steps of up to 16 tokens);
 - `scaled_mm`: `scaled_mm_block_fp8` (cuBLASLt's block-scaled GEMM), where torch supports it;
 - without --no-sweep, two alternative tile configs of the Triton kernel (the best is reported).
 
@@ -117,6 +119,8 @@ def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     row["fp8_us"] = time_us(fp8, n_fp8)
     row["fp8_quant_us"] = time_us(fp8_with_quant, n_fp8)
     row["quant_us"] = time_us(lambda i: tk.per_token_group_quant_fp8(x, BLOCK[1]), n_fp8)
+    row["linear_error"] = max_rel_error(tk.w8a8_block_fp8_linear(x, b, b_s, BLOCK), expected)
+    row["linear_us"] = time_us(lambda i: tk.w8a8_block_fp8_linear(x, *b_copies[i], BLOCK), n_fp8)
     if sweep:
         row["alternatives"] = []
         for alt in alternatives(M, cfg):
@@ -142,7 +146,7 @@ def derived(row: dict) -> None:
     """TFLOP/s, weight GB/s and speedup over bf16 of each timed variant, in place."""
     flops = 2 * row["M"] * row["N"] * row["K"]
     weight_bytes = {"bf16_us": 2 * row["N"] * row["K"]}
-    for key in ("bf16_us", "fp8_us", "fp8_quant_us", "scaled_mm_us"):
+    for key in ("bf16_us", "fp8_us", "fp8_quant_us", "linear_us", "scaled_mm_us"):
         if key in row:
             us = row[key]
             name = key[: -len("_us")]
@@ -170,7 +174,8 @@ def print_row(model: str, layer: str, row: dict) -> None:
 
     best = min(row.get("alternatives", []), key=lambda alt: alt["us"], default=None)
     alt = f"{best['us']:7.1f}" if best else f"{'-':>7}"
-    checks = "ok" if row["quant_bit_exact"] and row["fp8_error"] <= CHECK_TOL else "FAIL"
+    exact = row["quant_bit_exact"] and max(row["fp8_error"], row["linear_error"]) <= CHECK_TOL
+    checks = "ok" if exact else "FAIL"
     if row.get("scaled_mm_error", 0.0) > CHECK_TOL:
         checks += " scaled_mm FAIL"
     print(
