@@ -108,11 +108,11 @@ def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     row["calls_per_graph"] = {"bf16": n_bf16, "fp8": n_fp8}
 
     def fp8(i: int, config: tk.Fp8GemmConfig | None = None) -> torch.Tensor:
-        return tk.w8a8_block_fp8_matmul(a, *b_copies[i], BLOCK, config=config)
+        return tk.w8a8_block_fp8_matmul(a, b_copies[i][0], a_s, b_copies[i][1], BLOCK, config=config)
 
     def fp8_with_quant(i: int) -> torch.Tensor:
         x_q, x_s = tk.per_token_group_quant_fp8(x, BLOCK[1])
-        return tk.w8a8_block_fp8_matmul(x_q, *b_copies[i], BLOCK)
+        return tk.w8a8_block_fp8_matmul(x_q, b_copies[i][0], x_s, b_copies[i][1], BLOCK)
 
     row["fp8_error"] = max_rel_error(fp8(0), expected)
     row["bf16_us"] = time_us(lambda i: torch.matmul(x, w_copies[i].T), n_bf16)
@@ -134,7 +134,9 @@ def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
             row["scaled_mm_error"] = max_rel_error(
                 tk.scaled_mm_block_fp8(a_cm, b, a_s_cm, b_s, BLOCK), expected
             )
-            row["scaled_mm_us"] = time_us(lambda i: tk.scaled_mm_block_fp8(a_cm, *b_copies[i], BLOCK), n_fp8)
+            row["scaled_mm_us"] = time_us(
+                lambda i: tk.scaled_mm_block_fp8(a_cm, b_copies[i][0], a_s_cm, b_copies[i][1], BLOCK), n_fp8
+            )
         except RuntimeError as e:  # a cuBLASLt without block-wise scaling, or a shape it refuses
             row["scaled_mm_unavailable"] = str(e).splitlines()[0]
     else:
