@@ -256,20 +256,20 @@ def _w8a8_block_fp8_matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     # -- one rounding to C's dtype (split: fp32 partials, rounded by the reduction) --
-    c_ptrs = C + tl.program_id(1) * stride_c_split
+    c_ptrs = C + tl.program_id(1).to(tl.int64) * stride_c_split
     c_ptrs += offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def _split_k_sum_kernel(P, C, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """C[i] = sum_s P[s, i] in split order, rounded once to C's dtype; P [SPLIT_K, MN] fp32."""
-    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.load(P + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(P + s * MN + offs, mask=ok, other=0.0)
+        acc += tl.load(P + s * MN.to(tl.int64) + offs, mask=ok, other=0.0)
     tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
 
 
