@@ -100,7 +100,7 @@ def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     a_ref, a_s_ref = ref.per_token_group_quant_fp8(x, BLOCK[1])
     quant_exact = torch.equal(a.view(torch.uint8), a_ref.view(torch.uint8)) and torch.equal(a_s, a_s_ref)
     expected = ref.w8a8_block_fp8_matmul(a_ref, b, a_s_ref, b_s, BLOCK, torch.bfloat16)
-    cfg = tk.block_fp8_config(M, N, BLOCK)
+    cfg = tk.block_fp8_config(M, N, BLOCK, K)
     row: dict = {"M": M, "N": N, "K": K, "config": asdict(cfg), "quant_bit_exact": quant_exact}
     n_bf16, n_fp8 = copies_for(2 * N * K), copies_for(N * K)
     w_copies = [w.clone() for _ in range(n_bf16)]

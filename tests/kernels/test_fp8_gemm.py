@@ -304,11 +304,13 @@ def test_quantize_then_gemm_matches_twin_pipeline(device, poison_outputs):
     assert_gemm_close(got, ref.w8a8_block_fp8_matmul(a_r, b, a_s_r, b_s, [128, 128]), device, "pipeline")
 
 
+@pytest.mark.parametrize("M", [3, 37])
 @pytest.mark.parametrize("split_k", [2, 3, 5])
-def test_split_k_matches_twin(split_k, device, poison_outputs):
-    """K's 4 k-blocks in runs of 2 + 2, 2 + 2 + 0 (an empty run) and 1 x 4 (5 runs asked, one
-    per k-block given): each run's fp32 partials summed in order, the output rounded once."""
-    a, b, a_s, b_s = make_gemm(3, 96, 128, [32, 32], device, seed=split_k)
+def test_split_k_matches_twin(M, split_k, device, poison_outputs):
+    """K's 4 k-blocks in runs of 2 + 2 (3 runs asked: no empty run) and 1 x 4 (5 asked, one per
+    k-block given), over one row tile and three: each run's fp32 partials summed in order, the
+    output rounded once."""
+    a, b, a_s, b_s = make_gemm(M, 96, 128, [32, 32], device, seed=split_k + M)
     cfg = tk.Fp8GemmConfig(block_m=16, block_n=32, group_m=8, num_warps=4, num_stages=1, split_k=split_k)
     for dtype in (torch.float32, torch.bfloat16):
         got = tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [32, 32], dtype, config=cfg)
@@ -316,20 +318,26 @@ def test_split_k_matches_twin(split_k, device, poison_outputs):
         assert_gemm_close(got, expected, device, f"split_k={split_k} {dtype}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_linear_quantizes_in_the_gemm(split_k, device, poison_outputs):
+def test_linear_quantizes_in_the_gemm(dtype, split_k, device, poison_outputs):
     """`w8a8_block_fp8_linear(x, ...)` is `per_token_group_quant_fp8` then the GEMM, bit for bit
-    at the same tiles (the same x_q and x_s reach the same dots), and the twin's pipeline."""
+    in fp32 at the same tiles (the same x_q and x_s reach the same dots: one ulp of a scale
+    would show), over two row tiles, with an all-zero group and one below eps; and the twin's
+    pipeline within the GEMM tolerance."""
     gen = torch.Generator().manual_seed(7)
-    x = spread((5, 256), gen, torch.bfloat16, device)
+    x = spread((21, 256), gen, dtype, device)
+    x[3, :128] = 0.0
+    x[4, 128:] = 1e-12
     b, b_s = ref.quantize_fp8_block(spread((96, 256), gen, device=device), [32, 128])
     cfg = tk.Fp8GemmConfig(block_m=16, block_n=32, group_m=8, num_warps=4, num_stages=1, split_k=split_k)
-    got = tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], config=cfg)
+    got = tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32, config=cfg)
     a, a_s = tk.per_token_group_quant_fp8(x, 128)
-    assert got.dtype == torch.bfloat16
-    assert torch.equal(got, tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [32, 128], config=cfg))
-    want = ref.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32)
-    assert_gemm_close(tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32), want, device, "fp32")
+    want = tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [32, 128], torch.float32, config=cfg)
+    assert torch.equal(got, want)
+    assert tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], config=cfg).dtype == dtype
+    twin = ref.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32)
+    assert_gemm_close(got, twin, device, f"{dtype} split_k={split_k}")
 
 
 def test_linear_rejects_bad_input(device):
@@ -370,6 +378,8 @@ def test_config_table(monkeypatch):
     assert tk.block_fp8_config(1, 24576, [128, 128], 4096).split_k == 2  # 192 tiles x 2 >= 264
     assert tk.block_fp8_config(1, 4096, [128, 128], 1024).split_k == 4  # runs of >= 2 of the 8 k-blocks
     assert tk.block_fp8_config(1, 4096, [128, 128]).split_k == 1  # K unknown: no split
+    assert tk.block_fp8_config(1, 4096, [128, 128], 1280).split_k == 4  # 10 k-blocks: runs of 3, 3, 3, 1
+    assert tk.block_fp8_config(1, 4096, [128, 128], 768).split_k == 2  # 6 k-blocks: runs of 3
     assert tk.block_fp8_config(17, 4096, [128, 128], 4096).block_n == 32  # 128 column tiles of 32
     large = tk.block_fp8_config(4096, 4096, [128, 128], 4096)
     assert (large.block_m, large.block_n, large.num_warps, large.num_stages) == (128, 128, 8, 4)

@@ -16,7 +16,9 @@ token and bk-wide group of channels. With j the k-block index (channels [j * bk,
    k-blocks; each step is one fp8 x fp8 `tl.dot` into a fresh fp32 partial, multiplied by
    a_s[rows, j] * b_s[n-block, j] and added to the fp32 accumulator (DeepSeek-V3's scheme: the
    tensor cores' fp8 accumulation, which keeps fewer bits than fp32, never runs past one k-block).
-   C is rounded once to `output_dtype`. Program ids walk GROUP_M row tiles across all column tiles
+   C is rounded once to `output_dtype`. Decode-sized steps split the k-blocks into runs
+   (`split_k`), each its own program writing fp32 partials that `_split_k_sum_kernel` adds in
+   order; `w8a8_block_fp8_linear` quantizes the activations inside the same kernel. Program ids walk GROUP_M row tiles across all column tiles
    before moving on (the L2-friendly order of Triton's matmul tutorial); rows and columns past M
    and N load wrapped, valid rows and are never stored.
 3. `scaled_mm_block_fp8`: the same product through `torch.nn.functional.scaled_mm` (cuBLASLt's
@@ -135,11 +137,12 @@ def block_fp8_config(M: int, N: int, block_size: Sequence[int], K: int | None = 
 
     Decode (M <= 16) reads each weight byte once and is bound by how many bytes are in flight:
     16-row tiles (mma.sync: Hopper's warpgroup MMA needs 64 rows), 128 columns, 3 stages, and the
-    k-blocks split into up to 8 runs (`split_k`, each run its own program, the fp32 partials
-    summed after) until there are two programs per SM: a 1-token step of Qwen3-8B's down_proj
-    (32 column tiles) then has 256 programs instead of 32. Chosen from a sweep on the H200 of
-    block_n {32, 64, 128} x stages {3, 5} x split_k {1, 2, 4, 8} at 1 and 16 tokens on Qwen3-0.6B's
-    and 8B's layers: this rule picks the best measured or one within 5% of it on each
+    k-blocks split (`split_k`, each run its own program, the fp32 partials summed after) by a
+    power of two, at most 8 and at most one run per two k-blocks, until there are two
+    programs per SM or the cap is reached: a 1-token step of Qwen3-8B's down_proj (32 column
+    tiles) then has 256 programs instead of 32. Chosen from a sweep on the H200 of block_n
+    {32, 64, 128} x stages {3, 5} x split_k {1, 2, 4, 8} at 1 and 16 tokens on Qwen3-0.6B's and
+    8B's layers: this rule picks the best measured or one within 5% of it on each
     (docs/benchmarks.md, G1). 17-64 rows: 32-64-row tiles, 5 stages, the columns split finely
     enough (down to 32) that the grid covers every SM. Many rows are compute bound: 64 x 128 tiles
     of 4 warps up to 1023 rows, then 128 x 128 tiles of 8 warps (two warpgroups of Hopper's
@@ -160,9 +163,9 @@ def block_fp8_config(M: int, N: int, block_size: Sequence[int], K: int | None = 
     if M <= 16:
         block_n = divisors[0]
         tiles = triton.cdiv(N, block_n)
-        max_split = min(8, max(1, (K or 0) // bk // 2))  # runs of at least two k-blocks
+        max_split = min(8, max(1, (K or 0) // bk // 2))  # at most one run per two k-blocks
         split_k = 1
-        while split_k < max_split and tiles * split_k < 2 * num_sms():
+        while split_k * 2 <= max_split and tiles * split_k < 2 * num_sms():
             split_k *= 2
         return Fp8GemmConfig(
             block_m=16, block_n=block_n, group_m=8, num_warps=4, num_stages=3, split_k=split_k
@@ -191,7 +194,7 @@ def _cached_config(M: int, N: int, K: int, bn: int, bk: int, interpreting_: bool
     return block_fp8_config(M, N, (bn, bk), K)
 
 
-@triton.jit(do_not_specialize=["M", "eps"])
+@triton.jit(do_not_specialize=["M", "eps", "stride_c_split"])
 def _w8a8_block_fp8_matmul_kernel(
     A, B, C, As, Bs, M, N, K, eps,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
@@ -207,7 +210,7 @@ def _w8a8_block_fp8_matmul_kernel(
     QUANT_A: A holds the unquantized activations (fp32/fp16/bf16) and each [BLOCK_M, BLOCK_K]
     tile is quantized here, as `_per_token_group_quant_kernel` does it (As unread).
     SPLIT_K > 1: program (tile, s) takes the k-blocks [s * per, (s + 1) * per), per =
-    ceil(K / BLOCK_K / SPLIT_K), and writes its fp32 partial sums to C + s * stride_c_split ([SPLIT_K, M, N], summed after).
+    ceil(K / BLOCK_K / SPLIT_K) (clipped to the K // BLOCK_K k-blocks), and writes its fp32 partial sums to C + s * stride_c_split ([SPLIT_K, M, N], summed after).
     """
     # -- program id -> (row tile, column tile), GROUP_M row tiles at a time --
     pid = tl.program_id(0)
@@ -296,7 +299,7 @@ def w8a8_block_fp8_matmul(
         b_s: [ceil(N / bn), K // bk] float32, one per weight block (`weight_scale_inv`).
         block_size: [bn, bk]; the Triton kernel needs bk a power of two >= 32 and bn a multiple of 16.
         output_dtype: float32 / float16 / bfloat16.
-        config: tiles to use instead of `block_fp8_config(M, N, block_size)` (benchmark sweeps).
+        config: tiles to use instead of `block_fp8_config(M, N, block_size, K)` (benchmark sweeps).
 
     Returns a new [M, N] tensor in `output_dtype`.
     """
@@ -355,9 +358,12 @@ def _matmul(
         )
     if M == 0 or N == 0 or K == 0:
         return torch.zeros((M, N), dtype=output_dtype, device=a.device)
-    split_k = max(1, min(cfg.split_k, K // bk))
+    # as many runs as the k-blocks fill: ceil(blocks / per-run) (no empty run)
+    num_k_blocks = K // bk
+    split_k = triton.cdiv(num_k_blocks, triton.cdiv(num_k_blocks, max(1, min(cfg.split_k, num_k_blocks))))
     c = _empty((M, N), output_dtype, a.device)
     out = c if split_k == 1 else _empty((split_k, M, N), torch.float32, a.device)
+    # QUANT_A: the kernel never reads As; b_s stands in for the pointer argument
     scales = (0, 0) if a_s is None else (a_s.stride(0), a_s.stride(1))
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split_k)
     _w8a8_block_fp8_matmul_launch[grid](

@@ -177,7 +177,9 @@ logger = logging.getLogger(__name__)
 # Triton kernel over Qwen3-8B's four layers and level on Qwen3-0.6B's, at 64 slower on both.
 SCALED_MM_MIN_TOKENS = 256
 # Up to this many tokens the Triton GEMM quantizes its input as it loads it (one launch, no x_q
-# round trip: 1-token steps measured faster on every Qwen3-0.6B / 8B layer, docs/benchmarks.md).
+# round trip). Against quantization then the unsplit GEMM it measured faster over the four layers
+# of Qwen3-0.6B and of 8B at 1 and 16 tokens (7 of 8 layers at 1 token, 5 of 8 at 16:
+# docs/benchmarks.md, G1); against quantization then the split GEMM it is not measured yet.
 IN_GEMM_QUANT_MAX_TOKENS = 16
 
 
