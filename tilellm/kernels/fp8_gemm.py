@@ -328,7 +328,8 @@ def w8a8_block_fp8_linear(
     name = "w8a8_block_fp8_linear"
     output_dtype = x.dtype if output_dtype is None else output_dtype
     bn, bk = check_block_fp8_matmul(name, x, b, None, b_s, block_size, output_dtype)
-    check_per_token_group_quant(x, bk, eps)
+    if not (isinstance(eps, (int, float)) and eps > 0):  # x itself: checked just above
+        raise ValueError(f"{name}: eps must be a positive number, got {eps!r}")
     return _matmul(name, x, b, None, b_s, bn, bk, output_dtype, config, quant_a=True, eps=eps)
 
 

@@ -174,8 +174,7 @@ def w8a8_block_fp8_linear(
     """
     output_dtype = x.dtype if output_dtype is None else output_dtype
     bn, bk = check_block_fp8_matmul("w8a8_block_fp8_linear", x, b, None, b_s, block_size, output_dtype)
-    check_per_token_group_quant(x, bk, eps)
-    x_q, x_s = per_token_group_quant_fp8(x, bk, eps=eps)
+    x_q, x_s = per_token_group_quant_fp8(x, bk, eps=eps)  # checks eps
     return w8a8_block_fp8_matmul(x_q, b, x_s, b_s, [bn, bk], output_dtype)
 
 
