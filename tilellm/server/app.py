@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from tilellm.server.admission import AdmissionLimits, FairFeeder
 from tilellm.server.async_engine import AsyncEngine
+from tilellm.server.bodies import BodyParser, ParsedBodyRoute
 from tilellm.server.engine_process import EngineProcess
 from tilellm.server.errors import APIError, error_body, install_error_handlers
 from tilellm.server.metrics import ServerMetrics
@@ -220,6 +221,7 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
         finally:
             watching.cancel()
             async_engine.stop()
+            app.state.body_parser.close()
 
     def on_grace_expired() -> None:
         """Shutdown's grace period is over: every request still open gets an OpenAI error (a
@@ -229,6 +231,8 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
             logger.warning("graceful shutdown period over: %d requests in flight got 503 shutting_down", n)
 
     app = FastAPI(title="tilellm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = ParsedBodyRoute  # large bodies are parsed off the event loop
+    app.state.body_parser = BodyParser()
     app.state.on_grace_expired = on_grace_expired
     app.state.watchdog = watchdog
     app.state.async_engine = async_engine

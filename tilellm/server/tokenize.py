@@ -32,9 +32,10 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute, APIRouter
+from fastapi.routing import APIRouter
 from pydantic import BaseModel, Discriminator, Field, Tag
 
+from tilellm.server.bodies import ParsedBodyRoute
 from tilellm.server.errors import APIError
 from tilellm.server.protocol import ChatCompletionRequest, ChatMessage, ChatTool, TokenIds, _Request
 from tilellm.server.serving import OpenAIServing, _encode
@@ -91,7 +92,7 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class _UntaggedRoute(APIRoute):
+class _UntaggedRoute(ParsedBodyRoute):
     """Validation errors without the union's tag: pydantic locates an error of the chat body at
     `("body", "messages", "messages", 0, "role")`; the field the client sent is `messages[0].role`."""
 
