@@ -92,7 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--no-peers", action="store_true", help="skip the torch SDPA baselines")
     p.add_argument("--flex", action="store_true", help="also time FlexAttention (slow to compile)")
-    p.add_argument("--sweep", action="store_true", help="also time tile configs and forced split counts")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time tile configs and forced split counts "
+        "(with --fp8-cache: the FP8 cache's, from CUDA graphs under --graph)",
+    )
     p.add_argument(
         "--fp8-cache",
         action="store_true",
@@ -404,7 +409,7 @@ def bench_paged(
         _bench_fp8_cache(
             name, q, kc, vc, bt, cu, seq, q_lens, kv_lens, max_k, decode, ms, rows, ceilings, graph, sweep
         )
-    if sweep:
+    if sweep and not fp8_cache:  # (with an FP8 cache the sweep is the FP8 cache's, above)
         from tilellm.kernels import config
 
         sweep_configs = DECODE_SWEEP if max_q == 1 else VERIFY_SWEEP if max_q <= 16 else CHUNK_SWEEP
@@ -474,9 +479,13 @@ def _bench_fp8_cache(
     kc8, vc8 = quantize_fp8(kc, k_scale), quantize_fp8(vc, v_scale)
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     if decode:
-        fn = lambda: tk.decode_attention(q, kc8, vc8, bt, seq, max_seqlen_k=max_k, **scales)
+        fn = lambda splits=None: tk.decode_attention(
+            q, kc8, vc8, bt, seq, num_splits=splits, max_seqlen_k=max_k, **scales
+        )
     else:
-        fn = lambda: tk.paged_attention(q, kc8, vc8, bt, cu, seq, max(q_lens), max_seqlen_k=max_k, **scales)
+        fn = lambda splits=None: tk.paged_attention(
+            q, kc8, vc8, bt, cu, seq, max(q_lens), num_splits=splits, max_seqlen_k=max_k, **scales
+        )
     kd, vd = dequantize_fp8(kc8, k_scale, q.dtype), dequantize_fp8(vc8, v_scale, q.dtype)
     ref, n = _sdpa_ref_paged(q, kd, vd, bt, q_lens, kv_lens)
     del kd, vd
@@ -489,7 +498,11 @@ def _bench_fp8_cache(
     )
     if sweep:
         from tilellm.kernels import config
+        from tilellm.kernels.schedule import plan_split_kv
 
+        # Timed as the figure compared with the target is (a graph's device time with `graph`):
+        # eagerly, a call shorter than its host work measures the host.
+        timer = _bench_graph if graph else _bench
         configs = DECODE_SWEEP if max(q_lens) == 1 else VERIFY_SWEEP if max(q_lens) <= 16 else CHUNK_SWEEP
         for rows_, bn, w, st, *_ in configs + [(16, 256, 4, 3), (16, 256, 4, 2), (16, 128, 4, 4)]:
             for k_rows in (False, True):
@@ -498,9 +511,16 @@ def _bench_fp8_cache(
                 try:
                     with config.override(paged=cfg):
                         _check(f"{name} {label}", fn()[:n], ref)
-                        timings.append((label, _bench(fn)))
+                        timings.append((label, timer(fn)))
                 except Exception as e:
                     rows.append(Row(name, label, float("nan"), note=type(e).__name__))
+        # Forced segment counts: an FP8 key is half the bytes, so the split rule's minimum
+        # segment (MIN_KEYS_PER_SPLIT keys) holds half the bytes it holds in a 16-bit cache.
+        planned = plan_split_kv(cu, seq, HQ, HKV, head_dim=D, dtype=q.dtype).num_splits
+        for s in [1, 2, 4, 8, 16, 32, 64] + ([96, 128] if max_k >= 65536 else []):
+            if s != planned and s <= max(1, max_k // 64):
+                _check(f"{name} fp8 splits={s}", fn(s)[:n], ref)
+                timings.append((f"fp8 splits={s} (planned {planned})", timer(lambda s=s: fn(s))))
     for label, ms in timings:
         rows.append(
             Row(name, label, ms, flops / ms / 1e9, byts / ms / 1e6, floor,
@@ -641,7 +661,7 @@ def main(args: argparse.Namespace) -> int:
                 rows,
                 ceilings,
                 decode=True,
-                sweep=sweep and name in ("D1", "D3", "D4"),
+                sweep=sweep and (args.fp8_cache or name in ("D1", "D3", "D4")),
                 peers=peers,
                 graph=args.graph,
                 fp8_cache=args.fp8_cache,
