@@ -64,6 +64,9 @@ class BodyParser:
             logger.warning("the body-parsing worker died; parsing this body on the event loop")
             self.close()
             return None
+        except Exception:  # noqa: BLE001 (a result that does not pickle: FastAPI's path answers it)
+            logger.exception("the body-parsing worker failed; parsing this body on the event loop")
+            return None
         if kind == "invalid":
             self.offloaded += 1
             raise RequestValidationError(value)
