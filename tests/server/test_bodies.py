@@ -5,6 +5,7 @@ generated text). A dead worker costs nothing but a fallback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import os
@@ -92,33 +93,94 @@ def _comparable(resp: httpx.Response) -> tuple:
     return resp.status_code, body, resp.headers.get("x-ignored-fields")
 
 
-def _send(served, path: str, body: bytes, inline_max_bytes: int) -> tuple[tuple, int]:
+class _CountingJSON:
+    """Stands in for `json` in Starlette's and FastAPI's request modules: counts the bodies they
+    parse (whichever of the two parses a body in a given version)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def loads(self, *args, **kwargs):
+        self.calls += 1
+        return json.loads(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(json, name)
+
+
+def _send(
+    served, path: str, body: bytes, inline_max_bytes: int, content_type: str | None = "application/json"
+) -> tuple[tuple, int, int]:
+    """(the comparable response, bodies the worker answered, bodies Starlette parsed itself)."""
+    import fastapi.routing
+    import starlette.requests
+
     parser = served.app.state.body_parser
     parser.inline_max_bytes = inline_max_bytes
     before = parser.offloaded
+    counting = _CountingJSON()
+    modules = (starlette.requests, fastapi.routing)
+    for module in modules:
+        module.json = counting
     try:
         with served.client() as http:
-            resp = http.post(path, content=body, headers={"content-type": "application/json"})
+            headers = {"content-type": content_type} if content_type else {}
+            resp = http.post(path, content=body, headers=headers)
     finally:
         parser.inline_max_bytes = 1 << 62
-    return _comparable(resp), parser.offloaded - before
+        for module in modules:
+            module.json = json
+    return _comparable(resp), parser.offloaded - before, counting.calls
 
 
 @pytest.mark.parametrize("name,path,body", CASES, ids=[c[0] for c in CASES])
 def test_worker_answers_as_fastapi_does(served, name, path, body):
-    inline, inline_offloaded = _send(served, path, body, 1 << 62)
-    worker, worker_offloaded = _send(served, path, body, 0)
-    assert inline_offloaded == 0
+    inline, inline_offloaded, inline_parsed = _send(served, path, body, 1 << 62)
+    worker, worker_offloaded, worker_parsed = _send(served, path, body, 0)
+    assert inline_offloaded == 0 and inline_parsed == 1
     assert worker == inline
     if name not in ("not_utf8", "deeply_nested"):  # FastAPI's own path answers those two
         assert worker_offloaded == 1, "the body was not parsed by the worker"
+        assert worker_parsed == 0, "the worker's model was not used: the body was parsed again on the loop"
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/json; charset=utf-8"])
+def test_content_types_are_treated_as_fastapi_treats_them(served, content_type):
+    for body in (_j(OK), _j({**OK, "max_tokens": "5"})):
+        inline = _send(served, "/v1/completions", body, 1 << 62, content_type)[0]
+        worker = _send(served, "/v1/completions", body, 0, content_type)[0]
+        assert worker == inline
+
+
+def test_a_worker_that_keeps_failing_is_given_up():
+    from tilellm.server.bodies import MAX_FAILURES, BodyParser
+
+    class Unpicklable:  # a local class: the call cannot reach the worker
+        pass
+
+    async def run() -> list:
+        parser = BodyParser(0)
+        try:
+            return [await parser.parse("POST /x", Unpicklable, b"{}") for _ in range(MAX_FAILURES)]
+        finally:
+            parser.close()
+
+    parser_answers = asyncio.run(run())
+    assert parser_answers == [None] * MAX_FAILURES  # each body falls back to FastAPI's path
+    parser = BodyParser(0)
+    parser.failures = MAX_FAILURES
+    assert not parser.wants(b"{}")
+    parser.failures = 0
+    assert parser.wants(b"{}")
+    parser.close()
+    assert not parser.wants(b"{}")  # closed: parsed on the loop
 
 
 def test_a_dead_worker_is_replaced(served):
     known = {p.pid for p in multiprocessing.active_children()}
     body = _j(OK)
-    expected, _ = _send(served, "/v1/completions", body, 1 << 62)
-    assert _send(served, "/v1/completions", body, 0) == (expected, 1)
+    expected = _send(served, "/v1/completions", body, 1 << 62)[0]
+    assert _send(served, "/v1/completions", body, 0)[:2] == (expected, 1)
     workers = [p for p in multiprocessing.active_children() if p.pid not in known]
     if not workers:  # it was started by an earlier test
         workers = [p for p in multiprocessing.active_children() if p.name.startswith("SpawnProcess")]
@@ -129,4 +191,4 @@ def test_a_dead_worker_is_replaced(served):
     time.sleep(0.2)
     # The request that finds the worker dead is parsed on the loop; the next one by a new worker.
     assert _send(served, "/v1/completions", body, 0)[0] == expected
-    assert _send(served, "/v1/completions", body, 0) == (expected, 1)
+    assert _send(served, "/v1/completions", body, 0)[:2] == (expected, 1)

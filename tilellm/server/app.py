@@ -220,8 +220,10 @@ def create_app(engine: Any, config: ServerConfig) -> FastAPI:
             yield
         finally:
             watching.cancel()
-            async_engine.stop()
-            app.state.body_parser.close()
+            try:
+                async_engine.stop()
+            finally:
+                app.state.body_parser.close()
 
     def on_grace_expired() -> None:
         """Shutdown's grace period is over: every request still open gets an OpenAI error (a

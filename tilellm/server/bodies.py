@@ -14,7 +14,8 @@ a worker process instead; the loop only waits for its answer:
 - or "not here" (a body FastAPI itself refuses before validation, such as one that is not
   UTF-8, or a worker that died): FastAPI's own path then runs on the loop, as for a small body.
 
-The worker imports the request models only (no torch); it starts with the first large body.
+The worker imports the server package (no torch); it starts with the first large body. After
+MAX_FAILURES answers in a row that did not come back, bodies are parsed on the loop again.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ logger = logging.getLogger("tilellm.server")
 # Below this a body is parsed inline: about 10 ms for 256 KiB of token ids on one core, less
 # than the round trip to the worker costs a small body.
 INLINE_MAX_BYTES = 256 * 1024
+MAX_FAILURES = 3  # a worker that cannot start (or keeps dying) is not started again
 
 
 class BodyParser:
@@ -47,10 +49,12 @@ class BodyParser:
     def __init__(self, inline_max_bytes: int = INLINE_MAX_BYTES):
         self.inline_max_bytes = inline_max_bytes
         self.offloaded = 0  # bodies the worker answered (validated or refused)
+        self.failures = 0  # answers in a row that did not come back
+        self.closed = False
         self._pool: ProcessPoolExecutor | None = None
 
     def wants(self, body: bytes) -> bool:
-        return len(body) > self.inline_max_bytes
+        return len(body) > self.inline_max_bytes and not self.closed and self.failures < MAX_FAILURES
 
     async def parse(self, key: str, annotation: Any, body: bytes) -> Any:
         """The body validated as `annotation` (cached per `key`, the route's path), or None where
@@ -58,15 +62,17 @@ class BodyParser:
         if self._pool is None:
             # spawn, not fork: the server has threads (the engine's, the tokenizer pool's).
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        pool = self._pool
         try:
-            kind, value = await asyncio.wrap_future(self._pool.submit(parse_body, key, annotation, body))
+            kind, value = await asyncio.wrap_future(pool.submit(parse_body, key, annotation, body))
         except BrokenExecutor:  # the worker died (killed, out of memory): a new one next time
-            logger.warning("the body-parsing worker died; parsing this body on the event loop")
-            self.close()
+            self._failed(pool, "the body-parsing worker died")
             return None
         except Exception:  # noqa: BLE001 (a result that does not pickle: FastAPI's path answers it)
-            logger.exception("the body-parsing worker failed; parsing this body on the event loop")
+            logger.exception("the body-parsing worker failed")
+            self._failed(None, "the body-parsing worker failed")
             return None
+        self.failures = 0
         if kind == "invalid":
             self.offloaded += 1
             raise RequestValidationError(value)
@@ -75,7 +81,19 @@ class BodyParser:
             return value
         return None
 
+    def _failed(self, broken: ProcessPoolExecutor | None, what: str) -> None:
+        self.failures += 1
+        if self.failures >= MAX_FAILURES:
+            what += f" {self.failures} times in a row; large bodies are parsed on the event loop from now on"
+        logger.warning("%s; parsing this body on the event loop", what)
+        # Only the pool that broke: another request may have started a new one meanwhile.
+        if broken is not None and self._pool is broken:
+            self._pool = None
+            broken.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
+        """Stop the worker; later bodies are parsed on the event loop."""
+        self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -119,12 +137,12 @@ def _picklable(error: dict[str, Any]) -> dict[str, Any]:
     return error
 
 
-def _is_json(request: Request) -> bool:
-    """Whether FastAPI would parse this body as JSON: no content type, or application/json or
-    application/*+json (its rule in `fastapi.routing`)."""
+def _is_json(request: Request, strict_content_type: bool) -> bool:
+    """Whether FastAPI would parse this body as JSON: application/json or application/*+json,
+    or no content type unless the route is strict about it (its rule in `fastapi.routing`)."""
     content_type = request.headers.get("content-type")
     if not content_type:
-        return True
+        return not strict_content_type
     message = email.message.Message()
     message["content-type"] = content_type
     subtype = message.get_content_subtype()
@@ -143,8 +161,12 @@ class ParsedBodyRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Any]:
         handler = super().get_route_handler()
         body_field = self.body_field
-        if body_field is None:
+        # (A route of several body parameters validates a generated model: left to FastAPI.)
+        if body_field is None or getattr(self, "_embed_body_fields", False):
             return handler
+        # FastAPI's `strict_content_type` (in FastAPI versions without it, no content type is JSON).
+        strict = getattr(self, "strict_content_type", False)
+        strict = bool(getattr(strict, "value", strict))
         # What FastAPI validates: the annotation with the metadata it split off (a union's
         # Discriminator, constraints).
         info = body_field.field_info
@@ -153,7 +175,7 @@ class ParsedBodyRoute(APIRoute):
 
         async def parsed_off_loop(request: Request) -> Any:
             parser: BodyParser | None = getattr(request.app.state, "body_parser", None)
-            if parser is not None and _is_json(request):
+            if parser is not None and _is_json(request, strict):
                 body = await request.body()
                 if parser.wants(body):
                     model = await parser.parse(key, annotation, body)
