@@ -175,12 +175,15 @@ class ParsedBodyRoute(APIRoute):
 
         async def parsed_off_loop(request: Request) -> Any:
             parser: BodyParser | None = getattr(request.app.state, "body_parser", None)
-            if parser is not None and _is_json(request, strict):
-                body = await request.body()
-                if parser.wants(body):
-                    model = await parser.parse(key, annotation, body)
-                    if model is not None:
-                        request._json = model
+            # The size first: most bodies are small, and the content type costs a header parse.
+            if (
+                parser is not None
+                and parser.wants(body := await request.body())
+                and _is_json(request, strict)
+            ):
+                model = await parser.parse(key, annotation, body)
+                if model is not None:
+                    request._json = model
             return await handler(request)
 
         return parsed_off_loop
