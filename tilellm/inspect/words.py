@@ -10,6 +10,8 @@ from tilellm.inspect.geometry import is_empty, query_rows
 from tilellm.inspect.model import Inspection
 from tilellm.kernels.schedule import (
     FILL_SHARE,
+    FP8_KEYS_PER_SPLIT,
+    FP8_PROGRAMS_PER_SM,
     MAX_SPLITS,
     MIN_CONTEXT_TO_SPLIT,
     MIN_KEYS_PER_SPLIT,
@@ -68,6 +70,16 @@ def split_plan(insp: Inspection) -> str:
             f"batch of fewer programs than the GPU's {sms} SMs is bound by each program's walk over its "
             f"keys, so even short requests are cut, into segments of at least {SMALL_BATCH_MIN_KEYS} "
             "keys, whose partial results are merged afterwards"
+        )
+    if plan.kv_fp8 and plan.min_keys_per_split != SMALL_BATCH_MIN_KEYS:
+        if n == 1:
+            return f"keys are not split ({plan.reason})"
+        return (
+            f"each program's keys are cut into {n} segments, so {base} programs become {base * n}: an "
+            f"FP8 cache holds half the bytes per key, so segments are about {FP8_KEYS_PER_SPLIT} keys "
+            f"of the longest request (the bytes of {MIN_KEYS_PER_SPLIT} 16-bit keys), halved while "
+            f"the programs are fewer than {FP8_PROGRAMS_PER_SM} per SM; the segments' partial "
+            "results are merged afterwards"
         )
     if n == 1 and plan.kv_len_per_split < MIN_CONTEXT_TO_SPLIT:
         return (

@@ -390,14 +390,13 @@ def _launch(
         # A pure function of the shapes: planned once per shape, not on every eager call.
         paged_plan = _plan_for_shape(
             batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, T, max_seqlen_k, num_splits, is_decode,
-            not internal and not kv_fp8 and k_cache.is_contiguous() and v_cache.is_contiguous(),
-            q.device.index,
+            not internal and k_cache.is_contiguous() and v_cache.is_contiguous(), kv_fp8, q.device.index,
         )  # fmt: skip
     else:
         paged_plan = plan_paged(
             batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, num_tokens=T, seq_lens=seq_lens,
             max_seqlen_k=max_seqlen_k, num_splits=num_splits, is_decode=is_decode,
-            allow_gluon=not internal and not kv_fp8 and k_cache.is_contiguous() and v_cache.is_contiguous(),
+            allow_gluon=not internal and k_cache.is_contiguous() and v_cache.is_contiguous(), kv_fp8=kv_fp8,
         )  # fmt: skip
     if paged_plan.kernel == "gluon" and T > 0:
         # Prompt chunks on Hopper: FlashAttention-3's schedule, K/V pages copied by TMA (hopper.py).
@@ -474,13 +473,13 @@ _paged_launch = FastLaunch(_paged_kernel)
 @functools.lru_cache(maxsize=1024)
 def _plan_for_shape(
     batch, num_q_heads, num_kv_heads, head_dim, dtype, page, max_seqlen_q, num_tokens, max_seqlen_k, num_splits,
-    is_decode, allow_gluon, device_index,
+    is_decode, allow_gluon, kv_fp8, device_index,
 ) -> PagedPlan:  # fmt: skip
     """`plan_paged` for a batch known by its shapes and `max_seqlen_k` (seq_lens unread)."""
     return plan_paged(
         batch, num_q_heads, num_kv_heads, head_dim, dtype, page, max_seqlen_q, num_tokens=num_tokens,
         max_seqlen_k=max_seqlen_k, num_splits=num_splits, is_decode=is_decode, allow_gluon=allow_gluon,
-        num_sms=num_sms(device_index),
+        num_sms=num_sms(device_index), kv_fp8=kv_fp8,
     )  # fmt: skip
 
 

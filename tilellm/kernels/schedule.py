@@ -51,6 +51,16 @@ FILL_SHARE = 0.8
 SMALL_BATCH_MIN_KEYS = 64
 SMALL_BATCH_MAX_SPLITS = 16
 SMALL_BATCH_PROGRAMS_PER_SM = 4
+# Decode tiles over an FP8 cache (`_plan_fp8`): half the bytes per key, so a segment of
+# FP8_KEYS_PER_SPLIT keys streams what MIN_KEYS_PER_SPLIT 16-bit keys do; segments are halved
+# (down to MIN_KEYS_PER_SPLIT keys, at most FP8_MAX_SPLITS of them) while the programs are fewer
+# than FILL_SHARE of FP8_PROGRAMS_PER_SM per SM. Measured on an H200 in CUDA graphs, GB/s of FP8
+# bytes by forced segment count: 8 x 32k keys 8: 3146, 16: 3499, 32: 3363, 64: 3108; 1 x 128k
+# 32: 1639, 64: 2887, 96: 2747, 128: 3096; 64 unequal contexts up to 16k 4: 2591, 5: 2818,
+# 8: 3005, 16: 3043, 32: 2716. The 16-bit rule picked 32, 64 and 5 there.
+FP8_KEYS_PER_SPLIT = 2 * MIN_KEYS_PER_SPLIT
+FP8_PROGRAMS_PER_SM = 8
+FP8_MAX_SPLITS = 128
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class SplitPlan:
     # A chosen plan never cuts segments shorter than this: a shorter request gets fewer
     # (non-empty) segments, the others record empty partials. 0 for a forced count.
     min_keys_per_split: int = 0
+    kv_fp8: bool = False  # planned by the FP8 cache's rule (`_plan_fp8`)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -103,6 +114,7 @@ def choose_num_splits(
     max_seqlen_k: int | None = None,
     num_sms: int | None = None,
     rows_per_program: int = DECODE_ROWS,
+    kv_fp8: bool = False,
 ) -> SplitPlan:
     """The split-KV decision from the SM count, the batch and its longest context.
 
@@ -110,7 +122,8 @@ def choose_num_splits(
     `target_programs` (PROGRAMS_PER_SM decode tiles per SM, LARGE_TILE_PROGRAMS_PER_SM of larger
     ones); otherwise enough segments for the target, each of at least MIN_KEYS_PER_SPLIT keys of
     the longest context, at most MAX_SPLITS. Decode batches of fewer programs than SMs also
-    split short contexts (`_plan_small_batch`). `num_splits` forces the count. The longest
+    split short contexts (`_plan_small_batch`); decode tiles over an FP8 cache (`kv_fp8`) follow
+    `_plan_fp8` instead of the bandwidth rule. `num_splits` forces the count. The longest
     context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
     host sync: the engine plans on the host instead and passes the plan).
     """
@@ -125,7 +138,10 @@ def choose_num_splits(
         return SplitPlan(n, f"forced: num_splits={n}", sms, base, cdiv(known, n) if known else 0)
     if max_seqlen_k is None:
         max_seqlen_k = _host_max(seq_lens, allow_device=True)
-    plan = _plan_large(base, max_seqlen_k, sms, rows_per_program)
+    if kv_fp8 and rows_per_program <= DECODE_ROWS:
+        plan = _plan_fp8(base, max_seqlen_k, sms)
+    else:
+        plan = _plan_large(base, max_seqlen_k, sms, rows_per_program)
     if rows_per_program <= DECODE_ROWS and 0 < base < sms:
         return _plan_small_batch(plan, max_seqlen_k)
     return plan
@@ -146,9 +162,9 @@ def _plan_small_batch(plan: SplitPlan, max_seqlen_k: int) -> SplitPlan:
     reason = (
         f"split {n}: a small batch, {base} programs for {sms} SMs; segments of >= {SMALL_BATCH_MIN_KEYS} "
         f"keys ({n_small} for about {SMALL_BATCH_PROGRAMS_PER_SM} programs per SM, at most "
-        f"{SMALL_BATCH_MAX_SPLITS}; the bandwidth rule's {plan.num_splits})"
+        f"{SMALL_BATCH_MAX_SPLITS}; the {'FP8' if plan.kv_fp8 else 'bandwidth'} rule's {plan.num_splits})"
     )
-    return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), SMALL_BATCH_MIN_KEYS)
+    return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), SMALL_BATCH_MIN_KEYS, plan.kv_fp8)
 
 
 def _plan_large(base: int, max_seqlen_k: int, sms: int, rows_per_program: int) -> SplitPlan:
@@ -180,6 +196,27 @@ def _plan_large(base: int, max_seqlen_k: int, sms: int, rows_per_program: int) -
         f"cap {MAX_SPLITS})"
     )
     return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), MIN_KEYS_PER_SPLIT)
+
+
+def _plan_fp8(base: int, max_seqlen_k: int, sms: int) -> SplitPlan:
+    """The rule for decode tiles over an FP8 cache (see FP8_KEYS_PER_SPLIT): segments of
+    FP8_KEYS_PER_SPLIT keys of the longest context, halved while the programs are few."""
+    target = FP8_PROGRAMS_PER_SM * sms
+    if base >= FILL_SHARE * target:
+        reason = f"no split: {base} programs reach {FILL_SHARE:.0%} of the {target} that fill {sms} SMs (FP8)"
+        return SplitPlan(1, reason, sms, base, max_seqlen_k, kv_fp8=True)
+    n = min(cdiv(max_seqlen_k, FP8_KEYS_PER_SPLIT), FP8_MAX_SPLITS)
+    while base * n < FILL_SHARE * target and 2 * n <= min(FP8_MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT):
+        n *= 2
+    if n < 2:
+        reason = f"no split: longest context {max_seqlen_k} <= {FP8_KEYS_PER_SPLIT} keys (FP8)"
+        return SplitPlan(1, reason, sms, base, max_seqlen_k, kv_fp8=True)
+    reason = (
+        f"split {n}: {base} programs for {sms} SMs, FP8 cache; segments of <= {FP8_KEYS_PER_SPLIT} keys of the "
+        f"longest context, halved while under {FILL_SHARE:.0%} of {FP8_PROGRAMS_PER_SM} programs per SM "
+        f"(>= {MIN_KEYS_PER_SPLIT} keys, cap {FP8_MAX_SPLITS}): {base * n} programs"
+    )
+    return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), MIN_KEYS_PER_SPLIT, kv_fp8=True)
 
 
 def query_tiles_first(q_tiles: int) -> bool:
@@ -287,17 +324,20 @@ def plan_paged(
     num_sms: int | None = None,
     is_decode: bool = False,
     allow_gluon: bool = True,
+    kv_fp8: bool = False,
 ) -> PagedPlan:
     """The one place that picks the paged kernel of a batch, and its split-KV plan.
 
     `hopper.py` runs a batch when `allow_gluon`, no split count is forced, it is not a decode
     batch, and `config.paged_uses_gluon` takes it (Hopper, D = 128, half precision, pages that
     tile 128 keys, prompt chunks wide enough for a wave; see there); it never splits. Otherwise
-    `paged.py` with `choose_num_splits`'s plan for its tiles.
+    `paged.py` with `choose_num_splits`'s plan for its tiles (`kv_fp8`: the cache holds FP8
+    pages, which take their own tiles and split rule and never the Gluon kernel).
     """
     max_q = max(max_seqlen_q, 1)
     if (
         allow_gluon
+        and not kv_fp8
         and num_splits is None
         and not is_decode
         and gluon_serves(num_requests, num_q_heads, head_dim, dtype, page, max_q, num_tokens, num_sms)
@@ -305,7 +345,8 @@ def plan_paged(
         longest = max_seqlen_k if max_seqlen_k is not None else _host_max(seq_lens, allow_device=True)
         gluon_tiles = cdiv(max_q, GLUON_QUERY_TILE)
         return PagedPlan("gluon", hopper_plan(num_requests, num_q_heads, gluon_tiles, [longest], num_sms))
-    cfg, block_q = paged_config(head_dim, dtype, num_q_heads // num_kv_heads, 1 if is_decode else max_q)
+    group = num_q_heads // num_kv_heads
+    cfg, block_q = paged_config(head_dim, dtype, group, 1 if is_decode else max_q, kv_fp8=kv_fp8)
     split = choose_num_splits(
         num_requests,
         num_kv_heads,
@@ -315,6 +356,7 @@ def plan_paged(
         max_seqlen_k=max_seqlen_k,
         num_sms=num_sms,
         rows_per_program=cfg.block_m,
+        kv_fp8=kv_fp8,
     )
     return PagedPlan("triton", split)
 

@@ -37,5 +37,5 @@ class TritonBackend(AttentionBackend):
         return plan_paged(
             num_requests, s.num_heads, s.num_kv_heads, s.head_dim, s.dtype, s.block_size, max_seqlen_q,
             num_tokens=num_tokens, max_seqlen_k=max_seqlen_k, is_decode=is_decode,
-            allow_gluon=self.allow_gluon and not s.fp8_cache,  # the Gluon kernel reads 16-bit pages
+            allow_gluon=self.allow_gluon, kv_fp8=s.fp8_cache,  # FP8 pages: Triton's kernel, its own rule
         )  # fmt: skip
