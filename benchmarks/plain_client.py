@@ -7,7 +7,9 @@ sends every request at once to `/v1/completions` and waits for all of them.
 E1's 256 prompts as token ids (shifted by `--prompt-id-offset`, so that no earlier run's prompts
 are in the prefix cache), each with its own `max_tokens`, temperature 0.6 and `ignore_eos`.
 Reported: output tokens (from each response's `usage`, or the streamed chunks' token counts) over
-the wall time from the first request sent to the last response read.
+the wall time from the first request sent to the last response read; and, to tell the client's
+own cost from the server's, the client's CPU time over the run and when its last request started
+to go out (httpx's request hook).
 
 `--max-connections` is httpx's connection limit. httpx's default is 100 connections, and HTTP/1.1
 carries one request at a time per connection, so a default client never has more than 100
@@ -50,7 +52,14 @@ async def _one(client: httpx.AsyncClient, body: dict, stream: bool) -> int:
 async def run(args: argparse.Namespace) -> dict:
     w = e1(args.scale)
     limits = httpx.Limits(max_connections=args.max_connections or None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits) as client:
+    sent: list[float] = []
+
+    async def on_request(request: httpx.Request) -> None:
+        if request.url.path.endswith("/completions"):
+            sent.append(time.perf_counter())
+
+    opts = {"timeout": None, "limits": limits, "event_hooks": {"request": [on_request]}}
+    async with httpx.AsyncClient(base_url=args.base_url, **opts) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         bodies = [
             {
@@ -62,9 +71,10 @@ async def run(args: argparse.Namespace) -> dict:
             }
             for p, m in zip(w.prompts, w.max_tokens)
         ]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         tokens = await asyncio.gather(*(_one(client, b, args.stream) for b in bodies))
         seconds = time.perf_counter() - t0
+        client_cpu_s = time.process_time() - cpu0
     return {
         "requests": len(bodies),
         "stream": args.stream,
@@ -72,6 +82,8 @@ async def run(args: argparse.Namespace) -> dict:
         "output_tokens": sum(tokens),
         "seconds": seconds,
         "output_tok_s": sum(tokens) / seconds,
+        "client_cpu_s": client_cpu_s,
+        "last_request_sent_s": max(sent) - t0 if sent else None,
     }
 
 
@@ -91,7 +103,8 @@ def main() -> int:
     limit = args.max_connections or "no limit"
     print(
         f"plain client ({mode}, max_connections {limit}): {result['output_tokens']} output tokens in "
-        f"{result['seconds']:.2f} s = {result['output_tok_s']:,.0f} tok/s"
+        f"{result['seconds']:.2f} s = {result['output_tok_s']:,.0f} tok/s; client CPU "
+        f"{result['client_cpu_s']:.2f} s, last request sent at {result['last_request_sent_s']:.3f} s"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -186,8 +186,15 @@ if [ $healthy = 1 ]; then
     if [ "$lim" -lt 10 ]; then echo "SKIPPED: no time left in the budget"; break; fi
     if [ "$conn" = stream ]; then args=(--stream); else args=(--max-connections "$conn"); fi
     step "plain client: ${args[*]} (prompt ids +$i)"
+    http=$(pgrep -P "$SERVER_PID" | head -1); eng=$(pgrep -P "$http" -f spawn_main | head -1)
+    h0=$(cpu_ticks "$http"); e0=$(cpu_ticks "$eng"); t0=$(date +%s.%N); hz=$(getconf CLK_TCK)
     timeout -k 5 "$lim" python3 benchmarks/plain_client.py --base-url "$URL" --scale "$SCALE" \
       --prompt-id-offset "$i" "${args[@]}" --json "$WORK/plain_${i}.json" 2>&1 | tee -a "$OUT/plain_client.log"
+    python3 -c "
+w = $(date +%s.%N) - $t0
+h, e = ($(cpu_ticks "$http") - $h0) / $hz, ($(cpu_ticks "$eng") - $e0) / $hz
+print(f'process CPU over {w:.1f} s: HTTP process {h:.1f} s = {100 * h / w:.0f}% of a core; '
+      f'engine process {e:.1f} s = {100 * e / w:.0f}%')" | tee -a "$OUT/plain_client.log"
   done
   timeout 10 python3 -c "
 import urllib.request
@@ -247,7 +254,9 @@ for r in plain:
     mode = "streamed" if r["stream"] else "not streamed"
     share = f"{100 * r['output_tok_s'] / base:.1f}% of offline" if base else ""
     print(f"plain client, {mode}, max_connections {r['max_connections'] or 'none'}: "
-          f"{r['output_tok_s']:,.0f} output tok/s ({r['output_tokens']} tokens, {r['seconds']:.2f} s) {share}")
+          f"{r['output_tok_s']:,.0f} output tok/s ({r['output_tokens']} tokens, {r['seconds']:.2f} s) {share}; "
+          f"client CPU {r.get('client_cpu_s', float('nan')):.2f} s, last request sent at "
+          f"{r.get('last_request_sent_s') or float('nan'):.3f} s")
 for r in runs:
     if r["failed"]:
         print(f"rate {r['request_rate']}: {r['failed']} failed: {r['errors'][:3]}")

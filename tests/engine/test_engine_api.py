@@ -273,3 +273,48 @@ def test_frozen_heap_nests_and_keeps_a_freeze_it_did_not_make():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("setting", ["sync", "async", "deltas", "speculative"])
+def test_output_kinds(tiny_qwen3, setting):
+    """FINAL_ONLY: one output, finished, with every token, the text and the logprobs that the
+    other kinds end with; DELTA: outputs that join into the same; CUMULATIVE: growing outputs.
+    Under asynchronous scheduling, the server's delta engine and speculative decoding too."""
+    from tilellm.engine.sampling_params import RequestOutputKind as Kind
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    eng = LLMEngine(
+        tiny_qwen3, num_kv_blocks=64, max_model_len=128, max_num_seqs=8,
+        speculative_config=spec if setting == "speculative" else None,
+    )  # fmt: skip
+    eng.async_scheduling = setting == "async"
+    eng.output_deltas = setting == "deltas"
+    prompt = "the cat sat on the mat, the cat sat on the"  # repeats: n-gram drafts are found
+    for kind in Kind:
+        params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=2, output_kind=kind)
+        eng.add_request(kind.name, prompt, params)
+    outs = drain(eng)
+    final = outs["FINAL_ONLY"]
+    assert len(final) == 1 and final[0].finished
+    last = final[0].outputs[0]
+    assert len(last.token_ids) == 14 and len(last.logprobs) == 14
+    assert last.text == eng.tokenizer.decode(last.token_ids, skip_special_tokens=True)
+    delta = outs["DELTA"]
+    assert len(delta) > 1
+    assert [t for o in delta for t in o.outputs[0].token_ids] == last.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == last.text
+    assert [lp for o in delta for lp in o.outputs[0].logprobs] == last.logprobs
+    cumulative = outs["CUMULATIVE"]
+    if setting == "deltas":  # the engine's own setting: delta outputs for CUMULATIVE requests
+        assert [t for o in cumulative for t in o.outputs[0].token_ids] == last.token_ids
+    else:
+        assert len(cumulative) > 1 and cumulative[-1].outputs[0].token_ids == last.token_ids
+        assert cumulative[-1].outputs[0].text == last.text
+    assert final[0].metrics.first_token_time < final[0].metrics.finished_time
+    if setting == "speculative":
+        assert eng.spec_stats.num_drafts > 0, "no draft was verified: the verification path is untested"
+
+
+def test_output_kind_is_checked():
+    with pytest.raises(ValueError, match="SamplingParams.output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind=2)

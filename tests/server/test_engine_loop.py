@@ -84,3 +84,49 @@ def test_uncaught_handler_error_is_an_opaque_500(fake, monkeypatch):
         monkeypatch.undo()
     assert "secret" not in err["message"]
     assert _completion(fake.http).status_code == 200
+
+
+def test_full_responses_get_one_update_and_a_true_ttft(tiny_model_dir):
+    """A non-streamed request's engine requests hand the server one update each, when they
+    finish (`RequestOutputKind.FINAL_ONLY`), a streamed one an update per step; the TTFT metric
+    of the non-streamed one is still the time to its first token, not to its last."""
+    from tests.server.conftest import MODEL_NAME, make_engine, read_metrics
+    from tilellm.server import ServerConfig, async_engine, create_app
+
+    engine = make_engine(tiny_model_dir)
+    real_step = engine.step
+
+    def paced_step():  # 20 ms a step: a 20-token answer takes >= 0.4 s, its first token ~0.04 s
+        time.sleep(0.02)
+        return real_step()
+
+    engine.step = paced_step
+    delivered: list[int] = []  # updates per message the server received
+    real_deliver = async_engine._deliver
+
+    def counting_deliver(routed):
+        delivered.append(len(routed))
+        real_deliver(routed)
+
+    # two prompts: two engine requests per HTTP request
+    body = {"model": MODEL_NAME, "prompt": [[5] * 12, [6] * 12], "max_tokens": 20, "ignore_eos": True}
+    app = create_app(engine, ServerConfig(MODEL_NAME))
+    with ServerThread(app) as s, httpx.Client(base_url=s.url) as http:
+        async_engine._deliver = counting_deliver
+        try:
+            full = http.post("/v1/completions", json=body, timeout=60).json()
+            full_updates, delivered[:] = sum(delivered), []
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                streamed_tokens = sum(1 for line in r.iter_lines() if line.startswith("data: {"))
+            streamed_updates = sum(delivered)
+        finally:
+            async_engine._deliver = real_deliver
+        metrics = read_metrics(http)
+    assert [len(c["text"]) > 0 for c in full["choices"]] == [True, True]
+    assert full["usage"]["completion_tokens"] == 40
+    assert full_updates == 2, f"{full_updates} updates for 2 engine requests that want their final one only"
+    assert streamed_updates >= 20 and streamed_tokens >= 20
+    # 4 first tokens (2 HTTP requests x 2 prompts) within a few steps; 4 e2e latencies of >= 20 steps
+    ttft, e2e = metrics["time_to_first_token_seconds_sum"], metrics["e2e_request_latency_seconds_sum"]
+    assert metrics["time_to_first_token_seconds_count"] == 4
+    assert ttft < 0.4 * e2e, f"TTFT {ttft:.3f} s against e2e {e2e:.3f} s (summed over 4)"

@@ -202,7 +202,9 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, http):
 
 
 def test_disconnect_while_waiting_for_a_full_response_aborts(server, http):
-    body = {**COMPLETION, "prompt": [7] * 30, "max_tokens": 200, "ignore_eos": True}
+    # 64 samples of 226 tokens: a response that takes well over the client's 0.3 s (a non-streamed
+    # request costs the server nothing per step, so a single short sample can finish in time).
+    body = {**COMPLETION, "prompt": [7] * 30, "max_tokens": 226, "n": 64, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=0.3, headers=http.headers) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=body)

@@ -44,7 +44,7 @@ from tilellm.engine.generation_config import default_sampling_values
 from tilellm.engine.metrics import Metric, engine_metrics
 from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tilellm.engine.request import Request, Sequence, SequenceStatus
-from tilellm.engine.sampling_params import SamplingParams
+from tilellm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tilellm.engine.sampling_table import SamplingTable
 from tilellm.engine.scheduler import Scheduler, SchedulerOutput
 from tilellm.engine.stats import EngineStats, StepSnapshot, StepTimings
@@ -688,11 +688,23 @@ class LLMEngine:
                 result,
                 emit_partial,
             )
-        if emit_partial:
-            for req in touched.values():
-                req.metrics.last_token_time = now
-            return [self._make_output(req) for req in touched.values()]
-        return [self._make_output(req) for req in touched.values() if req.is_finished]
+        return self._outputs(touched, emit_partial, now)
+
+    def _outputs(self, touched: dict[str, Request], emit_partial: bool, now: float) -> list[RequestOutput]:
+        """The step's outputs of the requests it touched: every one (emit_partial) but those
+        asking for their final output only (`RequestOutputKind.FINAL_ONLY`: their text is still
+        extended step by step, so that it is the text a stream of the same tokens shows), or
+        (offline) the finished ones."""
+        if not emit_partial:
+            return [self._make_output(req) for req in touched.values() if req.is_finished]
+        final_only = RequestOutputKind.FINAL_ONLY
+        for req in touched.values():
+            req.metrics.last_token_time = now
+        return [
+            self._make_output(req)
+            for req in touched.values()
+            if req.is_finished or req.params.output_kind is not final_only
+        ]
 
     def _postprocess_verified(
         self, done: _InFlight, result: StepResult, emit_partial: bool
@@ -759,11 +771,7 @@ class LLMEngine:
                 seq.num_computed_tokens = pos + accepted
                 bm.trim(seq, len(seq.token_ids))
                 bm.commit(seq)
-        if emit_partial:
-            for req in touched.values():
-                req.metrics.last_token_time = now
-            return [self._make_output(req) for req in touched.values()]
-        return [self._make_output(req) for req in touched.values() if req.is_finished]
+        return self._outputs(touched, emit_partial, now)
 
     def _check_stop(
         self,
@@ -871,10 +879,11 @@ class LLMEngine:
         seq.cumulative_logprob += lp
 
     def _make_output(self, req: Request) -> RequestOutput:
-        sample = self._delta_output if self.output_deltas else self._cumulative_output
+        deltas = self.output_deltas or req.params.output_kind is RequestOutputKind.DELTA
+        sample = self._delta_output if deltas else self._cumulative_output
         seqs = req.seqs
         prompt_logprobs = req.prompt_logprobs
-        if prompt_logprobs is not None and self.output_deltas:  # handed out once, complete
+        if prompt_logprobs is not None and deltas:  # handed out once, complete
             if req.prompt_logprobs_sent or len(prompt_logprobs) < len(req.prompt_token_ids):
                 prompt_logprobs = None
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,20 @@ MAX_STOP_CHARS = 4096  # their total length
 # prefix a sequence may have (the device keeps that many recent output tokens per sequence slot).
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_PREFIX = 16
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs `LLMEngine.step` hands out for a request (vLLM's names and values).
+
+    CUMULATIVE: after every step, everything so far (delta outputs instead where the engine's
+    `output_deltas` is on: the server's engine). DELTA: after every step, only what is new.
+    FINAL_ONLY: one output, when the request finishes, with everything (a non-streamed server
+    request: no per-step output to build, send or wake a handler for).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -100,6 +115,8 @@ class SamplingParams:
     schema, a regex, a choice or a grammar (token masks from xgrammar). `prompt_logprobs=k`: each
     prompt token's log-probability given the tokens before it, with the top k (the first token
     has none); such a request skips the prefix cache, whose blocks hold no logits.
+    `output_kind` (`RequestOutputKind`): which outputs `LLMEngine.step` returns for the request
+    (`LLM.generate` returns each request once, finished, whatever it says).
     Invalid values raise ValueError naming the field; an unknown keyword raises TypeError naming it.
     """
 
@@ -124,6 +141,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The token sequences of `bad_words`, set by `update_from_tokenizer` (the engine calls it).
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -190,6 +208,8 @@ class SamplingParams:
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "must be a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")

@@ -224,12 +224,14 @@ class EngineLoop:
             self._publish_stats()
             return
         now = time.monotonic()
+        # The engine stamps its milestones with time.perf_counter: this turns them into `now`'s clock.
+        clock_offset = now - time.perf_counter()
         routed: list[tuple[int, RequestUpdate]] = []
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:  # aborted meanwhile
                 continue
-            update = self._make_update(tracked, out, now)
+            update = self._make_update(tracked, out, now, clock_offset)
             if update.finished:
                 del self._tracked[out.request_id]
             routed.append((tracked.qid, update))
@@ -237,7 +239,9 @@ class EngineLoop:
         # One message per step: its updates carry its stats (a step with none still reports them).
         self.emit(("updates", routed, self.stats) if routed else ("stats", self.stats))
 
-    def _make_update(self, tracked: _Tracked, out: Any, now: float) -> RequestUpdate:
+    def _make_update(
+        self, tracked: _Tracked, out: Any, now: float, clock_offset: float = 0.0
+    ) -> RequestUpdate:
         deltas = []
         max_tokens = 0
         # An engine with `output_deltas` hands out only what is new (and holds back incomplete
@@ -276,9 +280,12 @@ class EngineLoop:
                 delta.final_text = text  # None with engine deltas: the handler joins the deltas
             deltas.append(delta)
         if tracked.first_token_time is None and max_tokens > 0:
-            tracked.first_token_time = now
+            # When the engine read the first token: a FINAL_ONLY request's first update is its last.
+            stamped = getattr(getattr(out, "metrics", None), "first_token_time", None)
+            first = now if stamped is None else min(now, max(tracked.arrival, stamped + clock_offset))
+            tracked.first_token_time = first
             if self.observer is not None:
-                self.observer.on_first_token(now - tracked.arrival)
+                self.observer.on_first_token(first - tracked.arrival)
         if out.finished and self.observer is not None:
             first = tracked.first_token_time if tracked.first_token_time is not None else now
             tpot = (now - first) / (max_tokens - 1) if max_tokens > 1 else None

@@ -315,10 +315,13 @@ class OpenAIServing:
     ) -> Any:
         """The engine's SamplingParams for `req`; `structured_outputs` (a tool choice's constraint)
         replaces the request's own, which must then be unset."""
-        from tilellm import SamplingParams
+        from tilellm.engine.sampling_params import RequestOutputKind, SamplingParams
 
         defaults = self.default_sampling
         kwargs: dict[str, Any] = dict(
+            # Not streamed: one update per engine request, when it finishes (as vLLM's server):
+            # no per-step update to build, pipe, route and wake the handler for.
+            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
             n=req.n,
             temperature=defaults.get("temperature", 1.0) if req.temperature is None else req.temperature,
             max_tokens=max_tokens,
