@@ -167,6 +167,11 @@ class EngineConfig:
         "auto",
         "default sampling values: auto (the model's generation_config.json), vllm (none), or a directory",
     )
+    stream_interval: int = _arg(
+        1,
+        "streamed requests get their tokens every N (the first at once, the last at the finish): "
+        "fewer, larger updates and SSE events for clients that cannot take one per token",
+    )
     speculative_config: SpeculativeConfig | None = _arg(
         None,
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
@@ -181,7 +186,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+            "stream_interval",
+        ):
             positive(name)
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:

@@ -318,3 +318,45 @@ def test_output_kinds(tiny_qwen3, setting):
 def test_output_kind_is_checked():
     with pytest.raises(ValueError, match="SamplingParams.output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind=2)
+
+
+@pytest.mark.parametrize("setting", ["sync", "async", "speculative"])
+def test_stream_interval(tiny_qwen3, setting):
+    """stream_interval N: a streamed request's first token at once, then an output whenever N
+    tokens are waiting, and the rest when it finishes; the tokens and text are those of N = 1."""
+    from tilellm.engine.sampling_params import RequestOutputKind as Kind
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    runs = {}
+    for interval in (1, 4):
+        eng = LLMEngine(
+            tiny_qwen3, num_kv_blocks=64, max_model_len=128, max_num_seqs=8, stream_interval=interval,
+            speculative_config=spec if setting == "speculative" else None,
+        )  # fmt: skip
+        eng.async_scheduling = setting == "async"
+        prompt = "the cat sat on the mat, the cat sat on the"
+        for kind in (Kind.DELTA, Kind.CUMULATIVE):
+            params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, output_kind=kind)
+            eng.add_request(kind.name, prompt, params)
+        runs[interval] = drain(eng)
+    for kind in ("DELTA", "CUMULATIVE"):
+        one, four = runs[1][kind], runs[4][kind]
+        if kind == "DELTA":
+            sizes = [len(o.outputs[0].token_ids) for o in four]
+            tokens = [t for o in four for t in o.outputs[0].token_ids]
+            text = "".join(o.outputs[0].text for o in four)
+        else:
+            counts = [len(o.outputs[0].token_ids) for o in four]
+            sizes = [b - a for a, b in zip([0, *counts], counts)]
+            tokens, text = four[-1].outputs[0].token_ids, four[-1].outputs[0].text
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 17, sizes
+        if setting != "speculative":  # one token a step: exactly every 4th
+            assert sizes == [1, 4, 4, 4, 4], sizes
+        assert tokens == [t for o in runs[1]["DELTA"] for t in o.outputs[0].token_ids]
+        assert text == "".join(o.outputs[0].text for o in runs[1]["DELTA"])
+        assert len(four) < len(one)
+
+
+def test_stream_interval_is_checked(tiny_qwen3):
+    with pytest.raises(ValueError, match="stream_interval must be a positive integer"):
+        LLMEngine(tiny_qwen3, stream_interval=0)

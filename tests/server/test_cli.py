@@ -238,7 +238,7 @@ def test_serve_help_lists_the_flags(capsys):
         "--no-enable-prefix-caching",
     ]
     flags += ["--max-waiting", "--max-request-bytes", "--device", "--num-kv-blocks"]
-    flags += ["--engine-process", "--no-engine-process", "--tensor-parallel-size"]
+    flags += ["--engine-process", "--no-engine-process", "--tensor-parallel-size", "--stream-interval"]
     assert all(f in out for f in flags), [f for f in flags if f not in out]
 
 

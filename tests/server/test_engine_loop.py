@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -130,3 +131,22 @@ def test_full_responses_get_one_update_and_a_true_ttft(tiny_model_dir):
     ttft, e2e = metrics["time_to_first_token_seconds_sum"], metrics["e2e_request_latency_seconds_sum"]
     assert metrics["time_to_first_token_seconds_count"] == 4
     assert ttft < 0.4 * e2e, f"TTFT {ttft:.3f} s against e2e {e2e:.3f} s (summed over 4)"
+
+
+def test_stream_interval_sends_fewer_events_with_the_same_text(tiny_model_dir):
+    """`--stream-interval 4`: a streamed answer's first token comes in its own event, then one
+    event per 4 tokens; the text is the non-streamed answer's."""
+    from tests.server.conftest import MODEL_NAME, make_engine
+    from tilellm.server import ServerConfig, create_app
+
+    app = create_app(make_engine(tiny_model_dir, stream_interval=4), ServerConfig(MODEL_NAME))
+    body = {"model": MODEL_NAME, "prompt": [5] * 12, "max_tokens": 13, "ignore_eos": True, "temperature": 0}
+    with ServerThread(app) as s, httpx.Client(base_url=s.url) as http:
+        full = http.post("/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        texts = []
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    texts += [c["text"] for c in json.loads(line[6:])["choices"]]
+    assert "".join(texts) == full
+    assert len(texts) == 4, texts  # 1 + 4 + 4 + 4 tokens

@@ -184,6 +184,8 @@ class LLMEngine:
         # new since that request's previous output (token ids, text, logprobs), so a step costs
         # O(new tokens) per request instead of copying every output so far. Off: cumulative.
         self.output_deltas = False
+        # Streamed outputs every `stream_interval` tokens (vLLM's and SGLang's --stream-interval).
+        self.stream_interval = cfg.stream_interval
         self._inflight: _InFlight | None = None
         self._pending_src = np.zeros(cfg.max_num_seqs, dtype=np.int64)  # row -> index in its step
         self._last_step: StepSnapshot | None = None
@@ -693,18 +695,21 @@ class LLMEngine:
     def _outputs(self, touched: dict[str, Request], emit_partial: bool, now: float) -> list[RequestOutput]:
         """The step's outputs of the requests it touched: every one (emit_partial) but those
         asking for their final output only (`RequestOutputKind.FINAL_ONLY`: their text is still
-        extended step by step, so that it is the text a stream of the same tokens shows), or
-        (offline) the finished ones."""
+        extended step by step, so that it is the text a stream of the same tokens shows) and,
+        with `stream_interval` N > 1, those with fewer than N tokens not yet handed out (a
+        request's first token goes out at once); or (offline) the finished ones."""
         if not emit_partial:
             return [self._make_output(req) for req in touched.values() if req.is_finished]
         final_only = RequestOutputKind.FINAL_ONLY
+        interval = self.stream_interval
+        outputs = []
         for req in touched.values():
             req.metrics.last_token_time = now
-        return [
-            self._make_output(req)
-            for req in touched.values()
-            if req.is_finished or req.params.output_kind is not final_only
-        ]
+            if req.is_finished:
+                outputs.append(self._make_output(req))
+            elif req.params.output_kind is not final_only and (interval == 1 or _stream_due(req, interval)):
+                outputs.append(self._make_output(req))
+        return outputs
 
     def _postprocess_verified(
         self, done: _InFlight, result: StepResult, emit_partial: bool
@@ -902,6 +907,7 @@ class LLMEngine:
     @staticmethod
     def _cumulative_output(s: Sequence) -> CompletionOutput:
         """Everything sequence `s` has produced so far."""
+        s.num_emitted_tokens = len(s.token_ids) - s.num_pending - s.num_prompt_tokens  # (stream_interval)
         return CompletionOutput(
             index=s.index,
             text=s.text,
@@ -985,3 +991,13 @@ class LLMEngine:
                 num_drafts=list(sched.num_drafts),
             )
         return self._last_step
+
+
+def _stream_due(req: Request, interval: int) -> bool:
+    """Whether a streamed request's next output is due: a sequence holds `interval` tokens not
+    yet handed out, or its first token."""
+    for s in req.seqs:
+        unsent = len(s.token_ids) - s.num_pending - s.num_prompt_tokens - s.num_emitted_tokens
+        if unsent >= interval or (unsent > 0 and s.num_emitted_tokens == 0):
+            return True
+    return False
