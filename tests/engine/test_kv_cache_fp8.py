@@ -215,3 +215,30 @@ def test_mla_checkpoint_k_scale_is_the_latent_cache_scale(tiny_deepseek_v2, tmp_
     want = torch.tensor([[0.05 + i] for i in range(layers)])
     assert torch.equal(runner.kv_scales.cpu(), want) and not runner.kv_scales_pending
     assert LLM(model_dir, num_kv_blocks=16).llm_engine.runner.kv_scales is None  # loads, unused
+
+
+def test_fp8_cache_with_a_draft_model(tiny_qwen3, tiny_llama):
+    """The draft model's cache follows kv_cache_dtype, with scales of its own measured on its
+    first step; greedy speculation gives the tokens of plain decoding over the same FP8 cache,
+    and the pool counts the draft's FP8 bytes."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 380, n).tolist() for n in (9, 23, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs, runners = [], []
+    for spec in (None, {"method": "draft_model", "model": tiny_qwen3, "num_speculative_tokens": 3}):
+        llm = LLM(tiny_qwen3, kv_cache_dtype="fp8", num_kv_blocks=32, speculative_config=spec)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        runners.append(llm.llm_engine.runner)
+    assert outs[1] == outs[0]
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0  # the draft (the target itself) was heard
+    draft = runners[1].draft
+    assert draft.kv_cache.dtype == torch.float8_e4m3fn and draft.attn_spec.fp8_cache
+    scales = draft.fp8_scales.values
+    assert not draft.fp8_scales.pending and bool(torch.all(scales > 0)) and bool(torch.all(scales != 1.0))
+    # a block id costs the target's FP8 block and the draft's (the same model: the same FP8 bytes)
+    assert runners[1].pool_spec.block_bytes == 2 * runners[0].pool_spec.block_bytes
+    # a draft of another architecture (Llama) over the FP8 target cache
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    llm = LLM(tiny_qwen3, kv_cache_dtype="fp8", num_kv_blocks=32, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == outs[0]
+    assert llm.llm_engine.runner.draft.kv_cache.dtype == torch.float8_e4m3fn

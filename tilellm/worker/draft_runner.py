@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +33,11 @@ import torch
 
 from tilellm.attention import attention_context, get_attention_backend
 from tilellm.config import EngineConfig
+from tilellm.kernels.fp8 import FP8_DTYPE, kv_cache_torch_dtype
 from tilellm.kernels.sampling import device_row_keys, gumbel_noise
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs
+from tilellm.worker.kv_scales import KVScales
 from tilellm.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -107,18 +110,28 @@ class DraftRunner:
             )
         self.vocab_size = vocab
         num_layers, num_kv_heads, head_dim = model_kv_spec(self.hf_config, 1)
-        self.kv_spec = kv_pool.KVSpec(
-            num_layers, num_kv_heads, head_dim, config.block_size, dtype, kv_caches_per_layer(self.hf_config)
-        )
+        # The target's kv_cache_dtype: an FP8 target cache gets an FP8 draft cache, scales of its own.
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        num_caches = kv_caches_per_layer(self.hf_config)
+        block = config.block_size
+        self.kv_spec = kv_pool.KVSpec(num_layers, num_kv_heads, head_dim, block, self.kv_dtype, num_caches)
         layer0 = self.model.attention_layers()[0]
         self.attn_backend = get_attention_backend(config.attention_backend, device)
-        self.attn_spec = dataclasses.replace(layer0.spec(dtype), block_size=config.block_size)
+        self.attn_spec = dataclasses.replace(
+            layer0.spec(dtype), block_size=config.block_size, cache_dtype=self.kv_dtype
+        )
+        self.fp8_scales: KVScales | None = None
         self.max_model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of its decode steps (`capture_graphs`)
 
     def bind_kv_pool(self, num_blocks: int) -> None:
         self.kv_cache = kv_pool.allocate_kv_pool(self.kv_spec, num_blocks, self.device)
-        for i, layer in enumerate(self.model.attention_layers()):
+        layers = self.model.attention_layers()
+        if self.kv_dtype == FP8_DTYPE:  # measured on its first real step (a catch-up, eager)
+            self.fp8_scales = KVScales(layers, self.kv_spec.num_caches, self.device, "the draft model")
+            self.fp8_scales.bind(layers, self.kv_cache)
+            return
+        for i, layer in enumerate(layers):
             layer.bind_kv_cache(*self.kv_cache[:, i])
 
     def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, sync) -> None:
@@ -156,7 +169,9 @@ class DraftRunner:
 
     def _forward(self, x: StepInputs) -> torch.Tensor:
         """Float32 logits [N, V] of the step's sampled rows."""
-        with attention_context(self.attn_backend.plan(x.attention_metadata(), self.attn_spec)):
+        layers = self.model.attention_layers()
+        measuring = self.fp8_scales.measuring(layers) if self.fp8_scales is not None else nullcontext()
+        with attention_context(self.attn_backend.plan(x.attention_metadata(), self.attn_spec)), measuring:
             hidden = self.model(x.input_ids, x.positions)
         return self.model.compute_logits(hidden[x.logits_indices]).float()
 

@@ -43,6 +43,7 @@ from tilellm.kernels.fp8 import FP8_DTYPE, kv_cache_torch_dtype
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
 from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
+from tilellm.worker.kv_scales import KVScales
 from tilellm.worker.logits_processors import BadWordsState, PenaltyState
 from tilellm.worker.piecewise_graphs import PiecewiseGraphs
 from tilellm.worker.rejection import DraftVerification
@@ -401,27 +402,15 @@ class ModelRunner:
             raise RuntimeError(
                 f"model has {len(layers)} attention layers, config says {self.kv_spec.num_layers}"
             )
-        # FP8 caches: each layer's dequantization scales, [num_layers, num_caches] float32 on the
-        # device, measured on the first real step (`_forward`) unless the checkpoint brought them.
-        self.kv_scales, self.kv_scales_pending, self._kv_scales_logged = None, False, True
+        # FP8 caches: each layer's dequantization scales (`kv_scales.KVScales`), measured on the
+        # first real step (`_forward`) unless the checkpoint brought them.
+        self.fp8_scales = None
         if self.kv_dtype == FP8_DTYPE:
-            self.kv_scales = torch.ones(len(layers), self.kv_spec.num_caches, device=self.device)
-            names = ("k",) if self.kv_spec.num_caches == 1 else ("k", "v")  # MLA: the latent rows'
-            shipped = [layer.checkpoint_kv_scales for layer in layers]
-            if all(all(n in s for n in names) for s in shipped):
-                self.kv_scales.copy_(torch.tensor([[s[n] for n in names] for s in shipped]))
-                logger.info("FP8 KV cache scales from the checkpoint (%d layers)", len(layers))
-            else:
-                if any(shipped):
-                    have = sum(all(n in s for n in names) for s in shipped)
-                    logger.warning(
-                        "the checkpoint ships KV cache scales for %d of %d layers: measuring them all "
-                        "on the first prompt instead", have, len(layers),
-                    )  # fmt: skip
-                self.kv_scales_pending = True
-        for i, layer in enumerate(layers):
-            scales = [] if self.kv_scales is None else list(self.kv_scales[i].split(1))
-            layer.bind_kv_cache(*self.kv_cache[:, i], *scales)
+            self.fp8_scales = KVScales(layers, self.kv_spec.num_caches, self.device, "the model")
+            self.fp8_scales.bind(layers, self.kv_cache)
+        else:
+            for i, layer in enumerate(layers):
+                layer.bind_kv_cache(*self.kv_cache[:, i])
         if self.index_spec is not None:  # DeepSeek-V3.2: the indexer keys, on the same block ids
             self.index_cache = kv_pool.allocate_kv_pool(self.index_spec, self.num_kv_blocks, self.device)
             for i, layer in enumerate(layers):
@@ -638,36 +627,27 @@ class ModelRunner:
                 parts.append(prompt_logprobs_of(chunk, targets[start:end], num_prompt_logprobs))
         return logits, PromptLogprobs.cat(parts) if parts else None
 
-    @contextlib.contextmanager
-    def _measuring_kv_scales(self) -> Iterator[None]:
-        """The first real step with an FP8 cache whose scales are unknown: every layer sets its
-        K and V scales from this step's values before storing them (on the device; warm-up and
-        capture run before it and leave the scales at 1). Every rank does it for its own heads."""
-        if not self.kv_scales_pending:
-            yield
-            return
-        layers = self.model.attention_layers()
-        for layer in layers:
-            layer.calibrate_kv_scales = True
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.calibrate_kv_scales = False
-            self.kv_scales_pending = False
-            self._kv_scales_logged = False
+    @property
+    def kv_scales(self) -> torch.Tensor | None:
+        """The FP8 cache's scales [num_layers, num_caches] on the device (None: not FP8)."""
+        return None if self.fp8_scales is None else self.fp8_scales.values
+
+    @property
+    def kv_scales_pending(self) -> bool:
+        """Whether the FP8 cache's scales are still to be measured on the first real step."""
+        return self.fp8_scales is not None and self.fp8_scales.pending
+
+    def _measuring_kv_scales(self) -> contextlib.AbstractContextManager:
+        """The first real step with an FP8 cache whose scales are unknown measures them."""
+        if self.fp8_scales is None:
+            return contextlib.nullcontext()
+        return self.fp8_scales.measuring(self.model.attention_layers())
 
     def log_kv_scales(self) -> None:
-        """Say, once, the scales the first step measured (one host read, after that step)."""
-        if self.kv_scales is None or self.kv_scales_pending or self._kv_scales_logged:
-            return
-        self._kv_scales_logged = True
-        lo, hi = self.kv_scales.amin(0).tolist(), self.kv_scales.amax(0).tolist()
-        names = ("latent rows",) if self.kv_spec.num_caches == 1 else ("K", "V")
-        logger.info(
-            "FP8 KV cache scales measured on the first prompt: %s",
-            ", ".join(f"{n} {a:.3g}..{b:.3g}" for n, a, b in zip(names, lo, hi)),
-        )
+        """Say, once, the scales the first step measured (the target's and the draft's)."""
+        for scales in (self.fp8_scales, self.draft.fp8_scales if self.draft is not None else None):
+            if scales is not None:
+                scales.log_once()
 
     def execute(self, inputs: StepInputs, sampling: HostSampling) -> StepResult:
         """Run one step and wait for its result (see `launch` / `wait`)."""
