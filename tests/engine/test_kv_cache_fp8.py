@@ -39,7 +39,8 @@ def _greedy_logprobs(llm: LLM) -> list[tuple[list[int], float]]:
 def _emulated(model_dir: str, scales: torch.Tensor, monkeypatch) -> list[tuple[list[int], float]]:
     """The 16/32-bit engine (the PyTorch twins, on any device) with every row stored in a layer's
     cache replaced by its FP8 value times `scales[layer]` (the FP8 run's): what an FP8 cache
-    stands for. The indexer keys of DeepSeek-V3.2 are stored as they are, as in the FP8 engine."""
+    stands for. DeepSeek-V3.2's indexer keys likewise: each row replaced by its FP8 value times
+    its own scale (`store_index_keys`' rule in the FP8 engine)."""
     import tilellm.kernels.reference as reference_ops
 
     llm = LLM(model_dir, attention_backend="reference", fused_ops_backend="reference", num_kv_blocks=32)
@@ -58,6 +59,17 @@ def _emulated(model_dir: str, scales: torch.Tensor, monkeypatch) -> list[tuple[l
         store(k, v, k_cache, v_cache, slot_mapping)
 
     monkeypatch.setattr(reference_ops, "store_kvcache", emulating_store)
+    store_index = reference_ops.store_index_keys
+
+    def emulating_index_store(index_k, index_cache, slot_mapping, *, index_scales=None):
+        rows = torch.empty(index_k.shape[0], 1, 1, index_k.shape[1], dtype=torch.float8_e4m3fn)
+        scales = torch.empty(index_k.shape[0], 1)
+        every = torch.arange(index_k.shape[0], dtype=torch.int32)
+        store_index(index_k.cpu(), rows, every, index_scales=scales)  # the FP8 engine's bytes
+        k = (rows.float().reshape(index_k.shape) * scales).to(index_k.dtype).to(index_k.device)
+        store_index(k, index_cache, slot_mapping, index_scales=index_scales)
+
+    monkeypatch.setattr(reference_ops, "store_index_keys", emulating_index_store)
     return _greedy_logprobs(llm)
 
 
@@ -116,8 +128,8 @@ def test_demo_stays_above_its_gate_with_an_fp8_cache():
 
 @pytest.mark.parametrize("model", ["tiny_deepseek_v2", "tiny_deepseek_v32"])
 def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request, monkeypatch):
-    """MLA's latent rows (and DeepSeek-V3.2's sparse attention over them) from an FP8 cache; the
-    indexer keys stay in the model's dtype."""
+    """MLA's latent rows (and DeepSeek-V3.2's sparse attention over them, its indexer keys in
+    e4m3 with a scale per key) from an FP8 cache."""
     model_dir = request.getfixturevalue(model)
     outs = []
     for backend in ("reference", "triton"):
@@ -128,6 +140,10 @@ def test_fp8_latent_cache_same_tokens_from_kernels_and_twins(model, request, mon
         outs.append(_greedy(llm))
         runner = llm.llm_engine.runner
         assert runner.kv_cache.dtype == torch.float8_e4m3fn and runner.kv_scales.shape[1] == 1
+        if model == "tiny_deepseek_v32":
+            assert runner.index_cache.dtype == torch.float8_e4m3fn
+            used = runner.index_scales[runner.index_scales != 0]
+            assert used.numel() > 0 and bool(torch.all(used > 0)), "no indexer key scale was written"
     assert outs[0] == outs[1]
     fp8 = LLM(
         model_dir, kv_cache_dtype="fp8", attention_backend="reference", fused_ops_backend="reference",

@@ -339,6 +339,89 @@ def test_errors(case, impl):
 
 
 # ----------------------------------------------------------------------------------------------
+# FP8 keys: each key row in e4m3 with a scale of its own
+# ----------------------------------------------------------------------------------------------
+
+
+def fp8_keys(b) -> torch.Tensor:
+    """b's index cache quantized in place by `store_index_keys`'s twin, row by row (rows of very
+    different ranges: each gets its own scale); returns the scales [num_blocks, block_size].
+    b.k_cache then holds the dequantized keys (what the scores stand for), b.k8 the e4m3 cache."""
+    nb, bs, _, d = b.k_cache.shape
+    rows = b.k_cache.reshape(nb * bs, d).float()
+    rows = rows * torch.logspace(-3, 2, nb * bs, device=rows.device)[torch.randperm(nb * bs)][:, None]
+    b.k8 = torch.empty(nb, bs, 1, d, dtype=torch.float8_e4m3fn, device=rows.device)
+    scales = torch.empty(nb, bs, dtype=torch.float32, device=rows.device)
+    slots = torch.arange(nb * bs, dtype=torch.int32, device=rows.device)
+    ref.store_index_keys(rows, b.k8, slots, index_scales=scales)
+    b.k_cache = (b.k8.float() * scales[..., None, None]).to(b.k_cache.dtype)
+    return scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_store_index_keys_writes_the_twins_bytes(dtype, device):
+    gen = torch.Generator().manual_seed(21)
+    T, D = 29, 32
+    k = (torch.randn(T, D, generator=gen) * torch.logspace(-4, 3, T)[:, None]).to(device=device, dtype=dtype)
+    k[3] = 0.0  # an all-zero key: the smallest scale, zeros stored
+    slots = torch.randperm(6 * 16, generator=gen)[:T].to(torch.int32)
+    slots[::7] = -1  # padding rows are skipped
+    slots = slots.to(device)
+    out = []
+    for impl in (indexer, ref):
+        cache = torch.full((6, 16, 1, D), 1.5, device=device).to(torch.float8_e4m3fn)
+        scales = torch.full((6, 16), -1.0, device=device)
+        impl.store_index_keys(k, cache, slots, index_scales=scales)
+        out.append((cache, scales))
+    (cache, scales), (cache_ref, scales_ref) = out
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
+    assert torch.equal(scales, scales_ref)
+    kept = slots[slots >= 0].long().cpu()
+    untouched = torch.ones(6 * 16, dtype=torch.bool)
+    untouched[kept] = False
+    assert bool((scales.cpu().view(-1)[untouched] == -1.0).all()), "wrote a padding row's slot"
+    deq = cache.float().view(-1, D)[kept] * scales.view(-1)[kept][:, None]
+    want = k[slots >= 0].float()
+    # within half an ulp of e4m3 (3 mantissa bits; subnormals spaced 2^-9 x the row's scale)
+    bound = want.abs() * 2**-4 + scales.view(-1)[kept][:, None] * 2**-10
+    assert bool(((deq - want).abs() <= bound).all()), "an e4m3 round trip beyond half an ulp"
+    # a 16/32-bit cache stores the keys as they are
+    plain = torch.zeros(6, 16, 1, D, device=device, dtype=dtype)
+    indexer.store_index_keys(k, plain, slots)
+    assert torch.equal(plain.view(-1, D)[kept], k[slots >= 0])
+
+
+@pytest.mark.parametrize(
+    "shape", [(16, 4, 32), (1, 4, 16), (64, 1, 16)], ids=lambda s: f"page{s[0]}-Hi{s[1]}-D{s[2]}"
+)
+def test_fp8_keys_mixed_batch(shape, device):
+    """The kernel over e4m3 keys and their scales picks what the twin picks over the same keys."""
+    block_size, heads, dim = shape
+    b = make(MIXED, heads, dim, device, block_size=block_size, seed=22)
+    scales = fp8_keys(b)
+    scale = dim**-0.5
+    q_args = (b.q, b.weights, b.k8, b.block_table, b.cu_seqlens_q, b.seq_lens, b.max_seqlen_q)
+    for topk in (8, 100):
+        got = indexer.index_topk(*q_args, topk=topk, scale=scale, index_scales=scales, out=garbage(b, topk))
+        expected = ref.index_topk(*q_args, topk=topk, scale=scale, index_scales=scales)
+        check_selection(expected, b, topk, scale, f"fp8 twin {shape} topk={topk}")
+        check_selection(got, b, topk, scale, f"fp8 {shape} topk={topk}", expected)
+
+
+@pytest.mark.parametrize("impl", [indexer, ref], ids=["triton", "reference"])
+def test_fp8_keys_need_their_scales(impl):
+    b = make([(1, 20)], 4, 16, "cpu", seed=23)
+    scales = fp8_keys(b)
+    q_args = (b.q, b.weights, b.k8, b.block_table, b.cu_seqlens_q, b.seq_lens, b.max_seqlen_q)
+    with pytest.raises(ValueError, match="an FP8 .e4m3. index_cache needs index_scales"):
+        impl.index_topk(*q_args, topk=4, scale=0.25)
+    with pytest.raises(ValueError, match="index_scales must be float32 of shape"):
+        impl.index_topk(*q_args, topk=4, scale=0.25, index_scales=scales[:, :3])
+    with pytest.raises(ValueError, match="index_scales is for an FP8"):
+        impl.index_topk(*args(b), topk=4, scale=0.25, index_scales=scales)
+
+
+# ----------------------------------------------------------------------------------------------
 # GPU only: DeepSeek's shapes in bf16, CUDA graphs
 # ----------------------------------------------------------------------------------------------
 
@@ -351,6 +434,21 @@ def test_gpu_deepseek(dtype, device):
     b = make(lens + [(300, 4000), (0, 9)], 64, 128, device, block_size=64, dtype=dtype, seed=13)
     b.weights *= 64**-0.5
     check(b, 2048, f"gpu {dtype}", tol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_deepseek_fp8_keys(dtype, device):
+    """DeepSeek's shapes over e4m3 keys with a scale each (an FP8 KV cache): the tiles widened to
+    the queries' dtype on the tensor cores, each key's dots times its scale."""
+    lens = [(1, 1), (1, 2049), (1, 5000), (64, 3000), (0, 9)]
+    b = make(lens, 64, 128, device, block_size=64, dtype=dtype, seed=15)
+    b.weights *= 64**-0.5
+    scales = fp8_keys(b)
+    q_args = (b.q, b.weights, b.k8, b.block_table, b.cu_seqlens_q, b.seq_lens, b.max_seqlen_q)
+    got = indexer.index_topk(*q_args, topk=2048, scale=128**-0.5, index_scales=scales)
+    expected = ref.index_topk(*q_args, topk=2048, scale=128**-0.5, index_scales=scales)
+    check_selection(got, b, 2048, 128**-0.5, f"gpu fp8 keys {dtype}", expected, tol=1e-4)
 
 
 @pytest.mark.gpu

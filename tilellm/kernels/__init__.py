@@ -10,8 +10,9 @@
 - `merge_attention_states`: combine split-KV partial outputs by their log-sum-exp.
 - `mla_decode_attention`, `mla_paged_attention` (`mla.py`): DeepSeek's latent attention in the
   absorbed form over a paged cache of one row per token shared by every query head.
-- `index_topk` (`indexer.py`): DeepSeek-V3.2's lightning indexer: every causal key scored
-  through the block table, the top-k per query token by an exact radix select.
+- `index_topk`, `store_index_keys` (`indexer.py`): DeepSeek-V3.2's lightning indexer: every
+  causal key scored through the block table, the top-k per query token by an exact radix select;
+  its keys stored as they are, or in e4m3 with a scale per key.
 - `sparse_mla_attention` (`sparse_mla.py`): MLA over each query token's selected latent rows only.
 - `fused_moe` (`moe.py`): the routed experts of an MoE layer, tokens sorted by expert into
   grouped GEMMs (gate/up with SiLU-and-mul, then down weighted by the router); FP8 experts too.
@@ -36,7 +37,7 @@ us a launch of a 34-argument kernel cost on an H200's host).
 """
 
 from tilellm.kernels.fp8_gemm import per_token_group_quant_fp8, w8a8_block_fp8_linear, w8a8_block_fp8_matmul
-from tilellm.kernels.indexer import index_topk
+from tilellm.kernels.indexer import index_topk, store_index_keys
 from tilellm.kernels.merge import merge_attention_states
 from tilellm.kernels.mla import mla_decode_attention, mla_paged_attention
 from tilellm.kernels.moe import fused_moe
@@ -58,6 +59,7 @@ __all__ = [
     "mla_paged_attention",
     "fused_moe",
     "index_topk",
+    "store_index_keys",
     "sparse_mla_attention",
     "per_token_group_quant_fp8",
     "w8a8_block_fp8_linear",

@@ -45,7 +45,13 @@ decode tokens at 128k take 32 MiB, one chunk). The chunks, segment counts and ti
 host values only (T, max_seqlen_q, max_seqlen_k or the table's width): nothing reads the
 device, so a decode step is capturable in a CUDA graph as called.
 
-Not done here: DeepSeek's FP8 keys and scores (inputs here are bf16/fp16/fp32, scores fp32);
+FP8 keys (an FP8 KV cache, as DeepSeek's own code keeps them): `store_index_keys` quantizes each
+key row on its own, k_s ~ k8_s * ks_s with ks_s = max(amax |k_s|, eps) / 448 and k8_s in e4m3,
+into index_cache (e4m3) and index_scales [num_blocks, block_size] (fp32); the score kernel widens
+the tile of keys to q's dtype and multiplies each key's dots by its scale (relu commutes with a
+positive factor). The queries stay in their dtype (DeepSeek quantizes them too).
+
+Not done here: FP8 queries and FP8 dots (the scores are fp32 over widened keys);
 splitting one row's select over several programs (decode at 64 requests runs 64 select
 programs); fusing the first histogram into the score kernel; NaN scores (their keys sort
 somewhere, the twin's `torch.topk` puts them first).
@@ -62,7 +68,9 @@ import triton.language as tl
 
 from tilellm.kernels import validation as v
 from tilellm.kernels.config import dot_precision, interpreting, num_sms
+from tilellm.kernels.fp8 import FP8_MAX, is_fp8, to_fp8
 from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.store import store_kvcache
 
 # Scores (as int32 order keys) held at once: [chunk of query tokens, L keys], 256 MiB.
 SCRATCH_ELEMENTS = 1 << 26
@@ -145,16 +153,17 @@ def num_key_splits(programs: int, max_seqlen_k: int, num_sms_: int | None = None
     do_not_specialize_on_alignment=["block_table", "cu_seqlens_q", "seq_lens"],
 )
 def _score_kernel(
-    Q, W, Cache, Scores,  # tensors
+    Q, W, Cache, KeyScales, Scores,  # tensors (KeyScales: FP8 keys only)
     block_table, cu_seqlens_q, seq_lens,  # batch description
     scale, chunk_lo, chunk_hi, num_heads,
-    stride_qt, stride_qh, stride_wt, stride_bt, stride_cb, stride_cs, stride_sr,  # stride_sr: row length
+    stride_qt, stride_qh, stride_wt, stride_bt, stride_cb, stride_cs, stride_ksb, stride_sr,  # stride_sr: row length
     num_splits,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, HI_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KEY_FP8: tl.constexpr,
 ):  # fmt: skip
     """Scores of BLOCK_Q tokens of one request over one key segment, stored where causal:
-    Scores[t - chunk_lo, s] = sum_h W[t, h] * relu(scale * Q[t, h] . key_s) for chunk tokens t."""
+    Scores[t - chunk_lo, s] = sum_h W[t, h] * relu(scale * Q[t, h] . key_s) for chunk tokens t
+    (KEY_FP8: key_s = e4m3 row times its scale in KeyScales)."""
     # -- which work: program_id(0) = query tile x key segment (segments fastest), (1) = request --
     pid = tl.program_id(0)
     req = tl.program_id(1)
@@ -205,8 +214,13 @@ def _score_kernel(
         # int64: block * stride overflows int32 in large pools.
         k_row = Cache + block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs
         keys = tl.load(k_row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        if KEY_FP8:
+            keys = keys.to(Q.dtype.element_ty)
         # -- [rows, BLOCK_N] head scores, then the weighted sum over each token's heads --
         dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        if KEY_FP8:  # each key's own scale (> 0, so it commutes with the relu)
+            k_s = tl.load(KeyScales + block.to(tl.int64) * stride_ksb + k_pos % PAGE, mask=key_ok, other=0.0)
+            dots = dots * k_s[None, :]
         weighted = tl.maximum(dots * scale, 0.0) * w[:, None]
         score = tl.sum(tl.reshape(weighted, (BLOCK_Q, HI_PAD, BLOCK_N)), axis=1)
         # -- stored as order keys: int32s whose signed order is the float order (the bits of a
@@ -309,6 +323,7 @@ def index_topk(
     scale: float,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    index_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The `topk` causal key positions of largest index score for each new token (DSA selection).
 
@@ -316,8 +331,9 @@ def index_topk(
         q: [T, Hi, D] indexer queries of all requests' new tokens, packed (rope applied); D a
             power of two in 16..256, Hi <= MAX_INDEX_HEADS.
         weights: [T, Hi] float32 per-head weights (the caller folds in Hi ** -0.5).
-        index_cache: [num_blocks, block_size, 1, D] indexer keys in q's dtype (this step's keys
-            already stored; the latent cache's block ids), contiguous.
+        index_cache: [num_blocks, block_size, 1, D] indexer keys in q's dtype, or in e4m3 with
+            `index_scales` (this step's keys already stored, `store_index_keys`; the latent
+            cache's block ids), contiguous.
         block_table: [B, max_blocks] int32.
         cu_seqlens_q: [B + 1] int32 boundaries of each request's new tokens in q (empty requests
             allowed).
@@ -328,6 +344,7 @@ def index_topk(
         max_seqlen_k: optional host bound on `seq_lens` (default: the block table's width x
             block_size); it sets the scratch's row length, hence its chunks.
         out: optional [T, topk] int32 output (last dim contiguous).
+        index_scales: FP8 keys only: [num_blocks, block_size] float32, each key row's scale.
     Returns:
         [T, topk] int32 logical key positions, in no particular order within a row; a token with
         n < topk causal keys gets all n, then -1s. On ties at the topk-th score any of the tied
@@ -336,9 +353,10 @@ def index_topk(
     name = "index_topk"
     check_index_topk(
         name, q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, topk, scale,
-        max_seqlen_k,
+        max_seqlen_k, index_scales,
     )  # fmt: skip
     o = index_output(name, q, topk, out)
+    key_fp8 = index_scales is not None
     T, Hi, D = q.shape
     batch = seq_lens.shape[0]
     if T == 0 or batch == 0:
@@ -356,20 +374,81 @@ def index_topk(
     for lo in range(0, T, chunk):
         hi = min(T, lo + chunk)
         _score_launch[(q_tiles * splits, batch)](
-            q, weights, index_cache, scores,
+            q, weights, index_cache, index_scales if key_fp8 else weights, scores,
             block_table, cu_seqlens_q, seq_lens,
             float(scale), lo, hi, Hi,
             q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0),
-            index_cache.stride(0), index_cache.stride(1), scores.stride(0),
+            index_cache.stride(0), index_cache.stride(1), index_scales.stride(0) if key_fp8 else 0, scores.stride(0),
             splits,
             HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, HI_PAD=hi_pad, BLOCK_N=cfg.block_n,
-            PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PRECISION=dot_precision(q.dtype), KEY_FP8=key_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         _select_launch[(hi - lo,)](
             scores, o, positions, lo, scores.stride(0), o.stride(0), topk,
             BLOCK_S=cfg.block_s, num_warps=cfg.select_warps,
         )  # fmt: skip
     return o
+
+
+# Smallest scale of an FP8 key row (an all-zero key): as `per_token_group_quant_fp8`'s eps.
+INDEX_SCALE_EPS = 1e-10
+
+
+@triton.jit
+def _store_index_fp8_kernel(
+    K, Cache, KeyScales, slot_mapping,
+    stride_kt, stride_cs, eps,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Token t's key row into its slot: e4m3 of k / s, and s = max(amax |k|, eps) / 448."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    if slot < 0:
+        return  # padding
+    offs = tl.arange(0, HEAD_DIM)
+    x = tl.load(K + t.to(tl.int64) * stride_kt + offs).to(tl.float32)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), FP8_MAX)
+    tl.store(Cache + slot * stride_cs + offs, to_fp8(tl.div_rn(x, s)))
+    tl.store(KeyScales + slot, s)
+
+
+_store_index_fp8_launch = FastLaunch(_store_index_fp8_kernel)
+
+
+def store_index_keys(
+    index_k: torch.Tensor,
+    index_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    index_scales: torch.Tensor | None = None,
+) -> None:
+    """Store this step's indexer keys index_k [T, D] in index_cache [num_blocks, block_size, 1, D]
+    at `slot_mapping` [T] (-1 skips a token): as they are in a 16/32-bit cache; in an e4m3 cache,
+    each row quantized with a scale of its own, max(amax |k|, 1e-10) / 448, written to
+    index_scales [num_blocks, block_size] float32 (DeepSeek's per-128-value groups for D = 128)."""
+    name = "store_index_keys"
+    check_index_scales(name, index_cache, index_scales)
+    v._check_rank(name, "index_k", index_k, 2, "[T, D]")
+    if not is_fp8(index_cache):
+        store_kvcache(index_k.unsqueeze(1), None, index_cache, None, slot_mapping)
+        return
+    T, D = index_k.shape
+    v._check_float(name, {"index_k": index_k})
+    v._check_head_dim(name, D)
+    if index_cache.shape[2:] != (1, D) or slot_mapping.shape != (T,):
+        raise ValueError(
+            f"{name}: index_cache must be [num_blocks, block_size, 1, {D}] and slot_mapping [{T}], got "
+            f"{tuple(index_cache.shape)} and {tuple(slot_mapping.shape)}"
+        )
+    v._check_device(name, {"index_k": index_k, "index_cache": index_cache, "slot_mapping": slot_mapping})
+    v._check_contiguous(name, {"index_cache": index_cache})
+    v._check_last_dim_stride(name, {"index_k": index_k})
+    if T == 0:
+        return
+    _store_index_fp8_launch[(T,)](
+        index_k, index_cache, index_scales, slot_mapping, index_k.stride(0), index_cache.stride(1),
+        INDEX_SCALE_EPS, HEAD_DIM=D,
+    )  # fmt: skip
 
 
 def token_positions(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -390,17 +469,18 @@ MAX_INDEX_HEADS = 128  # a decode tile holds one token's Hi heads as rows
 
 def check_index_topk(
     name, q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, topk, scale,
-    max_seqlen_k,
+    max_seqlen_k, index_scales=None,
 ) -> None:  # fmt: skip
     """Arguments of `index_topk`: ranks, dtypes, devices and shapes always; index values (a host
     read) on CPU tensors and under TILELLM_DEBUG=1 (`validation.deep_checks_enabled`)."""
+    check_index_scales(name, index_cache, index_scales)
     v._check_rank(name, "q", q, 3, "[T, Hi, D]")
     v._check_rank(name, "weights", weights, 2, "[T, Hi]")
     v._check_rank(name, "index_cache", index_cache, 4, "[num_blocks, block_size, 1, D]")
     v._check_rank(name, "block_table", block_table, 2, "[B, max_blocks]")
     v._check_rank(name, "cu_seqlens_q", cu_seqlens_q, 1, "[B+1]")
     v._check_rank(name, "seq_lens", seq_lens, 1, "[B]")
-    v._check_float(name, {"q": q, "index_cache": index_cache})
+    v._check_float(name, {"q": q} if is_fp8(index_cache) else {"q": q, "index_cache": index_cache})
     if weights.dtype != torch.float32:
         raise ValueError(f"{name}: weights [T, Hi] must be float32, got {weights.dtype}")
     indices = {"block_table": block_table, "cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens}
@@ -458,6 +538,29 @@ def index_output(name, q, topk, out) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.int32, device=q.device)
     v.check_out(name, out, shape, torch.int32, q.device)
     return out
+
+
+def check_index_scales(name: str, index_cache: torch.Tensor, index_scales: torch.Tensor | None) -> None:
+    """An e4m3 index_cache comes with index_scales [num_blocks, block_size] float32 (one per key
+    row), contiguous, on its device; a 16/32-bit one without."""
+    if not is_fp8(index_cache):
+        if index_scales is not None:
+            raise ValueError(
+                f"{name}: index_scales is for an FP8 (e4m3) index_cache; this one is {index_cache.dtype}"
+            )
+        return
+    if index_scales is None:
+        raise ValueError(
+            f"{name}: an FP8 (e4m3) index_cache needs index_scales [num_blocks, block_size] float32"
+        )
+    want = tuple(index_cache.shape[:2])
+    if index_scales.dtype != torch.float32 or tuple(index_scales.shape) != want:
+        raise ValueError(
+            f"{name}: index_scales must be float32 of shape [num_blocks, block_size] = {want}, "
+            f"got {index_scales.dtype} {tuple(index_scales.shape)}"
+        )
+    v._check_device(name, {"index_cache": index_cache, "index_scales": index_scales})
+    v._check_contiguous(name, {"index_scales": index_scales})
 
 
 def _check_scale(name, scale) -> None:

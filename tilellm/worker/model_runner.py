@@ -170,8 +170,16 @@ class ModelRunner:
         )
         index_dim = index_head_dim(self.hf_config)
         self._selection_layer = None  # the layer whose selection `tilellm inspect` shows
-        self.index_spec = (  # DeepSeek-V3.2's indexer keys: one more cache of rows, one per layer
-            kv_pool.KVSpec(num_layers, 1, index_dim, config.block_size, self.dtype, 1) if index_dim else None
+        # DeepSeek-V3.2's indexer keys: one more cache of rows, one per layer (with an FP8 cache in
+        # e4m3 too, plus each key's fp32 scale: `index_scale_spec`)
+        index_dtype = self.dtype if self.kv_dtype != FP8_DTYPE else FP8_DTYPE
+        self.index_spec = (
+            kv_pool.KVSpec(num_layers, 1, index_dim, config.block_size, index_dtype, 1) if index_dim else None
+        )
+        self.index_scale_spec = (
+            kv_pool.KVSpec(num_layers, 1, 1, config.block_size, torch.float32, 1)
+            if index_dim and index_dtype == FP8_DTYPE
+            else None
         )
         layer0 = self.model.attention_layers()[0]
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
@@ -221,6 +229,8 @@ class ModelRunner:
         )
         if self.index_spec is not None:
             layout += f", indexer keys of {self.index_spec.head_dim}"
+            if self.index_scale_spec is not None:
+                layout += " (e4m3, an fp32 scale per key)"
         if self.kv_dtype == FP8_DTYPE:
             layout += (
                 f"; FP8 (e4m3) values: {self.dtype.itemsize}x the tokens of a {str(self.dtype)[6:]} cache"
@@ -309,6 +319,8 @@ class ModelRunner:
         specs = [self.kv_spec]
         if self.index_spec is not None:
             specs.append(self.index_spec)
+        if self.index_scale_spec is not None:
+            specs.append(self.index_scale_spec)
         if self.draft is not None:
             specs.append(self.draft.kv_spec)
         return specs[0] if len(specs) == 1 else kv_pool.PooledSpec(tuple(specs))
@@ -413,8 +425,14 @@ class ModelRunner:
                 layer.bind_kv_cache(*self.kv_cache[:, i])
         if self.index_spec is not None:  # DeepSeek-V3.2: the indexer keys, on the same block ids
             self.index_cache = kv_pool.allocate_kv_pool(self.index_spec, self.num_kv_blocks, self.device)
+            self.index_scales = None
+            if self.index_scale_spec is not None:  # [1, L, nb, bs, 1, 1]: layer i's [nb, bs]
+                self.index_scales = kv_pool.allocate_kv_pool(
+                    self.index_scale_spec, self.num_kv_blocks, self.device
+                )
             for i, layer in enumerate(layers):
-                layer.bind_index_cache(self.index_cache[0, i])
+                scales = self.index_scales[0, i, ..., 0, 0] if self.index_scales is not None else None
+                layer.bind_index_cache(self.index_cache[0, i], scales)
             layers[0].record_selection = True
             self._selection_layer = layers[0]
 
@@ -550,8 +568,9 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block over every layer of this rank: K and V (or MLA's latent rows),
-        plus DeepSeek-V3.2's indexer keys."""
-        return self.kv_spec.block_bytes + (self.index_spec.block_bytes if self.index_spec is not None else 0)
+        plus DeepSeek-V3.2's indexer keys (and their scales)."""
+        specs = (self.kv_spec, self.index_spec, self.index_scale_spec)
+        return sum(spec.block_bytes for spec in specs if spec is not None)
 
     @property
     def kv_bytes_per_token(self) -> int:

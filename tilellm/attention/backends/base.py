@@ -264,10 +264,12 @@ class AttentionBackend:
         if layer.calibrate_kv_scales:
             measure_kv_scale(rows, layer.kv_scale, K_SCALE_RANGE)
         ops.store_kvcache(rows, None, cache, None, meta.slot_mapping, k_scale=layer.kv_scale)
-        ops.store_kvcache(index_k.unsqueeze(1), None, index_cache, None, meta.slot_mapping)
+        index_scales = layer.index_scales  # an FP8 cache: e4m3 keys with a scale each
+        ops.store_index_keys(index_k, index_cache, meta.slot_mapping, index_scales=index_scales)
         topk_indices = ops.index_topk(
             index_q, index_weights, index_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
             meta.max_seqlen_q, topk=layer.index_topk, scale=layer.index_scale, max_seqlen_k=meta.max_seqlen_k,
+            index_scales=index_scales,
         )  # fmt: skip  # [T, topk] logical key positions, -1 = none
         capturing = q_nope.is_cuda and torch.cuda.is_current_stream_capturing()
         if layer.record_selection and not capturing:

@@ -295,6 +295,7 @@ from tilellm.kernels.reference.fp8_gemm import per_token_group_quant_fp8 as per_
 from tilellm.kernels.reference.fp8_gemm import w8a8_block_fp8_linear as w8a8_block_fp8_linear  # noqa: E402
 from tilellm.kernels.reference.fp8_gemm import w8a8_block_fp8_matmul as w8a8_block_fp8_matmul  # noqa: E402
 from tilellm.kernels.reference.indexer import index_topk as index_topk  # noqa: E402
+from tilellm.kernels.reference.indexer import store_index_keys as store_index_keys  # noqa: E402
 from tilellm.kernels.reference.mla import mla_decode_attention as mla_decode_attention  # noqa: E402
 from tilellm.kernels.reference.mla import mla_paged_attention as mla_paged_attention  # noqa: E402
 from tilellm.kernels.reference.moe import fused_moe as fused_moe  # noqa: E402

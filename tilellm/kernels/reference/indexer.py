@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from tilellm.kernels.indexer import check_index_topk, index_output
+from tilellm.kernels.fp8 import FP8_MAX, quantize_fp8
+from tilellm.kernels.indexer import INDEX_SCALE_EPS, check_index_scales, check_index_topk, index_output
+from tilellm.kernels.reference.fp8_gemm import _div_exact
 
 # Upper bound on the fp32 score elements materialised at once (about 256 MiB): requests with
 # more new tokens x heads x keys are scored in chunks of query tokens.
@@ -40,15 +42,17 @@ def index_topk(
     scale: float,
     max_seqlen_k: int | None = None,
     out: torch.Tensor | None = None,
+    index_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The `topk` causal key positions of largest index score for each new token of q [T, Hi, D].
+    """The `topk` causal key positions of largest index score for each new token of q [T, Hi, D]
+    (an e4m3 index_cache: each key row times its `index_scales` entry, in fp32).
 
     Returns [T, topk] int32 logical positions, -1 = empty.
     """
     name = "index_topk"
     check_index_topk(
         name, q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, topk, scale,
-        max_seqlen_k,
+        max_seqlen_k, index_scales,
     )  # fmt: skip
     o = index_output(name, q, topk, out)
     o.fill_(-1)
@@ -61,6 +65,8 @@ def index_topk(
         positions = torch.arange(kv_len, device=q.device)
         blocks = block_table[i].long()[positions // block_size]
         keys = index_cache[blocks, positions % block_size, 0].float()  # [N, D]
+        if index_scales is not None:
+            keys = keys * index_scales[blocks, positions % block_size, None]
         q_positions = positions[kv_len - (end - start) :]  # [M]
         chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, kv_len * q.shape[1]))
         for lo in range(start, end, chunk):
@@ -79,3 +85,25 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
     weights [M, Hi], keys [N, D] -> [M, N]."""
     dots = torch.einsum("mhd,nd->mhn", q.float(), keys.float()) * float(scale)
     return torch.einsum("mh,mhn->mn", weights.float(), torch.relu(dots))
+
+
+def store_index_keys(
+    index_k: torch.Tensor,
+    index_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    index_scales: torch.Tensor | None = None,
+) -> None:
+    """PyTorch twin of `tilellm.kernels.indexer.store_index_keys` (the same bytes)."""
+    check_index_scales("store_index_keys", index_cache, index_scales)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    rows = index_k[keep]
+    flat = index_cache.view(-1, index_cache.shape[-1])
+    if index_scales is None:
+        flat[slots] = rows.to(index_cache.dtype)
+        return
+    x = rows.float()
+    s = _div_exact(x.abs().amax(dim=-1).clamp(min=INDEX_SCALE_EPS), FP8_MAX)  # [N]
+    flat[slots] = quantize_fp8(x, s[:, None])
+    index_scales.view(-1)[slots] = s

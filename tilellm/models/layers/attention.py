@@ -146,7 +146,8 @@ class SparseMLAAttention(MLAAttention):
     index_k [T, Di]) -> o [T, H, Dv]
 
     Besides the latent rows, each token caches its indexer key in `index_cache [num_blocks,
-    block_size, 1, Di]`, on the same block ids (so the prefix cache keeps and frees both together).
+    block_size, 1, Di]`, on the same block ids (so the prefix cache keeps and frees both together);
+    with an FP8 KV cache in e4m3, with a scale per key in `index_scales [num_blocks, block_size]`.
     """
 
     def __init__(self, *args, index_topk: int, index_head_dim: int, **kwargs):
@@ -155,13 +156,14 @@ class SparseMLAAttention(MLAAttention):
         self.index_head_dim = index_head_dim
         self.index_scale = index_head_dim**-0.5
         self.index_cache = torch.empty(0)  # bound by the runner with the latent cache
+        self.index_scales: torch.Tensor | None = None  # e4m3 keys: [num_blocks, block_size] fp32
         # [T, index_topk] the last eager step's selection, kept when `record_selection` (the runner
         # sets it on the first layer; `tilellm inspect` reads it; graph replays clear it)
         self.record_selection = False
         self.last_topk_indices: torch.Tensor | None = None
 
-    def bind_index_cache(self, index_cache: torch.Tensor) -> None:
-        self.index_cache = index_cache
+    def bind_index_cache(self, index_cache: torch.Tensor, index_scales: torch.Tensor | None = None) -> None:
+        self.index_cache, self.index_scales = index_cache, index_scales
 
     def forward(  # type: ignore[override]
         self,
