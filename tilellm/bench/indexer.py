@@ -20,7 +20,9 @@ once, read by the select's five passes) and the tile config. The peer is PyTorch
 cache: gather the keys, einsum / relu / weighted sum in fp32, masked `torch.topk` (batched; a
 prefill chunk in slices of query tokens). `--graph` also times the decode workloads replayed from
 a CUDA graph, `--sweep` other tile configs (the table in `tilellm.kernels.indexer` is untimed),
-`--json FILE` writes every row.
+`--fp8-keys` also times each workload over the same keys in e4m3 with a scale per key (an FP8 KV
+cache's index keys, `store_index_keys`; GB/s then count D + 4 bytes a key), `--json FILE` writes
+every row.
 
 Run: `python -m tilellm.bench.indexer [--workloads I128K,P32K] [--graph] [--sweep] [--json out.json]`.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -80,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--graph", action="store_true", help="also time the decode workloads replayed from a CUDA graph"
     )
     p.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
+    p.add_argument(
+        "--fp8-keys", action="store_true", help="also time e4m3 keys with a scale per key (an FP8 KV cache)"
+    )
 
 
 @dataclass
@@ -90,6 +96,19 @@ class Batch:
     block_table: torch.Tensor  # [B, blocks per request] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
+    index_scales: torch.Tensor | None = None  # [num_blocks, page] fp32: e4m3 keys (`as_fp8_keys`)
+
+
+def as_fp8_keys(b: Batch) -> Batch:
+    """The same batch with its keys in e4m3, a scale per key (as an FP8 KV cache stores them)."""
+    from tilellm.kernels import indexer
+
+    nb, page, _, d = b.index_cache.shape
+    cache = torch.empty(nb, page, 1, d, device=DEVICE, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(nb, page, device=DEVICE)
+    slots = torch.arange(nb * page, device=DEVICE, dtype=torch.int32)
+    indexer.store_index_keys(b.index_cache.view(nb * page, d), cache, slots, index_scales=scales)
+    return dataclasses.replace(b, index_cache=cache, index_scales=scales)
 
 
 def make_batch(w: Workload, page: int, seed: int = 0) -> Batch:
@@ -114,7 +133,7 @@ def _call(w: Workload, b: Batch, out=None):
 
     return indexer.index_topk(
         b.q, b.weights, b.index_cache, b.block_table, b.cu_seqlens_q, b.seq_lens, w.q_len,
-        topk=TOPK, scale=SCALE, max_seqlen_k=w.context, out=out,
+        topk=TOPK, scale=SCALE, max_seqlen_k=w.context, out=out, index_scales=b.index_scales,
     )  # fmt: skip
 
 
@@ -134,14 +153,17 @@ def _check_twin(w: Workload, b: Batch, got: torch.Tensor) -> float:
         table, rows = b.block_table[:1], [0] * n
     expected = ref.index_topk(
         b.q[:n], b.weights[:n], b.index_cache, table, cu, seq_lens, 1 if w.decode else n,
-        topk=TOPK, scale=SCALE,
+        topk=TOPK, scale=SCALE, index_scales=b.index_scales,
     )  # fmt: skip
     page = b.index_cache.shape[1]
     worst = 0.0
     for t in range(n):
         n_keys = int(seq_lens[rows[t]]) - (1 if w.decode else n - t)  # the token's position
         pos = torch.arange(n_keys + 1, device=DEVICE)
-        keys = b.index_cache[table[rows[t]].long()[pos // page], pos % page, 0]
+        blocks = table[rows[t]].long()[pos // page]
+        keys = b.index_cache[blocks, pos % page, 0].float()
+        if b.index_scales is not None:
+            keys = keys * b.index_scales[blocks, pos % page, None]
         scores = ref.index_scores(b.q[t : t + 1], b.weights[t : t + 1], keys, SCALE)[0]
         picks = [got[t], expected[t]]
         if any(int((p >= 0).sum()) != min(TOPK, n_keys + 1) for p in picks):
@@ -156,14 +178,15 @@ def _check_twin(w: Workload, b: Batch, got: torch.Tensor) -> float:
     return worst
 
 
-def _counts(w: Workload, block_q: int) -> dict:
+def _counts(w: Workload, block_q: int, fp8: bool = False) -> dict:
     """Per call: causal query-key pairs, score FLOPs, key bytes (once per request, and as the
-    score tiles fetch them), scratch bytes."""
+    score tiles fetch them; e4m3 keys: D bytes and a 4-byte scale each), scratch bytes."""
     pairs = w.batch * sum(w.context - w.q_len + j + 1 for j in range(w.q_len))
-    key_bytes = w.batch * w.context * DIM * 2
+    per_key = DIM + 4 if fp8 else DIM * 2
+    key_bytes = w.batch * w.context * per_key
     tiles = math.ceil(w.q_len / block_q)
     fetched = (
-        w.batch * sum(w.context - w.q_len + min(w.q_len, (i + 1) * block_q) for i in range(tiles)) * DIM * 2
+        w.batch * sum(w.context - w.q_len + min(w.q_len, (i + 1) * block_q) for i in range(tiles)) * per_key
     )
     return {
         "pairs": pairs,
@@ -238,7 +261,9 @@ def _forced_config(cfg) -> Iterator[None]:
         indexer.indexer_config = saved
 
 
-def bench_workload(w: Workload, page: int, rows: list[Row], ceilings: dict, *, peers, graph, sweep) -> None:
+def bench_workload(
+    w: Workload, page: int, rows: list[Row], ceilings: dict, *, peers, graph, sweep, fp8_keys=False
+) -> None:
     from tilellm.kernels import indexer
 
     b = make_batch(w, page)
@@ -253,6 +278,17 @@ def bench_workload(w: Workload, page: int, rows: list[Row], ceilings: dict, *, p
     if graph and w.decode:
         out = torch.empty_like(got)
         rows.append(_row(w, "tilellm CUDA graph", _bench_graph(lambda: _call(w, b, out)), ceilings, counts))
+    if fp8_keys:
+        b8 = as_fp8_keys(b)
+        c8 = _counts(w, block_q, fp8=True)
+        got8 = _call(w, b8)
+        extra8 = {"max_rel_score_err": _check_twin(w, b8, got8)}
+        rows.append(_row(w, "tilellm fp8 keys", _bench(lambda: _call(w, b8)), ceilings, c8, extra=extra8))
+        if graph and w.decode:
+            out8 = torch.empty_like(got8)
+            ms = _bench_graph(lambda: _call(w, b8, out8))
+            rows.append(_row(w, "tilellm fp8 keys CUDA graph", ms, ceilings, c8))
+        del b8
     if sweep:
         for values in SWEEP:
             c = indexer.IndexerConfig(*values)
@@ -301,7 +337,8 @@ def main(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     for name in names:
         _guard(name, rows, bench_workload, WORKLOADS[name], args.block_size, rows, ceilings,
-               peers=not args.no_peers, graph=args.graph, sweep=args.sweep)  # fmt: skip
+               peers=not args.no_peers, graph=args.graph, sweep=args.sweep,
+               fp8_keys=args.fp8_keys)  # fmt: skip
     print(f"{'workload':8} {'variant':58} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'floor ms':>9}  note")
     for r in rows:
         tf = f"{r.tflops:8.1f}" if r.tflops is not None else " " * 8
