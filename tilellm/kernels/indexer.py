@@ -392,6 +392,7 @@ def index_topk(
 
 # Smallest scale of an FP8 key row (an all-zero key): as `per_token_group_quant_fp8`'s eps.
 INDEX_SCALE_EPS = 1e-10
+_FP8_MAX = tl.constexpr(FP8_MAX)  # (a kernel reads globals only as constexprs)
 
 
 @triton.jit
@@ -407,7 +408,7 @@ def _store_index_fp8_kernel(
         return  # padding
     offs = tl.arange(0, HEAD_DIM)
     x = tl.load(K + t.to(tl.int64) * stride_kt + offs).to(tl.float32)
-    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), FP8_MAX)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), _FP8_MAX)
     tl.store(Cache + slot * stride_cs + offs, to_fp8(tl.div_rn(x, s)))
     tl.store(KeyScales + slot, s)
 
