@@ -40,7 +40,8 @@ def _emulated(model_dir: str, scales: torch.Tensor, monkeypatch) -> list[tuple[l
     """The 16/32-bit engine (the PyTorch twins, on any device) with every row stored in a layer's
     cache replaced by its FP8 value times `scales[layer]` (the FP8 run's): what an FP8 cache
     stands for. DeepSeek-V3.2's indexer keys likewise: each row replaced by its FP8 value times
-    its own scale (`store_index_keys`' rule in the FP8 engine)."""
+    its own scale (`store_index_keys`' rule in the FP8 engine), and the indexer's queries too
+    (`index_topk` over an FP8 index cache quantizes them)."""
     import tilellm.kernels.reference as reference_ops
 
     llm = LLM(model_dir, attention_backend="reference", fused_ops_backend="reference", num_kv_blocks=32)
@@ -70,6 +71,14 @@ def _emulated(model_dir: str, scales: torch.Tensor, monkeypatch) -> list[tuple[l
         store_index(k, index_cache, slot_mapping, index_scales=index_scales)
 
     monkeypatch.setattr(reference_ops, "store_index_keys", emulating_index_store)
+    index_topk = reference_ops.index_topk
+
+    def emulating_index_topk(q, *args, **kw):  # the FP8 scores' queries: e4m3 rows and their scales
+        from tilellm.kernels.reference.indexer import fp8_index_queries
+
+        return index_topk(fp8_index_queries(q).to(q.dtype), *args, **kw)
+
+    monkeypatch.setattr(reference_ops, "index_topk", emulating_index_topk)
     return _greedy_logprobs(llm)
 
 

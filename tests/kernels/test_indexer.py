@@ -50,9 +50,9 @@ def token_scores(b, scale) -> list[torch.Tensor]:
     for i, (q_len, kv_len) in enumerate(b.pairs):
         pos = torch.arange(kv_len)
         keys = b.k_cache.cpu()[b.block_table[i].cpu().long()[pos // block_size], pos % block_size, 0]
-        scores = ref.index_scores(
-            b.q[start : start + q_len].cpu(), b.weights[start : start + q_len].cpu(), keys, scale
-        )
+        q = getattr(b, "score_q", b.q)  # FP8 keys: the queries as the FP8 scores see them
+        rows_q, rows_w = q[start : start + q_len].cpu(), b.weights[start : start + q_len].cpu()
+        scores = ref.index_scores(rows_q, rows_w, keys, scale)
         rows += [scores[j, : kv_len - q_len + j + 1] for j in range(q_len)]
         start += q_len
     return rows
@@ -354,7 +354,8 @@ def fp8_keys(b) -> torch.Tensor:
     scales = torch.empty(nb, bs, dtype=torch.float32, device=rows.device)
     slots = torch.arange(nb * bs, dtype=torch.int32, device=rows.device)
     ref.store_index_keys(rows, b.k8, slots, index_scales=scales)
-    b.k_cache = (b.k8.float() * scales[..., None, None]).to(b.k_cache.dtype)
+    b.k_cache = b.k8.float() * scales[..., None, None]  # fp32: the keys the scores stand for
+    b.score_q = ref.fp8_index_queries(b.q)
     return scales
 
 
@@ -392,7 +393,7 @@ def test_store_index_keys_writes_the_twins_bytes(dtype, device):
 
 
 @pytest.mark.parametrize(
-    "shape", [(16, 4, 32), (1, 4, 16), (64, 1, 16)], ids=lambda s: f"page{s[0]}-Hi{s[1]}-D{s[2]}"
+    "shape", [(16, 4, 32), (1, 4, 32), (64, 1, 64)], ids=lambda s: f"page{s[0]}-Hi{s[1]}-D{s[2]}"
 )
 def test_fp8_keys_mixed_batch(shape, device):
     """The kernel over e4m3 keys and their scales picks what the twin picks over the same keys."""
@@ -410,7 +411,7 @@ def test_fp8_keys_mixed_batch(shape, device):
 
 @pytest.mark.parametrize("impl", [indexer, ref], ids=["triton", "reference"])
 def test_fp8_keys_need_their_scales(impl):
-    b = make([(1, 20)], 4, 16, "cpu", seed=23)
+    b = make([(1, 20)], 4, 32, "cpu", seed=23)
     scales = fp8_keys(b)
     q_args = (b.q, b.weights, b.k8, b.block_table, b.cu_seqlens_q, b.seq_lens, b.max_seqlen_q)
     with pytest.raises(ValueError, match="an FP8 .e4m3. index_cache needs index_scales"):
@@ -419,6 +420,12 @@ def test_fp8_keys_need_their_scales(impl):
         impl.index_topk(*q_args, topk=4, scale=0.25, index_scales=scales[:, :3])
     with pytest.raises(ValueError, match="index_scales is for an FP8"):
         impl.index_topk(*args(b), topk=4, scale=0.25, index_scales=scales)
+    small = make([(1, 20)], 4, 16, "cpu", seed=23)
+    small_k8 = small.k_cache.to(torch.float8_e4m3fn)
+    small_scales = torch.ones(small_k8.shape[:2])
+    small_args = (small.q, small.weights, small_k8, *args(small)[3:])
+    with pytest.raises(ValueError, match="FP8 .e4m3. index keys need a head dim >= 32, got 16"):
+        impl.index_topk(*small_args, topk=4, scale=0.25, index_scales=small_scales)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,13 +45,15 @@ decode tokens at 128k take 32 MiB, one chunk). The chunks, segment counts and ti
 host values only (T, max_seqlen_q, max_seqlen_k or the table's width): nothing reads the
 device, so a decode step is capturable in a CUDA graph as called.
 
-FP8 keys (an FP8 KV cache, as DeepSeek's own code keeps them): `store_index_keys` quantizes each
+FP8 keys (an FP8 KV cache), as DeepSeek's own code scores them: `store_index_keys` quantizes each
 key row on its own, k_s ~ k8_s * ks_s with ks_s = max(amax |k_s|, eps) / 448 and k8_s in e4m3,
-into index_cache (e4m3) and index_scales [num_blocks, block_size] (fp32); the score kernel widens
-the tile of keys to q's dtype and multiplies each key's dots by its scale (relu commutes with a
-positive factor). The queries stay in their dtype (DeepSeek quantizes them too).
+into index_cache (e4m3) and index_scales [num_blocks, block_size] (fp32); `index_topk` quantizes
+each query head's row the same way (`per_token_group_quant_fp8`, one group of D), folds its
+scale into the weights, and the score kernel runs e4m3 x e4m3 dots (twice the bf16 rate on
+Hopper, exact products, fp32 sums) and multiplies each key's dots by its scale: relu commutes
+with the positive factors, so score(t, s) = ks_s * sum_h (w_t,h * qs_t,h) * relu(scale * q8 . k8).
 
-Not done here: FP8 queries and FP8 dots (the scores are fp32 over widened keys);
+Not done here:
 splitting one row's select over several programs (decode at 64 requests runs 64 select
 programs); fusing the first histogram into the score kernel; NaN scores (their keys sort
 somewhere, the twin's `torch.topk` puts them first).
@@ -163,7 +165,8 @@ def _score_kernel(
 ):  # fmt: skip
     """Scores of BLOCK_Q tokens of one request over one key segment, stored where causal:
     Scores[t - chunk_lo, s] = sum_h W[t, h] * relu(scale * Q[t, h] . key_s) for chunk tokens t
-    (KEY_FP8: key_s = e4m3 row times its scale in KeyScales)."""
+    (KEY_FP8: Q in e4m3 with its scales folded into W, key_s = an e4m3 row times its scale in
+    KeyScales)."""
     # -- which work: program_id(0) = query tile x key segment (segments fastest), (1) = request --
     pid = tl.program_id(0)
     req = tl.program_id(1)
@@ -214,10 +217,11 @@ def _score_kernel(
         # int64: block * stride overflows int32 in large pools.
         k_row = Cache + block.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs
         keys = tl.load(k_row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        if KEY_FP8:
-            keys = keys.to(Q.dtype.element_ty)
         # -- [rows, BLOCK_N] head scores, then the weighted sum over each token's heads --
-        dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        if KEY_FP8:  # e4m3 x e4m3: the queries' scales are in W
+            dots = tl.dot(q, tl.trans(keys))
+        else:
+            dots = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
         if KEY_FP8:  # each key's own scale (> 0, so it commutes with the relu)
             k_s = tl.load(KeyScales + block.to(tl.int64) * stride_ksb + k_pos % PAGE, mask=key_ok, other=0.0)
             dots = dots * k_s[None, :]
@@ -361,10 +365,13 @@ def index_topk(
     batch = seq_lens.shape[0]
     if T == 0 or batch == 0:
         return o
+    q_dtype = q.dtype
+    if key_fp8:  # e4m3 queries, a scale per (token, head) folded into the weights
+        q, weights = quantize_index_queries(q, weights)
     page = index_cache.shape[1]
     bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page
     bound = triton.cdiv(max(bound, 1), 16) * 16  # the scratch's row length
-    cfg = indexer_config(q.dtype, max_seqlen_q)
+    cfg = indexer_config(q_dtype, max_seqlen_q)
     block_q, hi_pad = tile_shape(cfg, Hi, max_seqlen_q)
     q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
     chunk = max(1, min(T, SCRATCH_ELEMENTS // bound))
@@ -381,7 +388,7 @@ def index_topk(
             index_cache.stride(0), index_cache.stride(1), index_scales.stride(0) if key_fp8 else 0, scores.stride(0),
             splits,
             HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, HI_PAD=hi_pad, BLOCK_N=cfg.block_n,
-            PRECISION=dot_precision(q.dtype), KEY_FP8=key_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PRECISION=dot_precision(q_dtype), KEY_FP8=key_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         _select_launch[(hi - lo,)](
             scores, o, positions, lo, scores.stride(0), o.stride(0), topk,
@@ -450,6 +457,20 @@ def store_index_keys(
         index_k, index_cache, index_scales, slot_mapping, index_k.stride(0), index_cache.stride(1),
         INDEX_SCALE_EPS, HEAD_DIM=D,
     )  # fmt: skip
+
+
+def quantize_index_queries(
+    q: torch.Tensor, weights: torch.Tensor, quantize=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hi, D] -> (q8 [T, Hi, D] e4m3, weights * qs [T, Hi] fp32): each head's row with a
+    scale of its own (`per_token_group_quant_fp8`, or `quantize` of the same signature: the
+    twin's), which the relu lets the weights carry."""
+    # (imported here: fp8_gemm imports the twins' package, whose indexer twin imports this module)
+    from tilellm.kernels.fp8_gemm import per_token_group_quant_fp8
+
+    T, Hi, D = q.shape
+    q8, qs = (quantize or per_token_group_quant_fp8)(q.reshape(T * Hi, D), D)
+    return q8.view(T, Hi, D), weights * qs.view(T, Hi)
 
 
 def token_positions(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -554,6 +575,8 @@ def check_index_scales(name: str, index_cache: torch.Tensor, index_scales: torch
         raise ValueError(
             f"{name}: an FP8 (e4m3) index_cache needs index_scales [num_blocks, block_size] float32"
         )
+    if index_cache.shape[-1] < 32:  # an e4m3 tensor-core dot reduces over at least 32 values
+        raise ValueError(f"{name}: FP8 (e4m3) index keys need a head dim >= 32, got {index_cache.shape[-1]}")
     want = tuple(index_cache.shape[:2])
     if index_scales.dtype != torch.float32 or tuple(index_scales.shape) != want:
         raise ValueError(

@@ -21,8 +21,14 @@ from __future__ import annotations
 import torch
 
 from tilellm.kernels.fp8 import FP8_MAX, quantize_fp8
-from tilellm.kernels.indexer import INDEX_SCALE_EPS, check_index_scales, check_index_topk, index_output
-from tilellm.kernels.reference.fp8_gemm import _div_exact
+from tilellm.kernels.indexer import (
+    INDEX_SCALE_EPS,
+    check_index_scales,
+    check_index_topk,
+    index_output,
+    quantize_index_queries,
+)
+from tilellm.kernels.reference.fp8_gemm import _div_exact, per_token_group_quant_fp8
 
 # Upper bound on the fp32 score elements materialised at once (about 256 MiB): requests with
 # more new tokens x heads x keys are scored in chunks of query tokens.
@@ -45,7 +51,8 @@ def index_topk(
     index_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The `topk` causal key positions of largest index score for each new token of q [T, Hi, D]
-    (an e4m3 index_cache: each key row times its `index_scales` entry, in fp32).
+    (an e4m3 index_cache: each key row times its `index_scales` entry, and q quantized as the
+    kernel does, `quantize_index_queries`, then dequantized, in fp32).
 
     Returns [T, topk] int32 logical positions, -1 = empty.
     """
@@ -56,6 +63,8 @@ def index_topk(
     )  # fmt: skip
     o = index_output(name, q, topk, out)
     o.fill_(-1)
+    if index_scales is not None:
+        q = fp8_index_queries(q)
     bounds, kv_lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     block_size = index_cache.shape[1]
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -78,6 +87,13 @@ def index_topk(
             picked = scores.topk(k, dim=-1).indices  # the causal keys first: their scores are finite
             o[lo:hi, :k] = torch.where(picked <= own, picked, -1).to(torch.int32)
     return o
+
+
+def fp8_index_queries(q: torch.Tensor) -> torch.Tensor:
+    """q [T, Hi, D] as the FP8 scores see it: each head's row in e4m3 with its scale, in fp32."""
+    ones = torch.ones(q.shape[:2], device=q.device)
+    q8, qs = quantize_index_queries(q, ones, per_token_group_quant_fp8)
+    return q8.float() * qs[..., None]
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
