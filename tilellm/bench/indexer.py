@@ -156,6 +156,7 @@ def _check_twin(w: Workload, b: Batch, got: torch.Tensor) -> float:
         topk=TOPK, scale=SCALE, index_scales=b.index_scales,
     )  # fmt: skip
     page = b.index_cache.shape[1]
+    q = b.q if b.index_scales is None else ref.fp8_index_queries(b.q)  # as the FP8 scores see it
     worst = 0.0
     for t in range(n):
         n_keys = int(seq_lens[rows[t]]) - (1 if w.decode else n - t)  # the token's position
@@ -164,7 +165,7 @@ def _check_twin(w: Workload, b: Batch, got: torch.Tensor) -> float:
         keys = b.index_cache[blocks, pos % page, 0].float()
         if b.index_scales is not None:
             keys = keys * b.index_scales[blocks, pos % page, None]
-        scores = ref.index_scores(b.q[t : t + 1], b.weights[t : t + 1], keys, SCALE)[0]
+        scores = ref.index_scores(q[t : t + 1], b.weights[t : t + 1], keys, SCALE)[0]
         picks = [got[t], expected[t]]
         if any(int((p >= 0).sum()) != min(TOPK, n_keys + 1) for p in picks):
             raise AssertionError(
