@@ -289,21 +289,20 @@ def bench_workload(
             out8 = torch.empty_like(got8)
             ms = _bench_graph(lambda: _call(w, b8, out8))
             rows.append(_row(w, "tilellm fp8 keys CUDA graph", ms, ceilings, c8))
-        del b8
-    if sweep:
+    swept = [(b, "", False)] + ([(b8, "fp8 keys ", True)] if fp8_keys else []) if sweep else []
+    for batch, what, fp8 in swept:  # (with --fp8-keys the FP8 keys' tiles too)
         for values in SWEEP:
             c = indexer.IndexerConfig(*values)
             label = (
-                f"sweep rows{c.rows} bn{c.block_n} w{c.num_warps} s{c.num_stages} "
+                f"sweep {what}rows{c.rows} bn{c.block_n} w{c.num_warps} s{c.num_stages} "
                 f"bs{c.block_s} sw{c.select_warps}"
             )
             try:
                 with _forced_config(c):
-                    _check_twin(w, b, _call(w, b))
-                    ms = _bench(lambda: _call(w, b))
-                rows.append(
-                    _row(w, label, ms, ceilings, _counts(w, indexer.tile_shape(c, HEADS, w.q_len)[0]))
-                )
+                    _check_twin(w, batch, _call(w, batch))
+                    ms = _bench(lambda batch=batch: _call(w, batch))
+                block_q = indexer.tile_shape(c, HEADS, w.q_len)[0]
+                rows.append(_row(w, label, ms, ceilings, _counts(w, block_q, fp8=fp8)))
             except Exception as e:  # a config that does not fit shared memory or registers, or a wrong answer
                 rows.append(Row(w.name, label, float("nan"), note=f"{type(e).__name__}: {e}"[:120]))
     if peers:
