@@ -255,7 +255,7 @@ def _forced_config(cfg) -> Iterator[None]:
     from tilellm.kernels import indexer
 
     saved = indexer.indexer_config
-    indexer.indexer_config = lambda dtype, max_seqlen_q: cfg
+    indexer.indexer_config = lambda dtype, max_seqlen_q, key_fp8=False: cfg
     try:
         yield
     finally:
@@ -281,7 +281,8 @@ def bench_workload(
         rows.append(_row(w, "tilellm CUDA graph", _bench_graph(lambda: _call(w, b, out)), ceilings, counts))
     if fp8_keys:
         b8 = as_fp8_keys(b)
-        c8 = _counts(w, block_q, fp8=True)
+        block_q8, _ = indexer.tile_shape(indexer.indexer_config(DTYPE, w.q_len, key_fp8=True), HEADS, w.q_len)
+        c8 = _counts(w, block_q8, fp8=True)
         got8 = _call(w, b8)
         extra8 = {"max_rel_score_err": _check_twin(w, b8, got8)}
         rows.append(_row(w, "tilellm fp8 keys", _bench(lambda: _call(w, b8)), ceilings, c8, extra=extra8))
