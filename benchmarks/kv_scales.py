@@ -2,7 +2,7 @@
 
     python benchmarks/kv_scales.py [--model DIR] [--prompts 64] [--json F]
 
-Runs the model (default: the embedded one, CPU, fp32) over held-out demo prompts, keeps every
+Runs the model (default: the embedded arithmetic model, CPU, fp32) over held-out demo prompts, keeps every
 layer's K and V as the cache would store them (after the K norm and rotary), and quantizes them
 to e4m3 both ways with the engine's rule (scale = amax / 200 for K, amax / 100 for V, measured
 on the same values): per tensor (each layer's K and V) and per KV head. Reported per layer, for
@@ -31,12 +31,12 @@ from tilellm.kernels.fp8 import FP8_MAX, K_SCALE_RANGE, V_SCALE_RANGE, dequantiz
 def _capture(model: str, num_prompts: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of every layer's first prefill of each prompt."""
     from tilellm import LLM, SamplingParams
+    from tilellm.assets import demo_metadata
     from tilellm.attention.backends import base
-    from tilellm.demo import runner
+    from tilellm.demo.task import problems_for_model
 
     llm = LLM(model, device="cpu", dtype="float32", enable_prefix_caching=False)
-    meta = json.load(open(f"{model}/tilellm_demo.json"))
-    prompts = [p.prompt for p in runner._problems(meta, num_prompts, seed=7)]
+    prompts = [p.prompt for p in problems_for_model(demo_metadata(model), num_prompts, seed=7)]
     captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     real = base.AttentionBackend.forward
 

@@ -104,7 +104,7 @@ def main() -> int:
     print(
         f"plain client ({mode}, max_connections {limit}): {result['output_tokens']} output tokens in "
         f"{result['seconds']:.2f} s = {result['output_tok_s']:,.0f} tok/s; client CPU "
-        f"{result['client_cpu_s']:.2f} s, last request sent at {result['last_request_sent_s']:.3f} s"
+        f"{result['client_cpu_s']:.2f} s, last request sent at {result['last_request_sent_s'] or 0:.3f} s"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -12,6 +12,8 @@ and the split plan must pick 1 for many short requests, > 1 for one long one, an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -348,3 +350,23 @@ def test_larger_query_tiles_need_fewer_programs_to_fill_the_gpu():
     few = schedule.choose_num_splits(1, 8, 1, None, max_seqlen_k=131072, num_sms=132, rows_per_program=128)
     many = schedule.choose_num_splits(1, 8, 1, None, max_seqlen_k=131072, num_sms=132)
     assert few.num_splits < many.num_splits
+
+
+def test_fp8_cache_schedule_and_words():
+    """An FP8 cache's schedule is the FP8 rule's (D2's 8 x 32k: 16 segments, not 32), and the
+    plan's sentence says why."""
+    from tilellm.inspect.model import describe_batch
+    from tilellm.inspect.tiles import paged_schedule
+    from tilellm.inspect.words import split_plan
+
+    cu, lens = list(range(9)), [32768] * 8
+    plain = paged_schedule(cu, lens, 32, 8, 128, 16, num_sms=132)
+    fp8 = paged_schedule(cu, lens, 32, 8, 128, 16, num_sms=132, kv_fp8=True)
+    assert plain.split_plan.num_splits == 32 and not plain.split_plan.kv_fp8
+    assert fp8.split_plan.num_splits == 16 and fp8.split_plan.kv_fp8
+    insp = describe_batch([(1, n) for n in [32768] * 20], num_q_heads=32, num_kv_heads=8)
+    fp8_insp = dataclasses.replace(
+        insp, schedule=paged_schedule(list(range(21)), [32768] * 20, 32, 8, 128, 16, kv_fp8=True)
+    )
+    assert "FP8 cache holds half the bytes per key" in split_plan(fp8_insp)
+    assert "FP8" not in split_plan(insp)

@@ -392,6 +392,18 @@ def test_store_index_keys_writes_the_twins_bytes(dtype, device):
     assert torch.equal(plain.view(-1, D)[kept], k[slots >= 0])
 
 
+@pytest.mark.parametrize("impl", [indexer, ref], ids=["triton", "reference"])
+def test_store_index_keys_refuses_bad_slots(impl):
+    k = torch.randn(3, 32)
+    cache = torch.zeros(2, 16, 1, 32).to(torch.float8_e4m3fn)
+    scales = torch.zeros(2, 16)
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 32 is out of range \[-1, 32\)"):
+        impl.store_index_keys(k, cache, torch.tensor([0, 32, -1], dtype=torch.int32), index_scales=scales)
+    with pytest.raises(ValueError, match="slot_mapping must be int32 or int64, got torch.float32"):
+        impl.store_index_keys(k, cache, torch.tensor([0.0, 1.0, 2.0]), index_scales=scales)
+    assert bool((scales == 0).all()), "a refused call wrote"
+
+
 @pytest.mark.parametrize(
     "shape", [(16, 4, 32), (1, 4, 32), (64, 1, 64)], ids=lambda s: f"page{s[0]}-Hi{s[1]}-D{s[2]}"
 )
@@ -446,8 +458,8 @@ def test_gpu_deepseek(dtype, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_deepseek_fp8_keys(dtype, device):
-    """DeepSeek's shapes over e4m3 keys with a scale each (an FP8 KV cache): the tiles widened to
-    the queries' dtype on the tensor cores, each key's dots times its scale."""
+    """DeepSeek's shapes over e4m3 keys with a scale each (an FP8 KV cache): e4m3 queries and
+    keys on the tensor cores, each key's dots times its scale, decode and prefill tiles."""
     lens = [(1, 1), (1, 2049), (1, 5000), (64, 3000), (0, 9)]
     b = make(lens, 64, 128, device, block_size=64, dtype=dtype, seed=15)
     b.weights *= 64**-0.5

@@ -45,7 +45,7 @@ def test_fp8_rule_counts(batch, longest, fp8_splits, bf16_splits):
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=st.integers(1, 512), longest=st.integers(1, 1 << 18), kv_heads=st.sampled_from([1, 2, 8]))
+@given(batch=st.integers(1, 512), longest=st.integers(0, 1 << 18), kv_heads=st.sampled_from([1, 2, 8]))
 def test_fp8_rule_invariants(batch, longest, kv_heads):
     plan = _decode(batch, longest, kv_fp8=True, kv_heads=kv_heads)
     base, n = batch * kv_heads, plan.num_splits
@@ -54,7 +54,7 @@ def test_fp8_rule_invariants(batch, longest, kv_heads):
         return  # the small-batch rule takes over (at least the FP8 rule's count; checked below)
     target = schedule.FP8_PROGRAMS_PER_SM * SMS
     assert 1 <= n <= schedule.FP8_MAX_SPLITS
-    if base >= schedule.FILL_SHARE * target or longest <= schedule.FP8_KEYS_PER_SPLIT:
+    if base >= schedule.FILL_SHARE * target or longest < schedule.MIN_CONTEXT_TO_SPLIT:
         assert n == 1, plan.reason
         return
     # segments no longer than FP8_KEYS_PER_SPLIT (up to the cap) and no shorter than the minimum
@@ -74,8 +74,20 @@ def test_small_batches_keep_at_least_the_fp8_count(batch, longest):
     assert plan.num_splits >= alone.num_splits and plan.kv_fp8
 
 
-def test_only_decode_tiles_take_the_fp8_rule():
-    """Verification and chunk tiles (more than 16 rows) keep the rule measured for them."""
+def test_empty_and_short_batches_do_not_split():
+    """No keys at all (an empty batch, or a length the host does not know) never splits, nor do
+    short contexts once the batch has a program per SM (smaller ones split short contexts too)."""
+    for batch in (0, 1, 64, 512):
+        assert _decode(batch, 0, kv_fp8=True).num_splits == 1
+    for longest in (1, 2047):
+        for batch in (17, 64, 512):  # 8 KV heads: >= 136 programs
+            assert _decode(batch, longest, kv_fp8=True).num_splits == 1
+    assert _decode(64, 2048, kv_fp8=True).num_splits == 2  # few programs: halved to 1024 keys
+
+
+def test_only_small_tiles_take_the_fp8_rule():
+    """Tiles of more than 16 rows (verification at larger groups, chunks) keep the rule measured
+    for them."""
     batch = dict(max_seqlen_k=65536, num_sms=SMS)
     for rows in (32, 64, 128):
         fp8 = choose_num_splits(16, 8, 1, None, **batch, rows_per_program=rows, kv_fp8=True)
@@ -83,10 +95,12 @@ def test_only_decode_tiles_take_the_fp8_rule():
         assert fp8.num_splits == plain.num_splits and not fp8.kv_fp8
 
 
-def test_plan_paged_never_picks_gluon_for_fp8_pages():
+def test_plan_paged_never_picks_gluon_for_fp8_pages(monkeypatch):
+    monkeypatch.setattr(schedule, "paged_uses_gluon", lambda *a, **kw: True)  # as on an H200
     args = (8, 32, 8, 128, torch.bfloat16, 128, 4096)
-    plan = plan_paged(*args, num_tokens=8 * 4096, max_seqlen_k=8192, num_sms=SMS, kv_fp8=True)
-    assert plan.kernel == "triton"
+    kw = dict(num_tokens=8 * 4096, max_seqlen_k=8192, num_sms=SMS)
+    assert plan_paged(*args, **kw).kernel == "gluon"
+    assert plan_paged(*args, **kw, kv_fp8=True).kernel == "triton"
 
 
 def test_backend_plans_fp8_decode_with_the_fp8_rule():

@@ -907,7 +907,8 @@ class LLMEngine:
     @staticmethod
     def _cumulative_output(s: Sequence) -> CompletionOutput:
         """Everything sequence `s` has produced so far."""
-        s.num_emitted_tokens = len(s.token_ids) - s.num_pending - s.num_prompt_tokens  # (stream_interval)
+        # what this output hands out: `stream_interval` counts the tokens not handed out yet
+        s.num_emitted_tokens = len(s.token_ids) - s.num_pending - s.num_prompt_tokens
         return CompletionOutput(
             index=s.index,
             text=s.text,
@@ -995,9 +996,9 @@ class LLMEngine:
 
 def _stream_due(req: Request, interval: int) -> bool:
     """Whether a streamed request's next output is due: a sequence holds `interval` tokens not
-    yet handed out, or its first token."""
+    yet handed out, its first token, or its last (a sample of n that finished before the rest)."""
     for s in req.seqs:
         unsent = len(s.token_ids) - s.num_pending - s.num_prompt_tokens - s.num_emitted_tokens
-        if unsent >= interval or (unsent > 0 and s.num_emitted_tokens == 0):
+        if unsent > 0 and (unsent >= interval or s.num_emitted_tokens == 0 or s.finish_reason is not None):
             return True
     return False

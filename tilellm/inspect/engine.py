@@ -41,6 +41,7 @@ class EngineSnapshot:
     prefill_head_dim: int | None = None  # MLA: the expanded heads' qk dim that prefill runs on
     prefill_v_head_dim: int | None = None  # MLA: and their v dim
     kv_bytes_per_token: int = 0
+    kv_fp8: bool = False  # the cache holds e4m3 values (its own tiles and split rule)
     # DeepSeek-V3.2: per step row, (query tokens, fewest / most keys a token selected, fewest /
     # most pages those keys fall on, pages of the row's context) in the first layer
     selection: tuple[tuple[int, int, int, int, int, int], ...] = ()
@@ -122,6 +123,7 @@ def snapshot_engine(engine: Any) -> EngineSnapshot:
         prefill_head_dim=prefill_head_dim,
         prefill_v_head_dim=prefill_v_head_dim,
         kv_bytes_per_token=int(getattr(engine.runner, "kv_bytes_per_token", 0) or 0),
+        kv_fp8=str(getattr(engine.runner, "kv_dtype", "")) == "torch.float8_e4m3fn",
         selection=selection,
     )
 
@@ -172,6 +174,7 @@ def inspect_snapshot(
         prefill_head_dim=snap.prefill_head_dim,
         prefill_v_head_dim=snap.prefill_v_head_dim,
         kv_bytes_per_token=snap.kv_bytes_per_token,
+        kv_fp8=snap.kv_fp8,
     )
     if snap.selection:
         lines = [

@@ -152,6 +152,7 @@ def schedule_for(
     kv_lora_rank: int = 0,
     prefill_head_dim: int | None = None,
     prefill_v_head_dim: int | None = None,
+    kv_fp8: bool = False,
 ) -> TileSchedule:
     """The schedule of the attention kernel for this batch: `prefill_attention` when every request
     starts at position 0, else `paged_attention` (decode is its one-token case) over the whole
@@ -161,7 +162,8 @@ def schedule_for(
 
     MLA (`kv_lora_rank` > 0, `head_dim` = the latent row's width): prefill runs on the expanded
     heads (`prefill_head_dim` / `prefill_v_head_dim`: the qk and v head dims), everything else
-    on `mla_schedule`'s latent kernel."""
+    on `mla_schedule`'s latent kernel. `kv_fp8`: an FP8 cache (the paged kernel's FP8 tiles and
+    split rule)."""
     if kernel == "auto":
         kernel = "prefill" if all(q == s for q, s in zip(q_lens, seq_lens)) else "paged"
     cu = [0]
@@ -180,8 +182,9 @@ def schedule_for(
         )  # fmt: skip
     if kernel == "paged":
         return paged_schedule(
-            cu, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, num_splits=num_splits, dtype=dtype
-        )
+            cu, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, num_splits=num_splits, dtype=dtype,
+            kv_fp8=kv_fp8,
+        )  # fmt: skip
     raise ValueError(f"kernel must be 'auto', 'prefill' or 'paged', got {kernel!r}")
 
 
@@ -299,6 +302,7 @@ def inspect_step(
     prefill_head_dim: int | None = None,
     prefill_v_head_dim: int | None = None,
     kv_bytes_per_token: int = 0,
+    kv_fp8: bool = False,
 ) -> Inspection:
     """An inspection of one engine step from its scheduler snapshot and the block pool.
 
@@ -316,6 +320,7 @@ def inspect_step(
         kv_lora_rank=kv_lora_rank,
         prefill_head_dim=prefill_head_dim,
         prefill_v_head_dim=prefill_v_head_dim,
+        kv_fp8=kv_fp8,
     )
     notes = [_tile_note()]
     if kv_lora_rank:

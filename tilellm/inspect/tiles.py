@@ -146,6 +146,7 @@ def paged_schedule(
     num_splits: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     num_sms: int | None = None,
+    kv_fp8: bool = False,
 ) -> TileSchedule:
     """Tiles of `paged_attention`: grid (KV heads, requests, query tiles x splits), or
     (query tiles x splits, KV heads, requests) when there are several query tiles. On Hopper,
@@ -153,6 +154,7 @@ def paged_schedule(
     heads, requests), programs of one query head's 128 tokens, 128-key tiles, no split.
 
     `skipped` (future tiles of the request) is reported on each query tile's last segment.
+    `kv_fp8`: an FP8 cache (its own tiles and split rule, never `hopper.py`).
     """
     cu = as_list(cu_seqlens_q)
     lens = as_list(seq_lens)
@@ -161,11 +163,11 @@ def paged_schedule(
     group = num_q_heads // num_kv_heads
     kernel_plan = plan_paged(
         len(lens), num_q_heads, num_kv_heads, head_dim, dtype, block_size, max_q,
-        num_tokens=sum(q_lens), seq_lens=lens, num_splits=num_splits, num_sms=num_sms,
+        num_tokens=sum(q_lens), seq_lens=lens, num_splits=num_splits, num_sms=num_sms, kv_fp8=kv_fp8,
     )  # fmt: skip
     if kernel_plan.kernel == "gluon":
         return gluon_paged_schedule(q_lens, lens, num_q_heads, num_sms)
-    cfg, block_q = paged_config(head_dim, dtype, group, max_q)
+    cfg, block_q = paged_config(head_dim, dtype, group, max_q, kv_fp8=kv_fp8)
     bn = cfg.block_n
     q_tiles = cdiv(max(max_q, 1), block_q)
     plan = kernel_plan.split

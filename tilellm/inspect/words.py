@@ -71,15 +71,15 @@ def split_plan(insp: Inspection) -> str:
             f"keys, so even short requests are cut, into segments of at least {SMALL_BATCH_MIN_KEYS} "
             "keys, whose partial results are merged afterwards"
         )
-    if plan.kv_fp8 and plan.min_keys_per_split != SMALL_BATCH_MIN_KEYS:
+    if plan.kv_fp8:
         if n == 1:
             return f"keys are not split ({plan.reason})"
         return (
             f"each program's keys are cut into {n} segments, so {base} programs become {base * n}: an "
             f"FP8 cache holds half the bytes per key, so segments are about {FP8_KEYS_PER_SPLIT} keys "
             f"of the longest request (the bytes of {MIN_KEYS_PER_SPLIT} 16-bit keys), halved while "
-            f"the programs are fewer than {FP8_PROGRAMS_PER_SM} per SM; the segments' partial "
-            "results are merged afterwards"
+            f"the programs are fewer than {FILL_SHARE:.0%} of {FP8_PROGRAMS_PER_SM} per SM; the "
+            "segments' partial results are merged afterwards"
         )
     if n == 1 and plan.kv_len_per_split < MIN_CONTEXT_TO_SPLIT:
         return (

@@ -24,7 +24,7 @@ from tilellm.kernels.config import interpreting
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
-_FP8_MAX = tl.constexpr(FP8_MAX)
+FP8_MAX_C = tl.constexpr(FP8_MAX)  # for kernels: they read globals only as constexprs
 _INTERPRETING = tl.constexpr(interpreting())
 
 
@@ -43,7 +43,7 @@ def _round_to_e4m3_grid(x):
 @triton.jit
 def to_fp8(x):
     """x (any float, already divided by its scale) -> e4m3, saturated to +-448, nearest even."""
-    x = tl.minimum(tl.maximum(x.to(tl.float32), -_FP8_MAX), _FP8_MAX)
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX_C), FP8_MAX_C)
     if _INTERPRETING:
         x = _round_to_e4m3_grid(x)
     return x.to(tl.float8e4nv)

@@ -41,11 +41,9 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import interpreting, num_sms
-from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, to_fp8
+from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX_C, to_fp8
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_per_token_group_quant
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -73,7 +71,7 @@ def _per_token_group_quant_kernel(
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # masked lanes are 0: they never raise the max
-    s = tl.div_rn(tl.maximum(amax, eps), _FP8_MAX)
+    s = tl.div_rn(tl.maximum(amax, eps), FP8_MAX_C)
     q = to_fp8(tl.div_rn(x, s[:, None]))
     tl.store(Q + rows64[:, None] * stride_qm + cols[None, :], q, mask=ok)
     tl.store(S + rows64 * stride_sm + g * stride_sg, s, mask=row_ok)
@@ -248,7 +246,7 @@ def _w8a8_block_fp8_matmul_kernel(
         b_s = tl.load(bs_ptr + j * stride_bs_k)
         if QUANT_A:  # the per-token-group quantization of this k-block, bit for bit
             x = tl.load(a_ptrs).to(tl.float32)
-            a_s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), _FP8_MAX)
+            a_s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), FP8_MAX_C)
             a = to_fp8(tl.div_rn(x, a_s[:, None]))
         else:
             a = tl.load(a_ptrs)

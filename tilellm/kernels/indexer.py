@@ -50,7 +50,8 @@ key row on its own, k_s ~ k8_s * ks_s with ks_s = max(amax |k_s|, eps) / 448 and
 into index_cache (e4m3) and index_scales [num_blocks, block_size] (fp32); `index_topk` quantizes
 each query head's row the same way (`per_token_group_quant_fp8`, one group of D), folds its
 scale into the weights, and the score kernel runs e4m3 x e4m3 dots (twice the bf16 rate on
-Hopper, exact products, fp32 sums) and multiplies each key's dots by its scale: relu commutes
+Hopper; exact products, summed in the tensor cores' FP8 accumulator, whose precision is below
+fp32's, as in DeepSeek's `fp8_index`) and multiplies each key's dots by its scale: relu commutes
 with the positive factors, so score(t, s) = ks_s * sum_h (w_t,h * qs_t,h) * relu(scale * q8 . k8).
 
 Not done here:
@@ -70,7 +71,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation as v
 from tilellm.kernels.config import dot_precision, interpreting, num_sms
-from tilellm.kernels.fp8 import FP8_MAX, is_fp8, to_fp8
+from tilellm.kernels.fp8 import FP8_MAX_C, is_fp8, to_fp8
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.store import store_kvcache
 
@@ -405,7 +406,6 @@ def index_topk(
 
 # Smallest scale of an FP8 key row (an all-zero key): as `per_token_group_quant_fp8`'s eps.
 INDEX_SCALE_EPS = 1e-10
-_FP8_MAX = tl.constexpr(FP8_MAX)  # (a kernel reads globals only as constexprs)
 
 
 @triton.jit
@@ -421,7 +421,7 @@ def _store_index_fp8_kernel(
         return  # padding
     offs = tl.arange(0, HEAD_DIM)
     x = tl.load(K + t.to(tl.int64) * stride_kt + offs).to(tl.float32)
-    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), _FP8_MAX)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), FP8_MAX_C)
     tl.store(Cache + slot * stride_cs + offs, to_fp8(tl.div_rn(x, s)))
     tl.store(KeyScales + slot, s)
 
@@ -441,10 +441,24 @@ def store_index_keys(
     each row quantized with a scale of its own, max(amax |k|, 1e-10) / 448, written to
     index_scales [num_blocks, block_size] float32 (DeepSeek's per-128-value groups for D = 128)."""
     name = "store_index_keys"
+    check_store_index_keys(name, index_k, index_cache, slot_mapping, index_scales)
+    if not is_fp8(index_cache):
+        store_kvcache(index_k.unsqueeze(1), None, index_cache, None, slot_mapping)
+        return
+    T, D = index_k.shape
+    if T == 0:
+        return
+    _store_index_fp8_launch[(T,)](
+        index_k, index_cache, index_scales, slot_mapping, index_k.stride(0), index_cache.stride(1),
+        INDEX_SCALE_EPS, HEAD_DIM=D,
+    )  # fmt: skip
+
+
+def check_store_index_keys(name, index_k, index_cache, slot_mapping, index_scales) -> None:
+    """Arguments of `store_index_keys` (a 16/32-bit cache: `store_kvcache`'s checks follow)."""
     check_index_scales(name, index_cache, index_scales)
     v._check_rank(name, "index_k", index_k, 2, "[T, D]")
     if not is_fp8(index_cache):
-        store_kvcache(index_k.unsqueeze(1), None, index_cache, None, slot_mapping)
         return
     T, D = index_k.shape
     v._check_float(name, {"index_k": index_k})
@@ -454,15 +468,13 @@ def store_index_keys(
             f"{name}: index_cache must be [num_blocks, block_size, 1, {D}] and slot_mapping [{T}], got "
             f"{tuple(index_cache.shape)} and {tuple(slot_mapping.shape)}"
         )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     v._check_device(name, {"index_k": index_k, "index_cache": index_cache, "slot_mapping": slot_mapping})
-    v._check_contiguous(name, {"index_cache": index_cache})
+    v._check_contiguous(name, {"index_cache": index_cache, "slot_mapping": slot_mapping})
     v._check_last_dim_stride(name, {"index_k": index_k})
-    if T == 0:
-        return
-    _store_index_fp8_launch[(T,)](
-        index_k, index_cache, index_scales, slot_mapping, index_k.stride(0), index_cache.stride(1),
-        INDEX_SCALE_EPS, HEAD_DIM=D,
-    )  # fmt: skip
+    if T > 0 and v.deep_checks_enabled(index_k):
+        v.check_slot_values(name, slot_mapping, index_cache)
 
 
 def quantize_index_queries(

@@ -22,8 +22,10 @@ LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
 
 def _splits_pad(num_splits: int) -> int:
-    """The kernel's split lanes: few variants (8 or 64 lanes up to the planner's 64 splits), so
-    that a new split count in the middle of serving does not compile a new kernel."""
+    """The kernel's split lanes: few variants (8 or 64 lanes up to the 16-bit planner's 64
+    splits; 128 for the FP8 rule's up to 128, planned only for contexts of 128k keys or more, so
+    the decode graphs captured for such a max_model_len compile it before serving), so that a new
+    split count in the middle of serving does not compile a new kernel."""
     if num_splits <= 8:
         return 8
     return max(64, triton.next_power_of_2(num_splits))

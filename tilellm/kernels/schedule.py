@@ -122,7 +122,8 @@ def choose_num_splits(
     `target_programs` (PROGRAMS_PER_SM decode tiles per SM, LARGE_TILE_PROGRAMS_PER_SM of larger
     ones); otherwise enough segments for the target, each of at least MIN_KEYS_PER_SPLIT keys of
     the longest context, at most MAX_SPLITS. Decode batches of fewer programs than SMs also
-    split short contexts (`_plan_small_batch`); decode tiles over an FP8 cache (`kv_fp8`) follow
+    split short contexts (`_plan_small_batch`); tiles of at most DECODE_ROWS rows over an FP8
+    cache (`kv_fp8`: decode, and verification of a few tokens at small GQA groups) follow
     `_plan_fp8` instead of the bandwidth rule. `num_splits` forces the count. The longest
     context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
     host sync: the engine plans on the host instead and passes the plan).
@@ -205,11 +206,11 @@ def _plan_fp8(base: int, max_seqlen_k: int, sms: int) -> SplitPlan:
     if base >= FILL_SHARE * target:
         reason = f"no split: {base} programs reach {FILL_SHARE:.0%} of the {target} that fill {sms} SMs (FP8)"
         return SplitPlan(1, reason, sms, base, max_seqlen_k, kv_fp8=True)
-    n = min(cdiv(max_seqlen_k, FP8_KEYS_PER_SPLIT), FP8_MAX_SPLITS)
+    n = max(1, min(cdiv(max_seqlen_k, FP8_KEYS_PER_SPLIT), FP8_MAX_SPLITS))
     while base * n < FILL_SHARE * target and 2 * n <= min(FP8_MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT):
         n *= 2
-    if n < 2:
-        reason = f"no split: longest context {max_seqlen_k} <= {FP8_KEYS_PER_SPLIT} keys (FP8)"
+    if n < 2:  # (a context of 2048 keys or more always splits here: the loop halves it to 1024s)
+        reason = f"no split: longest context {max_seqlen_k} < {MIN_CONTEXT_TO_SPLIT} keys (FP8)"
         return SplitPlan(1, reason, sms, base, max_seqlen_k, kv_fp8=True)
     reason = (
         f"split {n}: {base} programs for {sms} SMs, FP8 cache; segments of <= {FP8_KEYS_PER_SPLIT} keys of the "

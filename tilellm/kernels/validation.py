@@ -59,16 +59,21 @@ def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_sc
     caches hold k's dtype, or FP8 with optional scales (`check_cache_dtype`)."""
     name = "store_kvcache"
     _check_layout_once(_check_store_layout, name, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if not deep_checks_enabled(k) or k.shape[0] == 0:
-        return
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if deep_checks_enabled(k) and k.shape[0] > 0:
+        check_slot_values(name, slot_mapping, k_cache)
+
+
+def check_slot_values(name: str, slot_mapping: torch.Tensor, cache: torch.Tensor) -> None:
+    """Every slot_mapping entry is -1 (padding) or a slot of `cache` [num_blocks, block_size, ...]
+    (a host read: callers do it on CPU tensors and under TILELLM_DEBUG=1)."""
+    num_slots = cache.shape[0] * cache.shape[1]
     slots = slot_mapping.cpu()
     bad = (slots < -1) | (slots >= num_slots)
     if bool(bad.any()):
         t = int(bad.nonzero()[0, 0])
         raise ValueError(
             f"{name}: slot_mapping[{t}] = {int(slots[t])} is out of range [-1, {num_slots}) "
-            f"(num_blocks * block_size = {k_cache.shape[0]} * {k_cache.shape[1]})"
+            f"(num_blocks * block_size = {cache.shape[0]} * {cache.shape[1]})"
         )
 
 

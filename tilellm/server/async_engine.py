@@ -239,9 +239,7 @@ class EngineLoop:
         # One message per step: its updates carry its stats (a step with none still reports them).
         self.emit(("updates", routed, self.stats) if routed else ("stats", self.stats))
 
-    def _make_update(
-        self, tracked: _Tracked, out: Any, now: float, clock_offset: float = 0.0
-    ) -> RequestUpdate:
+    def _make_update(self, tracked: _Tracked, out: Any, now: float, clock_offset: float) -> RequestUpdate:
         deltas = []
         max_tokens = 0
         # An engine with `output_deltas` hands out only what is new (and holds back incomplete

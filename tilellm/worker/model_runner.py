@@ -405,7 +405,11 @@ class ModelRunner:
             return absorbed
         topk = int(self.hf_config.index_topk)
         scratch = SCRATCH_ELEMENTS * 4  # int32 score keys
-        return absorbed + tokens * topk * 4 + 2 * scratch  # one scratch in the graphs' pool too
+        reserve = absorbed + tokens * topk * 4 + 2 * scratch  # one scratch in the graphs' pool too
+        if self.index_scale_spec is not None:  # FP8 keys: the step's e4m3 queries and scaled weights
+            heads = int(self.hf_config.index_n_heads)
+            reserve += tokens * heads * (self.index_spec.head_dim + 2 * 4)
+        return reserve
 
     def _bind_kv_pool(self) -> None:
         self.kv_cache = kv_pool.allocate_kv_pool(self.kv_spec, self.num_kv_blocks, self.device)

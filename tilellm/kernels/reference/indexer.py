@@ -23,8 +23,8 @@ import torch
 from tilellm.kernels.fp8 import FP8_MAX, quantize_fp8
 from tilellm.kernels.indexer import (
     INDEX_SCALE_EPS,
-    check_index_scales,
     check_index_topk,
+    check_store_index_keys,
     index_output,
     quantize_index_queries,
 )
@@ -110,8 +110,8 @@ def store_index_keys(
     *,
     index_scales: torch.Tensor | None = None,
 ) -> None:
-    """PyTorch twin of `tilellm.kernels.indexer.store_index_keys` (the same bytes)."""
-    check_index_scales("store_index_keys", index_cache, index_scales)
+    """PyTorch twin of `tilellm.kernels.indexer.store_index_keys` (the same bytes, the same checks)."""
+    check_store_index_keys("store_index_keys", index_k, index_cache, slot_mapping, index_scales)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     rows = index_k[keep]
