@@ -150,3 +150,31 @@ def test_stream_interval_sends_fewer_events_with_the_same_text(tiny_model_dir):
                     texts += [c["text"] for c in json.loads(line[6:])["choices"]]
     assert "".join(texts) == full
     assert len(texts) == 4, texts  # 1 + 4 + 4 + 4 tokens
+
+
+def test_a_full_response_aborted_after_its_first_token_counts_in_ttft(tiny_model_dir):
+    """A non-streamed request whose client leaves mid-answer (aborted: it never had an update)
+    still records its time to first token."""
+    from tests.server.conftest import MODEL_NAME, make_engine, read_metrics
+    from tilellm.server import ServerConfig, create_app
+
+    engine = make_engine(tiny_model_dir)
+    real_step = engine.step
+
+    def paced_step():  # 20 ms a step: 200 tokens take >= 4 s, the client leaves after 0.5 s
+        time.sleep(0.02)
+        return real_step()
+
+    engine.step = paced_step
+    body = {"model": MODEL_NAME, "prompt": [5] * 12, "max_tokens": 200, "ignore_eos": True}
+    app = create_app(engine, ServerConfig(MODEL_NAME))
+    with ServerThread(app) as s, httpx.Client(base_url=s.url) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while read_metrics(http).get("num_requests_running", 1) != 0:
+            assert time.monotonic() < deadline, "the request kept running after its client left"
+            time.sleep(0.05)
+        metrics = read_metrics(http)
+    assert metrics["time_to_first_token_seconds_count"] == 1
+    assert 0 < metrics["time_to_first_token_seconds_sum"] < 0.5

@@ -190,12 +190,25 @@ class EngineLoop:
                 self.emit(("resolve", cmd.fid, error, value))
             else:
                 for rid in cmd:
-                    if self._tracked.pop(rid, None) is not None:
+                    tracked = self._tracked.pop(rid, None)
+                    if tracked is not None:
+                        self._first_token_before_abort(rid, tracked)
                         self.engine.abort_request(rid)
                         if self.observer is not None:
                             self.observer.on_aborted()
         if commands:
             self._publish_stats()
+
+    def _first_token_before_abort(self, rid: str, tracked: _Tracked) -> None:
+        """A request aborted after its first token but before any update (`FINAL_ONLY`: its
+        first update would have been its last) still counts in the TTFT metric."""
+        if tracked.first_token_time is not None or self.observer is None:
+            return
+        req = getattr(self.engine, "requests", {}).get(rid)
+        stamped = getattr(getattr(req, "metrics", None), "first_token_time", None)
+        if stamped is not None:  # the engine's clock (perf_counter) in `arrival`'s (monotonic)
+            first = stamped + (time.monotonic() - time.perf_counter())
+            self.observer.on_first_token(max(0.0, first - tracked.arrival))
 
     def _add_batch(self, batch: _AddBatch) -> None:
         added: list[str] = []
