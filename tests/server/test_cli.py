@@ -49,9 +49,11 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> Non
 @pytest.mark.parametrize(
     "sig, grace, max_tokens, engine_flag",
     [
-        (signal.SIGTERM, "30", 40, "--engine-process"),
+        # 200 tokens: the stream must outlast the second request's admission (a full response
+        # costs the server nothing per step, so a short stream can finish before it)
+        (signal.SIGTERM, "30", 200, "--engine-process"),
         (signal.SIGINT, "0.2", 240, "--engine-process"),
-        (signal.SIGTERM, "30", 40, "--no-engine-process"),
+        (signal.SIGTERM, "30", 200, "--no-engine-process"),
     ],
     ids=["sigterm-finishes-in-flight", "sigint-aborts-after-grace", "sigterm-engine-thread"],
 )
