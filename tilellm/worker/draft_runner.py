@@ -37,7 +37,7 @@ from tilellm.kernels.fp8 import FP8_DTYPE, kv_cache_torch_dtype
 from tilellm.kernels.sampling import device_row_keys, gumbel_noise
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs
-from tilellm.worker.kv_scales import KVScales
+from tilellm.worker.kv_scales import KVScales, bind_kv_cache
 from tilellm.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,7 @@ class DraftRunner:
         layers = self.model.attention_layers()
         if self.kv_dtype == FP8_DTYPE:  # measured on its first real step (a catch-up, eager)
             self.fp8_scales = KVScales(layers, self.kv_spec.num_caches, self.device, "the draft model")
-            self.fp8_scales.bind(layers, self.kv_cache)
-            return
-        for i, layer in enumerate(layers):
-            layer.bind_kv_cache(*self.kv_cache[:, i])
+        bind_kv_cache(layers, self.kv_cache, self.fp8_scales)
 
     def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, sync) -> None:
         """CUDA graphs of the draft model's decode steps, per batch-size bucket as the target's
@@ -169,8 +166,7 @@ class DraftRunner:
 
     def _forward(self, x: StepInputs) -> torch.Tensor:
         """Float32 logits [N, V] of the step's sampled rows."""
-        layers = self.model.attention_layers()
-        measuring = self.fp8_scales.measuring(layers) if self.fp8_scales is not None else nullcontext()
+        measuring = self.fp8_scales.measuring() if self.fp8_scales is not None else nullcontext()
         with attention_context(self.attn_backend.plan(x.attention_metadata(), self.attn_spec)), measuring:
             hidden = self.model(x.input_ids, x.positions)
         return self.model.compute_logits(hidden[x.logits_indices]).float()

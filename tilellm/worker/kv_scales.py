@@ -2,10 +2,10 @@
 (MLA's latent rows: one), and binding them with the cache to the attention layers.
 
     scales = KVScales(model.attention_layers(), num_caches=2, device=device, name="the model")
-    scales.bind(layers, kv_cache)        # each layer gets its K / V cache views and scale views
-    with scales.measuring(layers):       # around the first real forward (if none came with the checkpoint)
+    bind_kv_cache(layers, kv_cache, scales)  # each layer: its K / V cache views and scale views
+    with scales.measuring():                 # around every real forward: the first one measures
         model(...)
-    scales.log_once()                    # after that step: one line with the measured range
+    scales.log_once()                        # after that step: one line with the measured range
 
 The scales live in device memory ([num_layers, num_caches]) so that CUDA graphs captured at
 start-up replay with the values set later. They come from the checkpoint when every layer ships
@@ -32,6 +32,7 @@ class KVScales:
     lines call the model ("the model", "the draft model")."""
 
     def __init__(self, layers: Sequence[Any], num_caches: int, device: torch.device, name: str = "the model"):
+        self.layers = layers
         self.name = name
         self.values = torch.ones(len(layers), num_caches, device=device)
         self.names = ("k",) if num_caches == 1 else ("k", "v")  # MLA: the latent rows'
@@ -50,24 +51,20 @@ class KVScales:
             )  # fmt: skip
         self.pending = True
 
-    def bind(self, layers: Sequence[Any], kv_cache: torch.Tensor) -> None:
-        """Layer i's caches (`kv_cache[:, i]`) and its scales (views of `values[i]`)."""
-        for i, layer in enumerate(layers):
-            layer.bind_kv_cache(*kv_cache[:, i], *self.values[i].split(1))
+    def measuring(self) -> contextlib.AbstractContextManager:
+        """Around a real forward: the first one (scales still pending) has every layer set its
+        scales from the values it stores; the others run as they are. Every tensor-parallel rank
+        does it for its own heads."""
+        return self._measure() if self.pending else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def measuring(self, layers: Sequence[Any]) -> Iterator[None]:
-        """Around a real forward: the first one (scales still pending) has every layer set its
-        scales from the values it stores. Every tensor-parallel rank does it for its own heads."""
-        if not self.pending:
-            yield
-            return
-        for layer in layers:
+    def _measure(self) -> Iterator[None]:
+        for layer in self.layers:
             layer.calibrate_kv_scales = True
         try:
             yield
         finally:
-            for layer in layers:
+            for layer in self.layers:
                 layer.calibrate_kv_scales = False
             self.pending = False
             self._logged = False
@@ -84,3 +81,11 @@ class KVScales:
             self.name,
             ", ".join(f"{n} {a:.3g}..{b:.3g}" for n, a, b in zip(names, lo, hi)),
         )
+
+
+def bind_kv_cache(layers: Sequence[Any], kv_cache: torch.Tensor, scales: KVScales | None = None) -> None:
+    """Layer i's caches (`kv_cache[:, i]`), and with an FP8 cache its scales (views of
+    `scales.values[i]`)."""
+    for i, layer in enumerate(layers):
+        views = scales.values[i].split(1) if scales is not None else ()
+        layer.bind_kv_cache(*kv_cache[:, i], *views)

@@ -43,7 +43,7 @@ from tilellm.kernels.fp8 import FP8_DTYPE, kv_cache_torch_dtype
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
 from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
-from tilellm.worker.kv_scales import KVScales
+from tilellm.worker.kv_scales import KVScales, bind_kv_cache
 from tilellm.worker.logits_processors import BadWordsState, PenaltyState
 from tilellm.worker.piecewise_graphs import PiecewiseGraphs
 from tilellm.worker.rejection import DraftVerification
@@ -423,10 +423,7 @@ class ModelRunner:
         self.fp8_scales = None
         if self.kv_dtype == FP8_DTYPE:
             self.fp8_scales = KVScales(layers, self.kv_spec.num_caches, self.device, "the model")
-            self.fp8_scales.bind(layers, self.kv_cache)
-        else:
-            for i, layer in enumerate(layers):
-                layer.bind_kv_cache(*self.kv_cache[:, i])
+        bind_kv_cache(layers, self.kv_cache, self.fp8_scales)
         if self.index_spec is not None:  # DeepSeek-V3.2: the indexer keys, on the same block ids
             self.index_cache = kv_pool.allocate_kv_pool(self.index_spec, self.num_kv_blocks, self.device)
             self.index_scales = None
@@ -662,9 +659,7 @@ class ModelRunner:
 
     def _measuring_kv_scales(self) -> contextlib.AbstractContextManager:
         """The first real step with an FP8 cache whose scales are unknown measures them."""
-        if self.fp8_scales is None:
-            return contextlib.nullcontext()
-        return self.fp8_scales.measuring(self.model.attention_layers())
+        return contextlib.nullcontext() if self.fp8_scales is None else self.fp8_scales.measuring()
 
     def log_kv_scales(self) -> None:
         """Say, once, the scales the first step measured (the target's and the draft's)."""
