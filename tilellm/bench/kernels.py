@@ -673,7 +673,8 @@ def main(args: argparse.Namespace) -> int:
         with _query_heads(16):
             kv = _lengths(100, 1100, 256, 9)
             _guard("E1D", rows, bench_paged, "E1D", [1] * len(kv), kv, dtype, rows, ceilings,
-                   decode=True, sweep=sweep, peers=False, graph=args.graph)  # fmt: skip
+                   decode=True, sweep=sweep, peers=False, graph=args.graph,
+                   fp8_cache=args.fp8_cache)  # fmt: skip
             # The same batch with the longest contexts first: programs launch in request order,
             # so this is longest-processing-time-first scheduling (a shorter tail of the grid).
             lpt = sorted(kv, reverse=True)
