@@ -376,14 +376,12 @@ def _launch(
     group = Hq // Hkv
     internal = kv_lo is not None or kv_hi is not None or parts is not None or tiles_fastest is not None
     kv_fp8 = is_fp8(k_cache)
-    k_scale, v_scale = kv_scales
-    if kv_fp8 and (k_scale is None or v_scale is None):
-        one = unit_scale(q.device)
-        k_scale, v_scale = k_scale if k_scale is not None else one, v_scale if v_scale is not None else one
     if max_seqlen_k is None and seq_lens.device.type != "cpu":
         # Plan from what the host knows: no request holds more keys than its block table row
         # maps. Reading seq_lens instead would sync with the device and could not be captured.
         max_seqlen_k = block_table.shape[1] * page
+    if isinstance(num_splits, PagedPlan) and num_splits.kernel == "gluon" and kv_fp8:
+        num_splits = None  # the Gluon kernel reads 16-bit pages only: plan for the Triton one
     if isinstance(num_splits, PagedPlan):
         paged_plan = num_splits  # planned on the host by the caller (no sync, CUDA-graph safe)
     elif isinstance(num_splits, SplitPlan):
@@ -409,7 +407,7 @@ def _launch(
             stats = torch.zeros(batch * Hq * gluon_tiles * 2, dtype=torch.int32, device=q.device)
         if launch_gluon(lambda hopper: hopper.launch_paged(
             rows_view(q), k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, group,
-            validation.resolve_scale(scale, D) * LOG2_E, stats=stats, k_scale=k_scale, v_scale=v_scale,
+            validation.resolve_scale(scale, D) * LOG2_E, stats=stats,
         )):  # fmt: skip
             return (stats.view(batch, Hq, gluon_tiles, 2), paged_plan.split) if record_stats else None
         # this Triton cannot build it: the portable kernel, with its own plan
@@ -438,6 +436,10 @@ def _launch(
         lse_parts = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
     else:
         o_parts = lse_parts = o  # unused
+    k_scale, v_scale = kv_scales
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        one = unit_scale(q.device)
+        k_scale, v_scale = k_scale if k_scale is not None else one, v_scale if v_scale is not None else one
     _paged_launch[grid](
         q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
