@@ -51,6 +51,12 @@ from tilellm.kernels.schedule import (
 )
 
 LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
+# Decode and verification tiles (at most this many rows) over an FP8 cache run their masked
+# key tiles (a request's last, partial tile) without software pipelining: one tile, whose
+# pipeline prologue and epilogue cost more instructions than its load's latency (H200, E1's
+# decode step in the engine's order: 3117 vs 2644 GB/s of FP8 bytes; D1 3834 vs 3741; the
+# 16-bit cache's tiles and 128-row chunks measured no gain, and keep the pipelined loop).
+SHORT_TILE_ROWS = 64
 
 
 @triton.jit
@@ -59,12 +65,13 @@ def _paged_tiles(
     K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
     n_start, n_end, key_lo, key_end, qk_scale,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-    K_ROWS: tl.constexpr,
+    K_ROWS: tl.constexpr, PIPELINED: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles [n_start, n_end) gathered through the block table. FP8
     tiles are widened to q's dtype in registers (exact: every e4m3 value is a bf16/fp16 value);
-    their scales are folded into `qk_scale` and applied to the output by the caller."""
-    for n in tl.range(n_start, n_end, BLOCK_N):
+    their scales are folded into `qk_scale` and applied to the output by the caller.
+    `PIPELINED=False` runs the loop without software pipelining (one stage)."""
+    for n in tl.range(n_start, n_end, BLOCK_N, num_stages=None if PIPELINED else 1):
         k_pos = n + offs_n
         if MASKED:
             key_ok = (k_pos < key_end) & (k_pos >= key_lo)
@@ -138,6 +145,7 @@ def _paged_kernel(
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
     TILES_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
+    PIPELINE_MASKED: tl.constexpr,
 ):  # fmt: skip
     if TILES_FASTEST:
         # Several query tiles: a (request, KV head)'s tiles launch side by side and share its K/V
@@ -226,13 +234,13 @@ def _paged_kernel(
         acc, l_i, m_i, q, q_pos,
         K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
         lo, full_hi, win_lo, hi, qk_scale,
-        PAGE, BLOCK_N, False, PRECISION, K_ROWS,
+        PAGE, BLOCK_N, False, PRECISION, K_ROWS, True,
     )  # fmt: skip
     acc, l_i, m_i = _paged_tiles(
         acc, l_i, m_i, q, q_pos,
         K_cache, V_cache, bt_row, kv_head, stride_cb, stride_cs, stride_ch, offs_n, offs_d,
         masked_lo, hi, win_lo, hi, qk_scale,
-        PAGE, BLOCK_N, True, PRECISION, K_ROWS,
+        PAGE, BLOCK_N, True, PRECISION, K_ROWS, PIPELINE_MASKED,
     )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale)
@@ -458,6 +466,7 @@ def _launch(
         RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype), K_ROWS=cfg.k_rows,
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
+        PIPELINE_MASKED=not (kv_fp8 and cfg.block_m <= SHORT_TILE_ROWS),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1 and parts is None:
