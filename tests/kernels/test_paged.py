@@ -232,3 +232,15 @@ def test_gpu_long_single_decode_splits(device):
     plan = plan_split_kv(b.cu_seqlens_q, b.seq_lens, 32, 8, head_dim=128, dtype=torch.bfloat16)
     assert plan.num_splits > 1, plan.reason
     run_and_check(b, device, "131072-token decode")
+
+
+def test_forced_decode_tile_keeps_its_rows(device):
+    """A forced 64-row tile stays 64 rows on a decode batch of GQA group 2 (rows past the group
+    masked), and gives the twin's answer; unforced decode tiles keep 16 rows."""
+    from tilellm.kernels import config
+
+    assert config.paged_config(32, torch.float16, 2, 1)[0].block_m == 16
+    b = make_paged_batch([(1, 75), (1, 18), (1, 1), (1, 40)], 4, 2, 32, 16, torch.float16, device, seed=13)
+    with config.override(paged=config.TileConfig(64, 16, 4, 1)):
+        assert config.paged_config(32, torch.float16, 2, 1)[0].block_m == 64
+        run_and_check(b, device, "64-row decode tile")

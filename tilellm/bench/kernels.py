@@ -504,7 +504,17 @@ def _bench_fp8_cache(
         # eagerly, a call shorter than its host work measures the host.
         timer = _bench_graph if graph else _bench
         configs = DECODE_SWEEP if max(q_lens) == 1 else VERIFY_SWEEP if max(q_lens) <= 16 else CHUNK_SWEEP
-        for rows_, bn, w, st, *_ in configs + [(16, 256, 4, 3), (16, 256, 4, 2), (16, 128, 4, 4)]:
+        # and decode tiles of 64 rows (4 warps: Triton's warpgroup MMA, whose e4m3 operands are
+        # widened from shared memory in a vectorised layout; the rows past the GQA group are masked)
+        extra = [
+            (16, 256, 4, 3),
+            (16, 256, 4, 2),
+            (16, 128, 4, 4),
+            (64, 64, 4, 3),
+            (64, 128, 4, 3),
+            (64, 128, 4, 2),
+        ]
+        for rows_, bn, w, st, *_ in configs + extra:
             for k_rows in (False, True):
                 cfg = config.TileConfig(rows_, bn, w, st, k_rows=k_rows)
                 label = f"fp8 rows{rows_} bn{bn} w{w} s{st}" + (" k-rows" if k_rows else "")

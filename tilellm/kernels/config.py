@@ -186,6 +186,10 @@ def paged_config(
     block_q = 1 << (block_q.bit_length() - 1)  # power of two tokens per tile
     block_q = min(block_q, _next_pow2(max(1, max_seqlen_q)))
     block_m = max(16, _next_pow2(block_q * group))
+    if "paged" in _overrides:
+        # a forced tile keeps its rows even where fewer would do (decode tiles of 64 rows, say,
+        # which Triton runs on warpgroup MMAs: benchmarks sweep them); the extra rows are masked
+        block_m = max(block_m, _next_pow2(rows))
     cfg = TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, k_rows=k_rows)
     return cfg, block_q
 
