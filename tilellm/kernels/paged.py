@@ -51,12 +51,14 @@ from tilellm.kernels.schedule import (
 )
 
 LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
-# Decode and verification tiles (at most this many rows) over an FP8 cache run their masked
-# key tiles (a request's last, partial tile) without software pipelining: one tile, whose
-# pipeline prologue and epilogue cost more instructions than its load's latency (H200, E1's
-# decode step in the engine's order: 3117 vs 2644 GB/s of FP8 bytes; D1 3834 vs 3741; the
-# 16-bit cache's tiles and 128-row chunks measured no gain, and keep the pipelined loop).
-SHORT_TILE_ROWS = 64
+# Decode and verification (at most this many new tokens per request) over an FP8 cache run
+# their masked key tiles (a request's last, partial tile, or two) without software pipelining:
+# a loop of one iteration, whose pipeline prologue and epilogue cost more instructions than its
+# load's latency (H200, E1's decode step in the engine's order: 3117 vs 2644 GB/s of FP8 bytes;
+# D1 3834 vs 3741; V1 2241 vs 2182). The 16-bit cache's tiles and prompt chunks measured no gain
+# (C1 319 vs 324 TFLOP/s), and cascade's suffix pass (every tile masked) was not measured: they
+# keep the pipelined loop.
+SHORT_TILE_TOKENS = 16
 
 
 @triton.jit
@@ -466,7 +468,7 @@ def _launch(
         RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype), K_ROWS=cfg.k_rows,
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
-        PIPELINE_MASKED=not (kv_fp8 and cfg.block_m <= SHORT_TILE_ROWS),
+        PIPELINE_MASKED=not (kv_fp8 and (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS and kv_lo is None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1 and parts is None:
