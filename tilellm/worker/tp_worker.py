@@ -4,7 +4,8 @@ It joins the group, builds its `ModelRunner` (its shard of every layer and of th
 runs whatever step rank 0 broadcasts until rank 0 says stop. It never schedules or samples.
 
 Failure: any exception is sent to rank 0 as a traceback over the process's pipe, then the
-process exits at once; rank 0 raises it (`WorkerError`). The worker also exits when rank 0's
+process exits at once; rank 0 raises it (`WorkerError`). A clean stop exits with 0 without the
+interpreter's teardown. The worker also exits when rank 0's
 process ends, however it ends: a thread waits on the parent's sentinel.
 """
 
@@ -93,3 +94,9 @@ def run_worker(
         sys.stderr.flush()
         os._exit(1)
     conn.close()
+    # A clean stop skips the interpreter's teardown: the collectives' backend and the store may
+    # still hold C++ threads, and destroying a joinable one at exit aborts the process (SIGABRT,
+    # exit code -6, seen now and then after a clean stop). Nothing is left to flush but stdio.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
