@@ -1,0 +1,185 @@
+"""The Gluon FP8 decode kernel (`tilellm/kernels/decode_fp8.py`) against `paged.py`'s FP8 decode
+tiles on the same e4m3 cache: checked first (fp32 SDPA on the dequantized cache, and the two
+kernels against each other on the whole batch), then timed from CUDA graphs (`bench kernels`'
+graph timer: L2 flushed before each call), with forced segment counts for the new kernel.
+
+Workloads (docs/workloads.md): D1-D4 (32 query heads, 8 KV heads, D 128, page 16) and E1D (E1's
+decode step: 256 requests, 16 query heads over 8 KV heads), both launch orders. GB/s counts the
+FP8 bytes of K and V read.
+
+    python benchmarks/decode_fp8.py [--workloads D1,D2,D3,D4,E1D] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+import tilellm.kernels as tk
+from tilellm.bench import kernels as bk
+from tilellm.kernels import decode_fp8
+from tilellm.kernels.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
+from tilellm.kernels.merge import merge_into
+from tilellm.kernels.paged import LOG2_E, plan_paged
+
+
+def fp8_cache(kc, vc):
+    k_scale = (kc.float().abs().amax() / FP8_MAX * 2).reshape(1)
+    v_scale = (vc.float().abs().amax() / FP8_MAX * 2).reshape(1)
+    return quantize_fp8(kc, k_scale), quantize_fp8(vc, v_scale), k_scale, v_scale
+
+
+def run_gluon(q, kc8, vc8, bt, seq, k_scale, v_scale, splits, min_keys, out, block_n=16, stages=0):
+    B, Hq, D = q.shape
+    parts = lse = None
+    if splits > 1:
+        parts = torch.empty(splits, B, Hq, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, B, Hq, dtype=torch.float32, device=q.device)
+    decode_fp8.launch_decode_fp8(
+        q,
+        kc8,
+        vc8,
+        out,
+        bt,
+        seq,
+        D**-0.5 * LOG2_E,
+        k_scale,
+        v_scale,
+        splits,
+        min_keys,
+        parts,
+        lse,
+        block_n,
+        stages,
+    )
+    if splits > 1:
+        merge_into(parts, lse, out)
+    return out
+
+
+def check_edge_cases(variants) -> list[dict]:
+    """Small batches of every supported shape against the twin on the dequantized cache: head
+    dims 64 / 128, groups 1-8, pages smaller and larger than a key tile, bf16 and fp16 queries,
+    unsplit and split (segments of 16 keys: some empty), contexts of 1 key to a few tiles."""
+    from tilellm.kernels import reference as ref
+
+    results = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv, hkv = [1, 15, 16, 17, 33, 200, 700], 2
+    for (block_n, stages), D, group, page, dtype, splits in itertools.product(
+        variants, (128, 64), (1, 2, 8), (16, 8), (torch.bfloat16, torch.float16), (1, 3)
+    ):
+        pages = [-(-x // page) for x in kv]
+        nb = sum(pages) + 3
+        kc8, vc8, ks, vs = fp8_cache(
+            torch.randn(nb, page, hkv, D, device="cuda", generator=g) * 3,
+            torch.randn(nb, page, hkv, D, device="cuda", generator=g),
+        )
+        perm = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
+        bt = torch.zeros(len(kv), max(pages) + 2, dtype=torch.int32, device="cuda")
+        for i, start in enumerate(itertools.accumulate([0] + pages[:-1])):
+            bt[i, : pages[i]] = perm[start : start + pages[i]]
+        seq = torch.tensor(kv, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(kv), hkv * group, D, device="cuda", dtype=dtype, generator=g)
+        out = run_gluon(
+            q, kc8, vc8, bt, seq, ks, vs, splits, 16, torch.full_like(q, float("nan")), block_n, stages
+        )
+        kd, vd = dequantize_fp8(kc8, ks, torch.float32), dequantize_fp8(vc8, vs, torch.float32)
+        want = ref.decode_attention(q.float(), kd, vd, bt, seq)
+        err = ((out.float() - want).abs().max() / want.abs().max()).item()
+        ok = err < 8e-3 and not out.isnan().any().item()
+        results.append(dict(block_n=block_n, stages=stages, D=D, group=group, page=page, dtype=str(dtype),
+                            splits=splits, err=err, ok=ok))  # fmt: skip
+        if not ok:
+            print("FAIL", results[-1])
+    passed, worst = sum(r["ok"] for r in results), max(r["err"] for r in results)
+    print(f"edge cases: {passed}/{len(results)} pass, max err {worst:.2e}")
+    return results
+
+
+def bench_workload(name: str, hq: int, kv: list[int], variants, report: dict) -> None:
+    """One workload: `decode_attention` (paged.py's FP8 tiles, planned) and each Gluon variant at
+    the planned segment count, half and twice it; every output checked against paged.py's."""
+    bk.HQ = hq
+    q, kc, vc, bt, _, seq = bk._paged_inputs([1] * len(kv), kv, torch.bfloat16)
+    kc8, vc8, ks, vs = fp8_cache(kc, vc)
+    del kc, vc
+    max_k = max(kv)
+    plan = plan_paged(
+        len(kv),
+        hq,
+        8,
+        128,
+        q.dtype,
+        16,
+        1,
+        num_tokens=len(kv),
+        max_seqlen_k=max_k,
+        is_decode=True,
+        kv_fp8=True,
+    ).split
+    out = torch.empty_like(q)
+
+    def triton_fn():
+        return tk.decode_attention(q, kc8, vc8, bt, seq, max_seqlen_k=max_k, k_scale=ks, v_scale=vs)
+
+    def gluon_fn(splits, block_n, stages):
+        return lambda: run_gluon(
+            q, kc8, vc8, bt, seq, ks, vs, splits, plan.min_keys_per_split, out, block_n, stages
+        )
+
+    ref_out = triton_fn().float()
+    byts = sum(kv) * 8 * 128 * 2  # e4m3 K and V
+    planned = plan.num_splits
+    rows = [(f"paged.py fp8 (planned {planned})", triton_fn)]
+    for (bn, st), s in itertools.product(variants, sorted({planned, max(1, planned // 2), planned * 2})):
+        if s > max(1, max_k // 64):
+            continue
+        fn = gluon_fn(s, bn, st)
+        err = ((fn().float() - ref_out).abs().max() / ref_out.abs().max()).item()
+        assert err < 1e-2, (name, bn, st, s, err)
+        rows.append((f"gluon bn{bn} st{st} splits={s}" + (" (planned)" if s == planned else ""), fn))
+    for label, fn in rows:
+        ms = bk._bench_graph(fn)
+        print(f"{name:<20}{label:<38}{ms:>9.4f}{byts / ms / 1e6:>8.0f}")
+        report["rows"].append(dict(workload=name, kernel=label, ms=ms, gbps=byts / ms / 1e6))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default="D1,D2,D3,D4,E1D,E1D-longest-first")
+    p.add_argument(
+        "--variants",
+        default=f"{decode_fp8.BLOCK_N}:{decode_fp8.STAGES}",
+        help="block_n:stages of the Gluon kernel, comma-separated (stages 0: register prefetch)",
+    )
+    p.add_argument("--no-check", action="store_true", help="skip the edge-case checks")
+    p.add_argument("--json")
+    args = p.parse_args()
+    variants = [tuple(map(int, v.split(":"))) for v in args.variants.split(",")]
+    report = {"device": torch.cuda.get_device_name(), "rows": []}
+    if not args.no_check:
+        report["edge_cases"] = check_edge_cases(variants)
+    e1d = bk._lengths(100, 1100, 256, 9)
+    workloads = {
+        "D1": (32, [2048] * 256),
+        "D2": (32, [32768] * 8),
+        "D3": (32, [131072]),
+        "D4": (32, bk._lengths(128, 16384, 64, 4)),
+        "E1D": (16, e1d),
+        "E1D-longest-first": (16, sorted(e1d, reverse=True)),
+    }
+    print(f"{'workload':<20}{'kernel':<38}{'ms':>9}{'GB/s':>8}")
+    for name in args.workloads.split(","):
+        bench_workload(name, *workloads[name], variants, report)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
