@@ -106,6 +106,20 @@ def gluon_page_ok(page: int) -> bool:
     return page % 16 == 0 and (128 % page == 0 or page % 128 == 0)
 
 
+def decode_fp8_uses_gluon(head_dim: int, dtype: torch.dtype, group: int) -> bool:
+    """Whether decode batches over an FP8 cache run the Gluon kernel of `decode_fp8.py` (no
+    shared-memory round trip of widened tiles; on an H200 E1's decode step 3529 vs 3129 GB/s of
+    FP8 bytes, D4 3485 vs 3154: docs/benchmarks.md): an H100/H200, half-precision queries, head
+    dim 64 or 128, at most 8 query heads per KV head (the MMA's 8 columns), no forced tiles."""
+    return (
+        "paged" not in _overrides
+        and gluon_ok()
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim in (64, 128)
+        and group <= 8
+    )
+
+
 def paged_uses_gluon(
     head_dim: int,
     dtype: torch.dtype,
@@ -254,22 +268,26 @@ def disable_gluon(reason: str) -> None:
     _gluon_disabled = reason or "unknown"
 
 
-def launch_gluon(launch: Callable[[ModuleType], None]) -> bool:
-    """Run `launch(hopper)` (a launch of one of `hopper.py`'s kernels); False, with the kernels
-    disabled from then on, when the installed Triton cannot build it (the caller then runs the
-    portable kernel). Errors of the launch itself (CUDA, shapes) propagate."""
+def launch_gluon(launch: Callable[[ModuleType], bool | None], module: str = "hopper") -> bool:
+    """Run `launch(kernels)`, a launch of one of the Gluon kernels of `tilellm.kernels.<module>`
+    (`hopper.py`, `decode_fp8.py`); False when `launch` returns False (it did not take the
+    batch), or, with the Gluon kernels disabled from then on, when the installed Triton cannot
+    build it: the caller then runs the portable kernel. Errors of the launch itself (CUDA,
+    shapes) propagate."""
+    import importlib
+
     from triton.compiler.errors import CompilationError
 
     if gluon_unavailable() is not None:
         return False
-    from tilellm.kernels import hopper
+    kernels = importlib.import_module(f"tilellm.kernels.{module}")
 
     try:
-        launch(hopper)
+        taken = launch(kernels)
     except CompilationError as e:
         disable_gluon(f"CompilationError: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
         return False
-    return True
+    return taken is not False
 
 
 def gluon_ok(device_index: int | None = None) -> bool:

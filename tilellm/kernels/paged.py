@@ -425,6 +425,19 @@ def _launch(
             batch, Hq, Hkv, D, q.dtype, page, max_seqlen_q, num_tokens=T, seq_lens=seq_lens,
             max_seqlen_k=max_seqlen_k, is_decode=is_decode, allow_gluon=False,
         )  # fmt: skip
+    if paged_plan.kernel == "gluon-decode-fp8":
+        # Decode over an FP8 cache on Hopper: each thread widens the bytes its tensor-core
+        # operands hold, in registers (decode_fp8.py). Same split plan, partials and merge.
+        if is_decode and not internal and not record_stats and T > 0 and batch > 0:
+            k_scale, v_scale = kv_scales
+            one = unit_scale(q.device) if k_scale is None or v_scale is None else None
+            if launch_gluon(lambda decode_fp8: _launch_decode_fp8(
+                decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale,
+                k_scale if k_scale is not None else one, v_scale if v_scale is not None else one, paged_plan.split,
+            ), module="decode_fp8"):  # fmt: skip
+                return None
+        # stats asked for, a layout it does not take, or a Triton that cannot build it
+        paged_plan = PagedPlan("triton", paged_plan.split)
     plan = paged_plan.split
     splits = plan.num_splits
     if tiles_fastest is None:
@@ -492,6 +505,28 @@ def _plan_for_shape(
         max_seqlen_k=max_seqlen_k, num_splits=num_splits, is_decode=is_decode, allow_gluon=allow_gluon,
         num_sms=num_sms(device_index), kv_fp8=kv_fp8,
     )  # fmt: skip
+
+
+def _launch_decode_fp8(
+    decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, k_scale, v_scale, plan
+):
+    """`decode_fp8.py`'s kernel over the batch, its split-KV partials merged into `o`; False
+    (nothing launched) for a layout it does not take."""
+    if not decode_fp8.supports(q, k_cache, v_cache):
+        return False
+    B, Hq, D = q.shape
+    splits = plan.num_splits
+    o_parts = lse_parts = None
+    if splits > 1:
+        o_parts = torch.empty((splits, B, Hq, D), dtype=torch.float32, device=q.device)
+        lse_parts = torch.empty((splits, B, Hq), dtype=torch.float32, device=q.device)
+    decode_fp8.launch_decode_fp8(
+        q, k_cache, v_cache, o, block_table, seq_lens, validation.resolve_scale(scale, D) * LOG2_E,
+        k_scale, v_scale, splits, plan.min_keys_per_split, o_parts, lse_parts,
+    )  # fmt: skip
+    if splits > 1:
+        merge_into(o_parts, lse_parts, o)
+    return True
 
 
 @functools.lru_cache(maxsize=1024)

@@ -19,6 +19,7 @@ import torch
 
 from tilellm.kernels.config import (
     GLUON_QUERY_TILE,
+    decode_fp8_uses_gluon,
     paged_config,
     paged_uses_gluon,
 )
@@ -292,8 +293,9 @@ def hopper_plan(
 class PagedPlan:
     """How `paged_attention` / `decode_attention` run one batch: the kernel and its split plan.
 
-    kernel: "triton" (`paged.py`, every GPU and the interpreter) or "gluon" (`hopper.py`, prompt
-    chunks on an H100/H200). Made on the host from what the host knows (no device read when
+    kernel: "triton" (`paged.py`, every GPU and the interpreter), "gluon" (`hopper.py`, prompt
+    chunks on an H100/H200) or "gluon-decode-fp8" (`decode_fp8.py`, decode over an FP8 cache
+    on an H100/H200). Made on the host from what the host knows (no device read when
     `max_seqlen_k` is given), once per step by the engine's attention backend and reused by every
     layer and by CUDA-graph capture; the kernels make the same plan themselves when given none.
     """
@@ -333,7 +335,9 @@ def plan_paged(
     batch, and `config.paged_uses_gluon` takes it (Hopper, D = 128, half precision, pages that
     tile 128 keys, prompt chunks wide enough for a wave; see there); it never splits. Otherwise
     `paged.py` with `choose_num_splits`'s plan for its tiles (`kv_fp8`: the cache holds FP8
-    pages, which take their own tiles and split rule and never the Gluon kernel).
+    pages, which take their own tiles and split rule and never `hopper.py`). Decode batches over
+    an FP8 cache run `decode_fp8.py` where `config.decode_fp8_uses_gluon` takes them (when
+    `allow_gluon`), with the same split plan: its key tiles are as wide as `paged.py`'s.
     """
     max_q = max(max_seqlen_q, 1)
     if (
@@ -359,6 +363,8 @@ def plan_paged(
         rows_per_program=cfg.block_m,
         kv_fp8=kv_fp8,
     )
+    if allow_gluon and kv_fp8 and is_decode and decode_fp8_uses_gluon(head_dim, dtype, group):
+        return PagedPlan("gluon-decode-fp8", split)
     return PagedPlan("triton", split)
 
 
