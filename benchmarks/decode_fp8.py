@@ -1,7 +1,9 @@
 """The Gluon FP8 decode kernel (`tilellm/kernels/decode_fp8.py`) against `paged.py`'s FP8 decode
-tiles on the same e4m3 cache: checked first (fp32 SDPA on the dequantized cache, and the two
-kernels against each other on the whole batch), then timed from CUDA graphs (`bench kernels`'
-graph timer: L2 flushed before each call), with forced segment counts for the new kernel.
+tiles on the same e4m3 cache: checked first (the twin on the dequantized cache for small batches
+of every supported shape, and the two kernels against each other on each workload), then timed
+from CUDA graphs (`bench kernels`' graph timer: L2 flushed before each call): paged.py (its tiles
+forced), `decode_attention` as called (the Gluon kernel where the plan gives it the batch), and
+the Gluon kernel at the planned segment count, half and twice it.
 
 Workloads (docs/workloads.md): D1-D4 (32 query heads, 8 KV heads, D 128, page 16) and E1D (E1's
 decode step: 256 requests, 16 query heads over 8 KV heads), both launch orders. GB/s counts the
@@ -20,7 +22,7 @@ import torch
 
 import tilellm.kernels as tk
 from tilellm.bench import kernels as bk
-from tilellm.kernels import decode_fp8
+from tilellm.kernels import config, decode_fp8
 from tilellm.kernels.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
 from tilellm.kernels.merge import merge_into
 from tilellm.kernels.paged import LOG2_E, plan_paged
@@ -123,7 +125,11 @@ def bench_workload(name: str, hq: int, kv: list[int], variants, report: dict) ->
     ).split
     out = torch.empty_like(q)
 
-    def triton_fn():
+    def triton_fn():  # paged.py: its FP8 decode tiles forced (so the plan never takes the Gluon kernel)
+        with config.override(paged=config.paged_config(128, q.dtype, hq // 8, 1, kv_fp8=True)[0]):
+            return tk.decode_attention(q, kc8, vc8, bt, seq, max_seqlen_k=max_k, k_scale=ks, v_scale=vs)
+
+    def public_fn():  # what decode_attention runs as called
         return tk.decode_attention(q, kc8, vc8, bt, seq, max_seqlen_k=max_k, k_scale=ks, v_scale=vs)
 
     def gluon_fn(splits, block_n, stages):
@@ -134,7 +140,7 @@ def bench_workload(name: str, hq: int, kv: list[int], variants, report: dict) ->
     ref_out = triton_fn().float()
     byts = sum(kv) * 8 * 128 * 2  # e4m3 K and V
     planned = plan.num_splits
-    rows = [(f"paged.py fp8 (planned {planned})", triton_fn)]
+    rows = [(f"paged.py fp8 (planned {planned})", triton_fn), ("decode_attention as called", public_fn)]
     for (bn, st), s in itertools.product(variants, sorted({planned, max(1, planned // 2), planned * 2})):
         if s > max(1, max_k // 64):
             continue

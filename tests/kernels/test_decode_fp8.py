@@ -13,6 +13,7 @@ in a CUDA graph and replayed over new values.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -172,3 +173,100 @@ def test_captured_in_a_cuda_graph(splits, launches):
     graph.replay()
     assert_close(out, _expected(b, ks, vs), tolerance(torch.bfloat16, "cuda"), "replay")
     assert launches[0] == 2
+
+
+# -- on any machine: which batches the plan gives the kernel, and how paged.py calls it --
+
+
+@pytest.fixture
+def hopper_with_gluon(monkeypatch):
+    """The plan as an H100/H200 with a Triton that builds Gluon makes it."""
+    monkeypatch.setattr(config, "gluon_ok", lambda device_index=None: True)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, group, max_q, fp8, allow, kernel",
+    [
+        (torch.bfloat16, 128, 2, 1, True, True, "gluon-decode-fp8"),
+        (torch.float16, 64, 8, 1, True, True, "gluon-decode-fp8"),
+        (torch.bfloat16, 128, 1, 1, True, True, "gluon-decode-fp8"),
+        (torch.bfloat16, 128, 16, 1, True, True, "triton"),  # more heads than the MMA's 8 columns
+        (torch.float32, 128, 2, 1, True, True, "triton"),  # fp32 queries
+        (torch.bfloat16, 256, 2, 1, True, True, "triton"),  # head dim
+        (torch.bfloat16, 128, 2, 1, False, True, "triton"),  # a 16-bit cache
+        (torch.bfloat16, 128, 2, 1, True, False, "triton"),  # strided caches, cascade windows
+    ],
+)
+def test_plan_gives_decode_over_fp8_to_the_kernel(
+    hopper_with_gluon, dtype, head_dim, group, max_q, fp8, allow, kernel
+):
+    plan = plan_paged(
+        64, 8 * group, 8, head_dim, dtype, 16, max_q, max_seqlen_k=4096, is_decode=True, kv_fp8=fp8,
+        allow_gluon=allow, num_sms=132,
+    )  # fmt: skip
+    assert plan.kernel == kernel
+    triton_plan = plan_paged(
+        64, 8 * group, 8, head_dim, dtype, 16, max_q, max_seqlen_k=4096, is_decode=True, kv_fp8=fp8,
+        allow_gluon=False, num_sms=132,
+    )  # fmt: skip
+    assert plan.split == triton_plan.split  # the same segments: both kernels' key tiles are 32 wide
+
+
+def test_forced_tiles_keep_paged_py(hopper_with_gluon):
+    with config.override(paged=config.TileConfig(16, 32, 1, 6)):
+        plan = plan_paged(8, 16, 8, 128, torch.bfloat16, 16, 1, max_seqlen_k=512, is_decode=True, kv_fp8=True)
+    assert plan.kernel == "triton"
+
+
+class _KernelTwin:
+    """Stands in for `decode_fp8` in `launch_gluon`: its launch computes, in PyTorch, what the
+    kernel writes (each segment's normalised output and natural-log lse, or the whole output)."""
+
+    BLOCK_N = 32
+
+    def __init__(self):
+        self.calls = []
+
+    def supports(self, q, k_cache, v_cache):
+        return True
+
+    def launch_decode_fp8(self, q, k_cache, v_cache, o, block_table, seq_lens, qk_scale, k_scale, v_scale,
+                          num_splits, min_split_keys, o_parts=None, lse_parts=None):  # fmt: skip
+        self.calls.append(num_splits)
+        B, Hq, D = q.shape
+        page, hkv = k_cache.shape[1], k_cache.shape[2]
+        for b in range(B):
+            n = int(seq_lens[b])
+            rows = block_table[b, : -(-n // page)].long()
+            k = (k_cache[rows].reshape(-1, hkv, D)[:n].float() * k_scale).repeat_interleave(Hq // hkv, 1)
+            v = (v_cache[rows].reshape(-1, hkv, D)[:n].float() * v_scale).repeat_interleave(Hq // hkv, 1)
+            scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * qk_scale  # base 2
+            if num_splits == 1:
+                o[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores * math.log(2), -1), v).to(o.dtype)
+                continue
+            bn = self.BLOCK_N
+            seg = max(math.ceil(math.ceil(n / num_splits) / bn) * bn, math.ceil(min_split_keys / bn) * bn)
+            for s in range(num_splits):
+                lo, hi = s * seg, min(s * seg + seg, n)
+                if lo >= hi:
+                    o_parts[s, b] = 0.0
+                    lse_parts[s, b] = float("-inf")
+                    continue
+                part = scores[:, lo:hi] * math.log(2)
+                o_parts[s, b] = torch.einsum("hn,nhd->hd", torch.softmax(part, -1), v[lo:hi])
+                lse_parts[s, b] = torch.logsumexp(part, -1)
+        return True
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3, 8])
+def test_paged_py_calls_the_kernel_and_merges_its_segments(hopper_with_gluon, monkeypatch, splits):
+    from tilellm.kernels import paged
+
+    twin = _KernelTwin()
+    monkeypatch.setattr(paged, "launch_gluon", lambda launch, module="hopper": launch(twin))
+    b, ks, vs = _fp8_batch([(1, n) for n in CONTEXTS], 8, 2, 64, 16, torch.float16, "cpu", seed=3)
+    args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    got = tk.decode_attention(*args, num_splits=splits, max_seqlen_k=1500, k_scale=ks, v_scale=vs, scale=0.3)
+    want = ref.decode_attention(*args, k_scale=ks, v_scale=vs, scale=0.3)
+    assert_close(got, want, tolerance(torch.float16, "cpu"), f"splits {splits}")
+    assert len(twin.calls) == 1 and (splits is None or twin.calls == [splits])

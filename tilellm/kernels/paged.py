@@ -512,7 +512,7 @@ def _launch_decode_fp8(
 ):
     """`decode_fp8.py`'s kernel over the batch, its split-KV partials merged into `o`; False
     (nothing launched) for a layout it does not take."""
-    if not decode_fp8.supports(q, k_cache, v_cache):
+    if not decode_fp8.supports(q, k_cache, v_cache) or o.stride(-1) != 1:
         return False
     B, Hq, D = q.shape
     splits = plan.num_splits
