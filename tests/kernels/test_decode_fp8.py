@@ -2,7 +2,10 @@
 
 On any machine: it compiles for sm_90a (Triton's own ptxas, no GPU) into mma.sync products fed by
 cp.async copies and `cvt.rn.f16x2.e4m3x2` widening, without spilling, with no shared-memory
-round trip of widened tiles (no ldmatrix), in the shared memory of its two rings. On a Hopper
+round trip of widened tiles, in the shared memory of its two rings; `plan_paged` gives it decode
+batches over an FP8 cache where Hopper and Gluon are (the plan made as there), `paged.py` calls
+it with the plan's segments and merges them (a PyTorch stand-in for the kernel), and
+`launch_gluon` falls back when a module declines a batch or cannot be built. On a Hopper
 GPU: `plan_paged` picks it for decode over an FP8 cache; its output against the PyTorch twin on
 the dequantized cache for head dims 64 and 128, GQA groups 1-8, pages smaller than, equal to and
 larger than its 32-key tiles, bf16 and fp16 queries, unsplit and split (some segments empty),
@@ -45,7 +48,7 @@ for head_dim, split in %r:
     ptx = k.asm["ptx"]
     out[repr((head_dim, split))] = dict(
         cp_async=ptx.count("cp.async.cg.shared.global"), mma=ptx.count("mma.sync.aligned.m16n8k16"),
-        cvt=ptx.count("cvt.rn.f16x2.e4m3x2"), ldmatrix=ptx.count("ldmatrix"), shared=k.metadata.shared,
+        cvt=ptx.count("cvt.rn.f16x2.e4m3x2"), shared=k.metadata.shared,
         usage=usage,
     )
 print(json.dumps(out))
@@ -180,8 +183,15 @@ def test_captured_in_a_cuda_graph(splits, launches):
 
 @pytest.fixture
 def hopper_with_gluon(monkeypatch):
-    """The plan as an H100/H200 with a Triton that builds Gluon makes it."""
+    """The plan as an H100/H200 with a Triton that builds Gluon makes it (per-shape plans
+    cached before or during the test are dropped)."""
+    from tilellm.kernels import paged
+
     monkeypatch.setattr(config, "gluon_ok", lambda device_index=None: True)
+    monkeypatch.setattr(config, "_gluon_module_disabled", {})
+    paged._plan_for_shape.cache_clear()
+    yield
+    paged._plan_for_shape.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -205,11 +215,6 @@ def test_plan_gives_decode_over_fp8_to_the_kernel(
         allow_gluon=allow, num_sms=132,
     )  # fmt: skip
     assert plan.kernel == kernel
-    triton_plan = plan_paged(
-        64, 8 * group, 8, head_dim, dtype, 16, max_q, max_seqlen_k=4096, is_decode=True, kv_fp8=fp8,
-        allow_gluon=False, num_sms=132,
-    )  # fmt: skip
-    assert plan.split == triton_plan.split  # the same segments: both kernels' key tiles are 32 wide
 
 
 def test_forced_tiles_keep_paged_py(hopper_with_gluon):
@@ -259,14 +264,60 @@ class _KernelTwin:
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3, 8])
-def test_paged_py_calls_the_kernel_and_merges_its_segments(hopper_with_gluon, monkeypatch, splits):
+def test_paged_py_calls_the_kernel_and_merges_its_segments(hopper_with_gluon, monkeypatch, splits, device):
     from tilellm.kernels import paged
 
     twin = _KernelTwin()
     monkeypatch.setattr(paged, "launch_gluon", lambda launch, module="hopper": launch(twin))
-    b, ks, vs = _fp8_batch([(1, n) for n in CONTEXTS], 8, 2, 64, 16, torch.float16, "cpu", seed=3)
+    b, ks, vs = _fp8_batch([(1, n) for n in CONTEXTS], 8, 2, 64, 16, torch.float16, device, seed=3)
     args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
     got = tk.decode_attention(*args, num_splits=splits, max_seqlen_k=1500, k_scale=ks, v_scale=vs, scale=0.3)
     want = ref.decode_attention(*args, k_scale=ks, v_scale=vs, scale=0.3)
-    assert_close(got, want, tolerance(torch.float16, "cpu"), f"splits {splits}")
+    assert_close(got, want, tolerance(torch.float16, device), f"splits {splits}")
     assert len(twin.calls) == 1 and (splits is None or twin.calls == [splits])
+
+
+def test_a_declined_batch_runs_the_portable_kernel_and_disables_nothing(monkeypatch):
+    monkeypatch.setattr(config, "_gluon_module_disabled", {})
+    assert config.gluon_unavailable() is None  # Gluon imports here (its kernels compile on any machine)
+    assert config.launch_gluon(lambda kernels: False, module="decode_fp8") is False
+    assert config.launch_gluon(lambda kernels: None, module="decode_fp8") is True
+    assert "decode_fp8" not in config._gluon_module_disabled
+
+
+@pytest.mark.parametrize("error", [ImportError, AttributeError, TypeError])
+def test_a_module_that_cannot_be_built_is_disabled_alone(monkeypatch, error):
+    from triton.compiler.errors import CompilationError
+
+    monkeypatch.setattr(config, "_gluon_module_disabled", {})
+
+    def launch(kernels):
+        raise error("moved in this Triton")
+
+    assert config.launch_gluon(launch, module="decode_fp8") is False
+    assert "moved in this Triton" in config._gluon_module_disabled["decode_fp8"]
+    assert config.launch_gluon(lambda kernels: None, module="decode_fp8") is False  # from then on
+    assert config.gluon_unavailable() is None  # hopper.py's kernels are untouched
+    assert config.launch_gluon(lambda kernels: None, module="hopper") is True
+
+    def broken(kernels):
+        raise CompilationError("", None, "no such op")
+
+    monkeypatch.setattr(config, "_gluon_module_disabled", {})
+    assert config.launch_gluon(broken, module="decode_fp8") is False
+    assert config.gluon_unavailable() is None
+
+
+def test_a_missing_module_is_disabled(monkeypatch):
+    monkeypatch.setattr(config, "_gluon_module_disabled", {})
+    assert config.launch_gluon(lambda kernels: None, module="no_such_kernels") is False
+    assert "ModuleNotFoundError" in config._gluon_module_disabled["no_such_kernels"]
+
+
+def test_bad_tiles_are_refused():
+    from tilellm.kernels import decode_fp8
+
+    with pytest.raises(ValueError, match="block_n must be 16 or 32"):
+        decode_fp8.launch_decode_fp8(*[None] * 11, block_n=64)
+    with pytest.raises(ValueError, match="stages 0 or at least 2"):
+        decode_fp8.launch_decode_fp8(*[None] * 11, stages=1)

@@ -113,7 +113,7 @@ def decode_fp8_uses_gluon(head_dim: int, dtype: torch.dtype, group: int) -> bool
     dim 64 or 128, at most 8 query heads per KV head (the MMA's 8 columns), no forced tiles."""
     return (
         "paged" not in _overrides
-        and gluon_ok()
+        and gluon_module_ok("decode_fp8")
         and dtype in (torch.bfloat16, torch.float16)
         and head_dim in (64, 128)
         and group <= 8
@@ -268,26 +268,49 @@ def disable_gluon(reason: str) -> None:
     _gluon_disabled = reason or "unknown"
 
 
+_gluon_module_disabled: dict[
+    str, str
+] = {}  # Gluon modules besides hopper.py that cannot be built here, and why
+
+
 def launch_gluon(launch: Callable[[ModuleType], bool | None], module: str = "hopper") -> bool:
     """Run `launch(kernels)`, a launch of one of the Gluon kernels of `tilellm.kernels.<module>`
     (`hopper.py`, `decode_fp8.py`); False when `launch` returns False (it did not take the
-    batch), or, with the Gluon kernels disabled from then on, when the installed Triton cannot
-    build it: the caller then runs the portable kernel. Errors of the launch itself (CUDA,
-    shapes) propagate."""
+    batch), or when the installed Triton cannot build it: the caller then runs the portable
+    kernel. A `hopper.py` failure disables every Gluon kernel from then on (`disable_gluon`);
+    another module's failure to import or build (its names moved between Triton releases)
+    disables that module alone, with one warning. Errors of the launch itself (CUDA, shapes)
+    propagate."""
     import importlib
 
     from triton.compiler.errors import CompilationError
 
-    if gluon_unavailable() is not None:
+    if gluon_unavailable() is not None or module in _gluon_module_disabled:
         return False
-    kernels = importlib.import_module(f"tilellm.kernels.{module}")
-
+    if module == "hopper":
+        try:
+            taken = launch(importlib.import_module("tilellm.kernels.hopper"))
+        except CompilationError as e:
+            disable_gluon(f"CompilationError: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
+            return False
+        return taken is not False
     try:
-        taken = launch(kernels)
-    except CompilationError as e:
-        disable_gluon(f"CompilationError: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
+        taken = launch(importlib.import_module(f"tilellm.kernels.{module}"))
+    except (CompilationError, ImportError, AttributeError, TypeError) as e:
+        import triton
+
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+        logger.warning("Gluon kernels of %s unavailable on Triton %s (%s): the portable kernel runs", module,
+                       triton.__version__, reason)  # fmt: skip
+        _gluon_module_disabled[module] = reason
         return False
     return taken is not False
+
+
+def gluon_module_ok(module: str) -> bool:
+    """Whether `tilellm.kernels.<module>`'s Gluon kernels can run here (an sm_90 GPU, a Triton
+    that builds Gluon, and no failure of this module so far)."""
+    return gluon_ok() and module not in _gluon_module_disabled
 
 
 def gluon_ok(device_index: int | None = None) -> bool:

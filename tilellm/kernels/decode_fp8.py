@@ -390,6 +390,8 @@ def launch_decode_fp8(
     `qk_scale` is the softmax scale times log2(e); with `num_splits` > 1 the programs write
     `o_parts` [splits, B, Hq, D] and `lse_parts` [splits, B, Hq] (float32) for the caller's merge.
     """
+    if block_n not in (16, 32) or stages == 1 or stages < 0:
+        raise ValueError(f"block_n must be 16 or 32 and stages 0 or at least 2, got {block_n} and {stages}")
     B, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     split = num_splits > 1

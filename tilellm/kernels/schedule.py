@@ -1,7 +1,8 @@
 """The planner of the paged kernels: which kernel runs a batch, and its split-KV plan.
 
-`plan_paged` is the one place that decides, for a batch, between `paged.py` and `hopper.py`
-(Hopper's Gluon kernel) and how many key segments each program's range is cut into
+`plan_paged` is the one place that decides, for a batch, between `paged.py`, `hopper.py`
+(Hopper's Gluon kernel for prompt chunks) and `decode_fp8.py` (Hopper's for decode over an FP8
+cache) and how many key segments each program's range is cut into
 (`choose_num_splits`). It reads only what the host knows (shapes, the longest context), so the
 engine's attention backend calls it once per step and every layer and CUDA graph reuses the
 result; the kernels call it themselves when given no plan. The launch order and grid live here
@@ -294,8 +295,8 @@ class PagedPlan:
     """How `paged_attention` / `decode_attention` run one batch: the kernel and its split plan.
 
     kernel: "triton" (`paged.py`, every GPU and the interpreter), "gluon" (`hopper.py`, prompt
-    chunks on an H100/H200) or "gluon-decode-fp8" (`decode_fp8.py`, decode over an FP8 cache
-    on an H100/H200). Made on the host from what the host knows (no device read when
+    chunks on an H100/H200) or "gluon-decode-fp8" (`decode_fp8.py`, `decode_attention` over an
+    FP8 cache on an H100/H200). Made on the host from what the host knows (no device read when
     `max_seqlen_k` is given), once per step by the engine's attention backend and reused by every
     layer and by CUDA-graph capture; the kernels make the same plan themselves when given none.
     """

@@ -1,5 +1,6 @@
 """The Hopper backend (H100/H200): the Triton backend, with `tilellm.kernels.hopper`'s Gluon
-kernels (FlashAttention-3's schedule) for long prefill batches and paged prompt chunks."""
+kernels (FlashAttention-3's schedule) for long prefill batches and paged prompt chunks, and
+`tilellm.kernels.decode_fp8`'s for decode over an FP8 cache."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from tilellm.kernels.config import prefill_config
 
 
 class HopperBackend(TritonBackend):
-    """Where `plan_paged` / `prefill_config` pick `hopper.py`, the step runs it; decode, split-KV,
-    cascade and verification batches stay on `paged.py`."""
+    """Where `plan_paged` / `prefill_config` pick `hopper.py` or `decode_fp8.py`, the step runs
+    it; 16-bit decode, split-KV chunks, cascade and verification batches stay on `paged.py`."""
 
     name = "hopper"
     allow_gluon = True
