@@ -7,7 +7,11 @@ end, through an unused block-table entry or into another request's blocks gets a
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -177,3 +181,14 @@ DTYPES = [
     pytest.param(torch.float16, id="fp16"),
     pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu),
 ]
+
+
+def run_outside_interpreter(script: str, timeout: float = 600) -> dict:
+    """Run `script` in a child Python without TRITON_INTERPRET (Gluon kernels cannot compile
+    under the CPU test run's interpreter) and return the JSON object it prints last."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -15,17 +15,13 @@ in a CUDA graph and replayed over new values.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import tilellm.kernels as tk
-from tests.kernels.helpers import assert_close, make_paged_batch, tolerance
+from tests.kernels.helpers import assert_close, make_paged_batch, run_outside_interpreter, tolerance
 from tilellm.kernels import config
 from tilellm.kernels import reference as ref
 from tilellm.kernels.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
@@ -57,13 +53,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = _COMPILE_ALL % (COMPILED,)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_outside_interpreter(_COMPILE_ALL % (COMPILED,))
 
 
 @pytest.mark.parametrize("variant", COMPILED, ids=lambda v: f"d{v[0]}-{'split' if v[1] else 'whole'}")

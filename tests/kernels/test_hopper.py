@@ -11,16 +11,19 @@ and without ping-pong, pages of 16 to 256 keys in permuted order; and `prefill_a
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import tilellm.kernels as tk
-from tests.kernels.helpers import assert_close, cu_seqlens, make_paged_batch, poisoned, randn, tolerance
+from tests.kernels.helpers import (
+    assert_close,
+    cu_seqlens,
+    make_paged_batch,
+    poisoned,
+    randn,
+    run_outside_interpreter,
+    tolerance,
+)
 from tilellm.inspect.tiles import paged_schedule, prefill_schedule
 from tilellm.kernels import config, hopper
 from tilellm.kernels import reference as ref
@@ -58,13 +61,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = _COMPILE_ALL % (COMPILED,)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_outside_interpreter(_COMPILE_ALL % (COMPILED,))
 
 
 @pytest.mark.parametrize(

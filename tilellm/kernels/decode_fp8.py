@@ -131,20 +131,31 @@ def _row_ptrs(cache, bt_row, offs_n, offs_d, n, key_end, head_off, stride_cb, st
 
 
 @gluon.jit
-def _load_rows(cache, bt_row, offs_n, offs_d, n, key_end, head_off, stride_cb, stride_cs, PAGE: gl.constexpr):
-    """The words of keys n + offs_n into registers; keys at or past `key_end` read as zeros."""
-    ptrs, ok = _row_ptrs(cache, bt_row, offs_n, offs_d, n, key_end, head_off, stride_cb, stride_cs, PAGE)
-    return gl.load(ptrs, mask=ok, other=0)
+def _load_tile(
+    K_cache, V_cache, bt_row, offs_kn, offs_kd, offs_vn, offs_vd, n, key_end, head_off, stride_cb, stride_cs,
+    PAGE: gl.constexpr,
+):  # fmt: skip
+    """The K and V words of keys [n, n + BLOCK_N) into registers, each in its operand's load
+    layout; keys at or past `key_end` read as zeros."""
+    ptrs, ok = _row_ptrs(K_cache, bt_row, offs_kn, offs_kd, n, key_end, head_off, stride_cb, stride_cs, PAGE)
+    k = gl.load(ptrs, mask=ok, other=0)
+    ptrs, ok = _row_ptrs(V_cache, bt_row, offs_vn, offs_vd, n, key_end, head_off, stride_cb, stride_cs, PAGE)
+    v = gl.load(ptrs, mask=ok, other=0)
+    return k, v
 
 
 @gluon.jit
-def _copy_rows(
-    ring, slot, cache, bt_row, offs_n, offs_d, n, key_end, head_off, stride_cb, stride_cs, PAGE: gl.constexpr
-):
-    """cp.async the words of keys n + offs_n into ring slot `slot` (16 bytes a copy); keys at or
-    past `key_end` are zero-filled."""
-    ptrs, ok = _row_ptrs(cache, bt_row, offs_n, offs_d, n, key_end, head_off, stride_cb, stride_cs, PAGE)
-    _cp_async(ring.index(slot), ptrs, mask=ok)
+def _copy_tile(
+    k_ring, v_ring, slot, K_cache, V_cache, bt_row, offs_kn, offs_kd, offs_vn, offs_vd, n, key_end, head_off,
+    stride_cb, stride_cs, PAGE: gl.constexpr,
+):  # fmt: skip
+    """cp.async the K and V words of keys [n, n + BLOCK_N) into ring slot `slot` (16 bytes a
+    copy) as one commit group; keys at or past `key_end` are zero-filled."""
+    ptrs, ok = _row_ptrs(K_cache, bt_row, offs_kn, offs_kd, n, key_end, head_off, stride_cb, stride_cs, PAGE)
+    _cp_async(k_ring.index(slot), ptrs, mask=ok)
+    ptrs, ok = _row_ptrs(V_cache, bt_row, offs_vn, offs_vd, n, key_end, head_off, stride_cb, stride_cs, PAGE)
+    _cp_async(v_ring.index(slot), ptrs, mask=ok)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -238,92 +249,40 @@ def _decode_fp8_kernel(
     offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     if STAGES == 0:
         # registers: the next tile's words are on their way while this one is computed
-        k_raw = _load_rows(K_cache, bt_row, offs_kn, offs_kd, lo, hi, head_off, stride_cb, stride_cs, PAGE)
-        v_raw = _load_rows(V_cache, bt_row, offs_vn, offs_vd, lo, hi, head_off, stride_cb, stride_cs, PAGE)
+        k_raw, v_raw = _load_tile(
+            K_cache, V_cache, bt_row, offs_kn, offs_kd, offs_vn, offs_vd, lo, hi, head_off, stride_cb, stride_cs,
+            PAGE,
+        )  # fmt: skip
         for n in range(lo, hi, BLOCK_N):
             k_cur, v_cur = k_raw, v_raw
-            k_raw = _load_rows(
-                K_cache, bt_row, offs_kn, offs_kd, n + BLOCK_N, hi, head_off, stride_cb, stride_cs, PAGE
-            )
-            v_raw = _load_rows(
-                V_cache, bt_row, offs_vn, offs_vd, n + BLOCK_N, hi, head_off, stride_cb, stride_cs, PAGE
-            )
+            k_raw, v_raw = _load_tile(
+                K_cache, V_cache, bt_row, offs_kn, offs_kd, offs_vn, offs_vd, n + BLOCK_N, hi, head_off,
+                stride_cb, stride_cs, PAGE,
+            )  # fmt: skip
             acc, m_i, l_i = _attend(
                 k_cur, v_cur, q_t, acc, m_i, l_i, n, hi, scale, offs_s, BLOCK_N, HEAD_DIM, a_op, b_op, mma
             )
     else:
         # a ring of STAGES tiles in shared memory, filled by cp.async: each thread reads back
-        # the words it copied itself (the same layout), so no barrier is needed, only its own
-        # copies' completion (wait_group)
+        # the words it copied itself (the same layout), so only its own copies' completion is
+        # waited for (wait_group)
         k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, HEAD_DIM // 4], RING)
         v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, HEAD_DIM // 4], RING)
         for i in gl.static_range(STAGES - 1):
-            _copy_rows(
-                k_ring,
-                i,
-                K_cache,
-                bt_row,
-                offs_kn,
-                offs_kd,
-                lo + i * BLOCK_N,
-                hi,
-                head_off,
-                stride_cb,
-                stride_cs,
-                PAGE,
-            )
-            _copy_rows(
-                v_ring,
-                i,
-                V_cache,
-                bt_row,
-                offs_vn,
-                offs_vd,
-                lo + i * BLOCK_N,
-                hi,
-                head_off,
-                stride_cb,
-                stride_cs,
-                PAGE,
-            )
-            async_copy.commit_group()
+            _copy_tile(
+                k_ring, v_ring, i, K_cache, V_cache, bt_row, offs_kn, offs_kd, offs_vn, offs_vd, lo + i * BLOCK_N,
+                hi, head_off, stride_cb, stride_cs, PAGE,
+            )  # fmt: skip
         slot = 0
         for n in range(lo, hi, BLOCK_N):
             async_copy.wait_group(STAGES - 2)
             k_cur = k_ring.index(slot).load(K_LOAD)
             v_cur = v_ring.index(slot).load(V_LOAD)
             # refill the slot read last iteration with the tile STAGES - 1 ahead
-            fill = (slot + STAGES - 1) % STAGES
-            ahead = n + (STAGES - 1) * BLOCK_N
-            _copy_rows(
-                k_ring,
-                fill,
-                K_cache,
-                bt_row,
-                offs_kn,
-                offs_kd,
-                ahead,
-                hi,
-                head_off,
-                stride_cb,
-                stride_cs,
-                PAGE,
-            )
-            _copy_rows(
-                v_ring,
-                fill,
-                V_cache,
-                bt_row,
-                offs_vn,
-                offs_vd,
-                ahead,
-                hi,
-                head_off,
-                stride_cb,
-                stride_cs,
-                PAGE,
-            )
-            async_copy.commit_group()
+            _copy_tile(
+                k_ring, v_ring, (slot + STAGES - 1) % STAGES, K_cache, V_cache, bt_row, offs_kn, offs_kd, offs_vn,
+                offs_vd, n + (STAGES - 1) * BLOCK_N, hi, head_off, stride_cb, stride_cs, PAGE,
+            )  # fmt: skip
             acc, m_i, l_i = _attend(
                 k_cur, v_cur, q_t, acc, m_i, l_i, n, hi, scale, offs_s, BLOCK_N, HEAD_DIM, a_op, b_op, mma
             )
