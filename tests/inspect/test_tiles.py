@@ -370,3 +370,26 @@ def test_fp8_cache_schedule_and_words():
     )
     assert "FP8 cache holds half the bytes per key" in split_plan(fp8_insp)
     assert "FP8" not in split_plan(insp)
+
+
+def test_fp8_decode_on_hopper_shows_the_gluon_kernel(monkeypatch):
+    """Where the plan gives FP8 decode to `decode_fp8.py` (Hopper with Gluon, made so here), the
+    schedule names it: the group's heads in 8 MMA columns, 32-key tiles, the plan's segments;
+    a chunk over the same cache, or a 16-bit cache, stays `paged_attention`."""
+    from tilellm.kernels import config
+    from tilellm.kernels.paged import _plan_for_shape
+
+    monkeypatch.setattr(config, "gluon_ok", lambda device_index=None: True)
+    monkeypatch.setattr(config, "_gluon_module_disabled", {})
+    _plan_for_shape.cache_clear()
+    lens = [1, 31, 32, 33, 700]
+    sched = paged_schedule(list(range(6)), lens, 16, 8, 128, 16, num_sms=132, kv_fp8=True, num_splits=1)
+    assert (sched.kernel, sched.block_m, sched.block_n, sched.grid) == ("decode_fp8", 8, 32, (8, 5, 1))
+    for p in sched.programs:
+        assert p.full + p.diagonal == -(-lens[p.request] // 32)
+    split = paged_schedule(list(range(6)), lens, 16, 8, 128, 16, num_sms=132, kv_fp8=True)
+    assert split.kernel == "decode_fp8" and split.split_plan.kv_fp8
+    chunk = paged_schedule([0, 1, 2, 3, 4, 40], lens, 16, 8, 128, 16, num_sms=132, kv_fp8=True)
+    assert chunk.kernel == "paged_attention"
+    assert paged_schedule(list(range(6)), lens, 16, 8, 128, 16, num_sms=132).kernel == "paged_attention"
+    _plan_for_shape.cache_clear()

@@ -154,7 +154,9 @@ def paged_schedule(
     heads, requests), programs of one query head's 128 tokens, 128-key tiles, no split.
 
     `skipped` (future tiles of the request) is reported on each query tile's last segment.
-    `kv_fp8`: an FP8 cache (its own tiles and split rule, never `hopper.py`).
+    `kv_fp8`: an FP8 cache (its own tiles and split rule, never `hopper.py`); a decode batch over
+    it on Hopper runs `decode_fp8.py` (kernel "decode_fp8"): the same programs, segments and
+    32-key tiles, the group's query heads in 8 MMA columns instead of 16 rows.
     """
     cu = as_list(cu_seqlens_q)
     lens = as_list(seq_lens)
@@ -164,6 +166,7 @@ def paged_schedule(
     kernel_plan = plan_paged(
         len(lens), num_q_heads, num_kv_heads, head_dim, dtype, block_size, max_q,
         num_tokens=sum(q_lens), seq_lens=lens, num_splits=num_splits, num_sms=num_sms, kv_fp8=kv_fp8,
+        is_decode=bool(q_lens) and max_q == 1 and min(q_lens) == 1,
     )  # fmt: skip
     if kernel_plan.kernel == "gluon":
         return gluon_paged_schedule(q_lens, lens, num_q_heads, num_sms)
@@ -172,10 +175,15 @@ def paged_schedule(
     q_tiles = cdiv(max(max_q, 1), block_q)
     plan = kernel_plan.split
     splits = plan.num_splits
+    decode_fp8 = kernel_plan.kernel == "gluon-decode-fp8"
+    if decode_fp8:
+        from tilellm.kernels.decode_fp8 import BLOCK_N, MAX_GROUP
+
+        bn = BLOCK_N
     sched = TileSchedule(
-        "paged_attention",
+        "decode_fp8" if decode_fp8 else "paged_attention",
         paged_grid(num_kv_heads, len(lens), q_tiles, splits, query_tiles_first(q_tiles)),
-        cfg.block_m,
+        MAX_GROUP if decode_fp8 else cfg.block_m,
         bn,
         split_plan=plan,
         block_q=block_q,
