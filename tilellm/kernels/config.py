@@ -268,41 +268,38 @@ def disable_gluon(reason: str) -> None:
     _gluon_disabled = reason or "unknown"
 
 
-_gluon_module_disabled: dict[
-    str, str
-] = {}  # Gluon modules besides hopper.py that cannot be built here, and why
+# Gluon modules besides hopper.py that cannot be built here, and why
+_gluon_module_disabled: dict[str, str] = {}
 
 
 def launch_gluon(launch: Callable[[ModuleType], bool | None], module: str = "hopper") -> bool:
     """Run `launch(kernels)`, a launch of one of the Gluon kernels of `tilellm.kernels.<module>`
     (`hopper.py`, `decode_fp8.py`); False when `launch` returns False (it did not take the
     batch), or when the installed Triton cannot build it: the caller then runs the portable
-    kernel. A `hopper.py` failure disables every Gluon kernel from then on (`disable_gluon`);
-    another module's failure to import or build (its names moved between Triton releases)
-    disables that module alone, with one warning. Errors of the launch itself (CUDA, shapes)
-    propagate."""
+    kernel. A `hopper.py` compile failure disables every Gluon kernel from then on
+    (`disable_gluon`); another module's failure to import or build (its names moved between
+    Triton releases) disables that module alone, with one warning. Errors of the launch itself
+    (CUDA, shapes) propagate."""
     import importlib
 
     from triton.compiler.errors import CompilationError
 
     if gluon_unavailable() is not None or module in _gluon_module_disabled:
         return False
-    if module == "hopper":
-        try:
-            taken = launch(importlib.import_module("tilellm.kernels.hopper"))
-        except CompilationError as e:
-            disable_gluon(f"CompilationError: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
-            return False
-        return taken is not False
     try:
         taken = launch(importlib.import_module(f"tilellm.kernels.{module}"))
     except (CompilationError, ImportError, AttributeError, TypeError) as e:
-        import triton
-
+        if module == "hopper" and not isinstance(e, CompilationError):
+            raise
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
-        logger.warning("Gluon kernels of %s unavailable on Triton %s (%s): the portable kernel runs", module,
-                       triton.__version__, reason)  # fmt: skip
-        _gluon_module_disabled[module] = reason
+        if module == "hopper":
+            disable_gluon(reason)
+        else:
+            import triton
+
+            logger.warning("Gluon kernels of %s unavailable on Triton %s (%s): the portable kernel runs", module,
+                           triton.__version__, reason)  # fmt: skip
+            _gluon_module_disabled[module] = reason
         return False
     return taken is not False
 

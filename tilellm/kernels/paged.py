@@ -429,11 +429,9 @@ def _launch(
         # Decode over an FP8 cache on Hopper: each thread widens the bytes its tensor-core
         # operands hold, in registers (decode_fp8.py). Same split plan, partials and merge.
         if is_decode and not internal and not record_stats and T > 0 and batch > 0:
-            k_scale, v_scale = kv_scales
-            one = unit_scale(q.device) if k_scale is None or v_scale is None else None
+            k_scale, v_scale = _fp8_scales(kv_scales, q.device)
             if launch_gluon(lambda decode_fp8: _launch_decode_fp8(
-                decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale,
-                k_scale if k_scale is not None else one, v_scale if v_scale is not None else one, paged_plan.split,
+                decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, k_scale, v_scale, paged_plan.split,
             ), module="decode_fp8"):  # fmt: skip
                 return None
         # stats asked for, a layout it does not take, or a Triton that cannot build it
@@ -455,14 +453,10 @@ def _launch(
     if parts is not None:
         o_parts, lse_parts, part_base = parts
     elif splits > 1:
-        o_parts = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=q.device)
-        lse_parts = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
+        o_parts, lse_parts = _split_parts(splits, T, Hq, D, q.device)
     else:
         o_parts = lse_parts = o  # unused
-    k_scale, v_scale = kv_scales
-    if kv_fp8 and (k_scale is None or v_scale is None):
-        one = unit_scale(q.device)
-        k_scale, v_scale = k_scale if k_scale is not None else one, v_scale if v_scale is not None else one
+    k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
     _paged_launch[grid](
         q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
@@ -507,6 +501,21 @@ def _plan_for_shape(
     )  # fmt: skip
 
 
+def _split_parts(splits: int, T: int, Hq: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV partials: o_parts [splits, T, Hq, D] and lse_parts [splits, T, Hq], float32."""
+    o_parts = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=device)
+    return o_parts, torch.empty((splits, T, Hq), dtype=torch.float32, device=device)
+
+
+def _fp8_scales(kv_scales, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 cache's (k_scale, v_scale), each 1.0 where not given."""
+    k_scale, v_scale = kv_scales
+    if k_scale is None or v_scale is None:
+        one = unit_scale(device)
+        k_scale, v_scale = k_scale if k_scale is not None else one, v_scale if v_scale is not None else one
+    return k_scale, v_scale
+
+
 def _launch_decode_fp8(
     decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, k_scale, v_scale, plan
 ):
@@ -516,10 +525,7 @@ def _launch_decode_fp8(
         return False
     B, Hq, D = q.shape
     splits = plan.num_splits
-    o_parts = lse_parts = None
-    if splits > 1:
-        o_parts = torch.empty((splits, B, Hq, D), dtype=torch.float32, device=q.device)
-        lse_parts = torch.empty((splits, B, Hq), dtype=torch.float32, device=q.device)
+    o_parts, lse_parts = _split_parts(splits, B, Hq, D, q.device) if splits > 1 else (None, None)
     decode_fp8.launch_decode_fp8(
         q, k_cache, v_cache, o, block_table, seq_lens, validation.resolve_scale(scale, D) * LOG2_E,
         k_scale, v_scale, splits, plan.min_keys_per_split, o_parts, lse_parts,
@@ -596,8 +602,7 @@ def cascade_decode_attention(
         # variant. X1 in a CUDA graph on an H200: 16 segments 205 us, 7: 136 us, 4: 126 us.
         prefix_splits = max(1, min(7, triton.cdiv(target_programs(cfg.block_m, num_sms()), Hkv * q_tiles)))
     suffix_splits = 1
-    o_parts = torch.empty((prefix_splits + suffix_splits, B, Hq, D), dtype=torch.float32, device=q.device)
-    lse_parts = torch.empty((prefix_splits + suffix_splits, B, Hq), dtype=torch.float32, device=q.device)
+    o_parts, lse_parts = _split_parts(prefix_splits + suffix_splits, B, Hq, D, q.device)
     # -- pass 1: all B queries as one pseudo-request over the shared prefix (keys < prefix_len) --
     cu_all = torch.arange(0, 2 * B, B, dtype=torch.int32, device=q.device)  # [0, B]
     pseudo_len = prefix_len + (B - 1)  # query j at position prefix_len - 1 + j sees the whole prefix
