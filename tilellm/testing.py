@@ -718,12 +718,68 @@ def _quantize_block(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, to
     return (w.float() / full).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def calibrate_input_scales(
+    model_dir: str | pathlib.Path, *, num_prompts: int = 4, prompt_len: int = 48, seed: int = 0
+) -> dict[str, float]:
+    """Static activation scales of a checkpoint, as AutoFP8 calibrates them: transformers runs
+    `num_prompts` random prompts of `prompt_len` tokens (fp32) and each linear layer's scale is
+    the largest |input| it saw / 448. Returns checkpoint module name -> scale, for every
+    nn.Linear and for every expert's gate_proj / up_proj (their input) and down_proj (SiLU(gate)
+    * up) of the fused experts; an expert no token reached gets its layer's largest."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, experts_implementation="eager"
+    ).eval()
+    amax: dict[str, float] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        amax[name] = max(amax.get(name, 0.0), float(x.detach().abs().max()))
+
+    hooks, experts = [], {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            hooks.append(module.register_forward_pre_hook(lambda m, args, name=name: record(name, args[0])))
+        elif type(module).__name__.endswith("Experts"):
+            experts[name] = module
+    # the eager experts call F.linear on one expert's slice of gate_up_proj / down_proj at a time
+    slices = {}
+    for name, module in experts.items():
+        for e in range(module.gate_up_proj.shape[0]):
+            slices[module.gate_up_proj[e].data_ptr()] = (f"{name}.{e}.gate_proj", f"{name}.{e}.up_proj")
+            slices[module.down_proj[e].data_ptr()] = (f"{name}.{e}.down_proj",)
+    linear = torch.nn.functional.linear
+
+    def recording_linear(x, w, b=None):
+        for name in slices.get(w.data_ptr(), ()):
+            record(name, x)
+        return linear(x, w, b)
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (num_prompts, prompt_len), generator=gen)
+    torch.nn.functional.linear = recording_linear
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        torch.nn.functional.linear = linear
+        for h in hooks:
+            h.remove()
+    for name, module in experts.items():  # experts no token reached: their layer's largest
+        for matrices in (("gate_proj", "up_proj"), ("down_proj",)):
+            names = [f"{name}.{e}.{m}" for e in range(module.gate_up_proj.shape[0]) for m in matrices]
+            top = max((amax[n] for n in names if n in amax), default=1.0)
+            amax.update({n: top for n in names if n not in amax})
+    return {name: max(v, 1e-6) / _FP8_MAX for name, v in amax.items()}
+
+
 def quantize_model_dir_fp8(
     src_dir: str | pathlib.Path,
     dst_dir: str | pathlib.Path,
     block_size: tuple[int, int] = (128, 128),
     *,
     per_tensor: bool = False,
+    activation_scheme: str | None = None,
     not_convert: tuple[str, ...] = (),
 ) -> pathlib.Path:
     """Write an FP8 copy of checkpoint `src_dir` into `dst_dir` in the released format; returns it.
@@ -731,15 +787,20 @@ def quantize_model_dir_fp8(
     Block form (DeepSeek-V3, Qwen3-*-FP8): every linear `X.weight` [N, K] becomes e4m3 with
     `X.weight_scale_inv` fp32 [ceil(N / bn), ceil(K / bk)], and config.json gets
     `quantization_config` {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-    "weight_block_size": block_size}. `per_tensor`: one scalar `X.weight_scale` per weight and a
-    static `X.input_scale` (activation_scheme "static", no weight_block_size). Embeddings, the
-    LM head, norms, MoE routers and the modules named in `not_convert` (written as
-    `modules_to_not_convert`) keep their dtype; the tokenizer and other files are copied.
+    "weight_block_size": block_size}. `per_tensor`: one scalar `X.weight_scale` per weight (no
+    weight_block_size) and, with `activation_scheme` "static" (its default there), a calibrated
+    `X.input_scale` (`calibrate_input_scales`: AutoFP8's format); "dynamic" writes none.
+    Embeddings, the LM head, norms, MoE routers and the modules named in `not_convert` (written
+    as `modules_to_not_convert`) keep their dtype; the tokenizer and other files are copied.
     """
     from safetensors.torch import save_file
 
+    scheme = activation_scheme or ("static" if per_tensor else "dynamic")
+    if scheme not in ("static", "dynamic") or (scheme == "static" and not per_tensor):
+        raise ValueError(f"activation_scheme {activation_scheme!r}: 'dynamic', or 'static' with per_tensor")
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
     _copy_checkpoint_files(src, dst)
+    input_scales = calibrate_input_scales(src) if scheme == "static" else {}
     out: dict[str, torch.Tensor] = {}
     for name, t in _read_checkpoint(src).items():
         if not _is_fp8_linear(name, t, tuple(not_convert)):
@@ -750,17 +811,16 @@ def quantize_model_dir_fp8(
             scale = t.float().abs().amax().clamp(min=1e-12) / _FP8_MAX
             out[name] = (t.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
             out[prefix + "weight_scale"] = scale.reshape(())
-            out[prefix + "input_scale"] = torch.tensor(1.0)  # read and ignored: activations are dynamic
+            if scheme == "static":
+                out[prefix + "input_scale"] = torch.tensor(input_scales[prefix.removesuffix(".")])
         else:
             out[name], out[prefix + "weight_scale_inv"] = _quantize_block(t, *block_size)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3"}
-    qc.update(
-        {"activation_scheme": "static"}
-        if per_tensor
-        else {"activation_scheme": "dynamic", "weight_block_size": list(block_size)}
-    )
+    qc["activation_scheme"] = scheme
+    if not per_tensor:
+        qc["weight_block_size"] = list(block_size)
     if not_convert:
         qc["modules_to_not_convert"] = list(not_convert)
     config["quantization_config"] = qc

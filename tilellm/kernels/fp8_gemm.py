@@ -21,6 +21,11 @@ token and bk-wide group of channels. With j the k-block index (channels [j * bk,
    order; `w8a8_block_fp8_linear` quantizes the activations inside the same kernel. Program ids walk GROUP_M row tiles across all column tiles
    before moving on (the L2-friendly order of Triton's matmul tutorial); rows and columns past M
    and N load wrapped, valid rows and are never stored.
+Static activations (per-tensor checkpoints with `activation_scheme: "static"`): one calibrated
+scale s (the layer's `input_scale`) stands for every x_s[m, j]. `scaled_fp8_quant(x, s)` writes
+x_q = e4m3(x / s), saturated at +-448, and the GEMM reads a_s as s broadcast (strides (0, 0));
+`w8a8_block_fp8_linear(..., input_scale=s)` quantizes x with s as it loads it (STATIC_A).
+
 3. `scaled_mm_block_fp8`: the same product through `torch.nn.functional.scaled_mm` (cuBLASLt's
    block-scaled GEMM, "BlockWise1x128" activations x "BlockWise128x128" weights; sm_90 only),
    which FP8 linear layers run from 256 tokens a step (`tilellm.models.quantization`), and
@@ -43,7 +48,14 @@ import triton.language as tl
 from tilellm.kernels.config import interpreting, num_sms
 from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX_C, to_fp8
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_per_token_group_quant
+from tilellm.kernels.reference.fp8_gemm import (
+    broadcast_input_scale,
+    check_block_fp8_matmul,
+    check_input_scale,
+    check_per_token_group_quant,
+    check_scaled_fp8_quant,
+    dynamic_per_tensor_scale,
+)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -110,6 +122,45 @@ def per_token_group_quant_fp8(
         GROUP=group_size, BLOCK_G=block_g, BLOCK_M=block_m, num_warps=4,
     )  # fmt: skip
     return x_q, x_s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _scaled_quant_kernel(
+    X, Q, S, M, K, stride_xm, stride_qm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Q[rows, cols] = to_fp8(X[rows, cols] / S[0]): one scale for the whole tensor."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < M)[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    s = tl.load(S)
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(Q + rows64[:, None] * stride_qm + cols[None, :], to_fp8(tl.div_rn(x, s)), mask=ok)
+
+
+_scaled_quant_launch = FastLaunch(_scaled_quant_kernel)
+
+
+def scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32/float16/bfloat16 -> (x_q [M, K] float8_e4m3fn, scale [1] float32).
+
+    One scale for the whole tensor (vLLM's `scaled_fp8_quant`): `scale`, a static calibrated one
+    (a checkpoint's `input_scale`, one float32 element on x's device), or when None
+    max(amax |x|, 1e-10) / 448 computed on the device. x_q = e4m3(x / scale), saturated at +-448.
+    """
+    check_scaled_fp8_quant(x, scale)
+    scale = dynamic_per_tensor_scale(x) if scale is None else scale.reshape(1)
+    M, K = x.shape
+    x_q = _empty((M, K), FP8_DTYPE, x.device)
+    if M == 0 or K == 0:
+        return x_q, scale
+    block_k = min(1024, triton.next_power_of_2(K))
+    block_m = min(max(1, 4096 // block_k), triton.next_power_of_2(M))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    _scaled_quant_launch[grid](
+        x, x_q, scale, M, K, x.stride(0), x_q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4
+    )
+    return x_q, scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,14 +250,15 @@ def _w8a8_block_fp8_matmul_kernel(
     stride_as_m, stride_as_k, stride_bs_n, stride_bs_k, stride_c_split,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, QUANT_A: tl.constexpr,
+    SPLIT_K: tl.constexpr, QUANT_A: tl.constexpr, STATIC_A: tl.constexpr,
 ):  # fmt: skip
     """C[rows, cols] = sum_j As[rows, j] * Bs[cols // GROUP_N, j] * (A[rows, block j] @ B[cols, block j]^T).
 
     A [M, K] e4m3, B [N, K] e4m3, As [M, K // BLOCK_K], Bs [ceil(N / GROUP_N), K // BLOCK_K]
     fp32; K a multiple of BLOCK_K, GROUP_N a multiple of BLOCK_N.
     QUANT_A: A holds the unquantized activations (fp32/fp16/bf16) and each [BLOCK_M, BLOCK_K]
-    tile is quantized here, as `_per_token_group_quant_kernel` does it (As unread).
+    tile is quantized here, as `_per_token_group_quant_kernel` does it (As unread); with
+    STATIC_A by the one static scale As[0] (As's strides are 0), as `_scaled_quant_kernel` does.
     SPLIT_K > 1: program (tile, s) takes the k-blocks [s * per, (s + 1) * per), per =
     ceil(K / BLOCK_K / SPLIT_K) (clipped to the K // BLOCK_K k-blocks), and writes its fp32 partial sums to C + s * stride_c_split ([SPLIT_K, M, N], summed after).
     """
@@ -244,9 +296,12 @@ def _w8a8_block_fp8_matmul_kernel(
     for j in range(first_j, last_j):
         b = tl.load(b_ptrs)
         b_s = tl.load(bs_ptr + j * stride_bs_k)
-        if QUANT_A:  # the per-token-group quantization of this k-block, bit for bit
+        if QUANT_A:  # the quantization of this k-block, bit for bit
             x = tl.load(a_ptrs).to(tl.float32)
-            a_s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), FP8_MAX_C)
+            if STATIC_A:  # the calibrated scale, broadcast over the rows
+                a_s = tl.load(as_ptrs + j * stride_as_k)
+            else:  # per token and group
+                a_s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), FP8_MAX_C)
             a = to_fp8(tl.div_rn(x, a_s[:, None]))
         else:
             a = tl.load(a_ptrs)
@@ -314,21 +369,28 @@ def w8a8_block_fp8_linear(
     output_dtype: torch.dtype | None = None,
     *,
     eps: float = 1e-10,
+    input_scale: torch.Tensor | None = None,
     config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """`w8a8_block_fp8_matmul(*per_token_group_quant_fp8(x, bk), ...)` in one kernel.
 
     x [M, K] float32/float16/bfloat16 is quantized per token and bk-wide group as the GEMM loads
-    it (the same x_q and x_s bit for bit, so the same C); b [N, K] e4m3 and b_s [ceil(N / bn),
-    K // bk] fp32 as for `w8a8_block_fp8_matmul`; C [M, N] in `output_dtype` (default x's dtype).
-    One launch and no x_q round trip through memory: what a decode step's small GEMMs want.
+    it (the same x_q and x_s bit for bit, so the same C), or with `input_scale` (one float32
+    element: static activations) as `scaled_fp8_quant(x, input_scale)` quantizes it; b [N, K]
+    e4m3 and b_s [ceil(N / bn), K // bk] fp32 as for `w8a8_block_fp8_matmul`; C [M, N] in
+    `output_dtype` (default x's dtype). One launch and no x_q round trip through memory: what a
+    decode step's small GEMMs want.
     """
     name = "w8a8_block_fp8_linear"
     output_dtype = x.dtype if output_dtype is None else output_dtype
     bn, bk = check_block_fp8_matmul(name, x, b, None, b_s, block_size, output_dtype)
     if not (isinstance(eps, (int, float)) and eps > 0):  # x itself: checked just above
         raise ValueError(f"{name}: eps must be a positive number, got {eps!r}")
-    return _matmul(name, x, b, None, b_s, bn, bk, output_dtype, config, quant_a=True, eps=eps)
+    a_s = None
+    if input_scale is not None:
+        check_input_scale(name, x, input_scale)
+        a_s = broadcast_input_scale(input_scale, x.shape[0], x.shape[1] // bk)
+    return _matmul(name, x, b, a_s, b_s, bn, bk, output_dtype, config, quant_a=True, eps=eps)
 
 
 def _matmul(
@@ -345,7 +407,8 @@ def _matmul(
     quant_a: bool,
     eps: float,
 ) -> torch.Tensor:
-    """The checked GEMM's launch (a quantized with a_s, or quantized in the kernel: quant_a)."""
+    """The checked GEMM's launch: a quantized with a_s, or quantized in the kernel (quant_a),
+    per token and group (a_s None) or by the static scale that a_s broadcasts."""
     if bk < 32 or bk & (bk - 1):
         # tl.arange needs a power of two, and an fp8 tl.dot a reduction of at least 32
         raise ValueError(f"{name}: bk = {bk} must be a power of two >= 32 for the Triton kernel")
@@ -370,7 +433,8 @@ def _matmul(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         *scales, b_s.stride(0), b_s.stride(1), M * N,
         GROUP_N=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        SPLIT_K=split_k, QUANT_A=quant_a, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split_k, QUANT_A=quant_a, STATIC_A=quant_a and a_s is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split_k > 1:
         block = 1024

@@ -45,6 +45,9 @@ Hopper the MMA's own accumulation then never spans more than bk products). BLOCK
 of two dividing bn (at most 64 for the gated GEMM on the GPU, whose four live fp32 tiles spill at
 128 columns). The epilogues are the bf16 path's; inter stays in x's dtype and is quantized
 between the GEMMs, as vLLM does. A constexpr selects the path, so the bf16 kernel is unchanged.
+Static activations (per-tensor checkpoints with `activation_scheme: "static"`; vLLM's a1_scale /
+a2_scale): x and inter are each quantized by one calibrated scale (`scaled_fp8_quant`), which
+the kernel reads as an a_s of strides (0, 0).
 """
 
 from __future__ import annotations
@@ -279,6 +282,8 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: list[int] | tuple[int, int] | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts of a MoE layer, no host sync (CUDA-graph safe).
 
@@ -294,6 +299,9 @@ def fused_moe(
         w2_scale: with fp8 experts, [E, cdiv(H, bn), cdiv(I, bk)] float32, w2's block scales.
         block_shape: with fp8 experts, [bn, bk]: bn a multiple of 16, bk a power of two >= 16
             dividing H and I (activations are quantized per token in groups of bk channels).
+        a1_scale, a2_scale: with fp8 experts, static activation scales (one float32 element
+            each, both or neither): x quantized by a1_scale, the SiLU-and-mul output by a2_scale,
+            instead of per token and group.
 
     Returns out [T, H] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)),
     with fp8 experts the block-scaled W8A8 form of it (module docstring).
@@ -301,6 +309,7 @@ def fused_moe(
     check_fused_moe(
         hidden_states, w13, w2, topk_weights, topk_ids, out,
         w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
+        a1_scale=a1_scale, a2_scale=a2_scale,
     )  # fmt: skip
     T, H = hidden_states.shape
     E, I, K = w13.shape[0], w2.shape[2], topk_ids.shape[1]
@@ -315,7 +324,10 @@ def fused_moe(
     inter = torch.empty((T * K, I), dtype=dtype, device=dev)
     down = out if K == 1 else torch.empty((T * K, H), dtype=dtype, device=dev)
     if is_fp8(w13):
-        _fp8_gemms(hidden_states, w13, w2, w13_scale, w2_scale, tuple(block_shape), inter, down, routing, cfg)
+        static = None if a1_scale is None else (a1_scale, a2_scale)
+        _fp8_gemms(
+            hidden_states, w13, w2, w13_scale, w2_scale, tuple(block_shape), inter, down, routing, cfg, static
+        )
     else:
         _grouped_gemm(hidden_states, w13, inter, routing, cfg, a_row_div=K, gated=True)
         _grouped_gemm(inter, w2, down, routing, cfg, a_row_div=1, mul_routed_weight=True)
@@ -324,17 +336,31 @@ def fused_moe(
     return out
 
 
-def _fp8_gemms(x, w13, w2, w13_scale, w2_scale, block_shape, inter, down, routing, cfg: MoeConfig) -> None:
-    """The two grouped GEMMs on block-quantized experts, each input quantized per token-group of bk."""
+def _fp8_gemms(
+    x, w13, w2, w13_scale, w2_scale, block_shape, inter, down, routing, cfg: MoeConfig, static=None
+) -> None:
+    """The two grouped GEMMs on block-quantized experts, each input quantized per token-group of
+    bk, or by its static scale (`static` = (a1_scale, a2_scale))."""
     # imported here: fp8_gemm imports the reference package, whose __init__ imports the twin of
     # this module, which imports this module's checks
-    from tilellm.kernels.fp8_gemm import per_token_group_quant_fp8
+    from tilellm.kernels.fp8_gemm import (
+        broadcast_input_scale,
+        per_token_group_quant_fp8,
+        scaled_fp8_quant,
+    )
 
+    def quantize(a, static_scale):  # a [rows, K] -> (a_q fp8, a_s [rows, K / bk])
+        if static_scale is None:
+            return per_token_group_quant_fp8(a, bk)
+        a_q, scale = scaled_fp8_quant(a, static_scale)
+        return a_q, broadcast_input_scale(scale, a.shape[0], a.shape[1] // bk)
+
+    a1_scale, a2_scale = static or (None, None)
     bk, top_k = block_shape[1], inter.shape[0] // x.shape[0]
-    x_q, x_s = per_token_group_quant_fp8(x, bk)  # [T, H] fp8, [T, H / bk]
+    x_q, x_s = quantize(x, a1_scale)  # [T, H] fp8, [T, H / bk]
     scales = (x_s, w13_scale, block_shape)
     _grouped_gemm(x_q, w13, inter, routing, cfg, a_row_div=top_k, gated=True, scales=scales)
-    inter_q, inter_s = per_token_group_quant_fp8(inter, bk)  # [T*K, I] fp8, [T*K, I / bk]
+    inter_q, inter_s = quantize(inter, a2_scale)  # [T*K, I] fp8, [T*K, I / bk]
     scales = (inter_s, w2_scale, block_shape)
     _grouped_gemm(inter_q, w2, down, routing, cfg, a_row_div=1, mul_routed_weight=True, scales=scales)
 
@@ -399,7 +425,7 @@ def _moe_sum(down: torch.Tensor, out: torch.Tensor) -> None:
 
 def check_fused_moe(
     hidden_states, w13, w2, topk_weights, topk_ids, out, name: str = "fused_moe",
-    *, w13_scale=None, w2_scale=None, block_shape=None,
+    *, w13_scale=None, w2_scale=None, block_shape=None, a1_scale=None, a2_scale=None,
 ) -> None:  # fmt: skip
     """Shapes, dtypes and devices of `fused_moe`'s arguments; expert ids in range under deep checks.
 
@@ -416,6 +442,7 @@ def check_fused_moe(
     _check_devices(name, hidden_states, w13, w2, topk_weights, topk_ids)
     _check_shapes(name, hidden_states, w13, w2, topk_weights, topk_ids)
     _check_block_scales(name, hidden_states, w13, w13_scale, w2_scale, block_shape)
+    _check_static_scales(name, hidden_states, w13, a1_scale, a2_scale)
     T, H = hidden_states.shape
     if out is not None:
         validation.check_out(name, out, (T, H), hidden_states.dtype, hidden_states.device)
@@ -487,6 +514,31 @@ def _check_shapes(name, hidden_states, w13, w2, topk_weights, topk_ids) -> None:
             f"{name}: topk_weights [T, K] shape {tuple(topk_weights.shape)} must equal topk_ids shape "
             f"{tuple(topk_ids.shape)}"
         )
+
+
+def _check_static_scales(name, hidden_states, w13, a1_scale, a2_scale) -> None:
+    """Static activation scales: both or neither, fp8 experts only, one float32 element each."""
+    if a1_scale is None and a2_scale is None:
+        return
+    if not is_fp8(w13):
+        raise ValueError(f"{name}: a1_scale / a2_scale are only for float8_e4m3fn experts, got {w13.dtype}")
+    if a1_scale is None or a2_scale is None:
+        raise ValueError(
+            f"{name}: static activations need both a1_scale (the experts' input) and a2_scale "
+            "(the SiLU-and-mul output); give both or neither"
+        )
+    for arg, scale in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+            got = (
+                f"{scale.dtype} of shape {tuple(scale.shape)}"
+                if isinstance(scale, torch.Tensor)
+                else type(scale).__name__
+            )
+            raise ValueError(f"{name}: {arg} must be a float32 tensor of one element, got {got}")
+        if scale.device != hidden_states.device:
+            raise ValueError(
+                f"{name}: {arg} is on {scale.device} but hidden_states is on {hidden_states.device}"
+            )
 
 
 def _check_block_scales(name, hidden_states, w13, w13_scale, w2_scale, block_shape) -> None:

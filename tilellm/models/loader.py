@@ -32,6 +32,7 @@ from tilellm.models.layers.layernorm import LayerNorm, RMSNorm
 from tilellm.models.layers.linear import default_weight_loader, read_all
 from tilellm.models.parallel import check_tp, partition_kv_heads
 from tilellm.models.quantization import (
+    DUMMY_INPUT_SCALE,
     apply_fp8,
     fill_dummy_fp8_,
     quantize_experts_online,
@@ -179,7 +180,7 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
                     torch.float32 if getattr(p, "keep_fp32", False) else getattr(p, "tilellm_dtype", dtype)
                 )
                 new = nn.Parameter(torch.empty(p.shape, dtype=p_dtype, device=device), requires_grad=False)
-                for marker in ("keep_fp32", "tilellm_dtype"):
+                for marker in ("keep_fp32", "tilellm_dtype", "is_input_scale"):
                     if hasattr(p, marker):
                         setattr(new, marker, getattr(p, marker))
                 allocated[id(p)] = new
@@ -195,7 +196,8 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 def _fill_dummy_weights(model: nn.Module, device: torch.device, seed: int) -> None:
     """Random weights for benchmarks: N(0, 0.02) everywhere except norm weights (1) and
-    LayerNorm biases (0); FP8 weights as N(0, 0.02) quantized, with their scales (`fill_dummy_fp8_`)."""
+    LayerNorm biases (0); FP8 weights as N(0, 0.02) quantized, with their scales (`fill_dummy_fp8_`),
+    and static input scales `DUMMY_INPUT_SCALE`."""
     gen = torch.Generator(device=device).manual_seed(seed)
     norms = [m for m in model.modules() if isinstance(m, RMSNorm | LayerNorm)]
     norm_weights = {id(m.weight) for m in norms}
@@ -212,6 +214,9 @@ def _fill_dummy_weights(model: nn.Module, device: torch.device, seed: int) -> No
             fill_dummy_fp8_(weight, scale_inv, gen, 0.02)
         for p in model.parameters():
             if id(p) in fp8_ids:
+                continue
+            if getattr(p, "is_input_scale", False):  # static activation scales
+                p.fill_(DUMMY_INPUT_SCALE)
                 continue
             if id(p) in norm_weights:
                 p.fill_(1.0)
@@ -249,10 +254,12 @@ def _checkpoint_name(param_name: str, shard_id: Any, mapping: dict[str, tuple[st
     return param_name
 
 
-def _is_ignored_input_scale(model: nn.Module, name: str, mapping: dict[str, tuple[str, Any]]) -> bool:
-    """A static activation scale (`X.input_scale`) of an FP8 layer: read and ignored, since
-    activations are quantized dynamically per token and group (`tilellm.models.quantization`)."""
-    if not name.endswith(".input_scale"):
+def _is_ignored_input_scale(
+    model: nn.Module, name: str, mapping: dict[str, tuple[str, Any]], params: dict[str, nn.Parameter]
+) -> bool:
+    """A static activation scale (`X.input_scale`) of an FP8 layer that quantizes its activations
+    dynamically (no `input_scale` parameter: the checkpoint's scheme is "dynamic"): not read."""
+    if not name.endswith(".input_scale") or _packed_target(name, mapping)[0] in params:
         return False
     pname, _ = _packed_target(name.removesuffix("input_scale") + "weight", mapping)
     owner_name, _, local = pname.rpartition(".")
@@ -286,7 +293,7 @@ def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
             for ckpt_name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
                     continue
-                if _is_ignored_input_scale(model, ckpt_name, mapping):
+                if _is_ignored_input_scale(model, ckpt_name, mapping, params):
                     continue
                 if _load_kv_cache_scale(model, ckpt_name, f.get_slice(ckpt_name), path):
                     continue

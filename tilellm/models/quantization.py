@@ -25,7 +25,19 @@ columns when K is not a multiple of 128: `per_tensor_group`), every block of a s
 that shard's scale. A merged layer (qkv_proj, gate_up_proj) whose shards carry different scales keeps them
 block row by block row when every shard boundary falls on a block, and otherwise has every shard
 requantized to the largest scale (as vLLM does). Activations are quantized dynamically per token
-and group in both cases: a static `input_scale` is read and ignored.
+and group in both cases, unless the checkpoint says `"activation_scheme": "static"`.
+
+Static activations (per-tensor checkpoints only, as in vLLM: a block checkpoint with a static
+scheme is refused): each layer's calibrated `X.input_scale` is loaded, a merged layer keeps the
+largest of its shards' (they all read the same input), and the layer quantizes its input by that
+one scale, saturating past 448 * input_scale, instead of per token and group:
+
+    x_q, s = scaled_fp8_quant(x, input_scale)                       # [M, K] e4m3, [1]
+    y = w8a8_block_fp8_matmul(x_q, weight, s broadcast, weight_scale_inv, [bn, bk], x.dtype)
+
+(or `w8a8_block_fp8_linear(x, ..., input_scale=input_scale)` in one kernel for few tokens). MoE
+experts take the largest input scale over their experts, one for the gate/up input and one for
+the down input (vLLM's a1_scale / a2_scale).
 
 Online quantization (`quantization="fp8"` on a bf16 / fp16 / fp32 checkpoint): the layers load
 in the model dtype and each weight is quantized in [128, 128] blocks once loading is done.
@@ -49,7 +61,14 @@ from torch import nn
 
 from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
 from tilellm.kernels.reference.fp8_gemm import dequantize_fp8_block, quantize_fp8_block
-from tilellm.models.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, is_block_aligned
+from tilellm.models.layers.linear import (
+    UNQUANTIZED,
+    LinearBase,
+    LinearMethod,
+    input_scale_param,
+    is_block_aligned,
+    reduce_input_scale,
+)
 from tilellm.models.layers.moe import FusedMoE
 from tilellm.models.layers.ops import resolve_fp8_gemm_ops
 
@@ -62,7 +81,8 @@ class Fp8Config:
     """What a checkpoint's `quantization_config` (quant_method "fp8") says.
 
     weight_block_size: (bn, bk) of one `weight_scale_inv` entry; None for per-tensor scales.
-    activation_scheme: "dynamic" or "static" (both run dynamic per-token-group activations).
+    activation_scheme: "dynamic" (activations quantized per token and group) or "static" (per
+    layer by the checkpoint's `input_scale`; per-tensor weights only).
     ignored_layers: checkpoint module names kept in the model dtype (`modules_to_not_convert`
     and `ignored_layers`; an entry matches a module it names or any module inside it).
     """
@@ -102,6 +122,12 @@ class Fp8Config:
                     f"got {block!r}"
                 )
             block = (int(block[0]), int(block[1]))
+            if scheme == "static":
+                raise ValueError(
+                    "quantization_config: activation_scheme 'static' is only supported with per-tensor "
+                    "weight scales; a block-quantized checkpoint (weight_block_size) must use "
+                    "activation_scheme 'dynamic'"
+                )
         ignored: list[str] = []
         for key in ("modules_to_not_convert", "ignored_layers"):
             names = qc.get(key) or []
@@ -109,6 +135,11 @@ class Fp8Config:
                 raise ValueError(f"quantization_config.{key} must be a list of module names, got {names!r}")
             ignored += names
         return cls(weight_block_size=block, activation_scheme=scheme, ignored_layers=tuple(ignored))
+
+    @property
+    def static_activations(self) -> bool:
+        """Whether layers quantize their inputs by the checkpoint's calibrated `input_scale`."""
+        return self.activation_scheme == "static"
 
     def is_ignored(self, name: str) -> bool:
         """Whether checkpoint module `name` stays unquantized (an entry names it or a parent)."""
@@ -171,6 +202,11 @@ def _fp32_param(*shape: int, device: torch.device) -> nn.Parameter:
     return p
 
 
+# The static input scale that benchmarks' dummy weights get (`load_format="dummy"`): inputs up to
+# 16 in magnitude fit, about what RMSNorm's output over N(0, 0.02) weights reaches.
+DUMMY_INPUT_SCALE = 16.0 / FP8_MAX
+
+
 logger = logging.getLogger(__name__)
 
 # From this many tokens cuBLAS's block-scaled GEMM: at 256 tokens it measured 20% faster than the
@@ -189,13 +225,24 @@ class Fp8LinearMethod(LinearMethod):
 
     online: the layer loads its weight in the model dtype and quantizes it after loading.
     per_tensor: the checkpoint has one scale per shard (no alignment of shards to blocks needed).
+    static_activations: inputs quantized by the layer's `input_scale` ([1] fp32 once loaded; one
+    entry per shard while loading) instead of per token and group.
     """
 
     def __init__(
-        self, block_size: tuple[int, int], ops: types.ModuleType, *, online: bool, per_tensor: bool = False
+        self,
+        block_size: tuple[int, int],
+        ops: types.ModuleType,
+        *,
+        online: bool,
+        per_tensor: bool = False,
+        static_activations: bool = False,
     ):
+        if static_activations and (online or not per_tensor):
+            raise ValueError("static activation scales need a per-tensor FP8 checkpoint")
         self.block_size = (int(block_size[0]), int(block_size[1]))
         self.ops, self.online, self.per_tensor = ops, online, per_tensor
+        self.static_activations = static_activations
         # cuBLAS's block-scaled GEMM (`scaled_mm_block_fp8`) for steps of many tokens, where it
         # measured faster than the Triton kernel (H200: 1.5-1.6x bf16 at 4096 tokens on Qwen3-8B's
         # layers, the Triton kernel 0.86-0.95x); decided per layer once its weights are loaded.
@@ -203,7 +250,8 @@ class Fp8LinearMethod(LinearMethod):
 
     def __repr__(self) -> str:
         bn, bk = self.block_size
-        return f"fp8[{bn}, {bk}]{', online' if self.online else ''}"
+        flags = ", online" * self.online + ", static" * self.static_activations
+        return f"fp8[{bn}, {bk}]{flags}"
 
     def create_weights(self, layer: LinearBase, name: str) -> None:
         """Switch `layer` (named `name`, still on the meta device) to FP8 parameters."""
@@ -221,41 +269,58 @@ class Fp8LinearMethod(LinearMethod):
         device = layer.weight.device
         layer.weight = _fp8_param(n, k, device=device)
         layer.weight_scale_inv = _fp32_param(-(-n // bn), k // bk, device=device)
+        if self.static_activations:  # one per checkpoint shard until loaded, then their largest
+            layer.input_scale = input_scale_param(len(layer.shard_ids), device=device)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype: x quantized per token and bk-wide group, then the
-        block-scaled FP8 GEMM (the scales applied in fp32, one rounding to x's dtype)."""
+        """x [..., K] -> [..., N] in x's dtype: x quantized per token and bk-wide group (or by the
+        layer's static `input_scale`), then the block-scaled FP8 GEMM (the scales applied in fp32,
+        one rounding to x's dtype)."""
         bn, bk = self.block_size
         x2d = x.reshape(-1, x.shape[-1])
         num_tokens = x2d.shape[0]
-        if self.use_scaled_mm and num_tokens >= SCALED_MM_MIN_TOKENS and num_tokens % 16 == 0:
-            x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk, column_major_scales=True)
-            try:
-                y = self.ops.scaled_mm_block_fp8(
+        static_scale = layer.input_scale if self.static_activations else None
+        if num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:  # quantized as the GEMM loads it: one launch
+            y = self.ops.w8a8_block_fp8_linear(
+                x2d, layer.weight, layer.weight_scale_inv, [bn, bk], input_scale=static_scale
+            )
+        else:
+            scaled_mm = self.use_scaled_mm and num_tokens >= SCALED_MM_MIN_TOKENS and num_tokens % 16 == 0
+            if static_scale is None:
+                x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk, column_major_scales=scaled_mm)
+            else:
+                x_q, scale = self.ops.scaled_fp8_quant(x2d, static_scale)
+                x_s = self.ops.broadcast_input_scale(scale, num_tokens, x2d.shape[1] // bk)
+            y = self._scaled_mm(layer, x_q, x_s, x.dtype) if scaled_mm else None
+            if y is None:
+                y = self.ops.w8a8_block_fp8_matmul(
                     x_q, layer.weight, x_s, layer.weight_scale_inv, [bn, bk], x.dtype
                 )
-            except RuntimeError as e:  # cuBLASLt has no algorithm for this shape (a host-side error)
-                logger.warning(
-                    "FP8 GEMM: cuBLAS's block-scaled GEMM refused a %s of %s (%s); Triton's runs it",
-                    type(layer).__name__, tuple(layer.weight.shape), e,
-                )  # fmt: skip
-                self.use_scaled_mm = False
-            else:
-                y = y.view(*x.shape[:-1], y.shape[-1])
-                return y if bias is None else y + bias
-        if num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:
-            y = self.ops.w8a8_block_fp8_linear(x2d, layer.weight, layer.weight_scale_inv, [bn, bk])
-        else:
-            x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk)
-            y = self.ops.w8a8_block_fp8_matmul(
-                x_q, layer.weight, x_s, layer.weight_scale_inv, [bn, bk], x.dtype
-            )
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
+    def _scaled_mm(
+        self, layer: LinearBase, x_q: torch.Tensor, x_s: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """cuBLAS's block-scaled GEMM, or None (and Triton's from then on) where it refuses."""
+        try:
+            return self.ops.scaled_mm_block_fp8(
+                x_q, layer.weight, x_s, layer.weight_scale_inv, list(self.block_size), dtype
+            )
+        except RuntimeError as e:  # cuBLASLt has no algorithm for this shape (a host-side error)
+            logger.warning(
+                "FP8 GEMM: cuBLAS's block-scaled GEMM refused a %s of %s (%s); Triton's runs it",
+                type(layer).__name__, tuple(layer.weight.shape), e,
+            )  # fmt: skip
+            self.use_scaled_mm = False
+            return None
+
     def process_weights_after_loading(self, layer: LinearBase, dtype: torch.dtype) -> None:
         """Online: the loaded weight quantized in place (its block scales added). Per-tensor
-        checkpoints: the shards' scalar scales turned into block scales."""
+        checkpoints: the shards' scalar scales turned into block scales; static activations: the
+        shards' input scales reduced to their largest."""
+        if self.static_activations:
+            layer.input_scale = reduce_input_scale(layer.input_scale)
         if self.online:
             w_q, scale_inv = quantize_fp8_block(layer.weight.data, list(self.block_size))
             layer.weight = nn.Parameter(w_q, requires_grad=False)
@@ -350,7 +415,9 @@ def apply_fp8(
             if getattr(module.weight, "keep_fp32", False) or _is_skipped(name, cfg, mapping):
                 continue
             block = cfg.layer_block_size(module.in_features)
-            method = Fp8LinearMethod(block, ops, online=online, per_tensor=per_tensor)
+            method = Fp8LinearMethod(
+                block, ops, online=online, per_tensor=per_tensor, static_activations=cfg.static_activations
+            )
             method.create_weights(module, name)
             module.quant_method = method
         elif isinstance(module, FusedMoE) and not cfg.is_ignored(name):
@@ -358,7 +425,7 @@ def apply_fp8(
             if online:  # quantized after loading; its shapes checked now, before the weights are read
                 module.check_fp8_block(block)
             else:
-                module.enable_fp8(block)
+                module.enable_fp8(block, static_activations=cfg.static_activations)
 
 
 def quantize_experts_online(model: nn.Module, cfg: Fp8Config) -> None:

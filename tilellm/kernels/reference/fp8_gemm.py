@@ -9,7 +9,11 @@ channels. With j the k-block index (channels [j * bk, (j + 1) * bk)):
     C[m, n]   = sum_j a_s[m, j] * b_s[n // bn, j] * sum_{k in j} a[m, k] * b[n, k]
 
 The inner sums are exact products of e4m3 values added in fp32; the scaled sum over k-blocks
-runs in fp32 and is rounded once to the output dtype. The checks (`check_*`) are shared with the
+runs in fp32 and is rounded once to the output dtype.
+
+Static activations (per-tensor checkpoints with `activation_scheme: "static"`): the layer's
+calibrated `input_scale` s replaces every x_s[m, j], so x_q = e4m3(x / s), saturated at +-448
+(`scaled_fp8_quant(x, s)`, vLLM's name), and the same GEMM runs with a_s = s broadcast. The checks (`check_*`) are shared with the
 Triton kernels, so both raise the same `ValueError`s.
 """
 
@@ -61,6 +65,31 @@ def check_per_token_group_quant(x: torch.Tensor, group_size: int, eps: float) ->
         raise ValueError(f"{name}: x's last dim must be contiguous, got strides {tuple(x.stride())}")
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"{name}: eps must be a positive number, got {eps!r}")
+
+
+def check_input_scale(name: str, x: torch.Tensor, scale: torch.Tensor) -> None:
+    """A static activation scale: one float32 element on x's device (its value is not read here:
+    that would sync with the device; loading checks it is positive and finite)."""
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(
+            f"{name}: the input scale must be a float32 tensor of one element, got {type(scale).__name__}"
+        )
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError(
+            f"{name}: the input scale must be a float32 tensor of one element, "
+            f"got {scale.dtype} of shape {tuple(scale.shape)}"
+        )
+    if scale.device != x.device:
+        raise ValueError(f"{name}: the input scale is on {scale.device} but x is on {x.device}")
+
+
+def check_scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor | None) -> None:
+    name = "scaled_fp8_quant"
+    _check_2d(name, "x", x, FLOAT_DTYPES, "[M, K]")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name}: x's last dim must be contiguous, got strides {tuple(x.stride())}")
+    if scale is not None:
+        check_input_scale(name, x, scale)
 
 
 def check_block_fp8_matmul(
@@ -131,6 +160,30 @@ def per_token_group_quant_fp8(
     return x_q, (x_s.t().contiguous().t() if column_major_scales else x_s)
 
 
+def dynamic_per_tensor_scale(x: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
+    """[1] float32 max(amax |x|, eps) / 448, on x's device (no host sync): the scale
+    `scaled_fp8_quant` computes when given none (the Triton path shares it)."""
+    amax = x.detach().abs().amax().float().clamp(min=eps).reshape(1)
+    return _div_exact(amax, FP8_MAX)
+
+
+def scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32/float16/bfloat16 -> (x_q [M, K] float8_e4m3fn, scale [1] float32).
+
+    One scale for the whole tensor: `scale` (a static, calibrated one: a checkpoint's
+    `input_scale`), or when None max(amax |x|, 1e-10) / 448. x_q = e4m3(x / scale), saturated at
+    +-448 (values past 448 * scale are clipped, as static quantization intends).
+    """
+    check_scaled_fp8_quant(x, scale)
+    scale = dynamic_per_tensor_scale(x) if scale is None else scale.reshape(1)
+    return quantize_fp8(x, scale), scale
+
+
+def broadcast_input_scale(scale: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    """A static input scale as the [rows, groups] a_s of the block GEMM (a view: strides (0, 0))."""
+    return scale.reshape(1, 1).expand(rows, groups)
+
+
 def w8a8_block_fp8_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -166,15 +219,23 @@ def w8a8_block_fp8_linear(
     output_dtype: torch.dtype | None = None,
     *,
     eps: float = 1e-10,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C [M, N] = `w8a8_block_fp8_matmul(*per_token_group_quant_fp8(x, bk), b, b_s, ...)`.
 
-    x [M, K] float32/float16/bfloat16, quantized per token and bk-wide group; b [N, K] e4m3 with
-    b_s [ceil(N / bn), K // bk] fp32; C in `output_dtype` (default x's dtype).
+    x [M, K] float32/float16/bfloat16, quantized per token and bk-wide group, or with
+    `input_scale` (one float32 element: static activations) as `scaled_fp8_quant(x, input_scale)`;
+    b [N, K] e4m3 with b_s [ceil(N / bn), K // bk] fp32; C in `output_dtype` (default x's dtype).
     """
+    name = "w8a8_block_fp8_linear"
     output_dtype = x.dtype if output_dtype is None else output_dtype
-    bn, bk = check_block_fp8_matmul("w8a8_block_fp8_linear", x, b, None, b_s, block_size, output_dtype)
-    x_q, x_s = per_token_group_quant_fp8(x, bk, eps=eps)  # checks eps
+    bn, bk = check_block_fp8_matmul(name, x, b, None, b_s, block_size, output_dtype)
+    if input_scale is not None:
+        check_input_scale(name, x, input_scale)
+        x_q, scale = scaled_fp8_quant(x, input_scale)
+        x_s = broadcast_input_scale(scale, x.shape[0], x.shape[1] // bk)
+    else:
+        x_q, x_s = per_token_group_quant_fp8(x, bk, eps=eps)  # checks eps
     return w8a8_block_fp8_matmul(x_q, b, x_s, b_s, [bn, bk], output_dtype)
 
 

@@ -22,7 +22,11 @@ import torch.nn.functional as F
 
 from tilellm.kernels.fp8 import is_fp8
 from tilellm.kernels.moe import check_fused_moe
-from tilellm.kernels.reference.fp8_gemm import dequantize_fp8_block, per_token_group_quant_fp8
+from tilellm.kernels.reference.fp8_gemm import (
+    dequantize_fp8_block,
+    per_token_group_quant_fp8,
+    scaled_fp8_quant,
+)
 
 
 def fused_moe(
@@ -36,21 +40,26 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: list[int] | tuple[int, int] | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: hidden_states [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights [T, K] float32, topk_ids [T, K] int -> [T, H] in hidden_states.dtype (into `out` if given).
 
     fp8 experts: w13 / w2 float8_e4m3fn with w13_scale [E, cdiv(2I, bn), cdiv(H, bk)] and
-    w2_scale [E, cdiv(H, bn), cdiv(I, bk)] float32, block_shape [bn, bk] (see the module docstring).
+    w2_scale [E, cdiv(H, bn), cdiv(I, bk)] float32, block_shape [bn, bk] (see the module docstring);
+    a1_scale / a2_scale: static activation scales (one float32 element each) for the experts'
+    input and their SiLU-and-mul output, instead of per token-group quantization.
     """
     check_fused_moe(
         hidden_states, w13, w2, topk_weights, topk_ids, out,
         w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
+        a1_scale=a1_scale, a2_scale=a2_scale,
     )  # fmt: skip
     T, H = hidden_states.shape
     E, I, K = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     quantized = is_fp8(w13)
-    x = _quantize_dequantize(hidden_states, block_shape[1]) if quantized else hidden_states.float()
+    x = _quantize_dequantize(hidden_states, block_shape[1], a1_scale) if quantized else hidden_states.float()
     acc = torch.zeros(T, H, dtype=torch.float32, device=hidden_states.device)
     flat_ids = topk_ids.reshape(-1).long()  # pair p = t * K + k
     flat_weights = topk_weights.reshape(-1)
@@ -71,7 +80,7 @@ def fused_moe(
         gate_up = x[tokens] @ w13_e.T  # [n, 2I]
         h = F.silu(gate_up[:, :I]) * gate_up[:, I:]  # [n, I]
         if quantized:
-            h = _quantize_dequantize(h.to(hidden_states.dtype), block_shape[1])
+            h = _quantize_dequantize(h.to(hidden_states.dtype), block_shape[1], a2_scale)
         y = (h @ w2_e.T) * flat_weights[pairs, None]  # [n, H]
         acc.index_add_(0, tokens, y)
     if out is None:
@@ -79,7 +88,11 @@ def fused_moe(
     return out.copy_(acc)
 
 
-def _quantize_dequantize(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x [M, K] -> x_q * x_s [M, K] fp32: the values the W8A8 GEMM sees, per token-group quantized."""
+def _quantize_dequantize(x: torch.Tensor, group_size: int, static_scale: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] -> x_q * x_s [M, K] fp32: the values the W8A8 GEMM sees, per token-group
+    quantized, or by the one static scale."""
+    if static_scale is not None:
+        x_q, scale = scaled_fp8_quant(x, static_scale)
+        return x_q.float() * scale
     x_q, x_s = per_token_group_quant_fp8(x, group_size)
     return x_q.float() * x_s.repeat_interleave(group_size, dim=1)

@@ -123,6 +123,30 @@ def _check_extent(src: WeightSource, layout: ShardLayout, what: str) -> None:
         )
 
 
+def check_input_scale_value(value: torch.Tensor, what: str) -> float:
+    """A checkpoint's `input_scale` tensor -> its one value, which must be positive and finite."""
+    if value.numel() != 1:
+        raise ValueError(f"{what}: input_scale must hold one number, got shape {tuple(value.shape)}")
+    v = float(value.reshape(()).float())
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{what}: input_scale must be a positive finite number, got {v}")
+    return v
+
+
+def input_scale_param(*shape: int, device: torch.device) -> nn.Parameter:
+    """A static activation scale to be loaded (fp32; `is_input_scale` tells the dummy filler)."""
+    p = nn.Parameter(torch.empty(*shape, device=device), requires_grad=False)
+    p.keep_fp32 = True  # type: ignore[attr-defined]
+    p.is_input_scale = True  # type: ignore[attr-defined]
+    return p
+
+
+def reduce_input_scale(scale: torch.Tensor) -> nn.Parameter:
+    """Per-shard (or per-expert) static input scales -> their largest, [1] fp32: the shards of a
+    merged layer (the experts of a MoE layer) read the same input, quantized once (vLLM's rule)."""
+    return nn.Parameter(scale.detach().amax().reshape(1).float(), requires_grad=False)
+
+
 # -- how a layer holds and applies its weight ------------------------------------------------
 
 
@@ -178,6 +202,11 @@ class LinearBase(nn.Module):
             return
         if param is getattr(self, "weight_scale_inv", None):
             self._load_weight_scale(param, src, layout, shard_id, what)
+            return
+        if param is getattr(self, "input_scale", None):  # a static activation scale, one per shard
+            value = check_input_scale_value(read_all(src), what)
+            with torch.no_grad():
+                param[self.shard_ids.index(shard_id)] = value
             return
         _check_extent(src, layout, what)
         dst = param.narrow(layout.dim, layout.dst_start, layout.size)

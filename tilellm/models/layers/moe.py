@@ -18,7 +18,9 @@ FP8 experts (DeepSeek-V3's checkpoints, or `--quantization fp8` of a bf16 one): 
 matrices in float8_e4m3fn with one fp32 scale per [bn, bk] block beside each
 (`w13_weight_scale_inv`, `w2_weight_scale_inv`), run by the fused kernel's block-scaled W8A8
 path. `FusedMoE.enable_fp8` declares them before loading, `FusedMoE.quantize_weights_fp8`
-converts loaded bf16 experts.
+converts loaded bf16 experts. A per-tensor checkpoint with static activations also gives each
+expert's matrices an `input_scale`; the layer quantizes the experts' input by the largest of
+gate's and up's over its experts, and the down projection's input by the largest of down's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,16 @@ from torch import nn
 from tilellm.kernels.fp8 import FP8_DTYPE, is_fp8
 from tilellm.kernels.moe import check_block_shape
 from tilellm.kernels.reference.fp8_gemm import quantize_fp8_block
-from tilellm.models.layers.linear import WeightSource, copy_checked, read_all, read_slice, source_shape
+from tilellm.models.layers.linear import (
+    WeightSource,
+    check_input_scale_value,
+    copy_checked,
+    input_scale_param,
+    read_all,
+    read_slice,
+    reduce_input_scale,
+    source_shape,
+)
 from tilellm.models.layers.mlp import GatedMLP
 from tilellm.models.parallel import all_reduce, check_tp, divide
 
@@ -159,17 +170,21 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i_r), requires_grad=False)
         # [bn, bk] of the fp8 experts' block scales; None while the experts are in the model's dtype
         self.fp8_block_size: tuple[int, int] | None = None
+        # static activations: w13_input_scale / w2_input_scale, per expert while loading, then [1]
+        self.static_activations = False
 
     # -- FP8 experts --------------------------------------------------------------------------
 
-    def enable_fp8(self, block_size: tuple[int, int]) -> None:
+    def enable_fp8(self, block_size: tuple[int, int], *, static_activations: bool = False) -> None:
         """Declare block-quantized FP8 experts before the parameters are materialised.
 
         w13_weight / w2_weight become float8_e4m3fn parameters of the same shapes (marked
         `tilellm_dtype` for the loader's materialiser) and the block scales
         w13_weight_scale_inv [E, 2 I_r / bn, cdiv(H, bk)] and w2_weight_scale_inv
         [E, cdiv(H, bn), I_r / bk] are added, in float32 (`keep_fp32`). block_size = (bn, bk),
-        (128, 128) for DeepSeek-V3.
+        (128, 128) for DeepSeek-V3. static_activations: also the checkpoint's input scales,
+        w13_input_scale [E, 2] (gate's, up's) and w2_input_scale [E] (down's), reduced to their
+        largest ([1] each) once loaded.
         """
         bn, bk = self.check_fp8_block(block_size)
         E, H, i_r, dev = (
@@ -183,6 +198,17 @@ class FusedMoE(nn.Module):
         self.w13_weight_scale_inv = _fp32_scale(torch.empty(E, 2 * i_r // bn, -(-H // bk), device=dev))
         self.w2_weight_scale_inv = _fp32_scale(torch.empty(E, -(-H // bn), i_r // bk, device=dev))
         self.fp8_block_size = (bn, bk)
+        if static_activations:
+            self.w13_input_scale = input_scale_param(E, 2, device=dev)
+            self.w2_input_scale = input_scale_param(E, device=dev)
+            self.static_activations = True
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        """Static activations: each input scale reduced to its largest over the experts (and
+        over gate and up, which read the same input), as vLLM does."""
+        if self.static_activations and self.w2_input_scale.numel() > 1:
+            self.w13_input_scale = reduce_input_scale(self.w13_input_scale)
+            self.w2_input_scale = reduce_input_scale(self.w2_input_scale)
 
     def quantize_weights_fp8(self, block_size: tuple[int, int]) -> None:
         """Online quantization: the loaded experts (in the model's dtype) -> float8_e4m3fn with
@@ -220,9 +246,9 @@ class FusedMoE(nn.Module):
 
     def param_shard_ids(self, name: str) -> tuple[Any, ...]:
         """The (expert, matrix) shards that fill parameter `name` (the loader checks all arrive)."""
-        if name in ("w13_weight", "w13_weight_scale_inv"):
+        if name in ("w13_weight", "w13_weight_scale_inv", "w13_input_scale"):
             names: tuple[str, ...] = ("gate_proj", "up_proj")
-        elif name in ("w2_weight", "w2_weight_scale_inv"):
+        elif name in ("w2_weight", "w2_weight_scale_inv", "w2_input_scale"):
             names = ("down_proj",)
         else:
             raise ValueError(f"FusedMoE has no parameter {name!r}")
@@ -239,7 +265,14 @@ class FusedMoE(nn.Module):
         expert, matrix = shard_id
         if matrix not in ("gate_proj", "up_proj", "down_proj"):
             raise ValueError(f"FusedMoE has no matrix {matrix!r}")
-        if self.fp8_block_size is not None and (
+        if self.static_activations and (param is self.w13_input_scale or param is self.w2_input_scale):
+            value = check_input_scale_value(read_all(src), f"expert {expert} {matrix}")
+            with torch.no_grad():
+                if matrix == "down_proj":
+                    param[expert] = value
+                else:
+                    param[expert, 0 if matrix == "gate_proj" else 1] = value
+        elif self.fp8_block_size is not None and (
             param is self.w13_weight_scale_inv or param is self.w2_weight_scale_inv
         ):
             self._load_scale(param, src, expert, matrix)
@@ -283,14 +316,18 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.fp8_block_size is None:
             return self.ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        static = {}
+        if self.static_activations:
+            static = {"a1_scale": self.w13_input_scale, "a2_scale": self.w2_input_scale}
         return self.ops.fused_moe(
             x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
             w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
-            block_shape=self.fp8_block_size,
+            block_shape=self.fp8_block_size, **static,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
         fp8 = "" if self.fp8_block_size is None else f", fp8_block={list(self.fp8_block_size)}"
+        fp8 += ", static activations" if self.static_activations else ""
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_size}, "
             f"intermediate_per_rank={self.intermediate_per_rank}, tp={self.tp_rank}/{self.tp_size}{fp8}"
