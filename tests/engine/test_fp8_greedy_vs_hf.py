@@ -27,16 +27,21 @@ argument rests on. The Triton GEMM in the engine is checked on the GPU by its ow
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tests.engine.test_greedy_vs_hf import MAX_TOKENS, _prompts
 from tests.models.paged import PagedKV
 from tilellm import LLM, SamplingParams
 from tilellm.attention import BatchKind, attention_context
+from tilellm.kernels.reference.fp8_gemm import dequantize_fp8_block
 from tilellm.models import load_model
 from tilellm.testing import (
     dequantize_model_dir,
@@ -75,6 +80,9 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str, int]]:
     for name, src, gemms in [("qwen3", qwen3, 8), ("deepseek_v2", deepseek, 15)]:
         q = quantize_model_dir_fp8(src, root / f"{name}_fp8", (GROUP, GROUP))
         out[name] = (str(q), str(dequantize_model_dir(q, root / f"{name}_dequant")), gemms)
+        # per-tensor weights, static activation scales calibrated by transformers (AutoFP8's form)
+        q = quantize_model_dir_fp8(src, root / f"{name}_static", per_tensor=True)
+        out[f"{name}_static"] = (str(q), str(dequantize_model_dir(q, root / f"{name}_static_dequant")), gemms)
     return out
 
 
@@ -107,6 +115,83 @@ def _with_quantized_linear_inputs(forward, group: int):
     def wrapped(*args, **kwargs):
         linear = torch.nn.functional.linear
         torch.nn.functional.linear = lambda x, w, b=None: linear(_quantize_dequantize(x, group), w, b)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch.nn.functional.linear = linear
+
+    return wrapped
+
+
+def _static_quantize_dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x -> e4m3(x / scale) saturated at +-448, times scale, in x's dtype."""
+    q = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def _static_oracle_inputs(fp8_dir: str, dequant_dir: str, dst: pathlib.Path) -> tuple[str, dict]:
+    """(checkpoint dir, scales) for `_hf_static_model`, from the engine's loaded model.
+
+    scales: transformers' module name -> the static input scale the engine quantizes its input by
+    (a merged layer's, the largest of its parts' as tests/models/test_fp8_checkpoint.py checks
+    against the file, for each part; (a1, a2) for a fused experts module). The checkpoint: the
+    dequantized one with each merged layer's parts replaced by the engine's own weights, which a
+    per-tensor checkpoint's loading may requantize (shards of different scales that do not fall
+    on whole 128-row blocks all move to the largest scale, as vLLM does)."""
+    model, _ = load_model(fp8_dir, device="cpu", attention_backend="reference")
+    mapping = getattr(model, "packed_modules_mapping", {})
+    weights = load_file(pathlib.Path(dequant_dir) / "model.safetensors")
+    scales: dict[str, float | tuple[float, float]] = {}
+    for name, module in model.named_modules():
+        if getattr(module, "static_activations", False):  # FusedMoE
+            scales[name] = (float(module.w13_input_scale), float(module.w2_input_scale))
+        method = getattr(module, "quant_method", None)
+        if not getattr(method, "static_activations", False):
+            continue
+        w = dequantize_fp8_block(
+            module.weight, module.weight_scale_inv, list(method.block_size), torch.float32
+        )
+        prefix, _, leaf = name.rpartition(".")
+        parts = [(ckpt, sid) for ckpt, (packed, sid) in mapping.items() if packed == leaf] or [(leaf, None)]
+        for part, sid in parts:
+            layout = module.shard_layout(sid)
+            scales[f"{prefix}.{part}"] = float(module.input_scale)
+            weights[f"{prefix}.{part}.weight"] = w.narrow(layout.dim, layout.dst_start, layout.size).clone()
+    shutil.copytree(dequant_dir, dst)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst), scales
+
+
+def _hf_static_model(model_dir: str, scales: dict[str, float | tuple[float, float]]) -> torch.nn.Module:
+    """transformers' model with every FP8 layer's input quantized by its static scale (`scales`:
+    `_static_scales`), the experts' gate/up input by a1 and their down input by a2."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, experts_implementation="eager"
+    )
+    for name, module in model.named_modules():
+        if name not in scales:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            s = scales[name]
+            module.register_forward_pre_hook(
+                lambda m, args, s=s: (_static_quantize_dequantize(args[0], s), *args[1:])
+            )
+        elif type(module).__name__.endswith("Experts"):
+            module.forward = _with_static_expert_inputs(module, *scales[name])
+    return model.eval()
+
+
+def _with_static_expert_inputs(module: torch.nn.Module, a1: float, a2: float):
+    gate_up = {module.gate_up_proj[e].data_ptr() for e in range(module.gate_up_proj.shape[0])}
+    forward = module.forward
+
+    def wrapped(*args, **kwargs):
+        linear = torch.nn.functional.linear
+
+        def quantized(x, w, b=None):
+            return linear(_static_quantize_dequantize(x, a1 if w.data_ptr() in gate_up else a2), w, b)
+
+        torch.nn.functional.linear = quantized
         try:
             return forward(*args, **kwargs)
         finally:
@@ -183,6 +268,58 @@ def test_greedy_tokens_are_hf_w8a8_choices(checkpoints, name, llm_kwargs):
     assert agree.float().mean() >= 0.95, (
         f"{int(agree.sum())}/{agree.numel()} tokens are transformers' choices"
     )
+
+
+@pytest.mark.parametrize(
+    "name, llm_kwargs",
+    [
+        ("qwen3_static", dict(num_kv_blocks=64)),
+        ("qwen3_static", dict(num_kv_blocks=64, max_num_batched_tokens=13)),
+        ("deepseek_v2_static", dict(num_kv_blocks=64)),
+    ],
+    ids=["qwen3", "qwen3_chunked", "deepseek_v2"],
+)
+def test_static_activation_scales_are_hf_static_w8a8_choices(checkpoints, name, llm_kwargs, tmp_path):
+    """A per-tensor checkpoint with calibrated static input scales: against transformers with
+    every FP8 layer's input quantized by that layer's scale (a merged layer's largest, the
+    experts' largest), the engine's tokens are transformers' own choices, the first of every
+    prompt included, as for the dynamic W8A8 replay above; and its logits are not the dynamic
+    per-token-group ones (the scales are used)."""
+    fp8_dir, dequant_dir, _ = checkpoints[name]
+    prompts, got = _prompts(), _engine_tokens(fp8_dir, **llm_kwargs, **W8A8_REPLAY_KWARGS)
+    hf = _hf_static_model(*_static_oracle_inputs(fp8_dir, dequant_dir, tmp_path / "oracle"))
+    agree = _hf_choices(hf, prompts, got)
+    assert bool(agree[:, 0].all()), f"first tokens: {agree[:, 0].tolist()}"
+    assert agree.float().mean() >= 0.95, (
+        f"{int(agree.sum())}/{agree.numel()} tokens are transformers' choices"
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3_static", "deepseek_v2_static"])
+def test_static_activation_scales_stay_close_to_hf(checkpoints, name, tmp_path):
+    """Static scales cost accuracy only through the activations' rounding (each scale fits its
+    layer's calibrated range): against transformers on the engine's weights
+    (`_static_oracle_inputs`) with unquantized activations, the logits stay within the dynamic
+    case's bound; and they differ from the engine's on the same weights with dynamic
+    activations (the static scales are what runs)."""
+    fp8_dir, dequant_dir, gemms = checkpoints[name]
+    prompts = _prompts()
+    oracle_dir, _ = _static_oracle_inputs(fp8_dir, dequant_dir, tmp_path / "oracle")
+    hf = _hf_model(oracle_dir, w8a8=False)
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    got = _last_logits(fp8_dir, prompts)
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    bound = math.sqrt(gemms) * PER_GEMM_RMS
+    assert rel.mean() < bound and rel.max() < 2 * bound, (
+        f"relative logit errors {rel.tolist()}, bound {bound:.3f}"
+    )
+    dynamic = tmp_path / "dynamic"
+    shutil.copytree(fp8_dir, dynamic)
+    config = json.loads((dynamic / "config.json").read_text())
+    config["quantization_config"]["activation_scheme"] = "dynamic"
+    (dynamic / "config.json").write_text(json.dumps(config))
+    assert not torch.allclose(got, _last_logits(str(dynamic), prompts), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 tensor-core dot needs a CUDA device")
