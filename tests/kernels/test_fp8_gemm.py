@@ -478,3 +478,207 @@ def test_block_quant_rejects_bad_input():
         ref.dequantize_fp8_block(w_q, s[:1], [32, 32], torch.float32)
     with pytest.raises(ValueError, match="dequantize_fp8_block: w_q must be"):
         ref.dequantize_fp8_block(w, s, [32, 32], torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Static activation scales: one calibrated scale for the whole tensor
+# ----------------------------------------------------------------------------------------------
+
+
+def static_scale(x: torch.Tensor, headroom: float) -> torch.Tensor:
+    """A [1] float32 scale amax |x| / 448 * headroom on x's device: below 1, every value past
+    headroom * amax saturates."""
+    return torch.tensor([float(x.abs().max()) / FP8_MAX * headroom], dtype=torch.float32, device=x.device)
+
+
+def e4m3_ties(n: int, gen) -> torch.Tensor:
+    """n midpoints between neighbouring e4m3 values (fp64, random signs), all below 448:
+    2^e * (1 + (k + 1/2) / 8) between normals, (k + 1/2) * 2^-9 between subnormals."""
+    e = torch.randint(-6, 8, (n,), generator=gen).double()
+    k = torch.randint(0, 8, (n,), generator=gen).double()
+    ties = torch.where(e > -6, torch.exp2(e) * (1 + (k + 0.5) / 8), (k + 0.5) * 2.0**-9)
+    return ties * (torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scaled_quant_twin_is_nearest_e4m3(dtype):
+    """x_q = e4m3(x / s) for a static s a sixteenth of the calibrated one: the values within
+    +-448 half an e4m3 step from x / s (fp64) at most, every one past it exactly +-448; the
+    scale comes back as given, [1] float32."""
+    x = spread((9, 160), torch.Generator().manual_seed(3), dtype)
+    s = static_scale(x, 1 / 16)
+    x_q, got_s = ref.scaled_fp8_quant(x, s)
+    assert x_q.dtype == FP8_DTYPE and x_q.shape == (9, 160)
+    assert got_s.dtype == torch.float32 and got_s.shape == (1,) and torch.equal(got_s, s)
+    v, q = x.double() / s.double(), x_q.double()
+    inside = v.abs() <= FP8_MAX
+    assert inside.sum() > 100 and (v.abs() > 2 * FP8_MAX).sum() > 10, "no saturation to check"
+    assert ((v - q).abs()[inside] <= 0.5 * e4m3_step(v[inside]) * (1 + 1e-6)).all()
+    assert torch.equal(q[~inside], FP8_MAX * v[~inside].sign())
+
+
+def test_scaled_quant_twin_rounds_ties_to_even():
+    """x / s on midpoints of the e4m3 grid (s = 1/8: the quotients are exact) land half a step
+    away, on the neighbour whose mantissa is even."""
+    ties = e4m3_ties(512, torch.Generator().manual_seed(4))
+    x_q, _ = ref.scaled_fp8_quant((ties / 8).float()[None], torch.tensor([0.125]))
+    assert torch.equal((x_q.double()[0] - ties).abs(), 0.5 * e4m3_step(ties))
+    assert not (x_q.view(torch.uint8) & 1).any(), "a tie rounded to an odd mantissa"
+
+
+def test_linear_twin_static_scale_matches_fp64():
+    """The twin's `w8a8_block_fp8_linear(..., input_scale=s)` is the product of e4m3(x / s) * s
+    and the dequantized weight in fp64, s standing for every token-group's scale."""
+    gen = torch.Generator().manual_seed(6)
+    x = spread((7, 256), gen)
+    s = static_scale(x, 1 / 4)
+    b, b_s = ref.quantize_fp8_block(spread((72, 256), gen) / 16, [32, 128])
+    got = ref.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32, input_scale=s)
+    x_q, _ = ref.scaled_fp8_quant(x, s)
+    expected = dequantized_product(x_q, b, s.expand(7, 2), b_s, [32, 128])
+    assert_close(got, expected.float(), 1e-6, "static twin vs fp64")
+
+
+def assert_scaled_quant_equal(x, scale):
+    got_q, got_s = tk.scaled_fp8_quant(x, scale)
+    want_q, want_s = ref.scaled_fp8_quant(x, scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), "x_q bytes differ"
+    assert got_s.dtype == torch.float32 and got_s.shape == (1,)
+    assert torch.equal(got_s, want_s), "scale differs"
+    return got_q, got_s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("M", "K"), [(1, 128), (37, 96), (3, 1500)])
+def test_scaled_quant_bit_exact(M, K, dtype, device, poison_outputs):
+    """A static scale a sixteenth of the calibrated one, over one row tile and two (37 x 96:
+    masked rows and columns) or two column tiles (K = 1500): the same bytes as the twin, and
+    the values past 448 * s are exactly +-448."""
+    x = spread((M, K), torch.Generator().manual_seed(M + K), dtype, device)
+    s = static_scale(x, 1 / 16)
+    x_q, got_s = assert_scaled_quant_equal(x, s)
+    assert torch.equal(got_s, s)
+    past = (x.double() / s.double()).abs() > FP8_MAX + 16  # beyond 448's half step, too
+    assert past.any(), "no saturation to check"
+    assert (x_q.float().abs()[past] == FP8_MAX).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scaled_quant_ties_bit_exact(dtype, device, poison_outputs):
+    """Midpoints of the e4m3 grid (s = 1/8), normal and subnormal, round as the twin rounds
+    them: to the even neighbour."""
+    ties = e4m3_ties(3 * 160, torch.Generator().manual_seed(5))
+    x = (ties / 8).view(3, 160).to(device=device, dtype=dtype)
+    assert torch.equal(x.double().cpu() * 8, ties.view(3, 160)), "ties not exact in this dtype"
+    x_q, _ = assert_scaled_quant_equal(x, torch.tensor([0.125], device=device))
+    assert not (x_q.view(torch.uint8) & 1).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scaled_quant_dynamic_scale(dtype, device, poison_outputs):
+    """scale None: max(amax |x|, 1e-10) / 448, rounded once to fp32 (the fp64 quotient of two
+    fp32 values, rounded to fp32, is the fp32 quotient), the same on both sides; the amax maps to
+    +-448. An all-zero x keeps the eps scale and zeros."""
+    x = spread((13, 192), torch.Generator().manual_seed(9), dtype, device)
+    x_q, s = assert_scaled_quant_equal(x, None)
+    expected = torch.tensor([float(x.abs().max()) / FP8_MAX], dtype=torch.float32)
+    assert torch.equal(s.cpu(), expected)
+    assert float(x_q.float().abs().max()) == FP8_MAX
+    x_q, s = assert_scaled_quant_equal(torch.zeros_like(x), None)
+    assert torch.equal(s.cpu(), torch.tensor([1e-10]) / FP8_MAX)
+    assert not x_q.float().any()
+
+
+def test_scaled_quant_strided_rows(device, poison_outputs):
+    """x a column slice of a wider tensor (row stride != K), static and dynamic."""
+    wide = spread((9, 512), torch.Generator().manual_seed(2), device=device)
+    x = wide[:, 128:384]
+    assert_scaled_quant_equal(x, static_scale(x, 1 / 8))
+    assert_scaled_quant_equal(x, None)
+
+
+def test_scaled_quant_empty_with_static_scale(device):
+    s = torch.tensor([0.5], device=device)
+    for quant in (tk.scaled_fp8_quant, ref.scaled_fp8_quant):
+        x_q, got_s = quant(torch.randn(0, 128, device=device), s)
+        assert x_q.shape == (0, 128) and x_q.dtype == FP8_DTYPE and torch.equal(got_s, s)
+
+
+@pytest.mark.xfail(raises=RuntimeError, strict=True, reason="amax of an empty tensor (no dim given)")
+@pytest.mark.parametrize("shape", [(0, 128), (3, 0)])
+@pytest.mark.parametrize("quant", [tk.scaled_fp8_quant, ref.scaled_fp8_quant], ids=["triton", "twin"])
+def test_scaled_quant_empty_dynamic(quant, shape, device):
+    """No values and no scale: the eps scale, as an all-zero x gets."""
+    x_q, s = quant(torch.randn(shape, device=device), None)
+    assert x_q.shape == shape and torch.equal(s.cpu(), torch.tensor([1e-10]) / FP8_MAX)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_linear_static_scale_quantizes_in_the_gemm(dtype, split_k, device, poison_outputs):
+    """`w8a8_block_fp8_linear(x, ..., input_scale=s)` is `scaled_fp8_quant(x, s)` then the GEMM
+    with s broadcast, bit for bit in fp32 at the same tiles, over two row tiles; the twin's
+    static pipeline within the GEMM tolerance; and with s an eighth of the calibrated scale
+    (the large rows saturate) far from the dynamic result: the scale is used."""
+    gen = torch.Generator().manual_seed(8)
+    x = spread((21, 256), gen, dtype, device)
+    s = static_scale(x, 1 / 8)
+    # the weight scaled down: fp16 outputs stay finite
+    b, b_s = ref.quantize_fp8_block(spread((96, 256), gen, device=device) / 64, [32, 128])
+    cfg = tk.Fp8GemmConfig(block_m=16, block_n=32, group_m=8, num_warps=4, num_stages=1, split_k=split_k)
+    got = tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32, input_scale=s, config=cfg)
+    a, a_s = tk.scaled_fp8_quant(x, s)
+    a_s = tk.broadcast_input_scale(a_s, 21, 2)
+    assert a_s.shape == (21, 2) and a_s.stride() == (0, 0)
+    want = tk.w8a8_block_fp8_matmul(a, b, a_s, b_s, [32, 128], torch.float32, config=cfg)
+    assert torch.equal(got, want)
+    twin = ref.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32, input_scale=s)
+    assert_gemm_close(got, twin, device, f"static {dtype} split_k={split_k}")
+    dynamic = tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32, config=cfg)
+    diff = float((got - dynamic).abs().max())
+    assert diff > 0.1 * float(dynamic.abs().max()), f"static and dynamic differ by {diff:.3g} only"
+    assert tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], input_scale=s, config=cfg).dtype == dtype
+
+
+ONE_FLOAT32 = "the input scale must be a float32 tensor of one element, "
+BAD_INPUT_SCALE = {
+    "float64": (lambda s: s.double(), ONE_FLOAT32 + r"got torch.float64 of shape \(1,\)"),
+    "two_elements": (lambda s: s.repeat(2), ONE_FLOAT32 + r"got torch.float32 of shape \(2,\)"),
+    "not_a_tensor": (lambda s: 0.5, ONE_FLOAT32 + "got float"),
+    "other_device": (lambda s: s.to("meta"), "the input scale is on meta but x is on cpu"),
+}
+STATIC_ENTRY_POINTS = {
+    "linear-triton": ("w8a8_block_fp8_linear", tk.w8a8_block_fp8_linear),
+    "linear-twin": ("w8a8_block_fp8_linear", ref.w8a8_block_fp8_linear),
+    "quant-triton": ("scaled_fp8_quant", tk.scaled_fp8_quant),
+    "quant-twin": ("scaled_fp8_quant", ref.scaled_fp8_quant),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT_SCALE))
+@pytest.mark.parametrize("entry", list(STATIC_ENTRY_POINTS))
+def test_rejects_bad_input_scale(entry, case):
+    name, fn = STATIC_ENTRY_POINTS[entry]
+    bad, message = BAD_INPUT_SCALE[case]
+    x, scale = torch.randn(4, 64), bad(torch.tensor([0.5]))
+    with pytest.raises(ValueError, match=f"^{name}: {message}"):
+        if name == "scaled_fp8_quant":
+            fn(x, scale)
+        else:
+            b, b_s = ref.quantize_fp8_block(torch.randn(64, 64), [32, 32])
+            fn(x, b, b_s, [32, 32], input_scale=scale)
+
+
+@pytest.mark.parametrize("fn", [tk.scaled_fp8_quant, ref.scaled_fp8_quant], ids=["triton", "twin"])
+def test_scaled_quant_rejects_bad_input(fn):
+    x, s = torch.randn(4, 64), torch.tensor([0.5])
+    with pytest.raises(ValueError, match="^scaled_fp8_quant: x must be 2-D"):
+        fn(x[None], s)
+    with pytest.raises(ValueError, match="^scaled_fp8_quant: x must be"):
+        fn(x.to(torch.int32), s)
+    with pytest.raises(ValueError, match="^scaled_fp8_quant: x must be"):
+        fn(x.to(FP8_DTYPE), None)
+    with pytest.raises(ValueError, match="^scaled_fp8_quant: x's last dim must be contiguous"):
+        fn(x.t().contiguous().t(), s)
+    for one in (s.reshape(()), s.reshape(1, 1)):  # one element of any shape: it comes back as [1]
+        assert fn(x, one)[1].shape == (1,)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tilellm.kernels.fp8 import FP8_DTYPE
+from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from tilellm.kernels.reference.fp8_gemm import (
     dequantize_fp8_block,
     per_token_group_quant_fp8,
@@ -305,4 +305,105 @@ def test_wrong_scale_shape_is_named(dirs, tmp_path):
         ValueError,
         match=r"weight_scale_inv' from .*has shape \(\d+, \d+\), expected .*one scale per \[64, 32\] block",
     ):
+        _load(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# static activation scales (per-tensor checkpoints, activation_scheme "static")
+# ---------------------------------------------------------------------------------------------
+
+
+def _static_dequantized(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x quantized by one static scale (saturating at +-448) and dequantized, in fp32."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
+
+
+def test_static_checkpoint_loads_each_layers_largest_input_scale(dirs, tmp_path):
+    """The file's `X.input_scale`s are loaded; a merged layer keeps the largest of its parts' (they
+    all quantize the same input once), a single layer its own. Calibration gives q, k and v (gate
+    and up) one scale, as they read one input; here each part gets its own, so the largest is a
+    real choice."""
+    d = _rewrite(dirs["per_tensor"], tmp_path)
+    sd = load_file(d / "model.safetensors")
+    assert json.loads((d / "config.json").read_text())["quantization_config"]["activation_scheme"] == "static"
+    for n, name in enumerate(sorted(k for k in sd if k.endswith("input_scale"))):
+        sd[name] = sd[name] * (1 + n % 3 / 4)
+    save_file(sd, str(d / "model.safetensors"))
+    model = _load(d)
+    for i, layer in enumerate(model.model.layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for mod, prefix, parts in [
+            (layer.self_attn.qkv_proj, a, QKV),
+            (layer.self_attn.o_proj, a, ("o_proj",)),
+            (layer.mlp.gate_up_proj, m, GATE_UP),
+            (layer.mlp.down_proj, m, ("down_proj",)),
+        ]:
+            scales = [sd[f"{prefix}{p}.input_scale"].item() for p in parts]
+            assert mod.quant_method.static_activations and "static" in repr(mod.quant_method)
+            assert mod.input_scale.shape == (1,) and mod.input_scale.item() == max(scales)
+            assert len(parts) == 1 or len(set(scales)) > 1
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("num_tokens", [5, 40])  # in-GEMM quantization (<= 16 tokens), then two passes
+def test_static_layers_quantize_their_input_by_the_input_scale(dirs, backend, num_tokens):
+    """y = (x quantized by the layer's one input scale) @ (its dequantized W)^T in fp32, inputs
+    beyond 448 x scale saturating: with the twin and with the Triton kernels; and not the
+    per-token-group product (the static scale is what runs)."""
+    model = _load(dirs["per_tensor"], fused_ops_backend=backend)
+    gen = torch.Generator().manual_seed(num_tokens)
+    for mod in (model.model.layers[1].self_attn.o_proj, model.model.layers[0].mlp.gate_up_proj):
+        s = mod.input_scale.item()
+        x = torch.randn(num_tokens, mod.in_features, generator=gen) * (100 * s)
+        x[0, 0] = 1000 * s  # past 448 x s: saturates
+        w = _dequantized(mod)
+        torch.testing.assert_close(mod(x), _static_dequantized(x, s) @ w.T, rtol=1e-5, atol=1e-5)
+        x_q, x_s = per_token_group_quant_fp8(x, mod.quant_method.block_size[1])
+        dynamic = (x_q.float() * x_s.repeat_interleave(mod.quant_method.block_size[1], dim=1)) @ w.T
+        assert not torch.allclose(mod(x), dynamic, rtol=1e-3, atol=1e-3)
+
+
+def test_per_tensor_checkpoint_with_dynamic_activations(dirs, tmp_path):
+    """activation_scheme "dynamic" on per-tensor weights: no input scales needed; any in the file
+    are not read, and the layers quantize per token and group."""
+    d = quantize_model_dir_fp8(dirs["src"], tmp_path / "dyn", per_tensor=True, activation_scheme="dynamic")
+    assert not any(k.endswith("input_scale") for k in load_file(d / "model.safetensors"))
+    down = _load(d).model.layers[0].mlp.down_proj
+    assert not down.quant_method.static_activations and not hasattr(down, "input_scale")
+    cfg = json.loads((dirs["per_tensor"] / "config.json").read_text())["quantization_config"]
+    with_scales = _rewrite(dirs["per_tensor"], tmp_path, config={**cfg, "activation_scheme": "dynamic"})
+    assert not hasattr(_load(with_scales).model.layers[0].mlp.down_proj, "input_scale")
+
+
+def test_dummy_weights_get_a_static_input_scale(dirs):
+    from tilellm.models.quantization import DUMMY_INPUT_SCALE
+
+    model = _load(dirs["per_tensor"], load_format="dummy")
+    scale = model.model.layers[0].self_attn.qkv_proj.input_scale
+    assert torch.equal(scale, torch.tensor([DUMMY_INPUT_SCALE], dtype=torch.float32))
+
+
+def test_static_scheme_on_a_block_checkpoint_is_refused(dirs, tmp_path):
+    static = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": list(BLOCK)}
+    d = _rewrite(dirs["block"], tmp_path, config=static)
+    with pytest.raises(ValueError, match=r"activation_scheme 'static' is only supported with per-tensor"):
+        _load(d)
+
+
+def test_missing_input_scale_is_named(dirs, tmp_path):
+    d = _rewrite(dirs["per_tensor"], tmp_path, drop={"model.layers.1.self_attn.v_proj.input_scale"})
+    with pytest.raises(
+        ValueError, match=r"missing weight\(s\) 'model\.layers\.1\.self_attn\.v_proj\.input_scale'"
+    ):
+        _load(d)
+
+
+@pytest.mark.parametrize("bad", [-0.5, 0.0, float("inf"), [0.1, 0.2]])
+def test_bad_input_scale_is_named(dirs, tmp_path, bad):
+    name = "model.layers.0.mlp.up_proj.input_scale"
+    d = _rewrite(dirs["per_tensor"], tmp_path)
+    sd = load_file(d / "model.safetensors")
+    sd[name] = torch.tensor(bad)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"cannot load tensor '{name}'.*input_scale must"):
         _load(d)

@@ -82,17 +82,17 @@ def routing(seed: int = 1, num_experts: int = E) -> tuple[torch.Tensor, torch.Te
     return x, weights, ids
 
 
-def fp8_layer(ops=ref, tp_rank: int = 0, tp_size: int = 1) -> FusedMoE:
+def fp8_layer(ops=ref, tp_rank: int = 0, tp_size: int = 1, static: bool = False) -> FusedMoE:
     with torch.device("meta"):
         layer = FusedMoE(E, H, I, ops, tp_rank, tp_size)
-        layer.enable_fp8(BLOCK)
+        layer.enable_fp8(BLOCK, static_activations=static)
     # the loader's materialiser: each parameter allocated in its declared dtype
     for name, p in list(layer.named_parameters()):
         dtype = (
             torch.float32 if getattr(p, "keep_fp32", False) else getattr(p, "tilellm_dtype", torch.float32)
         )
         new = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=False)
-        for attr in ("keep_fp32", "tilellm_dtype"):
+        for attr in ("keep_fp32", "tilellm_dtype", "is_input_scale"):
             if hasattr(p, attr):
                 setattr(new, attr, getattr(p, attr))
         layer._parameters[name] = new
@@ -280,3 +280,61 @@ def test_deepseek_v3_checkpoint_loads_fp8_experts(deepseek_dirs, form):
     exact = ref.fused_moe(x, exact_w13, exact_w2, weights, ids)
     rel = float((experts(x, weights, ids) - exact).norm() / exact.norm())
     assert rel < 0.08, f"{form} fp8 experts differ from the float ones by {rel:.3f} (relative norm)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Static activation scales (per-tensor checkpoints, activation_scheme "static")
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ops", [ref, triton_moe], ids=["reference", "triton"])
+def test_static_input_scales_load_reduce_and_forward(ops):
+    """Each expert's gate / up / down `input_scale` loads into w13_input_scale [E, 2] and
+    w2_input_scale [E]; once loading is done each is its largest ([1]: one quantization of the
+    shared input, vLLM's rule), and the layer is the fused MoE with those a1 / a2 scales, unlike
+    the per-token-group one."""
+    ckpt = checkpoint(per_tensor=True, seed=5)
+    layer = fp8_layer(ops, static=True)
+    assert layer.w13_input_scale.shape == (E, 2) and layer.w2_input_scale.shape == (E,)
+    assert layer.param_shard_ids("w13_input_scale") == layer.param_shard_ids("w13_weight")
+    load(layer, ckpt)
+    input_scales = {(e, m): 0.01 * (1 + e + 3 * MATRICES.index(m)) for e in range(E) for m in MATRICES}
+    for (e, m), value in input_scales.items():
+        param = layer.w2_input_scale if m == "down_proj" else layer.w13_input_scale
+        layer.weight_loader(param, torch.tensor(value), (e, m))
+    layer.process_weights_after_loading(torch.float32)
+    a1 = max(v for (e, m), v in input_scales.items() if m != "down_proj")
+    a2 = max(v for (e, m), v in input_scales.items() if m == "down_proj")
+    assert layer.w13_input_scale.tolist() == pytest.approx(
+        [a1]
+    ) and layer.w2_input_scale.tolist() == pytest.approx([a2])
+    assert "static activations" in repr(layer)
+    w13, w2, w13_s, w2_s = stacked(ckpt)
+    x, weights, ids = routing()
+    kwargs = dict(w13_scale=w13_s, w2_scale=w2_s, block_shape=list(BLOCK))
+    expected = ref.fused_moe(
+        x, w13, w2, weights, ids, **kwargs, a1_scale=layer.w13_input_scale, a2_scale=layer.w2_input_scale
+    )
+    got = layer(x, weights, ids)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * float(expected.abs().max()))
+    dynamic = ref.fused_moe(x, w13, w2, weights, ids, **kwargs)
+    assert not torch.allclose(got, dynamic, rtol=0, atol=1e-2 * float(dynamic.abs().max()))
+
+
+def test_bad_static_input_scale_is_named():
+    layer = fp8_layer(static=True)
+    with pytest.raises(ValueError, match=r"expert 2 up_proj: input_scale must be a positive finite number"):
+        layer.weight_loader(layer.w13_input_scale, torch.tensor(-1.0), (2, "up_proj"))
+
+
+def test_deepseek_v3_static_checkpoint_experts(deepseek_dirs):
+    """A calibrated per-tensor DeepSeek-V3 checkpoint: the experts keep the largest gate / up and
+    down input scales of the file."""
+    sd = load_file(deepseek_dirs["per_tensor"] / "model.safetensors")
+    model, _ = load_model(deepseek_dirs["per_tensor"], device="cpu", attention_backend="reference")
+    experts = model.model.layers[1].mlp.experts
+    p = "model.layers.1.mlp.experts"
+    gate_up = max(sd[f"{p}.{e}.{m}.input_scale"].item() for e in range(8) for m in MATRICES[:2])
+    down = max(sd[f"{p}.{e}.down_proj.input_scale"].item() for e in range(8))
+    assert experts.static_activations
+    assert experts.w13_input_scale.tolist() == [gate_up] and experts.w2_input_scale.tolist() == [down]
