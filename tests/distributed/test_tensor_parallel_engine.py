@@ -290,3 +290,26 @@ def test_two_ranks_with_fp8_weights_and_cache_give_the_single_rank_tokens(tiny_q
     finally:
         llm.shutdown()
     _assert_no_workers()
+
+
+def test_two_ranks_with_static_activation_scales_give_the_single_rank_tokens(tiny_qwen3_kv2, tmp_path):
+    """A per-tensor FP8 checkpoint with calibrated static input scales: every rank loads every
+    scale and quantizes its part of a layer's input by it, which is elementwise, so a row-parallel
+    layer's partial sums are those of one rank's quantized input (the tokens and logprobs of one
+    rank)."""
+    from tilellm.testing import quantize_model_dir_fp8
+
+    model_dir = quantize_model_dir_fp8(tiny_qwen3_kv2, tmp_path / "fp8", per_tensor=True)
+    prompts = _batches()[0]
+    want = _generate(LLM(str(model_dir), tensor_parallel_size=1, **ENGINE), prompts)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    try:
+        o_proj = llm.llm_engine.runner.model.model.layers[0].self_attn.o_proj
+        assert o_proj.quant_method.static_activations and o_proj.input_scale.numel() == 1
+        got = _generate(llm, prompts)
+        for i, ((g_ids, g_lp), (w_ids, w_lp)) in enumerate(zip(got, want)):
+            assert g_ids == w_ids, f"prompt {i}"
+            assert abs(g_lp - w_lp) < 1e-3, f"prompt {i}: logprob {g_lp} vs {w_lp}"
+    finally:
+        llm.shutdown()
+    _assert_no_workers()

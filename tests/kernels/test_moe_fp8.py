@@ -237,6 +237,180 @@ def test_no_tokens():
 
 
 # ----------------------------------------------------------------------------------------------
+# Static activation scales (a1_scale / a2_scale)
+# ----------------------------------------------------------------------------------------------
+
+
+def _routed_inter(inputs, block) -> torch.Tensor:
+    """The SiLU-and-mul outputs [T, K, I] of every routed pair, from the unquantized x and the
+    dequantized experts (fp32): what a calibration run sees."""
+    x, w13_q, w2_q, _, ids, w13_s, _ = (t.cpu() for t in inputs)
+    I = w2_q.shape[2]
+    gu = torch.stack([x.float() @ _dequant(w13_q[e], w13_s[e], block).T for e in range(w13_q.shape[0])])
+    gu = gu[ids.long(), torch.arange(x.shape[0])[:, None]]  # [T, K, 2I]
+    return F.silu(gu[..., :I]) * gu[..., I:]
+
+
+def static_scales(inputs, block, headroom1, headroom2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a1_scale, a2_scale), [1] float32 on x's device: amax / 448 of x and of the routed
+    SiLU-and-mul outputs, times headroom (below 1, the values past headroom * amax saturate)."""
+    x = inputs[0]
+    a1 = float(x.abs().max()) / 448 * headroom1
+    a2 = float(_routed_inter(inputs, block).abs().max()) / 448 * headroom2
+    return tuple(torch.tensor([a], dtype=torch.float32, device=x.device) for a in (a1, a2))
+
+
+STATIC_CASES = [
+    # (T, E, K, H, I, block, dtypes)
+    (9, 4, 2, 64, 64, (32, 32), (torch.float32,)),
+    (13, 6, 2, 64, 96, (64, 32), (torch.float32, torch.float16)),  # a partial column tile
+    (1, 8, 2, 64, 32, (32, 32), (torch.float32,)),  # decode: one token
+    (7, 4, 1, 96, 64, (32, 32), (torch.float32, torch.bfloat16)),  # K = 1: `out` written by the second GEMM
+]
+
+
+@pytest.mark.parametrize(
+    ("T", "E", "K", "H", "I", "block", "dtype"),
+    [
+        pytest.param(*case[:-1], dtype, id=_case_id(*case[:-1], dtype))
+        for case in STATIC_CASES
+        for dtype in case[-1]
+    ],
+)
+def test_static_scales_match_reference(T, E, K, H, I, block, dtype, device):
+    """Scales at half the calibrated ones (the largest activations saturate): the same output as
+    the twin's within the fp8 tolerance, into the `out` given, the scales left as they were."""
+    inputs, _ = make_fp8(T, E, K, H, I, block, dtype, device, seed=T + E + H + I)
+    a1, a2 = static_scales(inputs, block, 0.5, 0.5)
+    expected = call(ref.fused_moe, inputs, list(block), a1_scale=a1, a2_scale=a2)
+    before = a1.clone(), a2.clone()
+    out = poisoned(expected)
+    got = call(tk.fused_moe, inputs, list(block), out=out, a1_scale=a1, a2_scale=a2)
+    assert got is out
+    assert torch.equal(a1, before[0]) and torch.equal(a2, before[1]), "fused_moe modified a scale"
+    assert_close(got, expected, FP8_TOL[dtype], f"static fp8 fused_moe {dtype}")
+
+
+@pytest.mark.parametrize("fn", [tk.fused_moe, ref.fused_moe], ids=["triton", "reference"])
+def test_static_scales_are_used(fn, device):
+    """Each scale a sixteenth of its calibrated value in turn (its activations saturate): the
+    output moves far past the fp8 tolerance from the calibrated scales' output, which is itself
+    close to the dynamic one; the Triton side follows the twin in each case."""
+    inputs, _ = make_fp8(9, 4, 2, 64, 64, (32, 32), torch.float32, device, seed=21)
+    a1, a2 = static_scales(inputs, (32, 32), 1.0, 1.0)
+    low1, low2 = static_scales(inputs, (32, 32), 1 / 16, 1 / 16)
+    calibrated = call(fn, inputs, [32, 32], a1_scale=a1, a2_scale=a2)
+    dynamic = call(fn, inputs, [32, 32])
+    scale = float(calibrated.abs().max())
+    assert float((calibrated - dynamic).abs().max()) < 0.1 * scale
+    for what, s1, s2 in (("a1_scale", low1, a2), ("a2_scale", a1, low2)):
+        got = call(fn, inputs, [32, 32], a1_scale=s1, a2_scale=s2)
+        diff = float((got - calibrated).abs().max())
+        assert diff > 10 * FP8_TOL[torch.float32] * scale, (
+            f"a saturating {what} moves the output by {diff:.3g}"
+        )
+        if fn is tk.fused_moe:
+            expected = call(ref.fused_moe, inputs, [32, 32], a1_scale=s1, a2_scale=s2)
+            assert_close(got, expected, FP8_TOL[torch.float32], f"saturating {what}")
+
+
+def _quant_dequant_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x / s, +-448)) * s in fp32."""
+    return (x.float() / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
+
+
+def test_reference_static_matches_hand_computation():
+    """One expert per token (top_k 1, two experts), token by token from the dequantized weights:
+    x quantized by a1, w13, SiLU-and-mul, quantized by a2, w2, times the routing weight. Both
+    scales a quarter of the calibrated ones, so that some of x and of the intermediate saturate
+    (a scale ignored, or applied per token-group, would be far off)."""
+    inputs, _ = make_fp8(6, 2, 1, 64, 32, (32, 32), torch.float32, "cpu", seed=12)
+    x, w13_q, w2_q, weights, ids, w13_s, w2_s = inputs
+    a1, a2 = static_scales(inputs, (32, 32), 0.25, 0.25)
+    got = call(ref.fused_moe, inputs, [32, 32], a1_scale=a1, a2_scale=a2)
+    xd = _quant_dequant_static(x, a1)
+    expected = torch.zeros(6, 64)
+    saturated = 0
+    for t in range(6):
+        e = int(ids[t, 0])
+        gu = _dequant(w13_q[e], w13_s[e], (32, 32)) @ xd[t]
+        h = F.silu(gu[:32]) * gu[32:]
+        saturated += int((h.abs() / a2 > 464).sum())
+        expected[t] = weights[t, 0] * (_dequant(w2_q[e], w2_s[e], (32, 32)) @ _quant_dequant_static(h, a2))
+    assert (x.abs() / a1 > 464).any() and saturated > 0, "no saturation to check"
+    assert_close(got, expected, 1e-5, "static reference vs hand computation")
+
+
+def _fp8_args(T=3):
+    (x, w13, w2, weights, ids, w13_s, w2_s), _ = make_fp8(T, 4, 2, 64, 32, (32, 32), torch.float32, "cpu")
+    return {
+        "hidden_states": x, "w13": w13, "w2": w2, "topk_weights": weights, "topk_ids": ids,
+        "w13_scale": w13_s, "w2_scale": w2_s, "block_shape": [32, 32],
+        "a1_scale": torch.tensor([0.01]), "a2_scale": torch.tensor([0.01]),
+    }  # fmt: skip
+
+
+def _unquantized(dtype):
+    """The same call on float experts of `dtype`, without block scales but with a1 / a2."""
+
+    def change(a):
+        return {
+            **a, "hidden_states": a["hidden_states"].to(dtype), "w13": a["w13"].to(dtype),
+            "w2": a["w2"].to(dtype), "w13_scale": None, "w2_scale": None, "block_shape": None,
+        }  # fmt: skip
+
+    return change
+
+
+ONE_FLOAT32 = "must be a float32 tensor of one element, got "
+BAD_STATIC = {
+    "only_a1": (
+        _bad(a2_scale=None),
+        r"static activations need both a1_scale \(the experts' input\) and a2_scale",
+    ),
+    "only_a2": (_bad(a1_scale=None), r"static activations need both a1_scale .* give both or neither"),
+    "float32_experts": (
+        _unquantized(torch.float32),
+        r"a1_scale / a2_scale are only for float8_e4m3fn experts, got torch.float32",
+    ),
+    "bfloat16_experts": (
+        _unquantized(torch.bfloat16),
+        r"a1_scale / a2_scale are only for float8_e4m3fn experts, got torch.bfloat16",
+    ),
+    "a1_float64": (
+        lambda a: {**a, "a1_scale": a["a1_scale"].double()},
+        r"a1_scale " + ONE_FLOAT32 + r"torch.float64 of shape \(1,\)",
+    ),
+    "a2_two_elements": (
+        lambda a: {**a, "a2_scale": a["a2_scale"].repeat(2)},
+        r"a2_scale " + ONE_FLOAT32 + r"torch.float32 of shape \(2,\)",
+    ),
+    "a1_not_tensor": (_bad(a1_scale=0.01), "a1_scale " + ONE_FLOAT32 + "float"),
+    "a2_device": (
+        lambda a: {**a, "a2_scale": a["a2_scale"].to("meta")},
+        "a2_scale is on meta but hidden_states is on cpu",
+    ),
+}
+
+
+@pytest.mark.parametrize("fn", [tk.fused_moe, ref.fused_moe], ids=["triton", "reference"])
+@pytest.mark.parametrize("case", list(BAD_STATIC))
+def test_bad_static_scales(case, fn):
+    bad, message = BAD_STATIC[case]
+    with pytest.raises(ValueError, match=r"^fused_moe: " + message):
+        fn(**bad(_fp8_args()))
+
+
+def test_static_scales_no_tokens():
+    """No tokens: an empty output, the scales checked all the same."""
+    args = _fp8_args(T=0)
+    for fn in (tk.fused_moe, ref.fused_moe):
+        assert fn(**args).shape == (0, 64)
+        with pytest.raises(ValueError, match="static activations need both"):
+            fn(**{**args, "a2_scale": None})
+
+
+# ----------------------------------------------------------------------------------------------
 # GPU only: bf16 at DeepSeek's block, no host sync, CUDA graphs
 # ----------------------------------------------------------------------------------------------
 

@@ -158,9 +158,9 @@ def test_dummy_fp8_weights_behave_like_quantized_normal(dirs):
 
 
 def test_per_tensor_checkpoint_becomes_block_scales(dirs):
-    """gate_up's shards (128 rows each) fall on blocks of 128 rows: each keeps its own scale.
-    qkv's (128 / 64 / 64 rows) do not: all are requantized to the largest scale, which moves a
-    value by at most half a step of the coarser grid. K = 64 < 128: one 64-wide group per token."""
+    """gate_up's shards (128 rows each) fall on blocks of 128 rows, qkv's (128 / 64 / 64 rows) on
+    blocks of 64 (`per_tensor_rows`): each shard keeps its own scale and the file's values bit for
+    bit. K = 64 < 128: one 64-wide group per token."""
     sd = load_file(dirs["per_tensor"] / "model.safetensors")
     model = _load(dirs["per_tensor"])
     m, a = "model.layers.0.mlp.", "model.layers.0.self_attn."
@@ -171,16 +171,46 @@ def test_per_tensor_checkpoint_becomes_block_scales(dirs):
     assert _same_bits(gate_up.weight.data, _merged(sd, m, GATE_UP, "weight"))
 
     qkv = model.model.layers[0].self_attn.qkv_proj
-    top = max(sd[f"{a}{p}.weight_scale"].item() for p in QKV)
-    assert qkv.weight_scale_inv.flatten().tolist() == pytest.approx([top, top], rel=0)
-    want = torch.cat([sd[f"{a}{p}.weight"].float() * sd[f"{a}{p}.weight_scale"] for p in QKV])
-    torch.testing.assert_close(_dequantized(qkv), want, rtol=2**-4, atol=top * 2**-9)
+    assert qkv.quant_method.block_size == (64, 64)
+    q, k, v = (sd[f"{a}{p}.weight_scale"].item() for p in QKV)
+    assert qkv.weight_scale_inv.flatten().tolist() == pytest.approx([q, q, k, v], rel=0)
+    assert _same_bits(qkv.weight.data, _merged(sd, a, QKV, "weight"))
 
     down = model.model.layers[0].mlp.down_proj  # K = 128: blocks of 128 x 128
     assert down.quant_method.block_size == (128, 128)
     assert down.weight_scale_inv.flatten().tolist() == pytest.approx(
         [sd[m + "down_proj.weight_scale"].item()]
     )
+
+
+def test_per_tensor_shards_off_every_block_are_requantized_to_the_largest_scale(tmp_path):
+    """head_dim 8 and one KV head: k and v have 8 rows each, on no block of 16 or more rows, so
+    qkv's shards all move to the largest scale (vLLM's rule), which moves a value by at most
+    half a step of the coarser grid."""
+    src = make_tiny_model(tmp_path / "src", "Qwen3ForCausalLM", vocab_size=383, head_dim=8, num_kv_heads=1)
+    d = quantize_model_dir_fp8(src, tmp_path / "q", per_tensor=True)
+    sd = load_file(d / "model.safetensors")
+    a = "model.layers.0.self_attn."
+    qkv = _load(d).model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.block_size[0] == 128
+    top = max(sd[f"{a}{p}.weight_scale"].item() for p in QKV)
+    assert len({sd[f"{a}{p}.weight_scale"].item() for p in QKV}) > 1
+    assert qkv.weight_scale_inv.flatten().tolist() == pytest.approx([top], rel=0)
+    want = torch.cat([sd[f"{a}{p}.weight"].float() * sd[f"{a}{p}.weight_scale"] for p in QKV])
+    torch.testing.assert_close(_dequantized(qkv), want, rtol=2**-4, atol=top * 2**-9)
+
+
+def test_per_tensor_ranks_hold_the_single_rank_values(dirs):
+    """At tensor_parallel_size 2 gate_up's shards (64 rows a rank) fall on blocks of 64 rows: each
+    rank holds exactly its rows of the one-rank weights (no requantization that one rank would
+    not do)."""
+    whole = _dequantized(_load(dirs["per_tensor"]).model.layers[0].mlp.gate_up_proj)
+    gate, up = whole[:128], whole[128:]
+    for rank in range(2):
+        part = _load(dirs["per_tensor"], tp_rank=rank, tp_size=2).model.layers[0].mlp.gate_up_proj
+        assert part.quant_method.block_size[0] == 64
+        rows = slice(rank * 64, (rank + 1) * 64)
+        torch.testing.assert_close(_dequantized(part), torch.cat([gate[rows], up[rows]]), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,11 +21,13 @@ and through cuBLAS's block-scaled GEMM for steps of many (`scaled_mm_block_fp8`)
 
 Per-tensor checkpoints (no `weight_block_size`: a scalar `X.weight_scale`, perhaps an
 `X.input_scale`) are held in the same block form, blocks of 128 rows by 128 columns (fewer
-columns when K is not a multiple of 128: `per_tensor_group`), every block of a shard holding
-that shard's scale. A merged layer (qkv_proj, gate_up_proj) whose shards carry different scales keeps them
-block row by block row when every shard boundary falls on a block, and otherwise has every shard
-requantized to the largest scale (as vLLM does). Activations are quantized dynamically per token
-and group in both cases, unless the checkpoint says `"activation_scheme": "static"`.
+columns when K is not a multiple of 128: `per_tensor_group`; fewer rows where a merged layer's
+shards on this rank fall on blocks of 64, 32 or 16 rows only: `per_tensor_rows`), every block of
+a shard holding that shard's scale. A merged layer (qkv_proj, gate_up_proj) whose shards carry
+different scales keeps them block row by block row when every shard boundary falls on a block,
+and otherwise has every shard requantized to the largest scale (as vLLM always does).
+Activations are quantized dynamically per token and group in both cases, unless the checkpoint
+says `"activation_scheme": "static"`.
 
 Static activations (per-tensor checkpoints only, as in vLLM: a block checkpoint with a static
 scheme is refused): each layer's calibrated `X.input_scale` is loaded, a merged layer keeps the
@@ -145,12 +147,12 @@ class Fp8Config:
         """Whether checkpoint module `name` stays unquantized (an entry names it or a parent)."""
         return any(f".{entry}." in f".{name}." for entry in self.ignored_layers)
 
-    def layer_block_size(self, in_features: int) -> tuple[int, int]:
-        """The (bn, bk) a linear layer of `in_features` inputs holds its scales in: the
-        checkpoint's block, or for per-tensor scales 128 rows by `per_tensor_group(K)`."""
+    def layer_block_size(self, layer: LinearBase) -> tuple[int, int]:
+        """The (bn, bk) a linear layer holds its scales in: the checkpoint's block, or for
+        per-tensor scales `per_tensor_rows(layer)` rows by `per_tensor_group(K)`."""
         if self.weight_block_size is not None:
             return self.weight_block_size
-        return DEFAULT_BLOCK_SIZE[0], per_tensor_group(in_features)
+        return per_tensor_rows(layer), per_tensor_group(layer.in_features)
 
     def experts_block_size(self, hidden_size: int, intermediate_per_rank: int) -> tuple[int, int]:
         """The (bn, bk) of a FusedMoE's block scales: the checkpoint's, or for per-tensor scales
@@ -159,6 +161,22 @@ class Fp8Config:
             return self.weight_block_size
         b = per_tensor_group(math.gcd(hidden_size, intermediate_per_rank))
         return b, b
+
+
+def per_tensor_rows(layer: LinearBase) -> int:
+    """The block height of a per-tensor layer on this rank: the largest of 128, 64, 32 and 16
+    rows on which every shard of its rows starts and ends (or ends at the matrix's end), so that
+    each shard keeps its own scale; 128 when none does (the shards are then requantized to the
+    largest scale). The choice depends on this rank's shards only, and every choice holds the
+    checkpoint's values exactly, so one rank and several hold the same weights."""
+    layouts = [layer.shard_layout(sid) for sid in layer.shard_ids]
+    for rows in (128, 64, 32, 16):
+        if all(
+            lay.dim == 1 or is_block_aligned(lay.dst_start, lay.size, layer.out_features, rows)
+            for lay in layouts
+        ):
+            return rows
+    return DEFAULT_BLOCK_SIZE[0]
 
 
 def per_tensor_group(k: int) -> int:
@@ -414,7 +432,7 @@ def apply_fp8(
         if isinstance(module, LinearBase):
             if getattr(module.weight, "keep_fp32", False) or _is_skipped(name, cfg, mapping):
                 continue
-            block = cfg.layer_block_size(module.in_features)
+            block = cfg.layer_block_size(module)
             method = Fp8LinearMethod(
                 block, ops, online=online, per_tensor=per_tensor, static_activations=cfg.static_activations
             )
