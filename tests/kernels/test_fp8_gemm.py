@@ -574,6 +574,37 @@ def test_scaled_quant_ties_bit_exact(dtype, device, poison_outputs):
     assert not (x_q.view(torch.uint8) & 1).any()
 
 
+def ties_under(s: torch.Tensor, n: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x fp32, ties fp64): x whose fp32 quotient x / s is exactly an e4m3 midpoint (searched
+    within 3 ulps of ties * s; the ties no x reaches are left out)."""
+    ties = e4m3_ties(n, gen)
+    x0 = (ties * s.double()).float()
+    candidates, up, down = [x0], x0, x0
+    for _ in range(3):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        candidates += [up, down]
+    x, found = x0, torch.zeros(n, dtype=torch.bool)
+    for c in reversed(candidates):  # the nearest candidate last: it wins
+        on_tie = c / s == ties.float()
+        x, found = torch.where(on_tie, c, x), found | on_tie
+    return x[found], ties[found]
+
+
+def test_scaled_quant_ties_under_any_scale(device, poison_outputs):
+    """s = 1.7 (not a power of two) and x with x / s exactly on e4m3 midpoints: the twin rounds
+    them to the even neighbour, half a step away, and the kernel to the same bytes. A product
+    with 1 / s instead of the IEEE division misses some of the midpoints and rounds those the
+    other way: the case tells them apart."""
+    s = torch.tensor([1.7])
+    x, ties = ties_under(s, 480, torch.Generator().manual_seed(6))
+    assert len(ties) > 300 and (x * (1 / s) != ties.float()).sum() > 20
+    x_q, _ = ref.scaled_fp8_quant(x[None], s)
+    assert torch.equal((x_q.double()[0] - ties).abs(), 0.5 * e4m3_step(ties))
+    assert not (x_q.view(torch.uint8) & 1).any(), "a tie rounded to an odd mantissa"
+    assert_scaled_quant_equal(x[None].to(device), s.to(device))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_scaled_quant_dynamic_scale(dtype, device, poison_outputs):
     """scale None: max(amax |x|, 1e-10) / 448, rounded once to fp32 (the fp64 quotient of two
@@ -597,14 +628,18 @@ def test_scaled_quant_strided_rows(device, poison_outputs):
     assert_scaled_quant_equal(x, None)
 
 
-def test_scaled_quant_empty_with_static_scale(device):
+def test_static_scale_empty_inputs(device):
+    """No tokens with a static scale: empty x_q and the scale back; an empty GEMM output."""
     s = torch.tensor([0.5], device=device)
+    x = torch.randn(0, 128, device=device)
     for quant in (tk.scaled_fp8_quant, ref.scaled_fp8_quant):
-        x_q, got_s = quant(torch.randn(0, 128, device=device), s)
+        x_q, got_s = quant(x, s)
         assert x_q.shape == (0, 128) and x_q.dtype == FP8_DTYPE and torch.equal(got_s, s)
+    b, b_s = ref.quantize_fp8_block(torch.randn(64, 128, device=device), [32, 32])
+    for linear in (tk.w8a8_block_fp8_linear, ref.w8a8_block_fp8_linear):
+        assert linear(x, b, b_s, [32, 32], input_scale=s).shape == (0, 64)
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True, reason="amax of an empty tensor (no dim given)")
 @pytest.mark.parametrize("shape", [(0, 128), (3, 0)])
 @pytest.mark.parametrize("quant", [tk.scaled_fp8_quant, ref.scaled_fp8_quant], ids=["triton", "twin"])
 def test_scaled_quant_empty_dynamic(quant, shape, device):
@@ -658,6 +693,7 @@ STATIC_ENTRY_POINTS = {
 @pytest.mark.parametrize("case", list(BAD_INPUT_SCALE))
 @pytest.mark.parametrize("entry", list(STATIC_ENTRY_POINTS))
 def test_rejects_bad_input_scale(entry, case):
+    """A static scale that is not one float32 element on x's device, named, on both sides."""
     name, fn = STATIC_ENTRY_POINTS[entry]
     bad, message = BAD_INPUT_SCALE[case]
     x, scale = torch.randn(4, 64), bad(torch.tensor([0.5]))

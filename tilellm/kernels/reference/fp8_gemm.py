@@ -163,7 +163,10 @@ def per_token_group_quant_fp8(
 def dynamic_per_tensor_scale(x: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
     """[1] float32 max(amax |x|, eps) / 448, on x's device (no host sync): the scale
     `scaled_fp8_quant` computes when given none (the Triton path shares it)."""
-    amax = x.detach().abs().amax().float().clamp(min=eps).reshape(1)
+    if x.numel() == 0:  # an empty x: the scale of an all-zero one
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device).clamp(min=eps)
+    else:
+        amax = x.detach().abs().amax().float().clamp(min=eps).reshape(1)
     return _div_exact(amax, FP8_MAX)
 
 
