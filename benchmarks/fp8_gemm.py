@@ -16,6 +16,9 @@ non-zero inputs:
 - `linear`: `w8a8_block_fp8_linear(x, W_q, W_s, [128, 128])`, the quantization inside the GEMM
   (what a layer runs for steps of up to 16 tokens);
 - `scaled_mm`: `scaled_mm_block_fp8` (cuBLASLt's block-scaled GEMM), where torch supports it;
+- `static+q`, `static linear`: static activations (a checkpoint's calibrated `input_scale`, here
+  the tensor's amax / 448): `scaled_fp8_quant(x, s)` then the GEMM with s broadcast, and
+  `w8a8_block_fp8_linear(..., input_scale=s)` (what static layers run above / up to 16 tokens);
 - without --no-sweep, two alternative tile configs of the Triton kernel (the best is reported).
 
 Each result is first checked against the PyTorch twin (`tilellm.kernels.reference.fp8_gemm`):
@@ -121,6 +124,23 @@ def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     row["quant_us"] = time_us(lambda i: tk.per_token_group_quant_fp8(x, BLOCK[1]), n_fp8)
     row["linear_error"] = max_rel_error(tk.w8a8_block_fp8_linear(x, b, b_s, BLOCK), expected)
     row["linear_us"] = time_us(lambda i: tk.w8a8_block_fp8_linear(x, *b_copies[i], BLOCK), n_fp8)
+
+    # static activations: one calibrated scale (this x's amax / 448, so nothing saturates)
+    s_in = ref.dynamic_per_tensor_scale(x)
+    static_expected = ref.w8a8_block_fp8_linear(x, b, b_s, BLOCK, torch.bfloat16, input_scale=s_in)
+
+    def static_with_quant(i: int) -> torch.Tensor:
+        x_q, scale = tk.scaled_fp8_quant(x, s_in)
+        x_s = tk.broadcast_input_scale(scale, M, K // BLOCK[1])
+        return tk.w8a8_block_fp8_matmul(x_q, b_copies[i][0], x_s, b_copies[i][1], BLOCK)
+
+    row["static_quant_error"] = max_rel_error(static_with_quant(0), static_expected)
+    row["static_quant_us"] = time_us(static_with_quant, n_fp8)
+    static_linear = tk.w8a8_block_fp8_linear(x, b, b_s, BLOCK, input_scale=s_in)
+    row["static_linear_error"] = max_rel_error(static_linear, static_expected)
+    row["static_linear_us"] = time_us(
+        lambda i: tk.w8a8_block_fp8_linear(x, *b_copies[i], BLOCK, input_scale=s_in), n_fp8
+    )
     if sweep:
         row["alternatives"] = []
         for alt in alternatives(M, cfg):
@@ -148,7 +168,15 @@ def derived(row: dict) -> None:
     """TFLOP/s, weight GB/s and speedup over bf16 of each timed variant, in place."""
     flops = 2 * row["M"] * row["N"] * row["K"]
     weight_bytes = {"bf16_us": 2 * row["N"] * row["K"]}
-    for key in ("bf16_us", "fp8_us", "fp8_quant_us", "linear_us", "scaled_mm_us"):
+    for key in (
+        "bf16_us",
+        "fp8_us",
+        "fp8_quant_us",
+        "linear_us",
+        "scaled_mm_us",
+        "static_quant_us",
+        "static_linear_us",
+    ):
         if key in row:
             us = row[key]
             name = key[: -len("_us")]
@@ -160,10 +188,10 @@ def derived(row: dict) -> None:
 def print_header() -> None:
     cols = f"{'us':>8} {'TF/s':>6} {'GB/s':>6}"  # each variant: time, TFLOP/s, weight GB/s
     groups = f"{'bf16':<22} | {'fp8':<28} | {'fp8+quant':<28} | {'scaled_mm':<22}"
-    print(f"{'':<38} | {groups} | best    |")
+    print(f"{'':<38} | {groups} | best    | static us       |")
     print(
         f"{'model':<11}{'layer':<8}{'M':>5} {'N':>6} {'K':>6} | {cols} | {cols} {'xbf16':>5} | {cols} "
-        f"{'xbf16':>5} | {cols} | alt us  | check"
+        f"{'xbf16':>5} | {cols} | alt us  | +q / linear     | check"
     )
 
 
@@ -176,14 +204,16 @@ def print_row(model: str, layer: str, row: dict) -> None:
 
     best = min(row.get("alternatives", []), key=lambda alt: alt["us"], default=None)
     alt = f"{best['us']:7.1f}" if best else f"{'-':>7}"
-    exact = row["quant_bit_exact"] and max(row["fp8_error"], row["linear_error"]) <= CHECK_TOL
+    errors = ("fp8_error", "linear_error", "static_quant_error", "static_linear_error")
+    exact = row["quant_bit_exact"] and max(row[e] for e in errors) <= CHECK_TOL
+    static = f"{row['static_quant_us']:7.1f} {row['static_linear_us']:7.1f}"
     checks = "ok" if exact else "FAIL"
     if row.get("scaled_mm_error", 0.0) > CHECK_TOL:
         checks += " scaled_mm FAIL"
     print(
         f"{model:<11}{layer:<8}{row['M']:>5} {row['N']:>6} {row['K']:>6} | {cell('bf16')} | {cell('fp8')} "
         f"x{row['fp8_speedup']:4.2f} | {cell('fp8_quant')} x{row['fp8_quant_speedup']:4.2f} | "
-        f"{cell('scaled_mm')} | {alt} | {checks}",
+        f"{cell('scaled_mm')} | {alt} | {static} | {checks}",
         flush=True,
     )
 
