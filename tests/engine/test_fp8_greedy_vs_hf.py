@@ -136,8 +136,8 @@ def _static_oracle_inputs(fp8_dir: str, dequant_dir: str, dst: pathlib.Path) -> 
     (a merged layer's, the largest of its parts' as tests/models/test_fp8_checkpoint.py checks
     against the file, for each part; (a1, a2) for a fused experts module). The checkpoint: the
     dequantized one with each merged layer's parts replaced by the engine's own weights, which a
-    per-tensor checkpoint's loading may requantize (shards of different scales that do not fall
-    on whole 128-row blocks all move to the largest scale, as vLLM does)."""
+    per-tensor checkpoint's loading may requantize (shards of different scales that fall on no
+    block of 16 to 128 rows all move to the largest scale, as vLLM does)."""
     model, _ = load_model(fp8_dir, device="cpu", attention_backend="reference")
     mapping = getattr(model, "packed_modules_mapping", {})
     weights = load_file(pathlib.Path(dequant_dir) / "model.safetensors")
@@ -164,7 +164,7 @@ def _static_oracle_inputs(fp8_dir: str, dequant_dir: str, dst: pathlib.Path) -> 
 
 def _hf_static_model(model_dir: str, scales: dict[str, float | tuple[float, float]]) -> torch.nn.Module:
     """transformers' model with every FP8 layer's input quantized by its static scale (`scales`:
-    `_static_scales`), the experts' gate/up input by a1 and their down input by a2."""
+    `_static_oracle_inputs`), the experts' gate/up input by a1 and their down input by a2."""
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, experts_implementation="eager"
     )
@@ -283,8 +283,7 @@ def test_static_activation_scales_are_hf_static_w8a8_choices(checkpoints, name, 
     """A per-tensor checkpoint with calibrated static input scales: against transformers with
     every FP8 layer's input quantized by that layer's scale (a merged layer's largest, the
     experts' largest), the engine's tokens are transformers' own choices, the first of every
-    prompt included, as for the dynamic W8A8 replay above; and its logits are not the dynamic
-    per-token-group ones (the scales are used)."""
+    prompt included, as for the dynamic W8A8 replay above."""
     fp8_dir, dequant_dir, _ = checkpoints[name]
     prompts, got = _prompts(), _engine_tokens(fp8_dir, **llm_kwargs, **W8A8_REPLAY_KWARGS)
     hf = _hf_static_model(*_static_oracle_inputs(fp8_dir, dequant_dir, tmp_path / "oracle"))

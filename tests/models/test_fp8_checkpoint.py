@@ -437,3 +437,10 @@ def test_bad_input_scale_is_named(dirs, tmp_path, bad):
     save_file(sd, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"cannot load tensor '{name}'.*input_scale must"):
         _load(d)
+
+
+def test_static_scheme_without_any_input_scale_says_what_to_change(dirs, tmp_path):
+    sd = load_file(dirs["per_tensor"] / "model.safetensors")
+    d = _rewrite(dirs["per_tensor"], tmp_path, drop={k for k in sd if k.endswith("input_scale")})
+    with pytest.raises(ValueError, match=r"no input_scale tensors; set activation_scheme to 'dynamic'"):
+        _load(d)

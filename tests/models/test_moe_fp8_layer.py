@@ -338,3 +338,28 @@ def test_deepseek_v3_static_checkpoint_experts(deepseek_dirs):
     down = max(sd[f"{p}.{e}.down_proj.input_scale"].item() for e in range(8))
     assert experts.static_activations
     assert experts.w13_input_scale.tolist() == [gate_up] and experts.w2_input_scale.tolist() == [down]
+
+
+def test_one_expert_static_scales_reduce_to_one_element():
+    """E = 1: the [1, 2] gate/up scales still become one ([1]), so the layer runs."""
+    with torch.device("meta"):
+        layer = FusedMoE(1, H, I, ref)
+        layer.enable_fp8(BLOCK, static_activations=True)
+    for name, p in list(layer.named_parameters()):
+        dtype = (
+            torch.float32 if getattr(p, "keep_fp32", False) else getattr(p, "tilellm_dtype", torch.float32)
+        )
+        layer._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=False)
+    ckpt = {(0, m): w for (e, m), w in checkpoint(per_tensor=True).items() if e == 0}
+    load(layer, ckpt)
+    for m, value in zip(MATRICES, (0.02, 0.03, 0.05)):
+        layer.weight_loader(
+            layer.w2_input_scale if m == "down_proj" else layer.w13_input_scale, torch.tensor(value), (0, m)
+        )
+    layer.process_weights_after_loading(torch.float32)
+    assert layer.w13_input_scale.tolist() == pytest.approx(
+        [0.03]
+    ) and layer.w2_input_scale.tolist() == pytest.approx([0.05])
+    x = torch.randn(3, H)
+    out = layer(x, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32))
+    assert out.shape == (3, H) and bool(torch.isfinite(out).all())

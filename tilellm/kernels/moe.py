@@ -337,7 +337,17 @@ def fused_moe(
 
 
 def _fp8_gemms(
-    x, w13, w2, w13_scale, w2_scale, block_shape, inter, down, routing, cfg: MoeConfig, static=None
+    x,
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,
+    block_shape,
+    inter,
+    down,
+    routing,
+    cfg: MoeConfig,
+    static: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The two grouped GEMMs on block-quantized experts, each input quantized per token-group of
     bk, or by its static scale (`static` = (a1_scale, a2_scale))."""

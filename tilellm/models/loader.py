@@ -311,6 +311,12 @@ def load_weights(model: nn.Module, files: list[pathlib.Path]) -> None:
                     raise ValueError(f"cannot load tensor {ckpt_name!r} from {path}: {e}") from e
                 loaded.add((pname, shard_id))
     missing = sorted(_checkpoint_name(p, s, mapping) for p, s in expected - loaded)
+    scales_loaded = any(p.endswith("input_scale") for p, _ in loaded)
+    if not scales_loaded and any(m.endswith(".input_scale") for m in missing):
+        raise ValueError(
+            "quantization_config says activation_scheme 'static' but the checkpoint has no input_scale "
+            "tensors; set activation_scheme to 'dynamic' in config.json to quantize activations per token"
+        )
     if missing:
         where = ", ".join(str(p) for p in files)
         raise ValueError(f"missing weight(s) {', '.join(repr(m) for m in missing)}: not found in {where}")

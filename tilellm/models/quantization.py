@@ -167,8 +167,11 @@ def per_tensor_rows(layer: LinearBase) -> int:
     """The block height of a per-tensor layer on this rank: the largest of 128, 64, 32 and 16
     rows on which every shard of its rows starts and ends (or ends at the matrix's end), so that
     each shard keeps its own scale; 128 when none does (the shards are then requantized to the
-    largest scale). The choice depends on this rank's shards only, and every choice holds the
-    checkpoint's values exactly, so one rank and several hold the same weights."""
+    largest scale). The choice depends on this rank's shards only, and every aligned choice holds
+    the checkpoint's values exactly, so one rank and several hold the same weights wherever some
+    height fits. The cost: below 128 rows the layer runs the Triton GEMM with tiles at most that
+    wide and never cuBLAS's block-scaled GEMM (which needs 128 x 128 blocks); that happens only where
+    a merged layer's shards on a rank are not multiples of 128 rows (small models at high TP)."""
     layouts = [layer.shard_layout(sid) for sid in layer.shard_ids]
     for rows in (128, 64, 32, 16):
         if all(
@@ -388,6 +391,8 @@ def dequantize_linear_(layer: LinearBase, dtype: torch.dtype) -> None:
     w = dequantize_fp8_block(layer.weight.data, layer.weight_scale_inv.data, block, dtype)
     layer.weight = nn.Parameter(w, requires_grad=False)
     del layer.weight_scale_inv
+    if hasattr(layer, "input_scale"):  # a static scale: unused once the weight is read raw
+        del layer.input_scale
     layer.quant_method = UNQUANTIZED
 
 

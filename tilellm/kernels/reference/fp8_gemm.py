@@ -13,8 +13,9 @@ runs in fp32 and is rounded once to the output dtype.
 
 Static activations (per-tensor checkpoints with `activation_scheme: "static"`): the layer's
 calibrated `input_scale` s replaces every x_s[m, j], so x_q = e4m3(x / s), saturated at +-448
-(`scaled_fp8_quant(x, s)`, vLLM's name), and the same GEMM runs with a_s = s broadcast. The checks (`check_*`) are shared with the
-Triton kernels, so both raise the same `ValueError`s.
+(`scaled_fp8_quant(x, s)`, vLLM's name), and the same GEMM runs with a_s = s broadcast.
+
+The checks (`check_*`) are shared with the Triton kernels, so both raise the same `ValueError`s.
 """
 
 from __future__ import annotations

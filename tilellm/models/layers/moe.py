@@ -206,7 +206,7 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Static activations: each input scale reduced to its largest over the experts (and
         over gate and up, which read the same input), as vLLM does."""
-        if self.static_activations and self.w2_input_scale.numel() > 1:
+        if self.static_activations:  # idempotent: a [1] scale stays itself
             self.w13_input_scale = reduce_input_scale(self.w13_input_scale)
             self.w2_input_scale = reduce_input_scale(self.w2_input_scale)
 
