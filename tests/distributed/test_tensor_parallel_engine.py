@@ -260,6 +260,13 @@ def test_two_ranks_with_speculative_decoding(tiny_qwen3_kv2, method):
     _assert_no_workers()
 
 
+def _assert_same_generations(got: list, want: list) -> None:
+    """The same tokens for every prompt, and logprobs within 1e-3 (fp32 summation order)."""
+    for i, ((g_ids, g_lp), (w_ids, w_lp)) in enumerate(zip(got, want)):
+        assert g_ids == w_ids, f"prompt {i}"
+        assert abs(g_lp - w_lp) < 1e-3, f"prompt {i}: logprob {g_lp} vs {w_lp}"
+
+
 def test_two_ranks_with_fp8_weights_and_cache_give_the_single_rank_tokens(tiny_qwen3_kv2, tmp_path):
     """An FP8 checkpoint (16 x 16 blocks: each rank's q/k/v and gate/up shards fall on blocks)
     whose layers ship their KV cache scales, over an FP8 cache: each rank holds its rows of the
@@ -283,10 +290,7 @@ def test_two_ranks_with_fp8_weights_and_cache_give_the_single_rank_tokens(tiny_q
         assert runner.kv_cache.dtype == torch.float8_e4m3fn and not runner.kv_scales_pending
         qkv = runner.model.model.layers[0].self_attn.qkv_proj
         assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight.shape[0] == (4 + 2 * 2) * 16 // 2
-        got = _generate(llm, prompts)
-        for i, ((g_ids, g_lp), (w_ids, w_lp)) in enumerate(zip(got, want)):
-            assert g_ids == w_ids, f"prompt {i}"
-            assert abs(g_lp - w_lp) < 1e-3, f"prompt {i}: logprob {g_lp} vs {w_lp}"
+        _assert_same_generations(_generate(llm, prompts), want)
     finally:
         llm.shutdown()
     _assert_no_workers()
@@ -306,10 +310,7 @@ def test_two_ranks_with_static_activation_scales_give_the_single_rank_tokens(tin
     try:
         o_proj = llm.llm_engine.runner.model.model.layers[0].self_attn.o_proj
         assert o_proj.quant_method.static_activations and o_proj.input_scale.numel() == 1
-        got = _generate(llm, prompts)
-        for i, ((g_ids, g_lp), (w_ids, w_lp)) in enumerate(zip(got, want)):
-            assert g_ids == w_ids, f"prompt {i}"
-            assert abs(g_lp - w_lp) < 1e-3, f"prompt {i}: logprob {g_lp} vs {w_lp}"
+        _assert_same_generations(_generate(llm, prompts), want)
     finally:
         llm.shutdown()
     _assert_no_workers()

@@ -63,6 +63,20 @@ def _merged(sd: dict, prefix: str, parts: tuple[str, ...], suffix: str) -> torch
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
+def _fp8_layers(model) -> list[tuple]:
+    """(module, checkpoint prefix, checkpoint parts) of every FP8 linear layer of the tiny Qwen3."""
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out += [
+            (layer.self_attn.qkv_proj, a, QKV),
+            (layer.self_attn.o_proj, a, ("o_proj",)),
+            (layer.mlp.gate_up_proj, m, GATE_UP),
+            (layer.mlp.down_proj, m, ("down_proj",)),
+        ]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # block-scaled checkpoints
 # ---------------------------------------------------------------------------------------------
@@ -71,18 +85,11 @@ QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 def test_block_checkpoint_loads_fp8_weights_and_scales(dirs):
     sd = load_file(dirs["block"] / "model.safetensors")
     model = _load(dirs["block"])
-    for i, layer in enumerate(model.model.layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        for mod, prefix, parts in [
-            (layer.self_attn.qkv_proj, a, QKV),
-            (layer.self_attn.o_proj, a, ("o_proj",)),
-            (layer.mlp.gate_up_proj, m, GATE_UP),
-            (layer.mlp.down_proj, m, ("down_proj",)),
-        ]:
-            assert mod.weight.dtype == FP8_DTYPE and mod.quant_method.block_size == BLOCK
-            assert _same_bits(mod.weight.data, _merged(sd, prefix, parts, "weight"))
-            assert torch.equal(mod.weight_scale_inv, _merged(sd, prefix, parts, "weight_scale_inv"))
-        assert layer.input_layernorm.weight.dtype == torch.float32
+    for mod, prefix, parts in _fp8_layers(model):
+        assert mod.weight.dtype == FP8_DTYPE and mod.quant_method.block_size == BLOCK
+        assert _same_bits(mod.weight.data, _merged(sd, prefix, parts, "weight"))
+        assert torch.equal(mod.weight_scale_inv, _merged(sd, prefix, parts, "weight_scale_inv"))
+    assert all(layer.input_layernorm.weight.dtype == torch.float32 for layer in model.model.layers)
     assert model.model.embed_tokens.weight.dtype == torch.float32
 
 
@@ -360,18 +367,11 @@ def test_static_checkpoint_loads_each_layers_largest_input_scale(dirs, tmp_path)
         sd[name] = sd[name] * (1 + n % 3 / 4)
     save_file(sd, str(d / "model.safetensors"))
     model = _load(d)
-    for i, layer in enumerate(model.model.layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        for mod, prefix, parts in [
-            (layer.self_attn.qkv_proj, a, QKV),
-            (layer.self_attn.o_proj, a, ("o_proj",)),
-            (layer.mlp.gate_up_proj, m, GATE_UP),
-            (layer.mlp.down_proj, m, ("down_proj",)),
-        ]:
-            scales = [sd[f"{prefix}{p}.input_scale"].item() for p in parts]
-            assert mod.quant_method.static_activations and "static" in repr(mod.quant_method)
-            assert mod.input_scale.shape == (1,) and mod.input_scale.item() == max(scales)
-            assert len(parts) == 1 or len(set(scales)) > 1
+    for mod, prefix, parts in _fp8_layers(model):
+        scales = [sd[f"{prefix}{p}.input_scale"].item() for p in parts]
+        assert mod.quant_method.static_activations and "static" in repr(mod.quant_method)
+        assert mod.input_scale.shape == (1,) and mod.input_scale.item() == max(scales)
+        assert len(parts) == 1 or len(set(scales)) > 1
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
