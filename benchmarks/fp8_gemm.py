@@ -19,6 +19,10 @@ non-zero inputs:
 - `static+q`, `static linear`: static activations (a checkpoint's calibrated `input_scale`, here
   the tensor's amax / 448): `scaled_fp8_quant(x, s)` then the GEMM with s broadcast, and
   `w8a8_block_fp8_linear(..., input_scale=s)` (what static layers run above / up to 16 tokens);
+- `static mm`: `scaled_fp8_quant(x, s)` then `scaled_mm_fp8` (torch._scaled_mm) on s folded into
+  the weight's scales, as a per-tensor checkpoint's static layer runs it from 256 tokens:
+  row-wise (one scale per output row) for the merged layers (qkv, gate_up), whose shards have
+  scales of their own, tensor-wise for the others; `static mm gemm` without the quantization;
 - without --no-sweep, two alternative tile configs of the Triton kernel (the best is reported).
 
 Each result is first checked against the PyTorch twin (`tilellm.kernels.reference.fp8_gemm`):
@@ -51,6 +55,7 @@ LAYERS = {
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
     "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
 }
+MERGED = ("qkv", "gate_up")  # several checkpoint matrices, each with a per-tensor scale of its own
 MS = (1, 16, 64, 256, 1024, 4096)
 CHECK_TOL = 1e-2  # of the output scale: bf16 rounding (2^-8) plus fp8 MMA accumulation
 
@@ -96,8 +101,11 @@ def alternatives(M: int, default: tk.Fp8GemmConfig) -> list[tk.Fp8GemmConfig]:
     return [c for c in options if c != default][:2]
 
 
-def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, sweep: bool) -> dict:
-    """Every variant for one [M, K] x [N, K]^T product; x, w bf16 on the GPU, (b, b_s) = w quantized."""
+def bench_case(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, sweep: bool, merged: bool
+) -> dict:
+    """Every variant for one [M, K] x [N, K]^T product; x, w bf16 on the GPU, (b, b_s) = w quantized;
+    `merged`: a merged layer (per-tensor checkpoints give it one scale per shard)."""
     (M, K), N = x.shape, w.shape[0]
     a, a_s = tk.per_token_group_quant_fp8(x, BLOCK[1])
     a_ref, a_s_ref = ref.per_token_group_quant_fp8(x, BLOCK[1])
@@ -141,6 +149,8 @@ def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     row["static_linear_us"] = time_us(
         lambda i: tk.w8a8_block_fp8_linear(x, *b_copies[i], BLOCK, input_scale=s_in), n_fp8
     )
+    # a per-tensor checkpoint's static layer: one scale per output row (merged) or one in all
+    row.update(static_mm_bench(x, b, b_s, b_copies, s_in, n_fp8, per_row=merged))
     if sweep:
         row["alternatives"] = []
         for alt in alternatives(M, cfg):
@@ -164,6 +174,42 @@ def bench_case(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     return row
 
 
+def static_mm_bench(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    b_copies: list[tuple[torch.Tensor, torch.Tensor]],
+    s_in: torch.Tensor,
+    n_fp8: int,
+    *,
+    per_row: bool,
+) -> dict:
+    """`static_mm` (quantization + scaled_mm_fp8) and `static_mm_gemm` (scaled_mm_fp8 alone), on
+    the block-quantized weight read as a per-row (each row's first block scale) or per-tensor
+    (the first scale) one, checked against the twin on the same operands."""
+    N, K = b.shape
+    rows = b_s[:, 0].repeat_interleave(BLOCK[0])[:N]
+    scale_b = (s_in * rows if per_row else s_in * rows[:1]).contiguous()
+    out = {"static_mm_kind": "row-wise" if per_row else "tensor-wise"}
+    reason = tk.scaled_mm_fp8_unavailable(x.device, torch.bfloat16, N, K, per_row=per_row)
+    if reason is not None:
+        out["static_mm_unavailable"] = reason
+        return out
+    x_q, _ = tk.scaled_fp8_quant(x, s_in)
+    expected = ref.scaled_mm_fp8(x_q, b, None, scale_b, torch.bfloat16)
+    out["static_mm_error"] = max_rel_error(tk.scaled_mm_fp8(x_q, b, None, scale_b, torch.bfloat16), expected)
+
+    def with_quant(i: int) -> torch.Tensor:
+        a, _ = tk.scaled_fp8_quant(x, s_in)
+        return tk.scaled_mm_fp8(a, b_copies[i][0], None, scale_b, torch.bfloat16)
+
+    out["static_mm_us"] = time_us(with_quant, n_fp8)
+    out["static_mm_gemm_us"] = time_us(
+        lambda i: tk.scaled_mm_fp8(x_q, b_copies[i][0], None, scale_b, torch.bfloat16), n_fp8
+    )
+    return out
+
+
 def derived(row: dict) -> None:
     """TFLOP/s, weight GB/s and speedup over bf16 of each timed variant, in place."""
     flops = 2 * row["M"] * row["N"] * row["K"]
@@ -176,6 +222,8 @@ def derived(row: dict) -> None:
         "scaled_mm_us",
         "static_quant_us",
         "static_linear_us",
+        "static_mm_us",
+        "static_mm_gemm_us",
     ):
         if key in row:
             us = row[key]
@@ -188,10 +236,10 @@ def derived(row: dict) -> None:
 def print_header() -> None:
     cols = f"{'us':>8} {'TF/s':>6} {'GB/s':>6}"  # each variant: time, TFLOP/s, weight GB/s
     groups = f"{'bf16':<22} | {'fp8':<28} | {'fp8+quant':<28} | {'scaled_mm':<22}"
-    print(f"{'':<38} | {groups} | best    | static us       |")
+    print(f"{'':<38} | {groups} | best    | static us                       |")
     print(
         f"{'model':<11}{'layer':<8}{'M':>5} {'N':>6} {'K':>6} | {cols} | {cols} {'xbf16':>5} | {cols} "
-        f"{'xbf16':>5} | {cols} | alt us  | +q / linear     | check"
+        f"{'xbf16':>5} | {cols} | alt us  | +q / linear / mm+q / mm    | check"
     )
 
 
@@ -206,7 +254,11 @@ def print_row(model: str, layer: str, row: dict) -> None:
     alt = f"{best['us']:7.1f}" if best else f"{'-':>7}"
     errors = ("fp8_error", "linear_error", "static_quant_error", "static_linear_error")
     exact = row["quant_bit_exact"] and max(row[e] for e in errors) <= CHECK_TOL
-    static = f"{row['static_quant_us']:7.1f} {row['static_linear_us']:7.1f}"
+    exact = exact and row.get("static_mm_error", 0.0) <= CHECK_TOL
+    mm = [row.get(k) for k in ("static_mm_us", "static_mm_gemm_us")]
+    static = f"{row['static_quant_us']:7.1f} {row['static_linear_us']:7.1f} " + " ".join(
+        f"{us:7.1f}" if us is not None else f"{'-':>7}" for us in mm
+    )
     checks = "ok" if exact else "FAIL"
     if row.get("scaled_mm_error", 0.0) > CHECK_TOL:
         checks += " scaled_mm FAIL"
@@ -238,7 +290,7 @@ def main() -> None:
             b, b_s = ref.quantize_fp8_block(w, BLOCK)
             for M in (int(m) for m in args.ms.split(",")):
                 x = torch.randn(M, K, device=device).to(torch.bfloat16)
-                row = bench_case(x, w, b, b_s, sweep=not args.no_sweep)
+                row = bench_case(x, w, b, b_s, sweep=not args.no_sweep, merged=layer in MERGED)
                 derived(row)
                 row.update(model=model, layer=layer)
                 print_row(model, layer, row)

@@ -294,6 +294,34 @@ def test_static_activation_scales_are_hf_static_w8a8_choices(checkpoints, name, 
     )
 
 
+def test_static_prompt_steps_through_scaled_mm_are_hf_static_w8a8_choices(checkpoints, tmp_path, monkeypatch):
+    """A static checkpoint on the Triton kernels' backend, whose many-token steps run torch's
+    scaled_mm on folded scales (`scaled_mm_fp8`; its threshold lowered to 16 tokens so that the
+    tiny prompts' steps reach it, chunked to 24): the same gates against transformers quantizing
+    each layer's input by its scale (on a GPU, where the block GEMM's FP8 dots round more, the
+    Triton engine's gate above)."""
+    from tilellm.kernels import fp8_gemm
+    from tilellm.models import quantization
+
+    calls = []
+    real = fp8_gemm.scaled_mm_fp8
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_fp8", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(quantization, "SCALED_MM_MIN_TOKENS", 16)
+    fp8_dir, dequant_dir, _ = checkpoints["qwen3_static"]
+    prompts = _prompts()
+    got = _engine_greedy(
+        fp8_dir, prompts, num_kv_blocks=64, max_num_batched_tokens=24, fused_ops_backend="triton"
+    )
+    assert calls and min(calls) >= 16, "no step ran scaled_mm_fp8"
+    hf = _hf_static_model(*_static_oracle_inputs(fp8_dir, dequant_dir, tmp_path / "oracle"))
+    agree = _hf_choices(hf, prompts, got)
+    if not torch.cuda.is_available():
+        assert bool(agree[:, 0].all()), f"first tokens: {agree[:, 0].tolist()}"
+    assert agree.float().mean() >= (0.85 if torch.cuda.is_available() else 0.95), (
+        f"{int(agree.sum())}/{agree.numel()} tokens are transformers' choices"
+    )
+
+
 @pytest.mark.parametrize("name", ["qwen3_static", "deepseek_v2_static"])
 def test_static_activation_scales_stay_close_to_hf(checkpoints, name, tmp_path):
     """Static scales cost accuracy only through the activations' rounding (each scale fits its

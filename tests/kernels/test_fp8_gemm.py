@@ -718,3 +718,136 @@ def test_scaled_quant_rejects_bad_input(fn):
         fn(x.t().contiguous().t(), s)
     for one in (s.reshape(()), s.reshape(1, 1)):  # one element of any shape: it comes back as [1]
         assert fn(x, one)[1].shape == (1,)
+
+
+# ----------------------------------------------------------------------------------------------
+# One scale per tensor or per output row: torch._scaled_mm
+# ----------------------------------------------------------------------------------------------
+
+
+def per_tensor_gemm(M, N, K, device, seed=0):
+    """x quantized by one scale, w by one scale per row (as a per-tensor checkpoint's shards):
+    (a [M, K], b [N, K], scale_a [1], row scales [N])."""
+    gen = torch.Generator().manual_seed(seed)
+    x = spread((M, K), gen, device=device)
+    w = spread((N, K), gen, device=device) / K**0.5
+    a, scale_a = ref.scaled_fp8_quant(x)
+    w_rows = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX  # [N]
+    b = (w / w_rows[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return a, b, scale_a, w_rows.float()
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["tensor", "row"])
+@pytest.mark.parametrize("fold", [False, True], ids=["scale_a", "folded"])
+def test_scaled_mm_twin_matches_fp64(per_row, fold):
+    """C = (a * s_a) @ (b * s_b[n])^T in fp64, s_b one number or one per row; s_a given or already
+    folded into s_b (None)."""
+    a, b, s_a, rows = per_tensor_gemm(7, 48, 96, "cpu")
+    s_b = rows if per_row else rows[:1]
+    got = (
+        ref.scaled_mm_fp8(a, b, None, s_a * s_b, torch.float32)
+        if fold
+        else ref.scaled_mm_fp8(a, b, s_a, s_b, torch.float32)
+    )
+    expected = (a.double() * s_a.double()) @ (b.double() * s_b.double().reshape(-1, 1)).T
+    assert_close(got, expected.float(), 1e-6, "scaled_mm twin vs fp64")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [False, True], ids=["tensor", "row"])
+@pytest.mark.parametrize("M", [1, 5, 40])
+def test_scaled_mm_matches_twin(M, per_row, dtype, device):
+    """`scaled_mm_fp8` (torch._scaled_mm: cuBLASLt / CUTLASS on the GPU, torch's own on the CPU)
+    against the twin, at row counts that are not multiples of 16; where torch cannot run the case
+    (`scaled_mm_fp8_unavailable`), it raises a RuntimeError naming why."""
+    a, b, s_a, rows = per_tensor_gemm(M, 64, 256, device, seed=M)
+    s_b = (s_a * rows) if per_row else rows[:1]
+    scale_a = None if per_row else s_a  # the layers' forms: row-wise with scale_a folded in
+    reason = tk.scaled_mm_fp8_unavailable(a.device, dtype, 64, 256, per_row=per_row)
+    if reason is not None:
+        with pytest.raises(RuntimeError, match=f"^scaled_mm_fp8: {reason}"):
+            tk.scaled_mm_fp8(a, b, scale_a, s_b, dtype)
+        return
+    got = tk.scaled_mm_fp8(a, b, scale_a, s_b, dtype)
+    assert_gemm_close(got, ref.scaled_mm_fp8(a, b, scale_a, s_b, dtype), device, f"{dtype} M={M}")
+
+
+def test_scaled_mm_row_scales_any_row_count(device):
+    """Row-wise calls of growing and shrinking row counts (the unit row scales behind a folded
+    scale_a are sliced from one buffer that grows), and a scale_a given to a row-wise call."""
+    dtype = torch.bfloat16
+    if tk.scaled_mm_fp8_unavailable(device, dtype, 32, 64, per_row=True) is not None:
+        pytest.skip("no row-wise scaled_mm here")
+    for M in (3, 2500, 17, 2500, 1):
+        a, b, s_a, rows = per_tensor_gemm(M, 32, 64, device, seed=M)
+        got = tk.scaled_mm_fp8(a, b, None, s_a * rows, dtype)
+        assert_gemm_close(got, ref.scaled_mm_fp8(a, b, None, s_a * rows, dtype), device, f"M={M}")
+        got = tk.scaled_mm_fp8(a, b, s_a, rows, dtype)
+        assert_gemm_close(got, ref.scaled_mm_fp8(a, b, s_a, rows, dtype), device, f"M={M}, scale_a")
+
+
+def test_scaled_mm_is_the_block_gemm_of_uniform_scales(device):
+    """With a per-tensor weight held as block scales (every block of a row band alike) and a
+    static input scale broadcast, the block GEMM's twin and `scaled_mm_fp8` on the folded scales
+    compute the same product (one factor outside the sum instead of one per k-block)."""
+    a, b, s_a, rows = per_tensor_gemm(24, 64, 256, "cpu")
+    rows = rows.reshape(2, 32)[:, :1].expand(2, 32).reshape(64).contiguous()  # two 32-row shards
+    b_s = rows.reshape(2, 32)[:, :1].expand(2, 2).contiguous()  # [N / 32, K / 128]
+    block = ref.w8a8_block_fp8_matmul(
+        a, b, tk.broadcast_input_scale(s_a, 24, 2), b_s, [32, 128], torch.float32
+    )
+    assert_close(ref.scaled_mm_fp8(a, b, None, s_a * rows, torch.float32), block, 1e-6, "twin")
+    a, b, s_a, rows = (t.to(device) for t in (a, b, s_a, rows))
+    if tk.scaled_mm_fp8_unavailable(device, torch.bfloat16, 64, 256, per_row=True) is None:
+        got = tk.scaled_mm_fp8(a, b, None, s_a * rows, torch.bfloat16)
+        assert_gemm_close(got, block.to(device, torch.bfloat16), device, "scaled_mm vs block twin")
+
+
+def test_scaled_mm_empty_and_unavailable():
+    a, b, s_a, rows = per_tensor_gemm(4, 48, 64, "cpu")
+    empty = tk.scaled_mm_fp8(a[:0], b, s_a, rows[:1], torch.bfloat16)
+    assert empty.shape == (0, 48) and empty.dtype == torch.bfloat16
+    assert ref.scaled_mm_fp8(a[:0], b, s_a, rows[:1]).shape == (0, 48)
+    assert tk.scaled_mm_fp8_unavailable("cpu", torch.float16, 48, 64, per_row=True) is None
+    reason = tk.scaled_mm_fp8_unavailable("cpu", torch.bfloat16, 40, 64, per_row=False)
+    assert reason == "scaled_mm needs N and K multiples of 16, got N = 40, K = 64"
+    with pytest.raises(RuntimeError, match="^scaled_mm_fp8: scaled_mm needs N and K multiples of 16"):
+        tk.scaled_mm_fp8(a, b[:40], s_a, rows[:1])
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        reason = tk.scaled_mm_fp8_unavailable("cuda", torch.float16, 48, 64, per_row=True)
+        assert reason is not None  # row-wise: bfloat16 output only
+        assert (tk.scaled_mm_fp8_unavailable("cuda", torch.float16, 48, 64, per_row=False) is None) == (
+            (major, minor) >= (8, 9)
+        )
+
+
+BAD_SCALED_MM = {
+    "a must be torch.float8_e4m3fn": lambda a, b, s_a, s_b: (a.float(), b, s_a, s_b),
+    "b must be 2-D": lambda a, b, s_a, s_b: (a, b[None], s_a, s_b),
+    r"a \[M, K\] and b \[N, K\] must share K": lambda a, b, s_a, s_b: (a, b[:, :32], s_a, s_b),
+    "b's last dim must be contiguous": lambda a, b, s_a, s_b: (a, b.t().contiguous().t(), s_a, s_b),
+    r"scale_b must be float32 of 1 or N = 48 elements, got torch.float32 of shape \(2,\)": (
+        lambda a, b, s_a, s_b: (a, b, s_a, s_b.repeat(2))
+    ),
+    r"scale_b must be float32 of 1 or N = 48 elements, got torch.float64": (
+        lambda a, b, s_a, s_b: (a, b, s_a, s_b.double())
+    ),
+    "the input scale must be a float32 tensor of one element": lambda a, b, s_a, s_b: (
+        a,
+        b,
+        s_a.repeat(2),
+        s_b,
+    ),
+    "a, b and scale_b must be on one device": lambda a, b, s_a, s_b: (a, b, s_a, s_b.to("meta")),
+}
+
+
+@pytest.mark.parametrize("message", list(BAD_SCALED_MM))
+@pytest.mark.parametrize("fn", [tk.scaled_mm_fp8, ref.scaled_mm_fp8], ids=["torch", "twin"])
+def test_scaled_mm_rejects_bad_input(fn, message):
+    a, b, s_a, rows = per_tensor_gemm(4, 48, 64, "cpu")
+    with pytest.raises(ValueError, match=f"^scaled_mm_fp8: {message}"):
+        fn(*BAD_SCALED_MM[message](a, b, s_a, rows[:1]))
+    with pytest.raises(ValueError, match="^scaled_mm_fp8: output_dtype must be"):
+        fn(a, b, s_a, rows[:1], torch.int32)

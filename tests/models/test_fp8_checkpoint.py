@@ -393,6 +393,40 @@ def test_static_layers_quantize_their_input_by_the_input_scale(dirs, backend, nu
         assert not torch.allclose(mod(x), dynamic, rtol=1e-3, atol=1e-3)
 
 
+def test_static_layers_run_scaled_mm_for_many_tokens(dirs, monkeypatch):
+    """With the Triton kernels (where torch has a scaled_mm: on the CPU always), a static layer's
+    many-token steps run `scaled_mm_fp8` on the input scale folded into its weight scales: one
+    number for a single matrix, one per output row for a merged layer whose shards' scales differ.
+    The product is the same as the block GEMM's, and the twins' backend never takes this path."""
+    from tilellm.kernels import fp8_gemm
+    from tilellm.models import quantization
+
+    model = _load(dirs["per_tensor"], fused_ops_backend="triton")
+    calls = []
+    real = fp8_gemm.scaled_mm_fp8
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_fp8", lambda *a: calls.append(a[3].numel()) or real(*a))
+    monkeypatch.setattr(quantization, "SCALED_MM_MIN_TOKENS", 24)  # the interpreter's GEMMs are slow
+    gen = torch.Generator().manual_seed(5)
+    qkv, o = model.model.layers[0].self_attn.qkv_proj, model.model.layers[0].self_attn.o_proj
+    for mod in (qkv, o):
+        s = mod.input_scale.item()
+        assert mod.quant_method.use_scaled_mm
+        rows = mod.weight_scale_inv[:, :1].repeat_interleave(mod.quant_method.block_size[0], 0)[:, 0]
+        expected_b = s * rows if mod is qkv else s * rows[:1]
+        torch.testing.assert_close(mod.scaled_mm_scale_b, expected_b.float(), rtol=0, atol=0)
+        x = torch.randn(24, mod.in_features, generator=gen) * (100 * s)
+        x[0, 0] = 1000 * s  # past 448 x s: saturates
+        torch.testing.assert_close(
+            mod(x), _static_dequantized(x, s) @ _dequantized(mod).T, rtol=1e-5, atol=1e-5
+        )
+        calls_before = len(calls)
+        mod(x[:23])  # below the threshold: the block GEMM
+        assert len(calls) == calls_before
+    assert calls == [qkv.out_features, 1]
+    assert len(set(qkv.scaled_mm_scale_b.tolist())) > 1, "the tiny qkv's shards share one scale"
+    assert not _load(dirs["per_tensor"]).model.layers[0].self_attn.o_proj.quant_method.use_scaled_mm
+
+
 def test_per_tensor_checkpoint_with_dynamic_activations(dirs, tmp_path):
     """activation_scheme "dynamic" on per-tensor weights: no input scales needed; any in the file
     are not read, and the layers quantize per token and group."""

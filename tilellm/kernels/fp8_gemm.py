@@ -30,6 +30,10 @@ x_q = e4m3(x / s), saturated at +-448, and the GEMM reads a_s as s broadcast (st
    block-scaled GEMM, "BlockWise1x128" activations x "BlockWise128x128" weights; sm_90 only),
    which FP8 linear layers run from 256 tokens a step (`tilellm.models.quantization`), and
    `benchmarks/fp8_gemm.py` compares.
+4. `scaled_mm_fp8`: one activation scale and one weight scale per tensor or per output row (a
+   per-tensor checkpoint's static layers), where the scales leave the sum:
+   C = (a @ b^T) * s_a * s_b[n], through `torch._scaled_mm` (cuBLASLt's tensor-wise GEMM, or
+   torch's row-wise CUTLASS GEMM on sm_90).
 
 The PyTorch twins, and the input checks both sides share, are in
 `tilellm.kernels.reference.fp8_gemm`.
@@ -54,6 +58,7 @@ from tilellm.kernels.reference.fp8_gemm import (
     check_input_scale,
     check_per_token_group_quant,
     check_scaled_fp8_quant,
+    check_scaled_mm_fp8,
     dynamic_per_tensor_scale,
 )
 
@@ -511,3 +516,83 @@ def scaled_mm_block_fp8(
         F.ScalingType.BlockWise128x128,
         output_dtype=output_dtype,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# One scale per tensor (or per output row) through torch._scaled_mm
+# ----------------------------------------------------------------------------------------------
+
+
+def scaled_mm_fp8_unavailable(
+    device: torch.device | str, output_dtype: torch.dtype, N: int, K: int, *, per_row: bool
+) -> str | None:
+    """Why `scaled_mm_fp8` cannot run an [M, K] x [N, K]^T product here, or None.
+
+    torch._scaled_mm multiplies e4m3 operands with one scale each ("tensor-wise": cuBLASLt, sm_89
+    and newer) or one per row of each operand ("row-wise": torch's CUTLASS kernel, sm_90 and newer,
+    bfloat16 output only), N and K multiples of 16; on the CPU torch runs both in any float dtype.
+    """
+    device = torch.device(device)
+    if N % 16 or K % 16:
+        return f"scaled_mm needs N and K multiples of 16, got N = {N}, K = {K}"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"scaled_mm runs on CUDA or the CPU, got {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"FP8 scaled_mm needs sm_89 or newer, got sm_{major}{minor}"
+    if per_row and ((major, minor) < (9, 0) or output_dtype != torch.bfloat16):
+        return f"row-wise scaled_mm needs sm_90 or newer and bfloat16 output, got sm_{major}{minor}, {output_dtype}"
+    return None
+
+
+# device -> every [rows, 1] buffer of ones handed out, the largest last. Earlier ones stay alive:
+# a CUDA graph captured with a slice of one keeps reading its address.
+_unit_scales: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _unit_row_scales(rows: int, device: torch.device) -> torch.Tensor:
+    """[rows, 1] float32 ones, contiguous: the row-wise scale_a of an `a` whose one scale is
+    folded into scale_b (a slice of a buffer kept per device, so no call allocates or fills)."""
+    buffers = _unit_scales.setdefault(device, [])
+    if not buffers or buffers[-1].shape[0] < rows:
+        size = max(rows, 2 * buffers[-1].shape[0] if buffers else 1024)
+        buffers.append(torch.ones((size, 1), dtype=torch.float32, device=device))
+    return buffers[-1][:rows]
+
+
+def scaled_mm_fp8(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor,
+    output_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """C [M, N] = (a @ b^T) * scale_a * scale_b through `torch._scaled_mm`, in `output_dtype`.
+
+    a [M, K] e4m3 activations, scale_a their one float32 scale ([1]; None when it is already folded
+    into scale_b, as a static layer does once at load); b [N, K] e4m3 weight as stored (read as the
+    column-major [K, N] operand cuBLAS wants, no copy), scale_b float32 of one element or N (one per
+    output row: row-wise, with scale_a folded in, since torch's row-wise GEMM takes a scale per row
+    of a too). Raises RuntimeError where torch cannot run it (`scaled_mm_fp8_unavailable` says why).
+    """
+    name = "scaled_mm_fp8"
+    check_scaled_mm_fp8(name, a, b, scale_a, scale_b, output_dtype)
+    (M, K), N = a.shape, b.shape[0]
+    per_row = scale_b.numel() > 1
+    reason = scaled_mm_fp8_unavailable(a.device, output_dtype, N, K, per_row=per_row)
+    if reason is not None:
+        raise RuntimeError(f"{name}: {reason}")
+    if M == 0:
+        return torch.empty((0, N), dtype=output_dtype, device=a.device)
+    if per_row:
+        if scale_a is None:
+            row_scales = _unit_row_scales(M, a.device)
+        else:  # a copy per call: callers on a hot path fold scale_a into scale_b
+            row_scales = scale_a.reshape(1, 1).expand(M, 1).contiguous()
+        col_scales = scale_b.reshape(1, N).contiguous()
+    else:
+        row_scales = _unit_row_scales(1, a.device).reshape(1) if scale_a is None else scale_a.reshape(1)
+        col_scales = scale_b.reshape(1)
+    return torch._scaled_mm(a, b.t(), scale_a=row_scales, scale_b=col_scales, out_dtype=output_dtype)

@@ -37,7 +37,10 @@ one scale, saturating past 448 * input_scale, instead of per token and group:
     x_q, s = scaled_fp8_quant(x, input_scale)                       # [M, K] e4m3, [1]
     y = w8a8_block_fp8_matmul(x_q, weight, s broadcast, weight_scale_inv, [bn, bk], x.dtype)
 
-(or `w8a8_block_fp8_linear(x, ..., input_scale=input_scale)` in one kernel for few tokens). MoE
+(or `w8a8_block_fp8_linear(x, ..., input_scale=input_scale)` in one kernel for few tokens; for
+many, where torch runs it, `scaled_mm_fp8(x_q, weight, None, input_scale * each row's weight
+scale)`: one activation scale and one weight scale per row leave the sum, so cuBLAS's plain FP8
+GEMM applies them after it, tensor-wise when every row shares one scale, else row-wise). MoE
 experts take the largest input scale over their experts, one for the gate/up input and one for
 the down input (vLLM's a1_scale / a2_scale).
 
@@ -230,8 +233,10 @@ DUMMY_INPUT_SCALE = 16.0 / FP8_MAX
 
 logger = logging.getLogger(__name__)
 
-# From this many tokens cuBLAS's block-scaled GEMM: at 256 tokens it measured 20% faster than the
-# Triton kernel over Qwen3-8B's four layers and level on Qwen3-0.6B's, at 64 slower on both.
+# From this many tokens torch's scaled_mm. cuBLAS's block-scaled GEMM at 256 tokens measured 20%
+# faster than the Triton kernel over Qwen3-8B's four layers and level on Qwen3-0.6B's, at 64 slower
+# on both. Static layers' `scaled_mm_fp8` takes the same threshold, not yet measured for it
+# (`benchmarks/fp8_gemm.py` times it at every size).
 SCALED_MM_MIN_TOKENS = 256
 # Up to this many tokens the Triton GEMM quantizes its input as it loads it (one launch, no x_q
 # round trip). Against quantization then the unsplit GEMM it measured faster over the four layers
@@ -264,9 +269,10 @@ class Fp8LinearMethod(LinearMethod):
         self.block_size = (int(block_size[0]), int(block_size[1]))
         self.ops, self.online, self.per_tensor = ops, online, per_tensor
         self.static_activations = static_activations
-        # cuBLAS's block-scaled GEMM (`scaled_mm_block_fp8`) for steps of many tokens, where it
-        # measured faster than the Triton kernel (H200: 1.5-1.6x bf16 at 4096 tokens on Qwen3-8B's
-        # layers, the Triton kernel 0.86-0.95x); decided per layer once its weights are loaded.
+        # torch's scaled_mm for steps of many tokens, decided per layer once its weights are
+        # loaded: cuBLAS's block-scaled GEMM (`scaled_mm_block_fp8`), where it measured faster than
+        # the Triton kernel (H200: 1.5-1.6x bf16 at 4096 tokens on Qwen3-8B's layers, the Triton
+        # kernel 0.86-0.95x); for static layers the per-tensor / per-row one (`scaled_mm_fp8`).
         self.use_scaled_mm = False
 
     def __repr__(self) -> str:
@@ -296,42 +302,49 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype: x quantized per token and bk-wide group (or by the
         layer's static `input_scale`), then the block-scaled FP8 GEMM (the scales applied in fp32,
-        one rounding to x's dtype)."""
+        one rounding to x's dtype); static layers' many-token steps through `scaled_mm_fp8`."""
         bn, bk = self.block_size
         x2d = x.reshape(-1, x.shape[-1])
         num_tokens = x2d.shape[0]
         static_scale = layer.input_scale if self.static_activations else None
+        scaled_mm = self.use_scaled_mm and num_tokens >= SCALED_MM_MIN_TOKENS
+        y = None
         if num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:  # quantized as the GEMM loads it: one launch
             y = self.ops.w8a8_block_fp8_linear(
                 x2d, layer.weight, layer.weight_scale_inv, [bn, bk], input_scale=static_scale
             )
-        else:
-            scaled_mm = self.use_scaled_mm and num_tokens >= SCALED_MM_MIN_TOKENS and num_tokens % 16 == 0
-            if static_scale is None:
-                x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk, column_major_scales=scaled_mm)
-            else:
-                x_q, scale = self.ops.scaled_fp8_quant(x2d, static_scale)
-                x_s = self.ops.broadcast_input_scale(scale, num_tokens, x2d.shape[1] // bk)
-            y = self._scaled_mm(layer, x_q, x_s, x.dtype) if scaled_mm else None
-            if y is None:
-                y = self.ops.w8a8_block_fp8_matmul(
-                    x_q, layer.weight, x_s, layer.weight_scale_inv, [bn, bk], x.dtype
+        elif static_scale is not None:
+            x_q, scale = self.ops.scaled_fp8_quant(x2d, static_scale)
+            if scaled_mm:  # the input scale is folded into scaled_mm_scale_b
+                y = self._scaled_mm(
+                    layer, self.ops.scaled_mm_fp8, x_q, layer.weight, None, layer.scaled_mm_scale_b, x.dtype
                 )
+            if y is None:
+                x_s = self.ops.broadcast_input_scale(scale, num_tokens, x2d.shape[1] // bk)
+        else:
+            scaled_mm = scaled_mm and num_tokens % 16 == 0
+            x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk, column_major_scales=scaled_mm)
+            if scaled_mm:
+                y = self._scaled_mm(
+                    layer, self.ops.scaled_mm_block_fp8, x_q, layer.weight, x_s, layer.weight_scale_inv,
+                    [bn, bk], x.dtype,
+                )  # fmt: skip
+        if y is None:
+            y = self.ops.w8a8_block_fp8_matmul(
+                x_q, layer.weight, x_s, layer.weight_scale_inv, [bn, bk], x.dtype
+            )
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
-    def _scaled_mm(
-        self, layer: LinearBase, x_q: torch.Tensor, x_s: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        """cuBLAS's block-scaled GEMM, or None (and Triton's from then on) where it refuses."""
+    def _scaled_mm(self, layer: LinearBase, gemm, *args) -> torch.Tensor | None:
+        """`gemm(*args)` (one of torch's scaled_mm paths), or None (and Triton's GEMM from then on)
+        where it refuses."""
         try:
-            return self.ops.scaled_mm_block_fp8(
-                x_q, layer.weight, x_s, layer.weight_scale_inv, list(self.block_size), dtype
-            )
+            return gemm(*args)
         except RuntimeError as e:  # cuBLASLt has no algorithm for this shape (a host-side error)
             logger.warning(
-                "FP8 GEMM: cuBLAS's block-scaled GEMM refused a %s of %s (%s); Triton's runs it",
-                type(layer).__name__, tuple(layer.weight.shape), e,
+                "FP8 GEMM: torch's %s refused a %s of %s (%s); Triton's runs it",
+                gemm.__name__, type(layer).__name__, tuple(layer.weight.shape), e,
             )  # fmt: skip
             self.use_scaled_mm = False
             return None
@@ -348,10 +361,30 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
         elif layer.per_tensor_scales:
             self._per_tensor_to_blocks(layer)
-        unavailable = getattr(self.ops, "scaled_mm_block_unavailable", None)
-        self.use_scaled_mm = unavailable is not None and (
-            unavailable(layer.weight.device, list(self.block_size), layer.weight.shape[0]) is None
-        )
+        if self.static_activations:
+            self.use_scaled_mm = self._prepare_scaled_mm_fp8(layer, dtype)
+        else:
+            unavailable = getattr(self.ops, "scaled_mm_block_unavailable", None)
+            self.use_scaled_mm = unavailable is not None and (
+                unavailable(layer.weight.device, list(self.block_size), layer.weight.shape[0]) is None
+            )
+
+    def _prepare_scaled_mm_fp8(self, layer: LinearBase, dtype: torch.dtype) -> bool:
+        """A static layer's scales for `scaled_mm_fp8`, if it can run here: the input scale times
+        each output row's weight scale (one number when every row shares it), in the buffer
+        `scaled_mm_scale_b` [1] or [N]. The block scales stay the truth the Triton GEMM reads: a
+        per-tensor layer's are alike along each block row, so its first column gives every row's."""
+        unavailable = getattr(self.ops, "scaled_mm_fp8_unavailable", None)
+        if unavailable is None:  # the PyTorch twins: the block GEMM's twin runs every step
+            return False
+        n, k = layer.weight.shape
+        rows = layer.weight_scale_inv.data[:, 0].repeat_interleave(self.block_size[0])[:n]
+        per_row = bool((rows != rows[0]).any())
+        if unavailable(layer.weight.device, dtype, n, k, per_row=per_row) is not None:
+            return False
+        scale_b = layer.input_scale.data.float() * (rows if per_row else rows[:1])
+        layer.register_buffer("scaled_mm_scale_b", scale_b.contiguous(), persistent=False)
+        return True
 
     def _per_tensor_to_blocks(self, layer: LinearBase) -> None:
         """Each shard's scalar weight_scale -> the block scales (module docstring): its own block
@@ -393,6 +426,8 @@ def dequantize_linear_(layer: LinearBase, dtype: torch.dtype) -> None:
     del layer.weight_scale_inv
     if hasattr(layer, "input_scale"):  # a static scale: unused once the weight is read raw
         del layer.input_scale
+    if hasattr(layer, "scaled_mm_scale_b"):
+        del layer.scaled_mm_scale_b
     layer.quant_method = UNQUANTIZED
 
 

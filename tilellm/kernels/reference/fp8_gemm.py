@@ -13,7 +13,10 @@ runs in fp32 and is rounded once to the output dtype.
 
 Static activations (per-tensor checkpoints with `activation_scheme: "static"`): the layer's
 calibrated `input_scale` s replaces every x_s[m, j], so x_q = e4m3(x / s), saturated at +-448
-(`scaled_fp8_quant(x, s)`, vLLM's name), and the same GEMM runs with a_s = s broadcast.
+(`scaled_fp8_quant(x, s)`, vLLM's name), and the same GEMM runs with a_s = s broadcast. With one
+activation scale and one weight scale per output row (a per-tensor checkpoint's shards), the
+scales leave the sum: C[m, n] = s_a * s_b[n] * sum_k a[m, k] * b[n, k] (`scaled_mm_fp8`, the
+product `torch._scaled_mm` computes).
 
 The checks (`check_*`) are shared with the Triton kernels, so both raise the same `ValueError`s.
 """
@@ -139,6 +142,47 @@ def check_block_fp8_matmul(
     return bn, bk
 
 
+def check_scaled_mm_fp8(
+    name: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor,
+    output_dtype: torch.dtype,
+) -> None:
+    """The checks of `scaled_mm_fp8`: a [M, K] and b [N, K] e4m3 with unit last-dim strides,
+    scale_a None or one float32 element, scale_b float32 of 1 or N elements, one device."""
+    _check_2d(name, "a", a, (FP8_DTYPE,), "[M, K]")
+    _check_2d(name, "b", b, (FP8_DTYPE,), "[N, K]")
+    if b.shape[1] != a.shape[1]:
+        raise ValueError(
+            f"{name}: a [M, K] and b [N, K] must share K, got a {tuple(a.shape)}, b {tuple(b.shape)}"
+        )
+    for arg, t in (("a", a), ("b", b)):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name}: {arg}'s last dim must be contiguous, got strides {tuple(t.stride())}")
+    if scale_a is not None:
+        check_input_scale(name, a, scale_a)
+    N = b.shape[0]
+    if (
+        not isinstance(scale_b, torch.Tensor)
+        or scale_b.dtype != torch.float32
+        or scale_b.numel() not in (1, N)
+    ):
+        got = (
+            f"{scale_b.dtype} of shape {tuple(scale_b.shape)}"
+            if isinstance(scale_b, torch.Tensor)
+            else scale_b
+        )
+        raise ValueError(f"{name}: scale_b must be float32 of 1 or N = {N} elements, got {got}")
+    if len({a.device, b.device, scale_b.device}) != 1:
+        raise ValueError(
+            f"{name}: a, b and scale_b must be on one device, got {a.device}, {b.device}, {scale_b.device}"
+        )
+    if output_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: output_dtype must be float32 / float16 / bfloat16, got {output_dtype}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Twins
 # ----------------------------------------------------------------------------------------------
@@ -186,6 +230,26 @@ def scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor | None = None) -> tupl
 def broadcast_input_scale(scale: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
     """A static input scale as the [rows, groups] a_s of the block GEMM (a view: strides (0, 0))."""
     return scale.reshape(1, 1).expand(rows, groups)
+
+
+def scaled_mm_fp8(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor,
+    output_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """C [M, N] = (a @ b^T) * scale_a * scale_b, in fp32, rounded once to `output_dtype`.
+
+    a [M, K] e4m3 activations with scale_a (one float32 element: the whole tensor's scale; None
+    when it is already folded into scale_b); b [N, K] e4m3 weight with scale_b float32 of one
+    element (the tensor's) or N (one per output row).
+    """
+    check_scaled_mm_fp8("scaled_mm_fp8", a, b, scale_a, scale_b, output_dtype)
+    c = a.float() @ b.float().T
+    if scale_a is not None:
+        c = c * scale_a.reshape(1, 1)
+    return (c * scale_b.reshape(1, -1)).to(output_dtype)
 
 
 def w8a8_block_fp8_matmul(
