@@ -165,6 +165,8 @@ def main() -> None:
     p.add_argument("--no-check", action="store_true", help="skip the edge-case checks")
     p.add_argument("--json")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/decode_fp8.py needs a CUDA GPU (an H100 or H200)")
     variants = [tuple(map(int, v.split(":"))) for v in args.variants.split(",")]
     report = {"device": torch.cuda.get_device_name(), "rows": []}
     if not args.no_check:

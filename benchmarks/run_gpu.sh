@@ -5,19 +5,22 @@
 #               paged and decode workloads also replayed from CUDA graphs), then the host time of
 #               eager kernel calls (benchmarks/kernel_host_time.py)
 #   throughput  tilellm bench throughput --workloads E1,E2 (random Qwen3-0.6B weights, bf16)
+#   fp8         the FP8 tests on the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against
+#               transformers), then benchmarks/fp8_gemm.py --no-sweep and benchmarks/decode_fp8.py
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput, run in that order (default: all three).
+#   STEPS: comma-separated subset of tests,kernels,throughput,fp8, run in that order (default: the
+#   first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
 # step passed, 1 otherwise, 2 for an unknown step.
 # Environment: OUT (default ./artifacts), PYTHON (default python3), TESTS_TIMEOUT (500 s),
-# KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s). The GPU tests alone take over 5 minutes on an
+# KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the tests' share). The GPU tests alone take over 5 minutes on an
 # H200; where one call may run 10 minutes at most, run `tests` and `kernels,throughput` as two calls.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput)
+ALL_STEPS=(tests kernels throughput fp8)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -32,6 +35,7 @@ for step in ${STEPS//,/ }; do
 done
 
 mkdir -p "$OUT"
+export OUT  # benchmarks/fp8_gemm.py writes $OUT/fp8_gemm.json
 # The checkout's package, installed or not.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if command -v nvidia-smi >/dev/null; then
@@ -72,6 +76,15 @@ fi
 if selected throughput; then
   run_step throughput "${THROUGHPUT_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench throughput \
     --workloads E1,E2 --json "$OUT/throughput.json"
+fi
+
+if selected fp8; then
+  run_step fp8_tests "${FP8_TIMEOUT:-400}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
+    tests/kernels/test_decode_fp8.py tests/kernels/test_kv_fp8.py tests/kernels/test_fp8_gemm.py \
+    tests/kernels/test_moe_fp8.py tests/engine/test_kv_cache_fp8.py tests/models/test_fp8_checkpoint.py \
+    tests/engine/test_fp8_greedy_vs_hf.py
+  run_step fp8_gemm 200 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep
+  run_step decode_fp8 120 "$PYTHON" benchmarks/decode_fp8.py --json "$OUT/decode_fp8.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then

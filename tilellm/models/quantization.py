@@ -173,8 +173,9 @@ def per_tensor_rows(layer: LinearBase) -> int:
     largest scale). The choice depends on this rank's shards only, and every aligned choice holds
     the checkpoint's values exactly, so one rank and several hold the same weights wherever some
     height fits. The cost: below 128 rows the layer runs the Triton GEMM with tiles at most that
-    wide and never cuBLAS's block-scaled GEMM (which needs 128 x 128 blocks); that happens only where
-    a merged layer's shards on a rank are not multiples of 128 rows (small models at high TP)."""
+    wide and never cuBLAS's block-scaled GEMM (which needs 128 x 128 blocks; a static layer's
+    `scaled_mm_fp8` reads one scale per row and is unaffected); that happens only where a merged
+    layer's shards on a rank are not multiples of 128 rows (small models at high TP)."""
     layouts = [layer.shard_layout(sid) for sid in layer.shard_ids]
     for rows in (128, 64, 32, 16):
         if all(
