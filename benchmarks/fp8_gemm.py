@@ -23,6 +23,8 @@ non-zero inputs:
   the weight's scales, as a per-tensor checkpoint's static layer runs it from 256 tokens:
   row-wise (one scale per output row) for the merged layers (qkv, gate_up), whose shards have
   scales of their own, tensor-wise for the others; `static mm gemm` without the quantization;
+- `fast`: `scaled_mm` and `static mm gemm` again with `use_fast_accum=True` (the FP8 tensor
+  cores' own accumulator over all of K), their errors against the twin reported beside;
 - without --no-sweep, two alternative tile configs of the Triton kernel (the best is reported).
 
 Each result is first checked against the PyTorch twin (`tilellm.kernels.reference.fp8_gemm`):
@@ -169,6 +171,17 @@ def bench_case(
             )
         except RuntimeError as e:  # a cuBLASLt without block-wise scaling, or a shape it refuses
             row["scaled_mm_unavailable"] = str(e).splitlines()[0]
+        try:  # cuBLAS's fast FP8 accumulation flag (block scales promote every 128 k anyway?)
+            fast = tk.scaled_mm_block_fp8(a_cm, b, a_s_cm, b_s, BLOCK, use_fast_accum=True)
+            row["scaled_mm_fast_error"] = max_rel_error(fast, expected)
+            row["scaled_mm_fast_us"] = time_us(
+                lambda i: tk.scaled_mm_block_fp8(
+                    a_cm, b_copies[i][0], a_s_cm, b_copies[i][1], BLOCK, use_fast_accum=True
+                ),
+                n_fp8,
+            )
+        except RuntimeError as e:
+            row["scaled_mm_fast_unavailable"] = str(e).splitlines()[0]
     else:
         row["scaled_mm_unavailable"] = reason
     return row
@@ -207,6 +220,12 @@ def static_mm_bench(
     out["static_mm_gemm_us"] = time_us(
         lambda i: tk.scaled_mm_fp8(x_q, b_copies[i][0], None, scale_b, torch.bfloat16), n_fp8
     )
+    fast = tk.scaled_mm_fp8(x_q, b, None, scale_b, torch.bfloat16, use_fast_accum=True)
+    out["static_mm_fast_error"] = max_rel_error(fast, expected)
+    out["static_mm_fast_us"] = time_us(
+        lambda i: tk.scaled_mm_fp8(x_q, b_copies[i][0], None, scale_b, torch.bfloat16, use_fast_accum=True),
+        n_fp8,
+    )
     return out
 
 
@@ -224,6 +243,8 @@ def derived(row: dict) -> None:
         "static_linear_us",
         "static_mm_us",
         "static_mm_gemm_us",
+        "static_mm_fast_us",
+        "scaled_mm_fast_us",
     ):
         if key in row:
             us = row[key]
@@ -236,10 +257,10 @@ def derived(row: dict) -> None:
 def print_header() -> None:
     cols = f"{'us':>8} {'TF/s':>6} {'GB/s':>6}"  # each variant: time, TFLOP/s, weight GB/s
     groups = f"{'bf16':<22} | {'fp8':<28} | {'fp8+quant':<28} | {'scaled_mm':<22}"
-    print(f"{'':<38} | {groups} | best    | static us                       |")
+    print(f"{'':<38} | {groups} | best    | static us                       | fast us         |")
     print(
         f"{'model':<11}{'layer':<8}{'M':>5} {'N':>6} {'K':>6} | {cols} | {cols} {'xbf16':>5} | {cols} "
-        f"{'xbf16':>5} | {cols} | alt us  | +q / linear / mm+q / mm    | check"
+        f"{'xbf16':>5} | {cols} | alt us  | +q / linear / mm+q / mm    | static / block  | check"
     )
 
 
@@ -255,13 +276,15 @@ def print_row(model: str, layer: str, row: dict) -> None:
     errors = ("fp8_error", "linear_error", "static_quant_error", "static_linear_error")
     exact = row["quant_bit_exact"] and max(row[e] for e in errors) <= CHECK_TOL
     exact = exact and row.get("static_mm_error", 0.0) <= CHECK_TOL
-    mm = [row.get(k) for k in ("static_mm_us", "static_mm_gemm_us")]
+    mm = [row.get(k) for k in ("static_mm_us", "static_mm_gemm_us", "static_mm_fast_us", "scaled_mm_fast_us")]
     static = f"{row['static_quant_us']:7.1f} {row['static_linear_us']:7.1f} " + " ".join(
         f"{us:7.1f}" if us is not None else f"{'-':>7}" for us in mm
     )
     checks = "ok" if exact else "FAIL"
     if row.get("scaled_mm_error", 0.0) > CHECK_TOL:
         checks += " scaled_mm FAIL"
+    fast_errors = [row.get(k) for k in ("static_mm_fast_error", "scaled_mm_fast_error")]
+    checks += " fast err " + "/".join("-" if e is None else f"{e:.1e}" for e in fast_errors)
     print(
         f"{model:<11}{layer:<8}{row['M']:>5} {row['N']:>6} {row['K']:>6} | {cell('bf16')} | {cell('fp8')} "
         f"x{row['fp8_speedup']:4.2f} | {cell('fp8_quant')} x{row['fp8_quant_speedup']:4.2f} | "

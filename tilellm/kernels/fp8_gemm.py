@@ -482,8 +482,11 @@ def scaled_mm_block_fp8(
     b_s: torch.Tensor,
     block_size: list[int],
     output_dtype: torch.dtype = torch.bfloat16,
+    *,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """`w8a8_block_fp8_matmul` through `torch.nn.functional.scaled_mm` (cuBLASLt), same arguments.
+    `use_fast_accum`: cuBLAS's fast FP8 accumulation flag, for `benchmarks/fp8_gemm.py` to measure.
 
     Raises RuntimeError where torch cannot run it (`scaled_mm_block_unavailable` says why). cuBLAS
     reads a_s column-major (strides (1, M): `per_token_group_quant_fp8(...,
@@ -515,6 +518,7 @@ def scaled_mm_block_fp8(
         scale_b,
         F.ScalingType.BlockWise128x128,
         output_dtype=output_dtype,
+        use_fast_accum=use_fast_accum,
     )
 
 
@@ -568,6 +572,8 @@ def scaled_mm_fp8(
     scale_a: torch.Tensor | None,
     scale_b: torch.Tensor,
     output_dtype: torch.dtype = torch.bfloat16,
+    *,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """C [M, N] = (a @ b^T) * scale_a * scale_b through `torch._scaled_mm`, in `output_dtype`.
 
@@ -576,6 +582,9 @@ def scaled_mm_fp8(
     column-major [K, N] operand cuBLAS wants, no copy), scale_b float32 of one element or N (one per
     output row: row-wise, with scale_a folded in, since torch's row-wise GEMM takes a scale per row
     of a too). Raises RuntimeError where torch cannot run it (`scaled_mm_fp8_unavailable` says why).
+    `use_fast_accum`: the whole of K summed in the FP8 tensor cores' own accumulator (fewer bits
+    than fp32, as vLLM's CUTLASS FP8 GEMMs run) instead of promoted to fp32 along the way; off in
+    the layers until `benchmarks/fp8_gemm.py` shows what it gains and costs.
     """
     name = "scaled_mm_fp8"
     check_scaled_mm_fp8(name, a, b, scale_a, scale_b, output_dtype)
@@ -595,4 +604,11 @@ def scaled_mm_fp8(
     else:
         row_scales = _unit_row_scales(1, a.device).reshape(1) if scale_a is None else scale_a.reshape(1)
         col_scales = scale_b.reshape(1)
-    return torch._scaled_mm(a, b.t(), scale_a=row_scales, scale_b=col_scales, out_dtype=output_dtype)
+    return torch._scaled_mm(
+        a,
+        b.t(),
+        scale_a=row_scales,
+        scale_b=col_scales,
+        out_dtype=output_dtype,
+        use_fast_accum=use_fast_accum,
+    )

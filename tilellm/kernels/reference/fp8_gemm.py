@@ -238,8 +238,11 @@ def scaled_mm_fp8(
     scale_a: torch.Tensor | None,
     scale_b: torch.Tensor,
     output_dtype: torch.dtype = torch.bfloat16,
+    *,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    """C [M, N] = (a @ b^T) * scale_a * scale_b, in fp32, rounded once to `output_dtype`.
+    """C [M, N] = (a @ b^T) * scale_a * scale_b, in fp32, rounded once to `output_dtype`
+    (`use_fast_accum`, the tensor cores' accumulation on the GPU, changes nothing here).
 
     a [M, K] e4m3 activations with scale_a (one float32 element: the whole tensor's scale; None
     when it is already folded into scale_b); b [N, K] e4m3 weight with scale_b float32 of one
