@@ -518,7 +518,8 @@ def scaled_mm_block_fp8(
         scale_b,
         F.ScalingType.BlockWise128x128,
         output_dtype=output_dtype,
-        use_fast_accum=use_fast_accum,
+        # passed only when set: the default call stays the one the engine has always made
+        **({"use_fast_accum": True} if use_fast_accum else {}),
     )
 
 
