@@ -5,13 +5,15 @@
 #               paged and decode workloads also replayed from CUDA graphs), then the host time of
 #               eager kernel calls (benchmarks/kernel_host_time.py)
 #   throughput  tilellm bench throughput --workloads E1,E2 (random Qwen3-0.6B weights, bf16)
+#   pdl         programmatic dependent launch (TILELLM_PDL=1) against none: its GPU tests, then
+#               benchmarks/small_batch_decode.py and E1 without and with it
 #   fp8         the FP8 tests on the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against
 #               transformers), then benchmarks/fp8_gemm.py --no-sweep and benchmarks/decode_fp8.py
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,fp8, run in that order (default: the
-#   first three).
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,fp8, run in that order (default:
+#   the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
 # step passed, 1 otherwise, 2 for an unknown step.
@@ -20,7 +22,7 @@
 # H200; where one call may run 10 minutes at most, run `tests` and `kernels,throughput` as two calls.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput fp8)
+ALL_STEPS=(tests kernels throughput pdl fp8)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -78,6 +80,17 @@ if selected throughput; then
     --workloads E1,E2 --json "$OUT/throughput.json"
 fi
 
+if selected pdl; then
+  run_step pdl_tests 200 env TILELLM_PDL=1 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
+    tests/kernels/test_skinny.py tests/engine/test_pdl.py
+  run_step small_batch 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8,32 \
+    --json "$OUT/small_batch.json"
+  run_step small_batch_pdl 200 env TILELLM_PDL=1 "$PYTHON" benchmarks/small_batch_decode.py \
+    --batches 1,8,32 --json "$OUT/small_batch_pdl.json"
+  run_step e1 200 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 --json "$OUT/e1.json"
+  run_step e1_pdl 200 env TILELLM_PDL=1 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 \
+    --json "$OUT/e1_pdl.json"
+fi
 if selected fp8; then
   run_step fp8_tests "${FP8_TIMEOUT:-400}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
     tests/kernels/test_decode_fp8.py tests/kernels/test_kv_fp8.py tests/kernels/test_fp8_gemm.py \

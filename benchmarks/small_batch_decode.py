@@ -13,7 +13,9 @@ inputs, forward launch, sampler launch), and the device span of the step from CU
 separate pass of the same length: events cost a little). The weights' floor is their bytes at the
 copy rate (1.5 GB of bf16 at about 4 TB/s: 0.3-0.4 ms). `--cprofile N` also prints the N Python
 functions that take the most host time at batch 1, `--kernels N` the N kernels of most device time
-per step (torch.profiler over 32 steps). Needs a CUDA GPU.
+per step (torch.profiler over 32 steps). Needs a CUDA GPU. `TILELLM_PDL=1 python
+benchmarks/small_batch_decode.py` runs the same with programmatic dependent launch
+(`tilellm/kernels/pdl.py`); compare the two in one device call.
 """
 
 from __future__ import annotations

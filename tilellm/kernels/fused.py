@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.pdl import pdl_enabled, pdl_start
 from tilellm.kernels.reference.fused import check_apply_rotary, check_rms_norm, check_silu_and_mul
 
 
@@ -35,8 +36,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
     stride_x, stride_res, stride_y, stride_res_out,
     N, H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < N) & (cols[None, :] < H)
@@ -81,12 +83,13 @@ def rms_norm(
         block_h = triton.next_power_of_2(h)
         block_n = max(1, min(64, 4096 // block_h))
         grid = (triton.cdiv(n, block_n),)
+        use_pdl = pdl_enabled(x.device)
         _rms_norm_launch[grid](
             x, residual, weight, y, res_out,
             x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0),
             n, h, float(eps),
-            HAS_RESIDUAL=res_out is not y, BLOCK_N=block_n, BLOCK_H=block_h,
-            num_warps=4 if block_n * block_h <= 4096 else 8,
+            HAS_RESIDUAL=res_out is not y, BLOCK_N=block_n, BLOCK_H=block_h, USE_PDL=use_pdl,
+            num_warps=4 if block_n * block_h <= 4096 else 8, launch_pdl=use_pdl,
         )  # fmt: skip
     return y if res_out is y else (y, res_out)
 
@@ -99,8 +102,9 @@ def rms_norm(
 @triton.jit(do_not_specialize=["N"])
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, N, I,
-    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows[:, None] < N) & (cols[None, :] < I)
@@ -126,8 +130,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block_i = min(triton.next_power_of_2(i), 2048)
         block_n = max(1, min(64, 4096 // block_i))
         grid = (triton.cdiv(n, block_n), triton.cdiv(i, block_i))
+        use_pdl = pdl_enabled(x.device)
         _silu_and_mul_launch[grid](
-            x, out, x.stride(0), out.stride(0), n, i, BLOCK_N=block_n, BLOCK_I=block_i
+            x, out, x.stride(0), out.stride(0), n, i, BLOCK_N=block_n, BLOCK_I=block_i, USE_PDL=use_pdl,
+            launch_pdl=use_pdl,
         )  # fmt: skip
     return out
 
@@ -179,9 +185,10 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
     num_tokens, num_q_heads, num_k_heads, num_q_programs, half, eps,
-    HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The first num_q_programs programs handle q's (token, head) rows, the rest k's."""
+    pdl_start(USE_PDL)
     pid = tl.program_id(0)
     if pid < num_q_programs:
         _rotate_rows(q_ptr, q_out_ptr, qw_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
@@ -231,11 +238,12 @@ def apply_rotary(
         block_r = max(1, min(256, 2048 // block_half))
         num_q_programs = triton.cdiv(t * hq, block_r)
         grid = (num_q_programs + triton.cdiv(t * hk, block_r),)
+        use_pdl = pdl_enabled(q.device)
         _rotary_launch[grid](
             q, k, q_out, k_out, qw, kw, positions, cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
             t, hq, hk, num_q_programs, half, float(eps),
-            HAS_NORM=has_norm, BLOCK_R=block_r, BLOCK_HALF=block_half,
+            HAS_NORM=has_norm, BLOCK_R=block_r, BLOCK_HALF=block_half, USE_PDL=use_pdl, launch_pdl=use_pdl,
         )  # fmt: skip
     return q_out, k_out

@@ -17,6 +17,7 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E
 from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.pdl import pdl_enabled, pdl_start
 
 LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
@@ -49,7 +50,9 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -109,6 +112,7 @@ def merge_into(
         o_parts = o_parts.contiguous()
     if lse_parts.stride(2) != 1:
         lse_parts = lse_parts.contiguous()
+    use_pdl = pdl_enabled(out.device)
     _merge_launch[(T, H)](
         o_parts,
         lse_parts,
@@ -126,5 +130,7 @@ def merge_into(
         HEAD_DIM=D,
         SPLITS_PAD=_splits_pad(S),
         WRITE_LSE=lse_out is not None,
+        USE_PDL=use_pdl,
         num_warps=4 if D >= 128 else 2,
+        launch_pdl=use_pdl,
     )

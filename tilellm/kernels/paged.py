@@ -40,6 +40,7 @@ from tilellm.kernels.config import (
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.merge import merge_into
+from tilellm.kernels.pdl import pdl_enabled, pdl_start
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
     PagedPlan,
@@ -147,8 +148,9 @@ def _paged_kernel(
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
     TILES_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
-    PIPELINE_MASKED: tl.constexpr,
+    PIPELINE_MASKED: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     if TILES_FASTEST:
         # Several query tiles: a (request, KV head)'s tiles launch side by side and share its K/V
         # in L2 (with KV heads fastest, all heads of all requests stream at once: C1's 300 MB).
@@ -457,6 +459,7 @@ def _launch(
     else:
         o_parts = lse_parts = o  # unused
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
+    use_pdl = pdl_enabled(q.device)
     _paged_launch[grid](
         q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
@@ -476,7 +479,7 @@ def _launch(
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         PIPELINE_MASKED=not (kv_fp8 and (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS and kv_lo is None),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )  # fmt: skip
     if splits > 1 and parts is None:
         merge_into(o_parts, lse_parts, o)

@@ -40,6 +40,7 @@ from tilellm.attention import BatchKind, attention_context, get_attention_backen
 from tilellm.config import EngineConfig
 from tilellm.distributed.driver import WorkerError
 from tilellm.kernels.fp8 import FP8_DTYPE, kv_cache_torch_dtype
+from tilellm.kernels.pdl import pdl_enabled
 from tilellm.worker import kv_pool
 from tilellm.worker.cuda_graphs import DecodeGraphs, graph_logits_rows
 from tilellm.worker.draft_runner import DraftProposal, DraftRequest, DraftRunner
@@ -157,6 +158,8 @@ class ModelRunner:
             _check_fp8_support(self.device, config, self.model)
         self.vocab_size = int(self.hf_config.vocab_size)
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
+        if pdl_enabled(self.device):
+            logger.info("TILELLM_PDL=1: the decode path's kernels launch with programmatic dependent launch")
         num_layers, num_kv_heads, head_dim = model_kv_spec(self.hf_config, tp_size)
         self.block_size = config.block_size
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tilellm.kernels.pdl import pdl_enabled
+from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_linear
 from tilellm.models.parallel import all_gather_last_dim, all_reduce, check_tp, divide, partition_kv_heads
 
 WeightSource = Any  # torch.Tensor or a safetensors slice (`safe_open(...).get_slice(name)`)
@@ -159,7 +161,15 @@ class LinearMethod:
     block_size: tuple[int, int] | None = None
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in] -> x W^T (+ bias) [..., out]: this rank's part, before any collective."""
+        """x [..., in] -> x W^T (+ bias) [..., out]: this rank's part, before any collective.
+
+        cuBLAS, except steps of up to `SKINNY_MAX_ROWS` tokens under programmatic dependent launch
+        (`TILELLM_PDL=1`): `skinny_linear`, which streams the weight while the kernel before runs
+        (cuBLAS's kernels do not take part in PDL)."""
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows <= SKINNY_MAX_ROWS and pdl_enabled(x.device):
+            y = skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer: LinearBase, dtype: torch.dtype) -> None:

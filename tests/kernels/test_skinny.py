@@ -1,0 +1,178 @@
+"""`skinny_linear` (few-row GEMM) against `F.linear` in fp64, its checks, and the linear layers'
+choice of it under programmatic dependent launch (`TILELLM_PDL=1`; `pdl_enabled`).
+
+On the CPU the kernel runs under Triton's interpreter without PDL (the `griddepcontrol`
+instructions exist only on the GPU); on an H100/H200 the GPU tests run it with and without PDL
+and require the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.helpers import assert_close
+from tilellm.kernels import pdl
+from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_config, skinny_linear
+from tilellm.models.layers import linear as linear_layers
+from tilellm.models.layers.linear import ColumnParallelLinear
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _operands(M, N, K, dtype, device, seed=0, bias=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(device=device, dtype=dtype)
+    b = torch.randn(N, generator=gen).to(device=device, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def _fp64(x, w, b):
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("M", "N", "K"),
+    [(1, 48, 64), (5, 100, 96), (16, 64, 200), (40, 33, 64), (3, 16, 7)],  # K not a multiple of the tile
+)
+def test_matches_fp64(M, N, K, bias):
+    """fp32 on the CPU (the interpreter): within fp32 summation order of the fp64 product, over
+    row counts below, at and above 16, column counts that leave a partial tile, and K that does."""
+    x, w, b = _operands(M, N, K, torch.float32, "cpu", seed=M + N + K, bias=bias)
+    assert_close(skinny_linear(x, w, b), _fp64(x, w, b).float(), 1e-5, f"M={M} N={N} K={K}")
+
+
+def test_strided_rows_and_empty():
+    x, w, _ = _operands(6, 32, 64, torch.float32, "cpu")
+    wide = torch.zeros(6, 100)
+    wide[:, 10:74] = x
+    assert_close(skinny_linear(wide[:, 10:74], w), _fp64(x, w, None).float(), 1e-5, "strided x rows")
+    assert skinny_linear(x[:0], w).shape == (0, 32)
+    b = torch.arange(32.0)
+    assert torch.equal(skinny_linear(x[:, :0], w[:, :0], b), b.expand(6, 32))
+    assert torch.equal(skinny_linear(x[:, :0], w[:, :0]), torch.zeros(6, 32))
+
+
+def test_rejects_bad_input():
+    x, w, _ = _operands(4, 32, 64, torch.float32, "cpu")
+    with pytest.raises(
+        ValueError, match=r"^skinny_linear: x must be a 2-D tensor \[M, K\], got \(1, 4, 64\)"
+    ):
+        skinny_linear(x[None], w)
+    with pytest.raises(ValueError, match="^skinny_linear: weight must be float32, float16 or bfloat16"):
+        skinny_linear(x, w.to(torch.int32))
+    with pytest.raises(ValueError, match="must match x"):
+        skinny_linear(x, w[:, :32])
+    with pytest.raises(ValueError, match="must match x"):
+        skinny_linear(x, w.double().float().half())
+    with pytest.raises(ValueError, match="^skinny_linear: weight's last dim must be contiguous"):
+        skinny_linear(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match=r"^skinny_linear: bias must be \[N=32\]"):
+        skinny_linear(x, w, torch.zeros(31))
+
+
+def test_config_covers_the_sms(monkeypatch):
+    """The widest column tile that still gives every SM a program (132 here, off the GPU)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert skinny_config(1, 6144, 1024)[0] == 32  # Qwen3-0.6B gate_up: 192 programs
+    assert skinny_config(1, 24576, 4096)[0] == 64  # Qwen3-8B gate_up: 384 programs
+    assert skinny_config(1, 1024, 3072)[0] == 16  # Qwen3-0.6B down: 64 programs at the narrowest
+    assert skinny_config(1, 4096, 4096)[:2] == (16, 128)
+
+
+def test_pdl_is_off_without_its_switch_and_off_the_gpu(monkeypatch):
+    pdl._pdl_enabled.cache_clear()
+    monkeypatch.setenv("TILELLM_PDL", "1")
+    try:
+        assert not pdl.pdl_enabled(torch.device("cpu"))
+        if torch.cuda.is_available():
+            monkeypatch.delenv("TILELLM_PDL")
+            pdl._pdl_enabled.cache_clear()
+            assert not pdl.pdl_enabled(torch.device("cuda"))
+    finally:
+        pdl._pdl_enabled.cache_clear()
+
+
+def test_linear_layers_take_it_for_few_rows_under_pdl(monkeypatch):
+    """With PDL on, a plain linear layer runs `skinny_linear` for up to SKINNY_MAX_ROWS rows (any
+    leading dims) and cuBLAS above; both give the layer's product. (On the CPU the switch is
+    forced in the layer only: the kernel itself then runs without PDL, under the interpreter.)"""
+    layer = ColumnParallelLinear(64, 48, bias=True, tp_rank=0, tp_size=1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64) / 8)
+        layer.bias.copy_(torch.randn(48))
+    calls = []
+    monkeypatch.setattr(linear_layers, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(
+        linear_layers, "skinny_linear", lambda *a: calls.append(a[0].shape) or skinny_linear(*a)
+    )
+    for shape in [(1, 64), (2, 8, 64), (SKINNY_MAX_ROWS, 64), (SKINNY_MAX_ROWS + 1, 64)]:
+        x = torch.randn(shape)
+        y = layer(x)
+        expected = _fp64(x.reshape(-1, 64), layer.weight, layer.bias).float().reshape(*shape[:-1], 48)
+        assert_close(y, expected, 1e-5, f"{shape}")
+    assert calls == [(1, 64), (16, 64), (SKINNY_MAX_ROWS, 64)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("N", "K"), [(4096, 1024), (1024, 3072), (6144, 1024), (256, 4104)])
+def test_half_precision_on_the_gpu(N, K, dtype):
+    """bf16 / fp16 on the GPU at 1, 5 and 16 rows: within one output rounding of the fp64 product
+    (fp32 sums); under PDL on Hopper (prefetch and all) the same bits as without."""
+    for M in (1, 5, 16):
+        x, w, b = _operands(M, N, K, dtype, "cuda", seed=M, bias=M == 5)
+        got = skinny_linear(x, w, b)
+        assert_close(got.float(), _fp64(x, w, b).float(), 8e-3, f"{dtype} M={M} N={N} K={K}")
+        if HOPPER:
+            pdl._pdl_enabled.cache_clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("TILELLM_PDL", "1")
+                try:
+                    with_pdl = skinny_linear(x, w, b)
+                finally:
+                    pdl._pdl_enabled.cache_clear()
+            assert torch.equal(with_pdl, got), f"PDL changed the result: {dtype} M={M} N={N} K={K}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs sm_90 or newer")
+def test_pdl_chain_in_a_cuda_graph():
+    """A chain of PDL kernels (RMSNorm, skinny linear, SiLU-and-mul, skinny linear, each reading
+    the one before) captured in a CUDA graph and replayed on new inputs: the same bits as the
+    chain launched without PDL."""
+    from tilellm.kernels.fused import rms_norm, silu_and_mul
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter = 1024, 3072
+    norm_w = torch.rand(hidden, generator=gen).cuda().bfloat16() + 0.5
+    w1 = (torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5).cuda().bfloat16()
+    w2 = (torch.randn(hidden, inter, generator=gen) / inter**0.5).cuda().bfloat16()
+    x = torch.randn(4, hidden, device="cuda").bfloat16()
+
+    def chain():
+        return skinny_linear(silu_and_mul(skinny_linear(rms_norm(x, norm_w, 1e-6), w1)), w2)
+
+    expected = chain()
+    pdl._pdl_enabled.cache_clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TILELLM_PDL", "1")
+        try:
+            assert torch.equal(chain(), expected), "eager PDL chain"
+            chain()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain()
+            for seed in range(3):
+                x.copy_(torch.randn(4, hidden, generator=torch.Generator().manual_seed(seed + 1)).cuda())
+                graph.replay()
+                pdl._pdl_enabled.cache_clear()
+                mp.delenv("TILELLM_PDL")
+                plain = chain()
+                mp.setenv("TILELLM_PDL", "1")
+                pdl._pdl_enabled.cache_clear()
+                assert torch.equal(out, plain), f"graph replay {seed}"
+        finally:
+            pdl._pdl_enabled.cache_clear()

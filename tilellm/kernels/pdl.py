@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (PDL): a kernel that starts while the kernel before it finishes.
+
+In a decode step of a small batch every kernel is short (2-9 us) and a good part of each is the
+gap between kernels: a kernel starts only once the one before it has finished and its writes are
+flushed, and then ramps its loads up. On Hopper a kernel launched with the "programmatic stream
+serialization" attribute (Triton's `launch_pdl=True`) may start as soon as every program of the
+kernel before it has run `griddepcontrol.launch_dependents` (or finished), and waits where it
+must with `griddepcontrol.wait`, which returns once the kernel before has completed and its writes
+are visible. Whatever a kernel does before that wait must not read what the kernels before it
+write, nor write anything: here, only loads of weights and L2 prefetches of them
+(`skinny.py`). A kernel launched so after one that was not (cuBLAS's, NCCL's, a copy) waits for
+it as usual.
+
+`TILELLM_PDL=1` turns PDL on for the kernels of a decoder layer's decode path: RMSNorm, rotary,
+the K/V store, paged attention and its split-KV merge, SiLU-and-mul, and the linear layers of up
+to `SKINNY_MAX_ROWS` rows (`skinny_linear` instead of cuBLAS). Off by default: its effect on the
+decode step is measured by `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` against the
+same command without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from tilellm.kernels.config import interpreting
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: `TILELLM_PDL=1`, a CUDA device of compute
+    capability 9.0 or newer, and not Triton's interpreter."""
+    if device.type != "cuda":
+        return False
+    return _pdl_enabled(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_enabled(index: int) -> bool:
+    if os.environ.get("TILELLM_PDL") != "1" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next kernel launch once every program of this one has come here (no-op unless
+    USE_PDL)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the kernel before to complete, its writes visible (no-op unless USE_PDL)."""
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """The prologue of a kernel that reads its inputs at once: the next kernel may launch, then
+    this one waits for the kernel before (no-op unless USE_PDL)."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)

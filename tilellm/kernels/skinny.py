@@ -1,0 +1,157 @@
+"""A linear layer of a few rows (decode of a small batch) that streams its weight while the kernel
+before it finishes.
+
+At one to sixteen tokens y = x W^T reads the whole weight for almost no arithmetic: the layer
+takes as long as its weight bytes take to arrive. Qwen3-0.6B's layers (2-6 MB in bf16) take
+1-3 us to read at the copy rate but 5-9 us in cuBLAS (docs/benchmarks.md, "Where the time
+goes"): each kernel starts only once the one before it has finished, then ramps its loads up.
+
+Launched with programmatic dependent launch (`pdl.py`), each program of this kernel first lets
+the next kernel launch, then asks for its weight rows in L2 (`cp.async.bulk.prefetch.L2`, one
+instruction per row: the weight is never written, so it may be read before the wait), then
+waits for the kernel before it (`griddepcontrol.wait`) and only then reads x. The weight's
+bytes thus stream from HBM while the kernel before (an RMSNorm, an attention merge) still runs,
+and the loop finds them in L2. Without PDL it is a plain GEMM of narrow column tiles.
+
+Grid: (column tiles of BLOCK_N, row tiles of 16). A program walks K in BLOCK_K steps, one
+`tl.dot` of [16, BLOCK_K] x [BLOCK_K, BLOCK_N] each (rows past M are loaded as zeros), and
+rounds its fp32 sum (plus the bias) once to x's dtype. No split-K: the column tiles are chosen
+narrow enough (64, 32 or 16 columns) that the grid covers about as many programs as the GPU has
+SMs, so a program reads at most BLOCK_N rows of K values. Its PyTorch twin is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilellm.kernels.config import dot_precision, interpreting, num_sms
+from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+
+SKINNY_MAX_ROWS = 16  # the linear layers of steps of up to this many tokens run here under PDL
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _prefetch_rows_l2(row_ptrs, row_bytes, row_ok):
+    """Ask for `row_bytes` bytes from each of `row_ptrs` (16-byte aligned, a multiple of 16) in L2:
+    one bulk prefetch per row, asynchronous, no register written."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r",
+        [row_ptrs, row_bytes + tl.zeros_like(row_ok.to(tl.int32)), row_ok.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_linear_kernel(
+    X, W, B, Y, M, N, K, row_bytes,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    row_ok = rows < M
+    w_rows = W + cols.to(tl.int64) * stride_wn  # [BLOCK_N] the start of each weight row
+    pdl_launch_dependents(USE_PDL)
+    if PREFETCH:  # the weight is never written: read it before the kernel before has finished
+        _prefetch_rows_l2(w_rows, row_bytes, col_ok)
+    pdl_wait(USE_PDL)  # x is the kernel before's output
+    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_rows[:, None] + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < K
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = Y + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+_skinny_launch = FastLaunch(_skinny_linear_kernel)
+
+
+def skinny_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M, K] x [N, K]^T product of few rows:
+    the widest column tile of 64, 32 or 16 that still gives every SM a program (else 16), K in
+    steps of 128. Under the interpreter: 16 x 32 tiles, one stage."""
+    if interpreting():
+        return 16, 32, 4, 1
+    sms = num_sms()
+    block_n = next((bn for bn in (64, 32) if triton.cdiv(N, bn) >= sms), 16)
+    block_k = min(128, max(16, triton.next_power_of_2(K)))
+    return block_n, block_k, 4, 4
+
+
+def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    name = "skinny_linear"
+    for arg, t, shape in (("x", x, "[M, K]"), ("weight", weight, "[N, K]")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: {arg} must be a 2-D tensor {shape}, got {got}")
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{name}: {arg} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name}: {arg}'s last dim must be contiguous, got strides {tuple(t.stride())}")
+    if weight.shape[1] != x.shape[1] or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(
+            f"{name}: weight {tuple(weight.shape)} {weight.dtype} on {weight.device} must match x "
+            f"{tuple(x.shape)} {x.dtype} on {x.device} in K, dtype and device"
+        )
+    if bias is not None and (
+        bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
+    ):
+        raise ValueError(
+            f"{name}: bias must be [N={weight.shape[0]}] in x's dtype and device, got "
+            f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
+        )
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias): x [M, K], weight [N, K], bias [N] -> y [M, N] in x's dtype.
+
+    Meant for few rows (decode of small batches); any M runs. Summed in fp32 and rounded once.
+    With `TILELLM_PDL=1` on Hopper it launches with PDL and prefetches its weight into L2 before
+    waiting for the kernel before it (module docstring).
+    """
+    check_skinny_linear(x, weight, bias)
+    (M, K), N = x.shape, weight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    use_pdl = pdl_enabled(x.device)
+    row_bytes = K * weight.element_size()
+    aligned = (
+        row_bytes % 16 == 0
+        and weight.data_ptr() % 16 == 0
+        and weight.stride(0) * weight.element_size() % 16 == 0
+    )
+    block_n, block_k, warps, stages = skinny_config(M, N, K)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, 16))
+    _skinny_launch[grid](
+        x, weight, bias if bias is not None else weight, y, M, N, K, row_bytes,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        PRECISION=dot_precision(x.dtype), PREFETCH=use_pdl and aligned, USE_PDL=use_pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=use_pdl,
+    )  # fmt: skip
+    return y
