@@ -8,7 +8,8 @@ goes"): each kernel starts only once the one before it has finished, then ramps 
 
 Launched with programmatic dependent launch (`pdl.py`), each program of this kernel first lets
 the next kernel launch, then asks for its weight rows in L2 (`cp.async.bulk.prefetch.L2`, one
-instruction per row: the weight is never written, so it may be read before the wait), then
+instruction per row: the weight is never written, so it may be read before the wait; the first
+wave's requests are kept to 16 MB, so a large layer prefetches the start of each row), then
 waits for the kernel before it (`griddepcontrol.wait`) and only then reads x. The weight's
 bytes thus stream from HBM while the kernel before (an RMSNorm, an attention merge) still runs,
 and the loop finds them in L2. Without PDL it is a plain GEMM of narrow column tiles.
@@ -50,7 +51,7 @@ def _prefetch_rows_l2(row_ptrs, row_bytes, row_ok):
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_linear_kernel(
-    X, W, B, Y, M, N, K, row_bytes,
+    X, W, B, Y, M, N, K, prefetch_bytes,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
@@ -63,7 +64,7 @@ def _skinny_linear_kernel(
     w_rows = W + cols.to(tl.int64) * stride_wn  # [BLOCK_N] the start of each weight row
     pdl_launch_dependents(USE_PDL)
     if PREFETCH:  # the weight is never written: read it before the kernel before has finished
-        _prefetch_rows_l2(w_rows, row_bytes, col_ok)
+        _prefetch_rows_l2(w_rows, prefetch_bytes, col_ok)
     pdl_wait(USE_PDL)  # x is the kernel before's output
     x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_rows[:, None] + offs_k[None, :]
@@ -98,6 +99,19 @@ def skinny_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     block_n = next((bn for bn in (64, 32) if triton.cdiv(N, bn) >= sms), 16)
     block_k = min(128, max(16, triton.next_power_of_2(K)))
     return block_n, block_k, 4, 4
+
+
+# What the first wave of programs may prefetch into L2 in all (of the H100/H200's 50 MB): more
+# would evict its own earlier rows before the loop reads them.
+PREFETCH_BUDGET_BYTES = 16 << 20
+
+
+def _prefetch_bytes(row_bytes: int, block_n: int, programs: int) -> int:
+    """Bytes of each weight row a program prefetches: the whole row, or the first part of it that
+    keeps the first wave's prefetches within PREFETCH_BUDGET_BYTES; a multiple of 16 (0: none)."""
+    first_wave = min(programs, num_sms())
+    budget = PREFETCH_BUDGET_BYTES // (first_wave * block_n)
+    return min(row_bytes, budget) // 16 * 16
 
 
 def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -139,19 +153,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
     use_pdl = pdl_enabled(x.device)
-    row_bytes = K * weight.element_size()
-    aligned = (
-        row_bytes % 16 == 0
-        and weight.data_ptr() % 16 == 0
-        and weight.stride(0) * weight.element_size() % 16 == 0
-    )
     block_n, block_k, warps, stages = skinny_config(M, N, K)
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, 16))
+    prefetch_bytes = _prefetch_bytes(K * weight.element_size(), block_n, grid[0] * grid[1])
+    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
     _skinny_launch[grid](
-        x, weight, bias if bias is not None else weight, y, M, N, K, row_bytes,
+        x, weight, bias if bias is not None else weight, y, M, N, K, prefetch_bytes,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        PRECISION=dot_precision(x.dtype), PREFETCH=use_pdl and aligned, USE_PDL=use_pdl,
+        PRECISION=dot_precision(x.dtype), PREFETCH=use_pdl and aligned and prefetch_bytes > 0, USE_PDL=use_pdl,
         num_warps=warps, num_stages=stages, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
