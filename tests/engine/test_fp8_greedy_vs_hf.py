@@ -312,7 +312,8 @@ def test_static_prompt_steps_through_scaled_mm_are_hf_static_w8a8_choices(checkp
     got = _engine_greedy(
         fp8_dir, prompts, num_kv_blocks=64, max_num_batched_tokens=24, fused_ops_backend="triton"
     )
-    assert calls and min(calls) >= 16, "no step ran scaled_mm_fp8"
+    # the tiny Qwen3's 8 FP8 layers in every step of 17-24 tokens (chunks of the budget)
+    assert len(calls) >= 8 and len(calls) % 8 == 0 and max(calls) <= 24, calls
     hf = _hf_static_model(*_static_oracle_inputs(fp8_dir, dequant_dir, tmp_path / "oracle"))
     agree = _hf_choices(hf, prompts, got)
     if not torch.cuda.is_available():

@@ -851,3 +851,23 @@ def test_scaled_mm_rejects_bad_input(fn, message):
         fn(*BAD_SCALED_MM[message](a, b, s_a, rows[:1]))
     with pytest.raises(ValueError, match="^scaled_mm_fp8: output_dtype must be"):
         fn(a, b, s_a, rows[:1], torch.int32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_scaled_mm_row_scales_never_grow_inside_a_capture():
+    """A row-wise call of more rows than any before allocates its unit row scales: inside a CUDA
+    graph capture it says to run the call once first; after that it captures and replays."""
+    if tk.scaled_mm_fp8_unavailable("cuda", torch.bfloat16, 32, 64, per_row=True) is not None:
+        pytest.skip("no row-wise scaled_mm here")
+    M = 1 << 20  # more rows than any other test's
+    a, b, s_a, rows = per_tensor_gemm(M, 32, 64, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture; run the same call once before"):
+        with torch.cuda.graph(graph):
+            tk.scaled_mm_fp8(a, b, None, s_a * rows, torch.bfloat16)
+    expected = tk.scaled_mm_fp8(a, b, None, s_a * rows, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk.scaled_mm_fp8(a, b, None, s_a * rows, torch.bfloat16)
+    graph.replay()
+    assert torch.equal(out, expected)

@@ -19,7 +19,7 @@ from tilellm.kernels.reference.fp8_gemm import (
 )
 from tilellm.models import load_model
 from tilellm.models.layers.linear import UNQUANTIZED
-from tilellm.models.quantization import Fp8Config, resolve_quantization
+from tilellm.models.quantization import Fp8Config, dequantize_linear_, resolve_quantization
 from tilellm.testing import dequantize_model_dir, make_tiny_model, make_tiny_moe_model, quantize_model_dir_fp8
 
 BLOCK = (32, 32)
@@ -425,6 +425,34 @@ def test_static_layers_run_scaled_mm_for_many_tokens(dirs, monkeypatch):
     assert calls == [qkv.out_features, 1]
     assert len(set(qkv.scaled_mm_scale_b.tolist())) > 1, "the tiny qkv's shards share one scale"
     assert not _load(dirs["per_tensor"]).model.layers[0].self_attn.o_proj.quant_method.use_scaled_mm
+    dequantize_linear_(o, torch.float32)  # read raw from then on: the folded scales go too
+    assert not hasattr(o, "scaled_mm_scale_b") and not hasattr(o, "input_scale")
+
+
+def test_static_layer_with_scales_varying_along_a_row_keeps_the_block_gemm(tmp_path, monkeypatch):
+    """A per-tensor static checkpoint whose down_proj ships block-shaped scales (two k-blocks, the
+    second 4x the first: loaded as block scales) has no one scale per row, so the layer keeps the
+    block GEMM at every size and its product stays right."""
+    from tilellm.models import quantization
+
+    src = make_tiny_model(
+        tmp_path / "src", "Qwen3ForCausalLM", seed=7, vocab_size=383, **{**TINY, "intermediate_size": 256}
+    )
+    d = _rewrite(quantize_model_dir_fp8(src, tmp_path / "pt", per_tensor=True), tmp_path)
+    sd = load_file(d / "model.safetensors")
+    key = "model.layers.0.mlp.down_proj.weight_scale"
+    scale = torch.full((1, 2), float(sd[key]))
+    scale[:, 1] *= 4
+    sd[key] = scale
+    save_file(sd, str(d / "model.safetensors"))
+    down = _load(d, fused_ops_backend="triton").model.layers[0].mlp.down_proj
+    assert down.weight_scale_inv.shape == (1, 2) and not down.quant_method.use_scaled_mm
+    monkeypatch.setattr(quantization, "SCALED_MM_MIN_TOKENS", 24)
+    s = down.input_scale.item()
+    x = torch.randn(24, down.in_features, generator=torch.Generator().manual_seed(0)) * (50 * s)
+    torch.testing.assert_close(
+        down(x), _static_dequantized(x, s) @ _dequantized(down).T, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_per_tensor_checkpoint_with_dynamic_activations(dirs, tmp_path):

@@ -33,7 +33,7 @@ x_q = e4m3(x / s), saturated at +-448, and the GEMM reads a_s as s broadcast (st
 4. `scaled_mm_fp8`: one activation scale and one weight scale per tensor or per output row (a
    per-tensor checkpoint's static layers), where the scales leave the sum:
    C = (a @ b^T) * s_a * s_b[n], through `torch._scaled_mm` (cuBLASLt's tensor-wise GEMM, or
-   torch's row-wise CUTLASS GEMM on sm_90).
+   torch's row-wise GEMM on sm_90: cuBLASLt's or CUTLASS's, as torch was built).
 
 The PyTorch twins, and the input checks both sides share, are in
 `tilellm.kernels.reference.fp8_gemm`.
@@ -534,14 +534,20 @@ def scaled_mm_fp8_unavailable(
     """Why `scaled_mm_fp8` cannot run an [M, K] x [N, K]^T product here, or None.
 
     torch._scaled_mm multiplies e4m3 operands with one scale each ("tensor-wise": cuBLASLt, sm_89
-    and newer) or one per row of each operand ("row-wise": torch's CUTLASS kernel, sm_90 and newer,
-    bfloat16 output only), N and K multiples of 16; on the CPU torch runs both in any float dtype.
+    and newer) or one per row of each operand ("row-wise": cuBLASLt's or torch's CUTLASS kernel,
+    as torch was built; sm_90 and newer, bfloat16 output taken as the rule both allow), N and K
+    multiples of 16; on the CPU torch runs tensor-wise in any float dtype, and row-wise where the
+    build has it.
     """
     device = torch.device(device)
     if N % 16 or K % 16:
         return f"scaled_mm needs N and K multiples of 16, got N = {N}, K = {K}"
     if device.type == "cpu":
-        return None
+        return (
+            None
+            if not per_row or _cpu_row_wise()
+            else f"torch {torch.__version__}'s CPU scaled_mm is tensor-wise only"
+        )
     if device.type != "cuda":
         return f"scaled_mm runs on CUDA or the CPU, got {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
@@ -552,6 +558,20 @@ def scaled_mm_fp8_unavailable(
     return None
 
 
+@functools.cache
+def _cpu_row_wise() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes row-wise scales (newer builds do; older ones
+    assert that the CPU backend is tensor-wise only)."""
+    a = torch.ones((1, 16), dtype=FP8_DTYPE)
+    try:
+        torch._scaled_mm(
+            a, a.t(), scale_a=torch.ones(1, 1), scale_b=torch.ones(1, 1), out_dtype=torch.float32
+        )
+    except RuntimeError:
+        return False
+    return True
+
+
 # device -> every [rows, 1] buffer of ones handed out, the largest last. Earlier ones stay alive:
 # a CUDA graph captured with a slice of one keeps reading its address.
 _unit_scales: dict[torch.device, list[torch.Tensor]] = {}
@@ -559,9 +579,16 @@ _unit_scales: dict[torch.device, list[torch.Tensor]] = {}
 
 def _unit_row_scales(rows: int, device: torch.device) -> torch.Tensor:
     """[rows, 1] float32 ones, contiguous: the row-wise scale_a of an `a` whose one scale is
-    folded into scale_b (a slice of a buffer kept per device, so no call allocates or fills)."""
+    folded into scale_b. A slice of a buffer kept per device: only a call of more rows than any
+    before allocates and fills a larger one, which a CUDA graph capture must not do (its fill
+    would only be recorded): the engine runs every captured size eagerly first."""
     buffers = _unit_scales.setdefault(device, [])
     if not buffers or buffers[-1].shape[0] < rows:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"scaled_mm_fp8: {rows} rows, more than any call before, inside a CUDA graph capture; "
+                "run the same call once before capturing it"
+            )
         size = max(rows, 2 * buffers[-1].shape[0] if buffers else 1024)
         buffers.append(torch.ones((size, 1), dtype=torch.float32, device=device))
     return buffers[-1][:rows]

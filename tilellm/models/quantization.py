@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -337,12 +338,14 @@ class Fp8LinearMethod(LinearMethod):
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
-    def _scaled_mm(self, layer: LinearBase, gemm, *args) -> torch.Tensor | None:
+    def _scaled_mm(
+        self, layer: LinearBase, gemm: Callable[..., torch.Tensor], *args: Any
+    ) -> torch.Tensor | None:
         """`gemm(*args)` (one of torch's scaled_mm paths), or None (and Triton's GEMM from then on)
         where it refuses."""
         try:
             return gemm(*args)
-        except RuntimeError as e:  # cuBLASLt has no algorithm for this shape (a host-side error)
+        except RuntimeError as e:  # a host-side refusal: no algorithm for this shape, another device
             logger.warning(
                 "FP8 GEMM: torch's %s refused a %s of %s (%s); Triton's runs it",
                 gemm.__name__, type(layer).__name__, tuple(layer.weight.shape), e,
@@ -373,13 +376,19 @@ class Fp8LinearMethod(LinearMethod):
     def _prepare_scaled_mm_fp8(self, layer: LinearBase, dtype: torch.dtype) -> bool:
         """A static layer's scales for `scaled_mm_fp8`, if it can run here: the input scale times
         each output row's weight scale (one number when every row shares it), in the buffer
-        `scaled_mm_scale_b` [1] or [N]. The block scales stay the truth the Triton GEMM reads: a
-        per-tensor layer's are alike along each block row, so its first column gives every row's."""
+        `scaled_mm_scale_b` [1] or [N]. The block scales stay the truth the Triton GEMM reads; a
+        per-tensor checkpoint's are alike along each block row, so the first column gives every
+        row's. A layer whose scales vary along a row (a checkpoint that ships block-shaped scales
+        with a per-tensor config) keeps the block GEMM. The buffer is a product taken once: a
+        caller who changes `input_scale` or the weight's scales afterwards runs this again."""
         unavailable = getattr(self.ops, "scaled_mm_fp8_unavailable", None)
         if unavailable is None:  # the PyTorch twins: the block GEMM's twin runs every step
             return False
+        block_scales = layer.weight_scale_inv.data
+        if not bool((block_scales == block_scales[:, :1]).all()):
+            return False
         n, k = layer.weight.shape
-        rows = layer.weight_scale_inv.data[:, 0].repeat_interleave(self.block_size[0])[:n]
+        rows = block_scales[:, 0].repeat_interleave(self.block_size[0])[:n]
         per_row = bool((rows != rows[0]).any())
         if unavailable(layer.weight.device, dtype, n, k, per_row=per_row) is not None:
             return False
