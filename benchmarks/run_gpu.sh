@@ -81,7 +81,8 @@ if selected throughput; then
 fi
 
 if selected pdl; then
-  run_step pdl_tests 200 env TILELLM_PDL=1 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
+  # (the tests set TILELLM_PDL themselves: their baselines run without it)
+  run_step pdl_tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
     tests/kernels/test_skinny.py tests/engine/test_pdl.py
   run_step small_batch 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8,32 \
     --json "$OUT/small_batch.json"

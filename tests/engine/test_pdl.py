@@ -32,5 +32,6 @@ def test_qwen3_greedy_matches_hf_under_pdl(tiny_qwen3, config, pdl_on, monkeypat
     llm, first, second = run_twice(tiny_qwen3, **CONFIGS[config])
     assert pdl.pdl_enabled(torch.device("cuda"))
     assert calls, "no linear layer ran skinny_linear"
+    assert sum(llm.llm_engine.runner.graph_replays.values()) > 0, "no decode step replayed a CUDA graph"
     want = expected(tiny_qwen3)
     assert first == want and second == want

@@ -8,16 +8,33 @@ and require the same bits.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from tests.kernels.helpers import assert_close
-from tilellm.kernels import pdl
+from tilellm.kernels import pdl, skinny
 from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_config, skinny_linear
 from tilellm.models.layers import linear as linear_layers
 from tilellm.models.layers.linear import ColumnParallelLinear
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@contextlib.contextmanager
+def _pdl(on: bool):
+    """TILELLM_PDL set (or unset) for the calls inside, whatever the environment says."""
+    with pytest.MonkeyPatch.context() as mp:
+        if on:
+            mp.setenv("TILELLM_PDL", "1")
+        else:
+            mp.delenv("TILELLM_PDL", raising=False)
+        pdl._pdl_enabled.cache_clear()
+        try:
+            yield
+        finally:
+            pdl._pdl_enabled.cache_clear()
 
 
 def _operands(M, N, K, dtype, device, seed=0, bias=False):
@@ -45,11 +62,16 @@ def test_matches_fp64(M, N, K, bias):
     assert_close(skinny_linear(x, w, b), _fp64(x, w, b).float(), 1e-5, f"M={M} N={N} K={K}")
 
 
-def test_strided_rows_and_empty():
-    x, w, _ = _operands(6, 32, 64, torch.float32, "cpu")
-    wide = torch.zeros(6, 100)
-    wide[:, 10:74] = x
-    assert_close(skinny_linear(wide[:, 10:74], w), _fp64(x, w, None).float(), 1e-5, "strided x rows")
+def test_strided_operands_and_empty():
+    """Rows of x and of the weight with strides past K (the memory past K full of inf: a load that
+    reaches it shows), a strided bias, and empty inputs."""
+    x, w, b = _operands(6, 32, 72, torch.float32, "cpu", bias=True)
+    wide_x = torch.full((6, 100), float("inf"))
+    wide_x[:, 10:82] = x
+    wide_w = torch.full((32, 90), float("inf"))
+    wide_w[:, :72] = w
+    got = skinny_linear(wide_x[:, 10:82], wide_w[:, :72], torch.stack((b, -b), 1)[:, 0])
+    assert_close(got, _fp64(x, w, b).float(), 1e-5, "strided x, weight and bias")
     assert skinny_linear(x[:0], w).shape == (0, 32)
     b = torch.arange(32.0)
     assert torch.equal(skinny_linear(x[:, :0], w[:, :0], b), b.expand(6, 32))
@@ -81,6 +103,20 @@ def test_config_covers_the_sms(monkeypatch):
     assert skinny_config(1, 24576, 4096)[0] == 64  # Qwen3-8B gate_up: 384 programs
     assert skinny_config(1, 1024, 3072)[0] == 16  # Qwen3-0.6B down: 64 programs at the narrowest
     assert skinny_config(1, 4096, 4096)[:2] == (16, 128)
+
+
+def test_prefetch_stays_within_its_budget(monkeypatch):
+    """Each program's L2 prefetch: one request per thread, whole rows while every program's rows
+    fit in PREFETCH_BUDGET_BYTES, the start of each row beyond (Qwen3-8B's gate_up), never more."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for N, K in [(4096, 1024), (1024, 3072), (6144, 1024), (24576, 4096), (4096, 12288), (151936, 1024)]:
+        block_n, _, warps, _, chunks, chunk_bytes = skinny._plan(1, N, K, 2, False)
+        assert chunks * block_n == warps * 32 and chunk_bytes % 16 == 0
+        programs = -(-N // block_n)
+        total = programs * block_n * chunks * chunk_bytes
+        assert total <= skinny.PREFETCH_BUDGET_BYTES, (N, K, total)
+        if N * K * 2 <= skinny.PREFETCH_BUDGET_BYTES:
+            assert chunks * chunk_bytes == 2 * K, (N, K)  # the whole row
 
 
 def test_pdl_is_off_without_its_switch_and_off_the_gpu(monkeypatch):
@@ -125,16 +161,12 @@ def test_half_precision_on_the_gpu(N, K, dtype):
     (fp32 sums); under PDL on Hopper (prefetch and all) the same bits as without."""
     for M in (1, 5, 16):
         x, w, b = _operands(M, N, K, dtype, "cuda", seed=M, bias=M == 5)
-        got = skinny_linear(x, w, b)
+        with _pdl(False):
+            got = skinny_linear(x, w, b)
         assert_close(got.float(), _fp64(x, w, b).float(), 8e-3, f"{dtype} M={M} N={N} K={K}")
         if HOPPER:
-            pdl._pdl_enabled.cache_clear()
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("TILELLM_PDL", "1")
-                try:
-                    with_pdl = skinny_linear(x, w, b)
-                finally:
-                    pdl._pdl_enabled.cache_clear()
+            with _pdl(True):
+                with_pdl = skinny_linear(x, w, b)
             assert torch.equal(with_pdl, got), f"PDL changed the result: {dtype} M={M} N={N} K={K}"
 
 
@@ -155,24 +187,17 @@ def test_pdl_chain_in_a_cuda_graph():
     def chain():
         return skinny_linear(silu_and_mul(skinny_linear(rms_norm(x, norm_w, 1e-6), w1)), w2)
 
-    expected = chain()
-    pdl._pdl_enabled.cache_clear()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TILELLM_PDL", "1")
-        try:
-            assert torch.equal(chain(), expected), "eager PDL chain"
-            chain()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = chain()
-            for seed in range(3):
-                x.copy_(torch.randn(4, hidden, generator=torch.Generator().manual_seed(seed + 1)).cuda())
-                graph.replay()
-                pdl._pdl_enabled.cache_clear()
-                mp.delenv("TILELLM_PDL")
-                plain = chain()
-                mp.setenv("TILELLM_PDL", "1")
-                pdl._pdl_enabled.cache_clear()
-                assert torch.equal(out, plain), f"graph replay {seed}"
-        finally:
-            pdl._pdl_enabled.cache_clear()
+    with _pdl(False):
+        expected = chain()
+    with _pdl(True):
+        assert pdl.pdl_enabled(x.device)
+        assert torch.equal(chain(), expected), "eager PDL chain"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+    for seed in range(3):
+        x.copy_(torch.randn(4, hidden, generator=torch.Generator().manual_seed(seed + 1)).cuda())
+        graph.replay()
+        with _pdl(False):
+            plain = chain()
+        assert torch.equal(out, plain), f"graph replay {seed}"

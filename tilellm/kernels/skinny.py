@@ -8,8 +8,9 @@ goes"): each kernel starts only once the one before it has finished, then ramps 
 
 Launched with programmatic dependent launch (`pdl.py`), each program of this kernel first lets
 the next kernel launch, then asks for its weight rows in L2 (`cp.async.bulk.prefetch.L2`, one
-instruction per row: the weight is never written, so it may be read before the wait; the first
-wave's requests are kept to 16 MB, so a large layer prefetches the start of each row), then
+instruction per thread for a part of a row; no kernel writes the weight, so nothing it reads can
+change; a layer's requests are kept to 16 MB of L2, so a large layer prefetches the start of
+each row), then
 waits for the kernel before it (`griddepcontrol.wait`) and only then reads x. The weight's
 bytes thus stream from HBM while the kernel before (an RMSNorm, an attention merge) still runs,
 and the loop finds them in L2. Without PDL it is a plain GEMM of narrow column tiles.
@@ -22,6 +23,8 @@ SMs, so a program reads at most BLOCK_N rows of K values. Its PyTorch twin is `F
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -36,13 +39,18 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _prefetch_rows_l2(row_ptrs, row_bytes, row_ok):
-    """Ask for `row_bytes` bytes from each of `row_ptrs` (16-byte aligned, a multiple of 16) in L2:
-    one bulk prefetch per row, asynchronous, no register written."""
+def _prefetch_rows_l2(row_ptrs, row_ok, chunk_bytes, CHUNKS: tl.constexpr):
+    """Ask for the first CHUNKS * chunk_bytes bytes of each of `row_ptrs` (16-byte aligned;
+    chunk_bytes a multiple of 16) in L2: asynchronous bulk prefetches, no register written. The
+    [rows, CHUNKS] requests are as many as the program's threads, so each thread issues one (a
+    [rows] vector would be held, and prefetched, by every warp)."""
+    chunk = tl.arange(0, CHUNKS)
+    ptrs = row_ptrs[:, None] + (chunk * chunk_bytes)[None, :]
+    ok = (row_ok[:, None] & (chunk >= 0)[None, :]).to(tl.int32)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r,r",
-        [row_ptrs, row_bytes + tl.zeros_like(row_ok.to(tl.int32)), row_ok.to(tl.int32)],
+        [ptrs, chunk_bytes + tl.zeros_like(ok), ok],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
@@ -51,10 +59,10 @@ def _prefetch_rows_l2(row_ptrs, row_bytes, row_ok):
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_linear_kernel(
-    X, W, B, Y, M, N, K, prefetch_bytes,
+    X, W, B, Y, M, N, K, chunk_bytes,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PREFETCH_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,8 +71,8 @@ def _skinny_linear_kernel(
     row_ok = rows < M
     w_rows = W + cols.to(tl.int64) * stride_wn  # [BLOCK_N] the start of each weight row
     pdl_launch_dependents(USE_PDL)
-    if PREFETCH:  # the weight is never written: read it before the kernel before has finished
-        _prefetch_rows_l2(w_rows, prefetch_bytes, col_ok)
+    if PREFETCH_CHUNKS > 0:  # only the weight (no kernel writes it) is touched before the wait
+        _prefetch_rows_l2(w_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
     pdl_wait(USE_PDL)  # x is the kernel before's output
     x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_rows[:, None] + offs_k[None, :]
@@ -101,20 +109,30 @@ def skinny_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return block_n, block_k, 4, 4
 
 
-# What the first wave of programs may prefetch into L2 in all (of the H100/H200's 50 MB): more
-# would evict its own earlier rows before the loop reads them.
+# What a layer's programs may prefetch into L2 in all (of the H100/H200's 50 MB): its programs are
+# usually all resident at once, and more would evict rows before the loops read them.
 PREFETCH_BUDGET_BYTES = 16 << 20
 
 
-def _prefetch_bytes(row_bytes: int, block_n: int, programs: int) -> int:
-    """Bytes of each weight row a program prefetches: the whole row, or the first part of it that
-    keeps the first wave's prefetches within PREFETCH_BUDGET_BYTES; a multiple of 16 (0: none)."""
-    first_wave = min(programs, num_sms())
-    budget = PREFETCH_BUDGET_BYTES // (first_wave * block_n)
-    return min(row_bytes, budget) // 16 * 16
+@functools.lru_cache(maxsize=256)
+def _plan(
+    M: int, N: int, K: int, element_size: int, interpreting_: bool
+) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch chunks, bytes per chunk) of one shape:
+    `skinny_config`, and each program's prefetch of its rows: [BLOCK_N, chunks] requests, one per
+    thread, covering each row's first bytes within PREFETCH_BUDGET_BYTES over all programs (0
+    chunks: no prefetch)."""
+    block_n, block_k, warps, stages = skinny_config(M, N, K)
+    programs = triton.cdiv(N, block_n) * triton.cdiv(M, 16)
+    row_bytes = min(K * element_size, PREFETCH_BUDGET_BYTES // (programs * block_n))
+    chunks = max(1, warps * 32 // block_n)
+    chunk_bytes = row_bytes // chunks // 16 * 16
+    return block_n, block_k, warps, stages, (chunks if chunk_bytes > 0 else 0), chunk_bytes
 
 
 def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`skinny_linear`'s argument checks: 2-D float x and weight sharing K, dtype and device, unit
+    last-dim strides, a bias of N elements in the same dtype and device."""
     name = "skinny_linear"
     for arg, t, shape in (("x", x, "[M, K]"), ("weight", weight, "[N, K]")):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -141,7 +159,8 @@ def check_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias): x [M, K], weight [N, K], bias [N] -> y [M, N] in x's dtype.
 
-    Meant for few rows (decode of small batches); any M runs. Summed in fp32 and rounded once.
+    Meant for few rows (decode of small batches; up to 2^20 rows run). Summed in fp32 and rounded
+    once.
     With `TILELLM_PDL=1` on Hopper it launches with PDL and prefetches its weight into L2 before
     waiting for the kernel before it (module docstring).
     """
@@ -153,15 +172,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
     use_pdl = pdl_enabled(x.device)
-    block_n, block_k, warps, stages = skinny_config(M, N, K)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, 16))
-    prefetch_bytes = _prefetch_bytes(K * weight.element_size(), block_n, grid[0] * grid[1])
+    block_n, block_k, warps, stages, chunks, chunk_bytes = _plan(
+        M, N, K, weight.element_size(), interpreting()
+    )
     aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, 16))
     _skinny_launch[grid](
-        x, weight, bias if bias is not None else weight, y, M, N, K, prefetch_bytes,
+        x, weight, bias.contiguous() if bias is not None else weight, y, M, N, K, chunk_bytes,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        PRECISION=dot_precision(x.dtype), PREFETCH=use_pdl and aligned and prefetch_bytes > 0, USE_PDL=use_pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=use_pdl,
+        PRECISION=dot_precision(x.dtype), PREFETCH_CHUNKS=chunks if use_pdl and aligned else 0,
+        USE_PDL=use_pdl, num_warps=warps, num_stages=stages, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
