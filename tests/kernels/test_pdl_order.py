@@ -1,0 +1,195 @@
+"""The order programmatic dependent launch relies on, read from the machine code (no GPU needed).
+
+A kernel launched with PDL may run while the kernel before it still writes its outputs, so each
+one must execute `griddepcontrol.wait` (SASS `ACQBULK`) before its first load or store of global
+memory; the only exception is `skinny_linear`'s L2 prefetch of its weight (`UBLKPF`). Every
+kernel of the PDL decode path is compiled here for sm_90a with USE_PDL=True (Triton ships ptxas
+and cuobjdump) and its SASS is read in program order up to the wait: no global memory access,
+and no exit, may come before it. (The compiling runs in a subprocess without
+TRITON_INTERPRET: under the interpreter `@triton.jit` builds no compilable kernels.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import triton
+
+from tilellm.kernels import fused, merge, paged, skinny, store
+from tilellm.kernels.config import paged_config
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+pytestmark = pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton ships no cuobjdump")
+# global memory accesses in SASS (loads, stores, cp.async, atomics, TMA), and the bulk L2 prefetch
+GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG?|RED|UTMALDG|UTMASTG)\b")
+PREFETCH = re.compile(r"\bUBLKPF\b")
+
+
+def _compile(fn, types: dict[str, str], constexprs: dict, aligned=(), **options):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, **options})
+
+
+def _before_wait(compiled) -> list[str]:
+    """The SASS instructions, in program order, before the first ACQBULK (which must exist)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    code = [
+        line.split("*/", 1)[1].split(";")[0].strip()
+        for line in sass.splitlines()
+        if re.search(r"/\*[0-9a-f]{4}\*/", line)
+    ]
+    waits = [i for i, ins in enumerate(code) if "ACQBULK" in ins]
+    if not waits:
+        raise AssertionError("no griddepcontrol.wait (ACQBULK) in the kernel")
+    return code[: waits[0]]
+
+
+def _cases() -> dict[str, tuple]:
+    """name -> (kernel, argument types, constexprs, 16-divisible arguments, options, prefetch allowed)."""
+    cases: dict[str, tuple] = {}
+    norm_types = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "y_ptr", "res_out_ptr")} | {"eps": "fp32"}
+    for residual in (False, True):
+        constexprs = dict(HAS_RESIDUAL=residual, BLOCK_N=4, BLOCK_H=1024, USE_PDL=True)
+        cases[f"rms_norm-residual={residual}"] = (
+            fused._rms_norm_kernel,
+            norm_types,
+            constexprs,
+            (),
+            {},
+            False,
+        )
+    cases["silu_and_mul"] = (
+        fused._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
+        dict(BLOCK_N=1, BLOCK_I=2048, USE_PDL=True), (), {}, False,
+    )  # fmt: skip
+    rotary_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "qw_ptr", "kw_ptr")}
+    rotary_types |= {"pos_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32"}
+    for norm in (False, True):
+        constexprs = dict(HAS_NORM=norm, BLOCK_R=32, BLOCK_HALF=64, USE_PDL=True)
+        cases[f"rotary-norm={norm}"] = (fused._rotary_kernel, rotary_types, constexprs, (), {}, False)
+    for fp8 in (False, True):  # including the early return of padding rows (slot -1)
+        cache = "*fp8e4nv" if fp8 else "*bf16"
+        types = {"K": "*bf16", "V": "*bf16", "K_cache": cache, "V_cache": cache, "slot_mapping": "*i64"}
+        types |= {"k_scale": "*fp32", "v_scale": "*fp32"}
+        constexprs = dict(HEADS=8, HEAD_DIM=128, BLOCK=1024, HAS_V=True, QUANTIZE=fp8, USE_PDL=True)
+        cases[f"store-fp8={fp8}"] = (store._store_kernel, types, constexprs, (), {"num_warps": 4}, False)
+    merge_types = {"O_parts": "*fp32", "LSE_parts": "*fp32", "O": "*bf16", "LSE": "*fp32"}
+    merge_constexprs = dict(HEAD_DIM=128, SPLITS_PAD=8, WRITE_LSE=True, USE_PDL=True)
+    cases["merge"] = (merge._merge_kernel, merge_types, merge_constexprs, (), {}, False)
+    cfg, block_q = paged_config(128, torch.bfloat16, 2, 1)
+    paged_types = {n: "*bf16" for n in ("Q", "K_cache", "V_cache", "O")}
+    paged_types |= {n: "*fp32" for n in ("O_parts", "LSE_parts")} | {"qk_scale": "fp32"}
+    paged_types |= {
+        n: "*i32" for n in ("stats", "k_scale", "v_scale", "block_table", "cu_seqlens_q", "seq_lens")
+    }
+    paged_types |= {"kv_lo_ptr": "*i32", "kv_hi_ptr": "*i32"}
+    for split in (False, True):
+        constexprs = dict(
+            GROUP=2, HEAD_DIM=128, PAGE=16, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+            SPLIT=split, IS_DECODE=True, HAS_KV_LO=False, HAS_KV_HI=False, RECORD_STATS=False,
+            PRECISION="tf32", K_ROWS=cfg.k_rows, TILES_FASTEST=False, KV_FP8=False, DOT_FP16=False,
+            PIPELINE_MASKED=True, USE_PDL=True,
+        )  # fmt: skip
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        aligned = ("Q", "K_cache", "V_cache", "O", "O_parts", "LSE_parts")
+        cases[f"paged_decode-split={split}"] = (
+            paged._paged_kernel,
+            paged_types,
+            constexprs,
+            aligned,
+            options,
+            False,
+        )
+    skinny_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16"}
+    skinny_aligned = ("X", "W", "B", "Y", "N", "K", "chunk_bytes", "stride_xm", "stride_wn", "stride_ym")
+    for block_n in (16, 32, 64):
+        constexprs = dict(
+            HAS_BIAS=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, EVEN_K=True, PRECISION="tf32",
+            PREFETCH_CHUNKS=128 // block_n, USE_PDL=True,
+        )  # fmt: skip
+        options = {"num_warps": 4, "num_stages": 4}
+        cases[f"skinny_linear-block_n={block_n}"] = (
+            skinny._skinny_linear_kernel, skinny_types, constexprs, skinny_aligned, options, True,
+        )  # fmt: skip
+    return cases
+
+
+CASES = (
+    [f"rms_norm-residual={r}" for r in (False, True)]
+    + ["silu_and_mul"]
+    + [f"rotary-norm={n}" for n in (False, True)]
+    + [f"store-fp8={f}" for f in (False, True)]
+    + ["merge"]
+    + [f"paged_decode-split={s}" for s in (False, True)]
+    + [f"skinny_linear-block_n={b}" for b in (16, 32, 64)]
+)
+
+
+def _analyse_all() -> dict[str, dict]:
+    """Every case compiled and read: {name: {"before": [...], "waits": n} or {"error": text}}."""
+    out = {}
+    for name, (fn, types, constexprs, aligned, options, _) in _cases().items():
+        try:
+            compiled = _compile(fn, types, constexprs, aligned, **options)
+            out[name] = {"before": _before_wait(compiled), "launch_pdl": bool(compiled.metadata.launch_pdl)}
+        except Exception as e:  # reported by the test of this case
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def analysis() -> dict[str, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.test_pdl_order"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_waits_before_touching_memory(analysis, name):
+    """No global load, store, atomic or exit before the wait; only skinny_linear's weight
+    prefetch, which it must issue there."""
+    result = analysis[name]
+    assert "error" not in result, result.get("error")
+    assert result["launch_pdl"]
+    before = result["before"]
+    touches = [ins for ins in before if GLOBAL_ACCESS.search(ins) or re.search(r"\bEXIT\b", ins)]
+    assert not touches, f"{name}: global memory or exit before the wait: {touches}"
+    prefetches = [ins for ins in before if PREFETCH.search(ins)]
+    if name.startswith("skinny_linear"):
+        assert prefetches, f"{name}: no L2 prefetch of the weight before the wait"
+    else:
+        assert not prefetches, f"{name}: a prefetch before the wait"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_analyse_all()))
