@@ -167,7 +167,7 @@ class LinearMethod:
         (`TILELLM_PDL=1`): `skinny_linear`, which streams the weight while the kernel before runs
         (cuBLAS's kernels do not take part in PDL)."""
         rows = x.numel() // max(1, x.shape[-1])
-        if rows <= SKINNY_MAX_ROWS and pdl_enabled(x.device):
+        if rows <= SKINNY_MAX_ROWS and x.dtype == layer.weight.dtype and pdl_enabled(x.device):
             y = skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, layer.weight, bias)
