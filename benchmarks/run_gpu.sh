@@ -18,8 +18,9 @@
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
 # step passed, 1 otherwise, 2 for an unknown step.
 # Environment: OUT (default ./artifacts), PYTHON (default python3), TESTS_TIMEOUT (500 s),
-# KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the tests' share). The GPU tests alone take over 5 minutes on an
-# H200; where one call may run 10 minutes at most, run `tests` and `kernels,throughput` as two calls.
+# KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the FP8 tests' share).
+# The GPU tests alone take over 5 minutes on an H200; where one call may run 10 minutes at most,
+# run `tests`, `kernels,throughput`, `pdl` and `fp8` as calls of their own.
 set -uo pipefail
 
 ALL_STEPS=(tests kernels throughput pdl fp8)
