@@ -85,10 +85,10 @@ if selected pdl; then
   # (the tests set TILELLM_PDL themselves: their baselines run without it)
   run_step pdl_tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
     tests/kernels/test_skinny.py tests/engine/test_pdl.py
-  run_step small_batch 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8,32 \
+  run_step small_batch 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8,32 --kernels 12 \
     --json "$OUT/small_batch.json"
   run_step small_batch_pdl 200 env TILELLM_PDL=1 "$PYTHON" benchmarks/small_batch_decode.py \
-    --batches 1,8,32 --json "$OUT/small_batch_pdl.json"
+    --batches 1,8,32 --kernels 12 --json "$OUT/small_batch_pdl.json"
   run_step e1 200 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 --json "$OUT/e1.json"
   run_step e1_pdl 200 env TILELLM_PDL=1 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 \
     --json "$OUT/e1_pdl.json"
