@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.pdl import pdl_enabled, pdl_start
+from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import check_apply_rotary, check_rms_norm, check_silu_and_mul
 
 
@@ -83,13 +83,12 @@ def rms_norm(
         block_h = triton.next_power_of_2(h)
         block_n = max(1, min(64, 4096 // block_h))
         grid = (triton.cdiv(n, block_n),)
-        use_pdl = pdl_enabled(x.device)
         _rms_norm_launch[grid](
             x, residual, weight, y, res_out,
             x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0),
             n, h, float(eps),
-            HAS_RESIDUAL=res_out is not y, BLOCK_N=block_n, BLOCK_H=block_h, USE_PDL=use_pdl,
-            num_warps=4 if block_n * block_h <= 4096 else 8, launch_pdl=use_pdl,
+            HAS_RESIDUAL=res_out is not y, BLOCK_N=block_n, BLOCK_H=block_h,
+            num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device),
         )  # fmt: skip
     return y if res_out is y else (y, res_out)
 
@@ -130,10 +129,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block_i = min(triton.next_power_of_2(i), 2048)
         block_n = max(1, min(64, 4096 // block_i))
         grid = (triton.cdiv(n, block_n), triton.cdiv(i, block_i))
-        use_pdl = pdl_enabled(x.device)
         _silu_and_mul_launch[grid](
-            x, out, x.stride(0), out.stride(0), n, i, BLOCK_N=block_n, BLOCK_I=block_i, USE_PDL=use_pdl,
-            launch_pdl=use_pdl,
+            x, out, x.stride(0), out.stride(0), n, i, BLOCK_N=block_n, BLOCK_I=block_i,
+            **pdl_launch_kwargs(x.device),
         )  # fmt: skip
     return out
 
@@ -238,12 +236,11 @@ def apply_rotary(
         block_r = max(1, min(256, 2048 // block_half))
         num_q_programs = triton.cdiv(t * hq, block_r)
         grid = (num_q_programs + triton.cdiv(t * hk, block_r),)
-        use_pdl = pdl_enabled(q.device)
         _rotary_launch[grid](
             q, k, q_out, k_out, qw, kw, positions, cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
             t, hq, hk, num_q_programs, half, float(eps),
-            HAS_NORM=has_norm, BLOCK_R=block_r, BLOCK_HALF=block_half, USE_PDL=use_pdl, launch_pdl=use_pdl,
+            HAS_NORM=has_norm, BLOCK_R=block_r, BLOCK_HALF=block_half, **pdl_launch_kwargs(q.device),
         )  # fmt: skip
     return q_out, k_out

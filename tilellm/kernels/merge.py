@@ -17,7 +17,7 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.pdl import pdl_enabled, pdl_start
+from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 
 LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
@@ -112,7 +112,6 @@ def merge_into(
         o_parts = o_parts.contiguous()
     if lse_parts.stride(2) != 1:
         lse_parts = lse_parts.contiguous()
-    use_pdl = pdl_enabled(out.device)
     _merge_launch[(T, H)](
         o_parts,
         lse_parts,
@@ -130,7 +129,6 @@ def merge_into(
         HEAD_DIM=D,
         SPLITS_PAD=_splits_pad(S),
         WRITE_LSE=lse_out is not None,
-        USE_PDL=use_pdl,
         num_warps=4 if D >= 128 else 2,
-        launch_pdl=use_pdl,
+        **pdl_launch_kwargs(out.device),
     )

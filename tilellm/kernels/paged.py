@@ -40,7 +40,7 @@ from tilellm.kernels.config import (
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.merge import merge_into
-from tilellm.kernels.pdl import pdl_enabled, pdl_start
+from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
     PagedPlan,
@@ -459,7 +459,6 @@ def _launch(
     else:
         o_parts = lse_parts = o  # unused
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
-    use_pdl = pdl_enabled(q.device)
     _paged_launch[grid](
         q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
@@ -479,7 +478,7 @@ def _launch(
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         PIPELINE_MASKED=not (kv_fp8 and (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS and kv_lo is None),
-        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(q.device),
     )  # fmt: skip
     if splits > 1 and parts is None:
         merge_into(o_parts, lse_parts, o)

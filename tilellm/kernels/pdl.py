@@ -39,6 +39,14 @@ def pdl_enabled(device: torch.device) -> bool:
     return _pdl_enabled(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def pdl_launch_kwargs(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel that takes part: its `USE_PDL` constexpr and Triton's
+    `launch_pdl` option, always set together (a kernel launched with PDL must wait before it
+    reads; the wait is compiled in only with USE_PDL)."""
+    on = pdl_enabled(device)
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
 @functools.cache
 def _pdl_enabled(index: int) -> bool:
     if os.environ.get("TILELLM_PDL") != "1" or interpreting():

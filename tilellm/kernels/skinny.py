@@ -32,7 +32,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import dot_precision, interpreting, num_sms
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+from tilellm.kernels.pdl import pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait
 
 SKINNY_MAX_ROWS = 16  # the linear layers of steps of up to this many tokens run here under PDL
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -182,6 +182,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         PRECISION=dot_precision(x.dtype), PREFETCH_CHUNKS=chunks if use_pdl and aligned else 0,
-        USE_PDL=use_pdl, num_warps=warps, num_stages=stages, launch_pdl=use_pdl,
+        num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device),
     )  # fmt: skip
     return y

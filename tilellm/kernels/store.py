@@ -17,7 +17,7 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.fp8 import is_fp8, to_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.pdl import pdl_enabled, pdl_start
+from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping"])
@@ -92,7 +92,6 @@ def store_kvcache(
     has_v = v is not None
     quantize = is_fp8(k_cache)
     one = unit_scale(k.device) if quantize and (k_scale is None or v_scale is None) else None
-    use_pdl = pdl_enabled(k.device)
     _store_launch[(T,)](
         k,
         v if has_v else k,
@@ -111,7 +110,6 @@ def store_kvcache(
         BLOCK=triton.next_power_of_2(Hkv * D),
         HAS_V=has_v,
         QUANTIZE=quantize,
-        USE_PDL=use_pdl,
         num_warps=4 if Hkv * D >= 1024 else 1,
-        launch_pdl=use_pdl,
+        **pdl_launch_kwargs(k.device),
     )
