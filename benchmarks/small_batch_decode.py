@@ -15,7 +15,7 @@ copy rate (1.5 GB of bf16 at about 4 TB/s: 0.3-0.4 ms). `--cprofile N` also prin
 functions that take the most host time at batch 1, `--kernels N` the N kernels of most device time
 per step (torch.profiler over 32 steps). Needs a CUDA GPU. `TILELLM_PDL=1 python
 benchmarks/small_batch_decode.py` runs the same with programmatic dependent launch
-(`tilellm/kernels/pdl.py`); compare the two in one device call.
+(`tilellm/kernels/pdl.py`); compare the two on one machine, one after the other.
 """
 
 from __future__ import annotations
