@@ -32,7 +32,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import dot_precision, interpreting, num_sms
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.pdl import pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait
+from tilellm.kernels.pdl import pdl_launch_dependents, pdl_launch_kwargs, pdl_wait
 
 SKINNY_MAX_ROWS = 16  # the linear layers of steps of up to this many tokens run here under PDL
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -171,7 +171,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
-    use_pdl = pdl_enabled(x.device)
+    pdl = pdl_launch_kwargs(x.device)
     block_n, block_k, warps, stages, chunks, chunk_bytes = _plan(
         M, N, K, weight.element_size(), interpreting()
     )
@@ -181,7 +181,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias.contiguous() if bias is not None else weight, y, M, N, K, chunk_bytes,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        PRECISION=dot_precision(x.dtype), PREFETCH_CHUNKS=chunks if use_pdl and aligned else 0,
-        num_warps=warps, num_stages=stages, **pdl_launch_kwargs(x.device),
+        PRECISION=dot_precision(x.dtype), PREFETCH_CHUNKS=chunks if pdl["USE_PDL"] and aligned else 0,
+        num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     return y
