@@ -7,12 +7,16 @@
 #   throughput  tilellm bench throughput --workloads E1,E2 (random Qwen3-0.6B weights, bf16)
 #   pdl         programmatic dependent launch (TILELLM_PDL=1) against none: its GPU tests, then
 #               benchmarks/small_batch_decode.py and E1 without and with it
+#   merge       split-KV calls merged in the paged kernel (TILELLM_SPLIT_MERGE=kernel) against the
+#               separate merge launch: the decode, paged and graph-capture GPU tests with it, then
+#               D1-D4 and V1 (eager and in graphs), the host time of eager calls and small-batch
+#               decode, each in both modes
 #   fp8         the FP8 tests on the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against
 #               transformers), then benchmarks/fp8_gemm.py --no-sweep and benchmarks/decode_fp8.py
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,fp8, run in that order (default:
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,fp8, run in that order (default:
 #   the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
@@ -20,10 +24,10 @@
 # Environment: OUT (default ./artifacts), PYTHON (default python3), TESTS_TIMEOUT (500 s),
 # KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the FP8 tests' share).
 # The GPU tests alone take over 5 minutes on an H200; where one call may run 10 minutes at most,
-# run `tests`, `kernels,throughput`, `pdl` and `fp8` as calls of their own.
+# run `tests`, `kernels,throughput`, `pdl`, `merge` and `fp8` as calls of their own.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput pdl fp8)
+ALL_STEPS=(tests kernels throughput pdl merge fp8)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -92,6 +96,19 @@ if selected pdl; then
   run_step e1 200 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 --json "$OUT/e1.json"
   run_step e1_pdl 200 env TILELLM_PDL=1 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 \
     --json "$OUT/e1_pdl.json"
+fi
+if selected merge; then
+  run_step merge_tests 200 env TILELLM_SPLIT_MERGE=kernel "$PYTHON" -m pytest -q -p no:cacheprovider \
+    -o addopts=-ra tests/kernels/test_merge_in_kernel.py tests/kernels/test_decode.py \
+    tests/kernels/test_paged.py tests/kernels/test_graph_capture.py tests/engine/test_gpu.py
+  for mode in separate kernel; do
+    run_step "merge_kernels_$mode" 150 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" -m tilellm.cli bench kernels \
+      --workloads D1,D2,D3,D4,V1 --graph --no-peers --json "$OUT/merge_kernels_$mode.json"
+    run_step "merge_host_time_$mode" 60 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" benchmarks/kernel_host_time.py \
+      --json "$OUT/merge_host_time_$mode.json"
+    run_step "merge_small_batch_$mode" 120 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" \
+      benchmarks/small_batch_decode.py --batches 1,8 --kernels 8 --json "$OUT/merge_small_batch_$mode.json"
+  done
 fi
 if selected fp8; then
   run_step fp8_tests "${FP8_TIMEOUT:-400}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \

@@ -103,17 +103,17 @@ def _cases() -> dict[str, tuple]:
     paged_types |= {
         n: "*i32" for n in ("stats", "k_scale", "v_scale", "block_table", "cu_seqlens_q", "seq_lens")
     }
-    paged_types |= {"kv_lo_ptr": "*i32", "kv_hi_ptr": "*i32"}
-    for split in (False, True):
+    paged_types |= {"kv_lo_ptr": "*i32", "kv_hi_ptr": "*i32", "split_counters": "*i32"}
+    for split, merge_last in ((False, False), (True, False), (True, True)):
         constexprs = dict(
             GROUP=2, HEAD_DIM=128, PAGE=16, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
             SPLIT=split, IS_DECODE=True, HAS_KV_LO=False, HAS_KV_HI=False, RECORD_STATS=False,
             PRECISION="tf32", K_ROWS=cfg.k_rows, TILES_FASTEST=False, KV_FP8=False, DOT_FP16=False,
-            PIPELINE_MASKED=True, USE_PDL=True,
+            PIPELINE_MASKED=True, USE_PDL=True, MERGE_LAST=merge_last,
         )  # fmt: skip
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         aligned = ("Q", "K_cache", "V_cache", "O", "O_parts", "LSE_parts")
-        cases[f"paged_decode-split={split}"] = (
+        cases[f"paged_decode-split={split}" + ("-merge_last" if merge_last else "")] = (
             paged._paged_kernel,
             paged_types,
             constexprs,
@@ -142,6 +142,7 @@ CASES = (
     + [f"store-fp8={f}" for f in (False, True)]
     + ["merge"]
     + [f"paged_decode-split={s}" for s in (False, True)]
+    + ["paged_decode-split=True-merge_last"]
     + [f"skinny_linear-block_n={b}" for b in (16, 32, 64)]
 )
 

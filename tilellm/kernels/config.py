@@ -43,6 +43,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
+def split_merge_in_kernel() -> bool:
+    """Whether `paged.py`'s split-KV calls merge their partials in the kernel itself (the last
+    program of a tile to finish, `merge.merge_if_last`: `TILELLM_SPLIT_MERGE=kernel`) rather than
+    in a second launch (`merge.merge_into`: the default, or `TILELLM_SPLIT_MERGE=separate`)."""
+    mode = os.environ.get("TILELLM_SPLIT_MERGE", "separate")
+    if mode not in ("separate", "kernel"):
+        raise ValueError(f"TILELLM_SPLIT_MERGE={mode!r}: choose 'separate' (the default) or 'kernel'")
+    return mode == "kernel"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 products for fp32 inputs (TF32 would cost ~1e-3
     relative error in the scores, which large logits amplify); native for fp16/bf16."""

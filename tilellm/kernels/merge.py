@@ -6,6 +6,10 @@ and the log-sum-exp of its scores, `lse_s`. The full result is
     lse = log(sum_s exp(lse_s)),   o = sum_s exp(lse_s - lse) * o_s
 
 Segments that saw no key carry lse_s = -inf and weigh nothing.
+
+Two ways to run it: `merge_into`'s kernel, launched after the split programs; or
+`merge_if_last`, called at the end of every split program of a tile, where the last program to
+finish merges (one launch instead of two).
 """
 
 from __future__ import annotations
@@ -80,6 +84,58 @@ def _merge_kernel(
 
 
 _merge_launch = FastLaunch(_merge_kernel)
+
+
+@triton.jit
+def merge_if_last(
+    O, O_parts, LSE_parts, counters, slot, num_splits, num_tokens, num_q_heads,
+    q_row, head, row_ok, offs_d, stride_ot, stride_oh,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The merge inside the split kernel: each of a tile's `num_splits` programs calls this once it
+    has stored its partial rows; the last one to arrive merges the tile's rows into O.
+
+    counters[slot] counts the tile's programs that have arrived (int32, 0 before the launch; the
+    last program puts it back to 0, ready for the next launch or graph replay). Rows: q_row [BLOCK_M]
+    (token of each row, int64), head [BLOCK_M], row_ok [BLOCK_M]; partials in `merge_into`'s
+    layout, o_parts [S, T, H, D] and lse_parts [S, T, H] (float32, contiguous).
+
+    Memory order: the barrier makes every thread's partial stores precede the arrival, which one
+    thread makes with a release-acquire atomic at GPU scope; so the last program's acquire sees all
+    the tile's partials, and it reads them from L2 (`.cg`: no stale L1 line).
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters + slot, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        tl.store(counters + slot, 0)
+        lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in range(num_splits):
+            row = (s * num_tokens + q_row) * num_q_heads + head
+            lse_s = tl.load(LSE_parts + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            lse_max = tl.maximum(lse_max, lse_s)
+        # All segments empty: weights 0, output 0 (no NaN from -inf - -inf).
+        lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in range(num_splits):
+            row = (s * num_tokens + q_row) * num_q_heads + head
+            lse_s = tl.load(LSE_parts + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            w = tl.math.exp2((lse_s - lse_ref) * LOG2_E_C)
+            o_s = tl.load(
+                O_parts + row[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            # An empty segment's output is undefined: select, don't multiply (0 * NaN is NaN).
+            acc += tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
+            w_sum += w
+        o = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+        tl.store(
+            O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(O.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
 
 
 def merge_attention_states(

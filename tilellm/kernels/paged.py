@@ -15,7 +15,9 @@ visible to every row of the tile run unmasked; only the tiles that cross the til
 
 Split-KV: when (requests x KV heads x query tiles) cannot fill the GPU and contexts are long, each
 program covers one of `num_splits` key segments, writes its normalised partial output and its
-log-sum-exp, and `merge_attention_states`' kernel combines them.
+log-sum-exp, and `merge_attention_states`' kernel combines them; with `TILELLM_SPLIT_MERGE=kernel`
+the last program of each tile to finish combines them instead (`merge.merge_if_last`: one launch
+per call, not two), counting arrivals in a per-device buffer (`split_counters`).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from tilellm.kernels.config import (
     num_sms,
     overridden,
     paged_config,
+    split_merge_in_kernel,
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.merge import merge_into
+from tilellm.kernels.merge import merge_if_last, merge_into
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
@@ -134,6 +137,7 @@ def _paged_tiles(
         "seq_lens",
         "kv_lo_ptr",
         "kv_hi_ptr",
+        "split_counters",
     ],
 )
 def _paged_kernel(
@@ -143,12 +147,13 @@ def _paged_kernel(
     qk_scale, num_tokens, num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
     num_splits, min_split_keys, kv_lo_ptr, kv_hi_ptr, part_base,  # split-KV, key windows (cascade)
+    split_counters,  # MERGE_LAST: [>= B * Hkv * query tiles] int32 arrivals per tile, zero between launches
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
     TILES_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
-    PIPELINE_MASKED: tl.constexpr, USE_PDL: tl.constexpr,
+    PIPELINE_MASKED: tl.constexpr, USE_PDL: tl.constexpr, MERGE_LAST: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     if TILES_FASTEST:
@@ -261,6 +266,13 @@ def _paged_kernel(
             mask=row_ok[:, None],
         )
         tl.store(LSE_parts + part_row * num_q_heads + head, lse, mask=row_ok)
+        if MERGE_LAST:  # the tile's last program to finish merges its splits (no merge launch)
+            num_q_tiles = num_tile_splits // num_splits
+            merge_if_last(
+                O, O_parts, LSE_parts, split_counters, (req * num_kv_heads + kv_head) * num_q_tiles + q_tile,
+                num_splits, num_tokens, num_q_heads, q_row, head, row_ok, offs_d, stride_ot, stride_oh,
+                BLOCK_M, HEAD_DIM,
+            )  # fmt: skip
     else:
         o = acc / l_i[:, None]
         tl.store(
@@ -458,6 +470,9 @@ def _launch(
         o_parts, lse_parts = _split_parts(splits, T, Hq, D, q.device)
     else:
         o_parts = lse_parts = o  # unused
+    counters = None
+    if splits > 1 and parts is None and split_merge_in_kernel():
+        counters = split_counters(q.device, batch * Hkv * q_tiles)
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
     _paged_launch[grid](
         q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
@@ -470,6 +485,7 @@ def _launch(
         kv_lo if kv_lo is not None else seq_lens,  # unread unless HAS_KV_LO
         kv_hi if kv_hi is not None else seq_lens,  # unread unless HAS_KV_HI
         part_base,
+        counters if counters is not None else seq_lens,  # unread unless MERGE_LAST
         GROUP=group, HEAD_DIM=D, PAGE=page,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
         SPLIT=splits > 1 or parts is not None, IS_DECODE=is_decode,
@@ -478,9 +494,10 @@ def _launch(
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         PIPELINE_MASKED=not (kv_fp8 and (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS and kv_lo is None),
+        MERGE_LAST=counters is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(q.device),
     )  # fmt: skip
-    if splits > 1 and parts is None:
+    if splits > 1 and parts is None and counters is None:
         merge_into(o_parts, lse_parts, o)
     if record_stats:
         return stats.view(batch, Hkv, q_tiles * splits, 2), plan
@@ -507,6 +524,33 @@ def _split_parts(splits: int, T: int, Hq: int, D: int, device) -> tuple[torch.Te
     """Split-KV partials: o_parts [splits, T, Hq, D] and lse_parts [splits, T, Hq], float32."""
     o_parts = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=device)
     return o_parts, torch.empty((splits, T, Hq), dtype=torch.float32, device=device)
+
+
+# Arrival counters of `merge_if_last`, one buffer per device, shared by every call on it: each
+# launch leaves its counters at zero, so calls in stream order (and the graphs that captured
+# them) reuse it. Concurrent split calls on two streams of one device would share counters:
+# the separate merge (the default) is the mode for that.
+SPLIT_COUNTERS_MIN = 4096
+_counters_by_device: dict[torch.device, torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []  # outgrown buffers, still read by captured graphs
+
+
+def split_counters(device: torch.device, slots: int) -> torch.Tensor | None:
+    """At least `slots` zeroed int32 arrival counters on `device`, or None inside a CUDA-graph
+    capture that would have to allocate them (the call then merges in a separate launch; running
+    it once outside the capture first allocates them)."""
+    buf = _counters_by_device.get(device)
+    if buf is not None and buf.numel() >= slots:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _retired_counters.append(buf)
+    buf = torch.zeros(
+        max(SPLIT_COUNTERS_MIN, triton.next_power_of_2(slots)), dtype=torch.int32, device=device
+    )
+    _counters_by_device[device] = buf
+    return buf
 
 
 def _fp8_scales(kv_scales, device) -> tuple[torch.Tensor, torch.Tensor]:

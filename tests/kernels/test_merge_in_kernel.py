@@ -1,0 +1,228 @@
+"""Split-KV calls that merge in the paged kernel itself (`TILELLM_SPLIT_MERGE=kernel`).
+
+The last program of each tile to finish combines the tile's partials (`merge.merge_if_last`):
+one launch per call. Checked against the PyTorch twins with the separate merge made to fail (so
+a pass cannot come from it), on decode, verification and prompt-chunk batches with empty
+segments and early-returning tiles; the arrival counters are zero again after every call, and
+the machine code orders the partial stores, the arrival and the merge's loads as the merge
+relies on (compiled for sm_90a, no GPU needed). On a GPU: real shapes in bf16, and a captured
+graph replayed several times.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import tilellm.kernels as tk
+from tests.kernels.helpers import assert_close, make_paged_batch, poisoned, run_outside_interpreter, tolerance
+from tilellm.kernels import paged
+from tilellm.kernels import reference as ref
+from tilellm.kernels.config import split_merge_in_kernel
+
+
+def _set_mode(monkeypatch, mode: str | None) -> None:
+    if mode is None:
+        monkeypatch.delenv("TILELLM_SPLIT_MERGE", raising=False)
+    else:
+        monkeypatch.setenv("TILELLM_SPLIT_MERGE", mode)
+    split_merge_in_kernel.cache_clear()
+
+
+@pytest.fixture
+def in_kernel(monkeypatch):
+    """The in-kernel merge on, and the separate merge's launch made to fail."""
+    _set_mode(monkeypatch, "kernel")
+
+    def no_separate_merge(*args, **kwargs):
+        raise AssertionError("the separate merge kernel was launched")
+
+    monkeypatch.setattr(paged, "merge_into", no_separate_merge)
+    yield
+    split_merge_in_kernel.cache_clear()
+
+
+def _counters_zero(device) -> None:
+    counters = paged._counters_by_device.get(torch.device(device))
+    assert counters is not None, "no arrival counters were allocated"
+    assert int(counters.count_nonzero()) == 0, "arrival counters left non-zero after the call"
+
+
+DTYPES_CPU = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES_CPU)
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_decode_matches_the_twin(in_kernel, num_splits, dtype, device):
+    """Contexts of 1 key (every segment but one empty), one page, and long ones, GQA 4."""
+    b = make_paged_batch([(1, 300), (1, 1), (1, 95), (1, 16)], 8, 2, 32, 16, dtype, device, seed=3)
+    args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    for _ in range(2):  # the second call finds the counters the first left
+        out = poisoned(b.q)
+        tk.decode_attention(*args, num_splits=num_splits, out=out)
+        assert_close(out, ref.decode_attention(*args), tolerance(dtype, device), f"splits={num_splits}")
+        _counters_zero(device)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_verification_and_chunks_match_the_twin(in_kernel, num_splits, device):
+    """Several query tiles per request (a chunk of 40 tokens), requests with fewer tokens than
+    the longest (their extra tiles return early and never arrive), and a 1-token request."""
+    pairs = [(40, 150), (4, 37), (1, 9), (9, 9)]
+    b = make_paged_batch(pairs, 8, 2, 32, 16, torch.float32, device, seed=7)
+    out = poisoned(b.q)
+    tk.paged_attention(*b.args(), num_splits=num_splits, out=out)
+    assert_close(out, ref.paged_attention(*b.args()), tolerance(torch.float32, device), "paged")
+    _counters_zero(device)
+
+
+def test_same_result_as_the_separate_merge(monkeypatch, device):
+    """The two merges add the same weighted partials (in another order): equal within rounding."""
+    b = make_paged_batch([(1, 700), (3, 200)], 8, 1, 64, 16, torch.float32, device, seed=11)
+    _set_mode(monkeypatch, None)
+    separate = tk.paged_attention(*b.args(), num_splits=6)
+    _set_mode(monkeypatch, "kernel")
+    fused = tk.paged_attention(*b.args(), num_splits=6)
+    split_merge_in_kernel.cache_clear()
+    assert_close(fused, separate, 1e-6, "in-kernel vs separate merge")
+
+
+def test_counters_grow_and_keep_the_old_buffer(in_kernel, device):
+    """More tiles than the buffer holds: a larger buffer; the old one stays alive (a captured
+    graph may still point at it)."""
+    dev = torch.device(device)
+    paged._counters_by_device.pop(dev, None)
+    small = paged.split_counters(dev, 10)
+    assert small.numel() == paged.SPLIT_COUNTERS_MIN and small.dtype == torch.int32
+    assert paged.split_counters(dev, paged.SPLIT_COUNTERS_MIN) is small
+    large = paged.split_counters(dev, paged.SPLIT_COUNTERS_MIN + 1)
+    assert large.numel() == 2 * paged.SPLIT_COUNTERS_MIN and int(large.count_nonzero()) == 0
+    assert any(t is small for t in paged._retired_counters)
+
+
+def test_unknown_mode_is_refused(monkeypatch):
+    _set_mode(monkeypatch, "fused")
+    with pytest.raises(ValueError, match="TILELLM_SPLIT_MERGE='fused'.*'separate'.*'kernel'"):
+        split_merge_in_kernel()
+    split_merge_in_kernel.cache_clear()
+
+
+def test_default_is_the_separate_merge(monkeypatch):
+    _set_mode(monkeypatch, None)
+    assert split_merge_in_kernel() is False
+    split_merge_in_kernel.cache_clear()
+
+
+# -- the memory order in the machine code (sm_90a, compiled without a GPU) --
+
+_PTX_SCRIPT = r"""
+import json, torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from tilellm.kernels import paged
+from tilellm.kernels.config import paged_config
+
+cfg, block_q = paged_config(128, torch.bfloat16, 4, 1)
+fn = paged._paged_kernel
+names = fn.arg_names
+types = {n: "*bf16" for n in ("Q", "K_cache", "V_cache", "O")}
+types |= {n: "*fp32" for n in ("O_parts", "LSE_parts")} | {"qk_scale": "fp32"}
+for n in ("stats", "k_scale", "v_scale", "block_table", "cu_seqlens_q", "seq_lens", "kv_lo_ptr",
+          "kv_hi_ptr", "split_counters"):
+    types[n] = "*i32"
+out = {}
+for pdl in (False, True):
+    constexprs = dict(
+        GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+        SPLIT=True, IS_DECODE=True, HAS_KV_LO=False, HAS_KV_HI=False, RECORD_STATS=False,
+        PRECISION="tf32", K_ROWS=cfg.k_rows, TILES_FASTEST=False, KV_FP8=False, DOT_FP16=False,
+        PIPELINE_MASKED=True, USE_PDL=pdl, MERGE_LAST=True,
+    )
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    aligned = ("Q", "K_cache", "V_cache", "O", "O_parts", "LSE_parts")
+    src = ASTSource(
+        fn=fn, signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": pdl})
+    out[f"pdl={pdl}"] = k.asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, str]:
+    return run_outside_interpreter(_PTX_SCRIPT)
+
+
+def _instructions(ptx: str) -> list[str]:
+    return [
+        line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith(("//", "."))
+    ]
+
+
+@pytest.mark.parametrize("variant", ["pdl=False", "pdl=True"])
+def test_memory_order_in_the_ptx(ptx, variant):
+    """One arrival, a release-acquire atomic at GPU scope on one thread; a CTA barrier between
+    the partials' stores and it; and every global load after it (the merge's reads of the
+    partials) bypasses L1."""
+    code = _instructions(ptx[variant])
+    atoms = [i for i, ins in enumerate(code) if re.search(r"\batom\.", ins)]
+    assert len(atoms) == 1, [code[i] for i in atoms]
+    atom = atoms[0]
+    assert re.search(r"\batom\.global\.gpu\.acq_rel\.add\.u32\b", code[atom]), code[atom]
+    assert code[atom].startswith("@"), f"the arrival must run on one thread: {code[atom]}"
+    last_store = max(i for i, ins in enumerate(code[:atom]) if re.search(r"\bst\.global\b", ins))
+    assert any("bar.sync" in ins for ins in code[last_store:atom]), (
+        "no barrier between the stores and the arrival"
+    )
+    loads_after = [ins for ins in code[atom:] if re.search(r"\bld\.global\b", ins)]
+    assert loads_after, "the merge reads no partials"
+    assert all(".cg" in ins for ins in loads_after), [ins for ins in loads_after if ".cg" not in ins]
+
+
+# -- on a GPU --
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 2, 16])
+def test_gpu_real_shapes(in_kernel, num_splits, device):
+    """Qwen3-0.6B's heads (16 q / 8 kv, D 128) in bf16: the split plan's count and forced ones."""
+    b = make_paged_batch(
+        [(1, 9000), (1, 130), (1, 1), (1, 4096)], 16, 8, 128, 16, torch.bfloat16, device, seed=5
+    )
+    args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    for _ in range(3):
+        out = poisoned(b.q)
+        tk.decode_attention(*args, num_splits=num_splits, out=out)
+        assert_close(
+            out, ref.decode_attention(*args), tolerance(torch.bfloat16, device), f"splits={num_splits}"
+        )
+    torch.cuda.synchronize()
+    _counters_zero(device)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays(in_kernel, device):
+    """Captured once (counters allocated before), replayed with new queries: each replay's
+    output is the eager call's, so each replay found its counters at zero."""
+    b = make_paged_batch([(1, 5000), (1, 300), (1, 2000)], 16, 8, 128, 16, torch.bfloat16, device, seed=6)
+    args = (b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    q = b.q.clone()
+    tk.decode_attention(q, *args, num_splits=8)  # compiles and allocates the counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk.decode_attention(q, *args, num_splits=8)
+    for seed in range(4):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q))
+        graph.replay()
+        expected = ref.decode_attention(q, *args)
+        assert_close(out, expected, tolerance(torch.bfloat16, device), f"replay {seed}")
+    torch.cuda.synchronize()
+    _counters_zero(device)
