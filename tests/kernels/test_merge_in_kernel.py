@@ -18,9 +18,10 @@ import torch
 
 import tilellm.kernels as tk
 from tests.kernels.helpers import assert_close, make_paged_batch, poisoned, run_outside_interpreter, tolerance
-from tilellm.kernels import paged
+from tilellm.kernels import merge, paged
 from tilellm.kernels import reference as ref
 from tilellm.kernels.config import split_merge_in_kernel
+from tilellm.kernels.schedule import plan_split_kv
 
 
 def _set_mode(monkeypatch, mode: str | None) -> None:
@@ -54,7 +55,7 @@ DTYPES_CPU = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16
 
 
 @pytest.mark.parametrize("dtype", DTYPES_CPU)
-@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 16])
 def test_decode_matches_the_twin(in_kernel, num_splits, dtype, device):
     """Contexts of 1 key (every segment but one empty), one page, and long ones, GQA 4."""
     b = make_paged_batch([(1, 300), (1, 1), (1, 95), (1, 16)], 8, 2, 32, 16, dtype, device, seed=3)
@@ -76,6 +77,24 @@ def test_verification_and_chunks_match_the_twin(in_kernel, num_splits, device):
     tk.paged_attention(*b.args(), num_splits=num_splits, out=out)
     assert_close(out, ref.paged_attention(*b.args()), tolerance(torch.float32, device), "paged")
     _counters_zero(device)
+
+
+def test_more_splits_than_it_serves_take_the_separate_merge(monkeypatch, device):
+    """Beyond MERGE_LAST_MAX_SPLITS segments the call merges in a second launch, as by default."""
+    _set_mode(monkeypatch, "kernel")
+    launched = []
+    real = paged.merge_into
+    monkeypatch.setattr(paged, "merge_into", lambda *a, **k: launched.append(1) or real(*a, **k))
+    splits = merge.MERGE_LAST_MAX_SPLITS + 1
+    b = make_paged_batch([(1, 16 * splits + 5), (1, 40)], 4, 2, 32, 16, torch.float32, device, seed=2)
+    args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    out = tk.decode_attention(*args, num_splits=splits)
+    assert launched == [1]
+    assert_close(out, ref.decode_attention(*args), tolerance(torch.float32, device), f"splits={splits}")
+    launched.clear()
+    tk.decode_attention(*args, num_splits=merge.MERGE_LAST_MAX_SPLITS)
+    assert launched == []
+    split_merge_in_kernel.cache_clear()
 
 
 def test_same_result_as_the_separate_merge(monkeypatch, device):
@@ -122,7 +141,7 @@ import json, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from tilellm.kernels import paged
+from tilellm.kernels import merge, paged
 from tilellm.kernels.config import paged_config
 
 cfg, block_q = paged_config(128, torch.bfloat16, 4, 1)
@@ -197,6 +216,9 @@ def test_gpu_real_shapes(in_kernel, num_splits, device):
         [(1, 9000), (1, 130), (1, 1), (1, 4096)], 16, 8, 128, 16, torch.bfloat16, device, seed=5
     )
     args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    if num_splits is None:  # a small batch: the planner's count is within what the merge serves
+        plan = plan_split_kv(b.cu_seqlens_q, b.seq_lens, 16, 8, head_dim=128, dtype=torch.bfloat16)
+        assert 1 < plan.num_splits <= merge.MERGE_LAST_MAX_SPLITS, plan.reason
     for _ in range(3):
         out = poisoned(b.q)
         tk.decode_attention(*args, num_splits=num_splits, out=out)

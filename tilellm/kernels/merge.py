@@ -86,14 +86,23 @@ def _merge_kernel(
 _merge_launch = FastLaunch(_merge_kernel)
 
 
+# The in-kernel merge runs in one program per tile, at the end of the launch: its reads of the
+# partials are a chain of dependent rounds (one per split), so it serves calls of a few splits
+# (short contexts of small batches, the engine's decode steps); calls of more splits keep the
+# separate merge, whose programs read their splits at once.
+MERGE_LAST_MAX_SPLITS = 16
+MERGE_LAST_MAX_SPLITS_C = tl.constexpr(MERGE_LAST_MAX_SPLITS)
+
+
 @triton.jit
 def merge_if_last(
     O, O_parts, LSE_parts, counters, slot, num_splits, num_tokens, num_q_heads,
     q_row, head, row_ok, offs_d, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """The merge inside the split kernel: each of a tile's `num_splits` programs calls this once it
-    has stored its partial rows; the last one to arrive merges the tile's rows into O.
+    """The merge inside the split kernel: each of a tile's `num_splits` programs (at most
+    MERGE_LAST_MAX_SPLITS) calls this once it has stored its partial rows; the last one to arrive
+    merges the tile's rows into O.
 
     counters[slot] counts the tile's programs that have arrived (int32, 0 before the launch; the
     last program puts it back to 0, ready for the next launch or graph replay). Rows: q_row [BLOCK_M]
@@ -108,28 +117,32 @@ def merge_if_last(
     arrived = tl.atomic_add(counters + slot, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
         tl.store(counters + slot, 0)
-        lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for s in range(num_splits):
-            row = (s * num_tokens + q_row) * num_q_heads + head
-            lse_s = tl.load(LSE_parts + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-            lse_max = tl.maximum(lse_max, lse_s)
+        # every split's lse at once: [splits, rows]
+        offs_s = tl.arange(0, MERGE_LAST_MAX_SPLITS_C)
+        lse_rows = (offs_s[:, None] * num_tokens + q_row[None, :]) * num_q_heads + head[None, :]
+        lse_all = tl.load(
+            LSE_parts + lse_rows,
+            mask=(offs_s[:, None] < num_splits) & row_ok[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        lse_max = tl.max(lse_all, 0)
         # All segments empty: weights 0, output 0 (no NaN from -inf - -inf).
         lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        w_sum = tl.sum(tl.math.exp2((lse_all - lse_ref[None, :]) * LOG2_E_C), 0)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         for s in range(num_splits):
             row = (s * num_tokens + q_row) * num_q_heads + head
             lse_s = tl.load(LSE_parts + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-            w = tl.math.exp2((lse_s - lse_ref) * LOG2_E_C)
             o_s = tl.load(
                 O_parts + row[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=row_ok[:, None],
                 other=0.0,
                 cache_modifier=".cg",
             )
+            w = tl.math.exp2((lse_s - lse_ref) * LOG2_E_C)
             # An empty segment's output is undefined: select, don't multiply (0 * NaN is NaN).
             acc += tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
-            w_sum += w
         o = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
         tl.store(
             O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

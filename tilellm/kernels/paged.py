@@ -17,7 +17,8 @@ Split-KV: when (requests x KV heads x query tiles) cannot fill the GPU and conte
 program covers one of `num_splits` key segments, writes its normalised partial output and its
 log-sum-exp, and `merge_attention_states`' kernel combines them; with `TILELLM_SPLIT_MERGE=kernel`
 the last program of each tile to finish combines them instead (`merge.merge_if_last`: one launch
-per call, not two), counting arrivals in a per-device buffer (`split_counters`).
+per call, not two; for up to `MERGE_LAST_MAX_SPLITS` segments), counting arrivals in a per-device
+buffer (`split_counters`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from tilellm.kernels.config import (
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.merge import merge_if_last, merge_into
+from tilellm.kernels.merge import MERGE_LAST_MAX_SPLITS, merge_if_last, merge_into
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
@@ -471,7 +472,7 @@ def _launch(
     else:
         o_parts = lse_parts = o  # unused
     counters = None
-    if splits > 1 and parts is None and split_merge_in_kernel():
+    if 1 < splits <= MERGE_LAST_MAX_SPLITS and parts is None and split_merge_in_kernel():
         counters = split_counters(q.device, batch * Hkv * q_tiles)
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
     _paged_launch[grid](
