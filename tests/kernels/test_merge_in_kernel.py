@@ -55,7 +55,7 @@ DTYPES_CPU = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16
 
 
 @pytest.mark.parametrize("dtype", DTYPES_CPU)
-@pytest.mark.parametrize("num_splits", [2, 3, 7, 16])
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 11, 64])
 def test_decode_matches_the_twin(in_kernel, num_splits, dtype, device):
     """Contexts of 1 key (every segment but one empty), one page, and long ones, GQA 4."""
     b = make_paged_batch([(1, 300), (1, 1), (1, 95), (1, 16)], 8, 2, 32, 16, dtype, device, seed=3)
@@ -158,7 +158,7 @@ for pdl in (False, True):
         GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
         SPLIT=True, IS_DECODE=True, HAS_KV_LO=False, HAS_KV_HI=False, RECORD_STATS=False,
         PRECISION="tf32", K_ROWS=cfg.k_rows, TILES_FASTEST=False, KV_FP8=False, DOT_FP16=False,
-        PIPELINE_MASKED=True, USE_PDL=pdl, MERGE_LAST=True,
+        PIPELINE_MASKED=True, USE_PDL=pdl, MERGE_LAST=True, MERGE_PAD=64,
     )
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     aligned = ("Q", "K_cache", "V_cache", "O", "O_parts", "LSE_parts")

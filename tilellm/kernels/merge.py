@@ -26,7 +26,7 @@ from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
 
-def _splits_pad(num_splits: int) -> int:
+def splits_pad(num_splits: int) -> int:
     """The kernel's split lanes: few variants (8 or 64 lanes up to the 16-bit planner's 64
     splits; 128 for the FP8 rule's up to 128, planned only for contexts of 128k keys or more, so
     the decode graphs captured for such a max_model_len compile it before serving), so that a new
@@ -86,22 +86,22 @@ def _merge_kernel(
 _merge_launch = FastLaunch(_merge_kernel)
 
 
-# The in-kernel merge runs in one program per tile, at the end of the launch: its reads of the
-# partials are a chain of dependent rounds (one per split), so it serves calls of a few splits
-# (short contexts of small batches, the engine's decode steps); calls of more splits keep the
-# separate merge, whose programs read their splits at once.
-MERGE_LAST_MAX_SPLITS = 16
-MERGE_LAST_MAX_SPLITS_C = tl.constexpr(MERGE_LAST_MAX_SPLITS)
+# The in-kernel merge runs in one program per tile, at the end of the launch, and reads the
+# tile's partials a few splits at a time (MERGE_LAST_UNROLL loads in flight): the 16-bit planner's
+# counts (up to 64) are served; more (the FP8 rule's up to 128) keep the separate merge, whose
+# programs read all their splits at once.
+MERGE_LAST_MAX_SPLITS = 64
+MERGE_LAST_UNROLL = tl.constexpr(4)
 
 
 @triton.jit
 def merge_if_last(
     O, O_parts, LSE_parts, counters, slot, num_splits, num_tokens, num_q_heads,
     q_row, head, row_ok, offs_d, stride_ot, stride_oh,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
     """The merge inside the split kernel: each of a tile's `num_splits` programs (at most
-    MERGE_LAST_MAX_SPLITS) calls this once it has stored its partial rows; the last one to arrive
+    SPLITS_PAD, a power of two, and MERGE_LAST_MAX_SPLITS) calls this once it has stored its partial rows; the last one to arrive
     merges the tile's rows into O.
 
     counters[slot] counts the tile's programs that have arrived (int32, 0 before the launch; the
@@ -118,7 +118,7 @@ def merge_if_last(
     if arrived == num_splits - 1:
         tl.store(counters + slot, 0)
         # every split's lse at once: [splits, rows]
-        offs_s = tl.arange(0, MERGE_LAST_MAX_SPLITS_C)
+        offs_s = tl.arange(0, SPLITS_PAD)
         lse_rows = (offs_s[:, None] * num_tokens + q_row[None, :]) * num_q_heads + head[None, :]
         lse_all = tl.load(
             LSE_parts + lse_rows,
@@ -131,7 +131,7 @@ def merge_if_last(
         lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
         w_sum = tl.sum(tl.math.exp2((lse_all - lse_ref[None, :]) * LOG2_E_C), 0)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for s in range(num_splits):
+        for s in tl.range(0, num_splits, loop_unroll_factor=MERGE_LAST_UNROLL):
             row = (s * num_tokens + q_row) * num_q_heads + head
             lse_s = tl.load(LSE_parts + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
             o_s = tl.load(
@@ -196,7 +196,7 @@ def merge_into(
         out.stride(0),
         out.stride(1),
         HEAD_DIM=D,
-        SPLITS_PAD=_splits_pad(S),
+        SPLITS_PAD=splits_pad(S),
         WRITE_LSE=lse_out is not None,
         num_warps=4 if D >= 128 else 2,
         **pdl_launch_kwargs(out.device),

@@ -43,7 +43,7 @@ from tilellm.kernels.config import (
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.merge import MERGE_LAST_MAX_SPLITS, merge_if_last, merge_into
+from tilellm.kernels.merge import MERGE_LAST_MAX_SPLITS, merge_if_last, merge_into, splits_pad
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
@@ -154,7 +154,7 @@ def _paged_kernel(
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
     TILES_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
-    PIPELINE_MASKED: tl.constexpr, USE_PDL: tl.constexpr, MERGE_LAST: tl.constexpr,
+    PIPELINE_MASKED: tl.constexpr, USE_PDL: tl.constexpr, MERGE_LAST: tl.constexpr, MERGE_PAD: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     if TILES_FASTEST:
@@ -272,7 +272,7 @@ def _paged_kernel(
             merge_if_last(
                 O, O_parts, LSE_parts, split_counters, (req * num_kv_heads + kv_head) * num_q_tiles + q_tile,
                 num_splits, num_tokens, num_q_heads, q_row, head, row_ok, offs_d, stride_ot, stride_oh,
-                BLOCK_M, HEAD_DIM,
+                BLOCK_M, HEAD_DIM, MERGE_PAD,
             )  # fmt: skip
     else:
         o = acc / l_i[:, None]
@@ -495,7 +495,7 @@ def _launch(
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         PIPELINE_MASKED=not (kv_fp8 and (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS and kv_lo is None),
-        MERGE_LAST=counters is not None,
+        MERGE_LAST=counters is not None, MERGE_PAD=splits_pad(splits) if counters is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(q.device),
     )  # fmt: skip
     if splits > 1 and parts is None and counters is None:
