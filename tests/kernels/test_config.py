@@ -1,5 +1,6 @@
-"""`tilellm.kernels.config`'s Gluon gate: a Triton whose Gluon lacks what `hopper.py` needs never
-breaks the package; the dispatch falls back to the portable Triton kernels, saying why once."""
+"""`tilellm.kernels.config`: the Gluon gate (a Triton whose Gluon lacks what `hopper.py` needs
+never breaks the package; the dispatch falls back to the portable Triton kernels, saying why
+once), and the host's launch arithmetic against Triton's own."""
 
 from __future__ import annotations
 
@@ -92,3 +93,15 @@ def test_a_successful_launch_runs_once(fresh_gate):
     seen = []
     assert config.launch_gluon(lambda hopper: seen.append(hopper.QUERY_TILE)) is True
     assert seen == [config.GLUON_QUERY_TILE]
+
+
+def test_launch_arithmetic_matches_triton():
+    """`cdiv` and `next_power_of_2` give `triton.cdiv`'s and `triton.next_power_of_2`'s values."""
+    import triton
+
+    values = list(range(0, 4100)) + [2**k + d for k in range(12, 40) for d in (-1, 0, 1)]
+    for n in values:
+        assert config.next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in values[:600] + values[-30:]:
+        for b in (1, 2, 3, 7, 16, 64, 128, 1000):
+            assert config.cdiv(a, b) == triton.cdiv(a, b), (a, b)

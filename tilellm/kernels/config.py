@@ -43,6 +43,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Launch arithmetic on the host, in plain Python: `triton.cdiv` and `triton.next_power_of_2` are
+# Triton constexpr functions, about 2 us a call on the host, several times per eager launch.
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up, for ints with b > 0 (as `triton.cdiv`)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1, and 0 for 0 (as `triton.next_power_of_2`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 @functools.cache
 def split_merge_in_kernel() -> bool:
     """Whether `paged.py`'s split-KV calls merge their partials in the kernel itself (the last
@@ -220,7 +232,7 @@ def paged_config(
 
 
 def _next_pow2(x: int) -> int:
-    return 1 << (max(1, x) - 1).bit_length()
+    return next_power_of_2(max(1, x))
 
 
 @functools.lru_cache(maxsize=8)

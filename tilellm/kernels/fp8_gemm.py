@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilellm.kernels.config import interpreting, num_sms
+from tilellm.kernels.config import cdiv, interpreting, next_power_of_2, num_sms
 from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX_C, to_fp8
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.reference.fp8_gemm import (
@@ -117,10 +117,10 @@ def per_token_group_quant_fp8(
     )
     if M == 0 or G == 0:
         return x_q, x_s
-    block_g = triton.next_power_of_2(group_size)
+    block_g = next_power_of_2(group_size)
     # About 4K elements a program: whole groups of several rows (16 rows of a 128-wide group).
-    block_m = min(max(1, 4096 // block_g), triton.next_power_of_2(M), 16 if not interpreting() else 64)
-    grid = (triton.cdiv(M, block_m), G)
+    block_m = min(max(1, 4096 // block_g), next_power_of_2(M), 16 if not interpreting() else 64)
+    grid = (cdiv(M, block_m), G)
     _per_token_group_quant_launch[grid](
         x, x_q, x_s, M, float(eps),
         x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),
@@ -159,9 +159,9 @@ def scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor | None = None) -> tupl
     x_q = _empty((M, K), FP8_DTYPE, x.device)
     if M == 0 or K == 0:
         return x_q, scale
-    block_k = min(1024, triton.next_power_of_2(K))
-    block_m = min(max(1, 4096 // block_k), triton.next_power_of_2(M))
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    block_k = min(1024, next_power_of_2(K))
+    block_m = min(max(1, 4096 // block_k), next_power_of_2(M))
+    grid = (cdiv(M, block_m), cdiv(K, block_k))
     _scaled_quant_launch[grid](
         x, x_q, scale, M, K, x.stride(0), x_q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4
     )
@@ -216,7 +216,7 @@ def block_fp8_config(M: int, N: int, block_size: Sequence[int], K: int | None = 
         return Fp8GemmConfig(block_m=32, block_n=min(64, divisors[0]), group_m=4, num_warps=4, num_stages=1)
     if M <= 16:
         block_n = divisors[0]
-        tiles = triton.cdiv(N, block_n)
+        tiles = cdiv(N, block_n)
         max_split = min(8, max(1, (K or 0) // bk // 2))  # at most one run per two k-blocks
         split_k = 1
         while split_k * 2 <= max_split and tiles * split_k < 2 * num_sms():
@@ -237,8 +237,8 @@ def block_fp8_config(M: int, N: int, block_size: Sequence[int], K: int | None = 
         block_n = wide[0]  # compute bound: the widest tile reuses each A tile the most
     else:
         # Bandwidth bound: the widest tile that still gives every SM a program, else the narrowest.
-        row_tiles = triton.cdiv(M, block_m)
-        block_n = next((c for c in wide if row_tiles * triton.cdiv(N, c) >= num_sms()), wide[-1])
+        row_tiles = cdiv(M, block_m)
+        block_n = next((c for c in wide if row_tiles * cdiv(N, c) >= num_sms()), wide[-1])
     return Fp8GemmConfig(block_m=block_m, block_n=block_n, group_m=8, num_warps=warps, num_stages=stages)
 
 
@@ -427,12 +427,12 @@ def _matmul(
         return torch.zeros((M, N), dtype=output_dtype, device=a.device)
     # as many runs as the k-blocks fill: ceil(blocks / per-run) (no empty run)
     num_k_blocks = K // bk
-    split_k = triton.cdiv(num_k_blocks, triton.cdiv(num_k_blocks, max(1, min(cfg.split_k, num_k_blocks))))
+    split_k = cdiv(num_k_blocks, cdiv(num_k_blocks, max(1, min(cfg.split_k, num_k_blocks))))
     c = _empty((M, N), output_dtype, a.device)
     out = c if split_k == 1 else _empty((split_k, M, N), torch.float32, a.device)
     # QUANT_A: the kernel never reads As; b_s stands in for the pointer argument
     scales = (0, 0) if a_s is None else (a_s.stride(0), a_s.stride(1))
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split_k)
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), split_k)
     _w8a8_block_fp8_matmul_launch[grid](
         a, b, out, b_s if a_s is None else a_s, b_s, M, N, K, float(eps),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
@@ -443,7 +443,7 @@ def _matmul(
     )  # fmt: skip
     if split_k > 1:
         block = 1024
-        _split_k_sum_launch[(triton.cdiv(M * N, block),)](out, c, M * N, SPLIT_K=split_k, BLOCK=block)
+        _split_k_sum_launch[(cdiv(M * N, block),)](out, c, M * N, SPLIT_K=split_k, BLOCK=block)
     return c
 
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tilellm.kernels.config import cdiv, next_power_of_2
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import check_apply_rotary, check_rms_norm, check_silu_and_mul
@@ -80,9 +81,9 @@ def rms_norm(
     else:
         residual, res_out = x, y  # unused (HAS_RESIDUAL=False)
     if n > 0:
-        block_h = triton.next_power_of_2(h)
+        block_h = next_power_of_2(h)
         block_n = max(1, min(64, 4096 // block_h))
-        grid = (triton.cdiv(n, block_n),)
+        grid = (cdiv(n, block_n),)
         _rms_norm_launch[grid](
             x, residual, weight, y, res_out,
             x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0),
@@ -126,9 +127,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, i), dtype=x.dtype, device=x.device)
     if n > 0 and i > 0:
         # tiles of about 4K elements: several rows per program when I is small
-        block_i = min(triton.next_power_of_2(i), 2048)
+        block_i = min(next_power_of_2(i), 2048)
         block_n = max(1, min(64, 4096 // block_i))
-        grid = (triton.cdiv(n, block_n), triton.cdiv(i, block_i))
+        grid = (cdiv(n, block_n), cdiv(i, block_i))
         _silu_and_mul_launch[grid](
             x, out, x.stride(0), out.stride(0), n, i, BLOCK_N=block_n, BLOCK_I=block_i,
             **pdl_launch_kwargs(x.device),
@@ -231,11 +232,11 @@ def apply_rotary(
     hk = k.shape[1]
     if t > 0:
         half = d // 2
-        block_half = triton.next_power_of_2(half)
+        block_half = next_power_of_2(half)
         # (token, head) rows per program: half-row tiles of about 2K elements
         block_r = max(1, min(256, 2048 // block_half))
-        num_q_programs = triton.cdiv(t * hq, block_r)
-        grid = (num_q_programs + triton.cdiv(t * hk, block_r),)
+        num_q_programs = cdiv(t * hq, block_r)
+        grid = (num_q_programs + cdiv(t * hk, block_r),)
         _rotary_launch[grid](
             q, k, q_out, k_out, qw, kw, positions, cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),

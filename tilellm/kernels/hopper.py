@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE
+from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, cdiv
 
 # Gluon's names moved between Triton releases; each alias takes what the installed one offers.
 # A CTA-wide barrier: `gl.thread_barrier()` in Triton 3.6, `gl.barrier()` from 3.7 on.
@@ -431,7 +431,7 @@ def _run(
     """One launch: grid (query tiles, query heads, requests); `paged` = (block-table row stride,
     page size, the out-of-bounds row) or None for packed K/V; K/V boxes of `box` rows."""
     num_heads, head_dim = o.shape[1], o.shape[2]
-    grid = (triton.cdiv(max(max_seqlen_q, 1), QUERY_TILE), num_heads, cu_seqlens_q.numel() - 1)
+    grid = (cdiv(max(max_seqlen_q, 1), QUERY_TILE), num_heads, cu_seqlens_q.numel() - 1)
     stride_bt, page, oob_row = paged if paged is not None else (0, 1, 0)
     _attention_kernel[grid](
         _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation as v
-from tilellm.kernels.config import dot_precision, interpreting, num_sms
+from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
 from tilellm.kernels.fp8 import FP8_MAX_C, is_fp8, to_fp8
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.store import store_kvcache
@@ -133,9 +133,9 @@ def tile_shape(cfg: IndexerConfig, num_heads: int, max_seqlen_q: int) -> tuple[i
     """(block_q, hi_pad) of a score tile: block_q tokens (a power of two, no more than a request's
     new tokens need) x hi_pad heads (Hi padded to a power of two, and further so the tile has at
     least 16 rows, tl.dot's smallest; padded heads weigh 0)."""
-    hi_pad = triton.next_power_of_2(num_heads)
+    hi_pad = next_power_of_2(num_heads)
     block_q = max(1, cfg.rows // hi_pad)
-    block_q = min(block_q, triton.next_power_of_2(max(1, max_seqlen_q)))
+    block_q = min(block_q, next_power_of_2(max(1, max_seqlen_q)))
     hi_pad = max(hi_pad, 16 // block_q)
     return block_q, hi_pad
 
@@ -146,7 +146,7 @@ def num_key_splits(programs: int, max_seqlen_k: int, num_sms_: int | None = None
     target = PROGRAMS_PER_SM * (num_sms_ or num_sms())
     if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(target, max(programs, 1)), MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
+    return max(1, min(cdiv(target, max(programs, 1)), MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,12 +377,12 @@ def index_topk(
         q, weights = quantize_index_queries(q, weights)
     page = index_cache.shape[1]
     bound = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page
-    bound = triton.cdiv(max(bound, 1), 16) * 16  # the scratch's row length
+    bound = cdiv(max(bound, 1), 16) * 16  # the scratch's row length
     cfg = indexer_config(q_dtype, max_seqlen_q, key_fp8)
     block_q, hi_pad = tile_shape(cfg, Hi, max_seqlen_q)
-    q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
+    q_tiles = cdiv(max(max_seqlen_q, 1), block_q)
     chunk = max(1, min(T, SCRATCH_ELEMENTS // bound))
-    splits = num_key_splits(min(batch * q_tiles, triton.cdiv(chunk, block_q)), bound)
+    splits = num_key_splits(min(batch * q_tiles, cdiv(chunk, block_q)), bound)
     scores = torch.empty((chunk, bound), dtype=torch.int32, device=q.device)  # order keys of the scores
     positions = token_positions(cu_seqlens_q, seq_lens, T)
     for lo in range(0, T, chunk):

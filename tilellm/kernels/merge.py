@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import LOG2_E
+from tilellm.kernels.config import LOG2_E, next_power_of_2
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 
@@ -33,7 +33,7 @@ def splits_pad(num_splits: int) -> int:
     split count in the middle of serving does not compile a new kernel."""
     if num_splits <= 8:
         return 8
-    return max(64, triton.next_power_of_2(num_splits))
+    return max(64, next_power_of_2(num_splits))
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_pt", "stride_ls", "stride_lt"])

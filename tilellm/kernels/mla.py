@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation as v
-from tilellm.kernels.config import LN_2, LOG2_E, dot_precision, interpreting, num_sms
+from tilellm.kernels.config import LN_2, LOG2_E, cdiv, dot_precision, interpreting, num_sms
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.merge import merge_into
@@ -596,8 +596,8 @@ def _launch(
     lora_pad = max(16 * vs, _next_pow2(kv_lora_rank))
     chunk = min(MERGE_CHUNK, lora_pad // vs)
     splits = plan.num_splits
-    q_tiles = triton.cdiv(max(max_seqlen_q, 1), block_q)
-    grid = (q_tiles * splits * triton.cdiv(H, heads) * vs, batch)
+    q_tiles = cdiv(max(max_seqlen_q, 1), block_q)
+    grid = (q_tiles * splits * cdiv(H, heads) * vs, batch)
     if splits > 1:
         o_parts = torch.empty((splits, T, H, lora_pad), dtype=torch.float32, device=q.device)
         lse_parts = torch.empty((splits, T, H * (lora_pad // chunk)), dtype=torch.float32, device=q.device)

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import dot_precision, interpreting
+from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2
 from tilellm.kernels.fp8 import is_fp8
 from tilellm.kernels.launch import FastLaunch
 
@@ -122,7 +122,7 @@ def moe_align_block_size(
     flat = topk_ids.reshape(-1).long()
     n, dev = flat.numel(), flat.device
     max_padded = n + min(num_experts, n) * (block_m - 1)
-    max_blocks = triton.cdiv(max_padded, block_m)
+    max_blocks = cdiv(max_padded, block_m)
     # scatter_add_, not bincount: CUDA's bincount reads max(ids) on the host
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
         0, flat, torch.ones_like(flat)
@@ -386,8 +386,8 @@ def _grouped_gemm(
     topk_weights, sorted_ids, expert_ids, num_post = routing
     n, k = c.shape[1], a.shape[1]
     # Tiles no wider than the problem (tiny test models have H, I of 16..64); tl.dot needs >= 16.
-    block_n = max(16, min(cfg.block_n, triton.next_power_of_2(n)))
-    block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
+    block_n = max(16, min(cfg.block_n, next_power_of_2(n)))
+    block_k = max(16, min(cfg.block_k, next_power_of_2(k)))
     if a.element_size() == 4 and not interpreting():
         block_k = max(16, block_k // 2)  # fp32 operands: the same shared memory per stage as bf16
     if scales is None:
@@ -403,7 +403,7 @@ def _grouped_gemm(
             block_n = min(block_n, 64)
         scale_strides = (a_scale.stride(0), a_scale.stride(1), *w_scale.stride())
     num_blocks_m = expert_ids.numel()
-    grid = (num_blocks_m * triton.cdiv(n, block_n),)
+    grid = (num_blocks_m * cdiv(n, block_n),)
     _fused_moe_launch[grid](
         a, w, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, w_scale,
         n, k, topk_weights.numel(), num_blocks_m,
@@ -419,9 +419,9 @@ def _grouped_gemm(
 def _moe_sum(down: torch.Tensor, out: torch.Tensor) -> None:
     """out [T, H] = down [T, K, H] summed over K; tiles of about 4K elements."""
     T, K, H = down.shape
-    block_h = min(1024, triton.next_power_of_2(H))
-    block_t = min(max(1, 4096 // block_h), triton.next_power_of_2(T))
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    block_h = min(1024, next_power_of_2(H))
+    block_t = min(max(1, 4096 // block_h), next_power_of_2(T))
+    grid = (cdiv(T, block_t), cdiv(H, block_h))
     _moe_sum_launch[grid](
         down, out, T, H, down.stride(0), down.stride(1), out.stride(0),
         TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
@@ -587,7 +587,7 @@ def _check_block_scales(name, hidden_states, w13, w13_scale, w2_scale, block_sha
             raise ValueError(
                 f"{name}: {arg} is on {scale.device} but hidden_states is on {hidden_states.device}"
             )
-        expected = (E, triton.cdiv(rows, bn), triton.cdiv(cols, bk))
+        expected = (E, cdiv(rows, bn), cdiv(cols, bk))
         if tuple(scale.shape) != expected:
             raise ValueError(
                 f"{name}: {arg} must be {layout} = {expected} for block_shape [{bn}, {bk}], "

@@ -34,8 +34,10 @@ from tilellm.kernels.config import (
     GLUON_QUERY_TILE,
     LN_2,
     LOG2_E,
+    cdiv,
     dot_precision,
     launch_gluon,
+    next_power_of_2,
     num_sms,
     overridden,
     paged_config,
@@ -426,7 +428,7 @@ def _launch(
     if paged_plan.kernel == "gluon" and T > 0:
         # Prompt chunks on Hopper: FlashAttention-3's schedule, K/V pages copied by TMA (hopper.py).
         # Its programs are (query tile, query head, request); its stats [B, Hq, query tiles, 2].
-        gluon_tiles = triton.cdiv(max_seqlen_q, GLUON_QUERY_TILE)
+        gluon_tiles = cdiv(max_seqlen_q, GLUON_QUERY_TILE)
         stats = None
         if record_stats:
             stats = torch.zeros(batch * Hq * gluon_tiles * 2, dtype=torch.int32, device=q.device)
@@ -547,9 +549,7 @@ def split_counters(device: torch.device, slots: int) -> torch.Tensor | None:
         return None
     if buf is not None:
         _retired_counters.append(buf)
-    buf = torch.zeros(
-        max(SPLIT_COUNTERS_MIN, triton.next_power_of_2(slots)), dtype=torch.int32, device=device
-    )
+    buf = torch.zeros(max(SPLIT_COUNTERS_MIN, next_power_of_2(slots)), dtype=torch.int32, device=device)
     _counters_by_device[device] = buf
     return buf
 
@@ -586,7 +586,7 @@ def _launch_decode_fp8(
 def _tiles(head_dim, dtype, group, tile_tokens, kv_fp8, num_kv_heads, batch, splits, tiles_fastest):
     """The Triton kernel's tiles, query tiles, grid and launch order for a batch's shape."""
     cfg, block_q = paged_config(head_dim, dtype, group, tile_tokens, kv_fp8=kv_fp8)
-    q_tiles = triton.cdiv(max(tile_tokens, 1), block_q)
+    q_tiles = cdiv(max(tile_tokens, 1), block_q)
     if tiles_fastest is None:
         tiles_fastest = query_tiles_first(q_tiles)
     grid = paged_grid(num_kv_heads, batch, q_tiles, splits, tiles_fastest)
@@ -642,12 +642,12 @@ def cascade_decode_attention(
     # One tile shape for every batch size (padding tiles exit at once): a single compiled variant.
     tile_tokens = max(B, 128)
     cfg, block_q = paged_config(D, q.dtype, Hq // Hkv, tile_tokens)
-    q_tiles = triton.cdiv(B, block_q)
+    q_tiles = cdiv(B, block_q)
     if prefix_splits is None:
         # The split-KV rule for programs of cfg.block_m rows (see choose_num_splits), at most 7
         # segments: with the suffix's partial that keeps the merge at 8 partials, its narrow
         # variant. X1 in a CUDA graph on an H200: 16 segments 205 us, 7: 136 us, 4: 126 us.
-        prefix_splits = max(1, min(7, triton.cdiv(target_programs(cfg.block_m, num_sms()), Hkv * q_tiles)))
+        prefix_splits = max(1, min(7, cdiv(target_programs(cfg.block_m, num_sms()), Hkv * q_tiles)))
     suffix_splits = 1
     o_parts, lse_parts = _split_parts(prefix_splits + suffix_splits, B, Hq, D, q.device)
     # -- pass 1: all B queries as one pseudo-request over the shared prefix (keys < prefix_len) --

@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import LOG2_E, dot_precision, launch_gluon, prefill_config
+from tilellm.kernels.config import LOG2_E, cdiv, dot_precision, launch_gluon, next_power_of_2, prefill_config
 from tilellm.kernels.launch import FastLaunch
 
 
@@ -208,7 +208,7 @@ def prefill_tile_stats(
     validation.check_prefill("prefill_attention", q, k, v, cu_seqlens, max_seqlen)
     o = validation.prefill_output("prefill_attention", q, v, None)
     cfg = prefill_config(q.shape[-1], q.dtype, max_seqlen, v_head_dim=v.shape[-1])
-    num_m = triton.cdiv(max(max_seqlen, 1), cfg.block_m)
+    num_m = cdiv(max(max_seqlen, 1), cfg.block_m)
     stats = torch.zeros((cu_seqlens.numel() - 1) * q.shape[1] * num_m * 2, dtype=torch.int32, device=q.device)
     _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(None, q.shape[-1]), stats)
     return stats.view(cu_seqlens.numel() - 1, q.shape[1], num_m, 2)
@@ -252,7 +252,7 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
             D, q.dtype, max_seqlen, v_head_dim=Dv
         )  # this Triton cannot build it: the portable kernel
     qk_main, qk_tail = head_dim_blocks(D)
-    v_block = max(16, triton.next_power_of_2(Dv))
+    v_block = max(16, next_power_of_2(Dv))
     q_rows, k_rows = rows_view(q), rows_view(k)
     q_desc = TensorDescriptor.from_tensor(q_rows, [cfg.block_m, qk_main])
     k_desc = TensorDescriptor.from_tensor(k_rows, [cfg.block_n, qk_main])
@@ -260,7 +260,7 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     q_tail_desc = TensorDescriptor.from_tensor(q_rows, [cfg.block_m, qk_tail]) if qk_tail else q_desc
     k_tail_desc = TensorDescriptor.from_tensor(k_rows, [cfg.block_n, qk_tail]) if qk_tail else k_desc
     v_desc = TensorDescriptor.from_tensor(rows_view(v), [cfg.block_n, v_block])
-    grid = (triton.cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
+    grid = (cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
     _prefill_launch[grid](
         q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, o, cu_seqlens,
         stats if stats is not None else cu_seqlens, scale * LOG2_E, o.stride(0), o.stride(1),

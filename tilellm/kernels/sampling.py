@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tilellm.kernels.config import cdiv
 from tilellm.kernels.launch import FastLaunch
 
 _MASK32 = 0xFFFFFFFF
@@ -170,7 +171,7 @@ def gumbel_argmax_triton(
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    chunks = triton.cdiv(v, GUMBEL_CHUNK)
+    chunks = cdiv(v, GUMBEL_CHUNK)
     part_val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((n, chunks), dtype=torch.int64, device=logits.device)
     _gumbel_argmax_launch[(n, chunks)](

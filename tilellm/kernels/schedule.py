@@ -20,6 +20,7 @@ import torch
 
 from tilellm.kernels.config import (
     GLUON_QUERY_TILE,
+    cdiv,
     decode_fp8_uses_gluon,
     paged_config,
     paged_uses_gluon,
@@ -83,10 +84,6 @@ class SplitPlan:
     # (non-empty) segments, the others record empty partials. 0 for a forced count.
     min_keys_per_split: int = 0
     kv_fp8: bool = False  # planned by the FP8 cache's rule (`_plan_fp8`)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def as_list(x: torch.Tensor | Sequence[int]) -> list[int]:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilellm.kernels.config import dot_precision, interpreting, num_sms
+from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_dependents, pdl_launch_kwargs, pdl_wait
 
@@ -104,8 +104,8 @@ def skinny_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     if interpreting():
         return 16, 32, 4, 1
     sms = num_sms()
-    block_n = next((bn for bn in (64, 32) if triton.cdiv(N, bn) >= sms), 16)
-    block_k = min(128, max(16, triton.next_power_of_2(K)))
+    block_n = next((bn for bn in (64, 32) if cdiv(N, bn) >= sms), 16)
+    block_k = min(128, max(16, next_power_of_2(K)))
     return block_n, block_k, 4, 4
 
 
@@ -123,7 +123,7 @@ def _plan(
     thread, covering each row's first bytes within PREFETCH_BUDGET_BYTES over all programs (0
     chunks: no prefetch)."""
     block_n, block_k, warps, stages = skinny_config(M, N, K)
-    programs = triton.cdiv(N, block_n) * triton.cdiv(M, 16)
+    programs = cdiv(N, block_n) * cdiv(M, 16)
     row_bytes = min(K * element_size, PREFETCH_BUDGET_BYTES // (programs * block_n))
     chunks = max(1, warps * 32 // block_n)
     chunk_bytes = row_bytes // chunks // 16 * 16
@@ -176,7 +176,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         M, N, K, weight.element_size(), interpreting()
     )
     aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, 16))
+    grid = (cdiv(N, block_n), cdiv(M, 16))
     _skinny_launch[grid](
         x, weight, bias.contiguous() if bias is not None else weight, y, M, N, K, chunk_bytes,
         x.stride(0), weight.stride(0), y.stride(0),

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import LOG2_E, dot_precision, interpreting
+from tilellm.kernels.config import LOG2_E, dot_precision, interpreting, next_power_of_2
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
 
@@ -183,7 +183,7 @@ def sparse_attention(
         GROUP=group,
         HEAD_DIM=D,
         PAGE=page,
-        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_M=max(16, next_power_of_2(group)),
         BLOCK_N=block_n,
         CHECK_CAUSAL=seq_lens is not None,
         PRECISION=dot_precision(q.dtype),

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation as v
-from tilellm.kernels.config import LN_2, LOG2_E, dot_precision, interpreting, num_sms
+from tilellm.kernels.config import LN_2, LOG2_E, cdiv, dot_precision, interpreting, num_sms
 from tilellm.kernels.fp8 import is_fp8
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.mla import MERGE_CHUNK, _check_common, _load_rows, _merge, kv_scale_arg, mla_output
@@ -438,7 +438,7 @@ def sparse_mla_attention(
     # The request of each packed token, on the device (no host sync).
     positions = torch.arange(T, device=q.device, dtype=cu_seqlens_q.dtype)
     token_request = (torch.searchsorted(cu_seqlens_q, positions, right=True) - 1).to(torch.int32)
-    grid = (T * splits * triton.cdiv(H, heads) * vs,)
+    grid = (T * splits * cdiv(H, heads) * vs,)
     _sparse_mla_launch[grid](
         q, kv_cache, kv_scale_arg(kv_cache, kv_scale), o, o_parts, lse_parts,
         block_table, cu_seqlens_q, seq_lens, token_request, topk_indices,

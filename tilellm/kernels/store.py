@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels import validation
+from tilellm.kernels.config import next_power_of_2
 from tilellm.kernels.fp8 import is_fp8, to_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
@@ -107,7 +108,7 @@ def store_kvcache(
         k_cache.stride(1),
         HEADS=Hkv,
         HEAD_DIM=D,
-        BLOCK=triton.next_power_of_2(Hkv * D),
+        BLOCK=next_power_of_2(Hkv * D),
         HAS_V=has_v,
         QUANTIZE=quantize,
         num_warps=4 if Hkv * D >= 1024 else 1,
