@@ -45,8 +45,9 @@ def in_kernel(monkeypatch):
     split_merge_in_kernel.cache_clear()
 
 
-def _counters_zero(device) -> None:
-    counters = paged._counters_by_device.get(torch.device(device))
+def _counters_zero(like: torch.Tensor) -> None:
+    """The arrival counters of `like`'s device are all zero."""
+    counters = paged._counters_by_device.get(like.device)
     assert counters is not None, "no arrival counters were allocated"
     assert int(counters.count_nonzero()) == 0, "arrival counters left non-zero after the call"
 
@@ -64,7 +65,7 @@ def test_decode_matches_the_twin(in_kernel, num_splits, dtype, device):
         out = poisoned(b.q)
         tk.decode_attention(*args, num_splits=num_splits, out=out)
         assert_close(out, ref.decode_attention(*args), tolerance(dtype, device), f"splits={num_splits}")
-        _counters_zero(device)
+        _counters_zero(b.q)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
@@ -76,7 +77,7 @@ def test_verification_and_chunks_match_the_twin(in_kernel, num_splits, device):
     out = poisoned(b.q)
     tk.paged_attention(*b.args(), num_splits=num_splits, out=out)
     assert_close(out, ref.paged_attention(*b.args()), tolerance(torch.float32, device), "paged")
-    _counters_zero(device)
+    _counters_zero(b.q)
 
 
 def test_more_splits_than_it_serves_take_the_separate_merge(monkeypatch, device):
@@ -103,6 +104,7 @@ def test_same_result_as_the_separate_merge(monkeypatch, device):
     _set_mode(monkeypatch, None)
     separate = tk.paged_attention(*b.args(), num_splits=6)
     _set_mode(monkeypatch, "kernel")
+    monkeypatch.setattr(paged, "merge_into", lambda *a, **k: pytest.fail("the separate merge ran"))
     fused = tk.paged_attention(*b.args(), num_splits=6)
     split_merge_in_kernel.cache_clear()
     assert_close(fused, separate, 1e-6, "in-kernel vs separate merge")
@@ -119,6 +121,24 @@ def test_counters_grow_and_keep_the_old_buffer(in_kernel, device):
     large = paged.split_counters(dev, paged.SPLIT_COUNTERS_MIN + 1)
     assert large.numel() == 2 * paged.SPLIT_COUNTERS_MIN and int(large.count_nonzero()) == 0
     assert any(t is small for t in paged._retired_counters)
+
+
+def test_a_counter_left_off_zero_is_reported_and_reset(in_kernel, device):
+    """A stray arrival (as from split calls overlapping on two streams) spoils the next call that
+    uses its counter: the value checks (always on for CPU tensors, TILELLM_DEBUG=1 on a GPU)
+    report it and set it back, and the call after is right again."""
+    b = make_paged_batch([(1, 200), (1, 90)], 4, 2, 32, 16, torch.float32, device, seed=4)
+    args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    tk.decode_attention(*args, num_splits=3)
+    paged._counters_by_device[b.q.device][0] = 1
+    with pytest.raises(RuntimeError, match="left non-zero.*TILELLM_SPLIT_MERGE=separate"):
+        tk.decode_attention(*args, num_splits=3)
+    _counters_zero(b.q)
+    out = tk.decode_attention(*args, num_splits=3)
+    assert_close(out, ref.decode_attention(*args), tolerance(torch.float32, device), "after the reset")
+    paged._counters_by_device[b.q.device][5] = 2
+    paged.reset_split_counters()
+    _counters_zero(b.q)
 
 
 def test_unknown_mode_is_refused(monkeypatch):
@@ -158,7 +178,7 @@ for pdl in (False, True):
         GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
         SPLIT=True, IS_DECODE=True, HAS_KV_LO=False, HAS_KV_HI=False, RECORD_STATS=False,
         PRECISION="tf32", K_ROWS=cfg.k_rows, TILES_FASTEST=False, KV_FP8=False, DOT_FP16=False,
-        PIPELINE_MASKED=True, USE_PDL=pdl, MERGE_LAST=True, MERGE_PAD=64,
+        PIPELINE_MASKED=True, USE_PDL=pdl, MERGE_LAST=True, MERGE_UNROLL=4,
     )
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     aligned = ("Q", "K_cache", "V_cache", "O", "O_parts", "LSE_parts")
@@ -170,6 +190,7 @@ for pdl in (False, True):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": pdl})
     out[f"pdl={pdl}"] = k.asm["ptx"]
+    out[f"ttir-pdl={pdl}"] = k.asm["ttir"]
 print(json.dumps(out))
 """
 
@@ -203,6 +224,20 @@ def test_memory_order_in_the_ptx(ptx, variant):
     loads_after = [ins for ins in code[atom:] if re.search(r"\bld\.global\b", ins)]
     assert loads_after, "the merge reads no partials"
     assert all(".cg" in ins for ins in loads_after), [ins for ins in loads_after if ".cg" not in ins]
+    assert not any(re.search(r"\bld\.global\.cg\b", ins) for ins in code[:atom]), (
+        "a partial read before the arrival"
+    )
+    first_read = next(i for i, ins in enumerate(code) if i > atom and re.search(r"\bld\.global\b", ins))
+    assert any("bar.sync" in ins for ins in code[atom:first_read]), (
+        "no barrier between the arrival and the reads"
+    )
+    # the kernel's own barrier (not only the one Triton adds before an atomic): in the Triton IR,
+    # between the partials' last store and the atomic
+    ttir = [line.strip() for line in ptx["ttir-" + variant].splitlines()]
+    rmw = next(i for i, line in enumerate(ttir) if "tt.atomic_rmw" in line)
+    last_store = max(i for i, line in enumerate(ttir[:rmw]) if "tt.store" in line)
+    barrier = re.compile(r"\b(gpu\.barrier|ttg\.barrier)\b")  # tl.debug_barrier, as Triton versions spell it
+    assert any(barrier.search(line) for line in ttir[last_store:rmw]), "no barrier of the kernel's own"
 
 
 # -- on a GPU --
@@ -226,7 +261,7 @@ def test_gpu_real_shapes(in_kernel, num_splits, device):
             out, ref.decode_attention(*args), tolerance(torch.bfloat16, device), f"splits={num_splits}"
         )
     torch.cuda.synchronize()
-    _counters_zero(device)
+    _counters_zero(b.q)
 
 
 @pytest.mark.gpu
@@ -247,4 +282,4 @@ def test_gpu_graph_replays(in_kernel, device):
         expected = ref.decode_attention(q, *args)
         assert_close(out, expected, tolerance(torch.bfloat16, device), f"replay {seed}")
     torch.cuda.synchronize()
-    _counters_zero(device)
+    _counters_zero(b.q)

@@ -109,7 +109,7 @@ def _cases() -> dict[str, tuple]:
             GROUP=2, HEAD_DIM=128, PAGE=16, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
             SPLIT=split, IS_DECODE=True, HAS_KV_LO=False, HAS_KV_HI=False, RECORD_STATS=False,
             PRECISION="tf32", K_ROWS=cfg.k_rows, TILES_FASTEST=False, KV_FP8=False, DOT_FP16=False,
-            PIPELINE_MASKED=True, USE_PDL=True, MERGE_LAST=merge_last, MERGE_PAD=8 if merge_last else 1,
+            PIPELINE_MASKED=True, USE_PDL=True, MERGE_LAST=merge_last, MERGE_UNROLL=4,
         )  # fmt: skip
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         aligned = ("Q", "K_cache", "V_cache", "O", "O_parts", "LSE_parts")

@@ -26,7 +26,7 @@ from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
 
-def splits_pad(num_splits: int) -> int:
+def _splits_pad(num_splits: int) -> int:
     """The kernel's split lanes: few variants (8 or 64 lanes up to the 16-bit planner's 64
     splits; 128 for the FP8 rule's up to 128, planned only for contexts of 128k keys or more, so
     the decode graphs captured for such a max_model_len compile it before serving), so that a new
@@ -87,51 +87,48 @@ _merge_launch = FastLaunch(_merge_kernel)
 
 
 # The in-kernel merge runs in one program per tile, at the end of the launch, and reads the
-# tile's partials a few splits at a time (MERGE_LAST_UNROLL loads in flight): the 16-bit planner's
-# counts (up to 64) are served; more (the FP8 rule's up to 128) keep the separate merge, whose
-# programs read all their splits at once.
+# tile's partials split after split (a few in flight: `merge_unroll`): the 16-bit planner's counts
+# (up to 64) are served; more (the FP8 rule's up to 128) keep the separate merge, whose programs
+# read all their splits at once.
 MERGE_LAST_MAX_SPLITS = 64
-MERGE_LAST_UNROLL = tl.constexpr(4)
+
+
+def merge_unroll(block_m: int, head_dim: int) -> int:
+    """Splits whose partials `merge_if_last` loads at once: four for decode-sized tiles, one where
+    a split's [block_m, head_dim] float32 rows already fill the registers (prompt-chunk tiles)."""
+    return 4 if block_m * head_dim <= 16 * 128 else 1
 
 
 @triton.jit
 def merge_if_last(
     O, O_parts, LSE_parts, counters, slot, num_splits, num_tokens, num_q_heads,
     q_row, head, row_ok, offs_d, stride_ot, stride_oh,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """The merge inside the split kernel: each of a tile's `num_splits` programs (at most
-    SPLITS_PAD, a power of two, and MERGE_LAST_MAX_SPLITS) calls this once it has stored its partial rows; the last one to arrive
-    merges the tile's rows into O.
+    """The merge inside the split kernel: each of a tile's `num_splits` programs calls this once
+    it has stored its partial rows; the last one to arrive merges the tile's rows into O.
 
     counters[slot] counts the tile's programs that have arrived (int32, 0 before the launch; the
-    last program puts it back to 0, ready for the next launch or graph replay). Rows: q_row [BLOCK_M]
-    (token of each row, int64), head [BLOCK_M], row_ok [BLOCK_M]; partials in `merge_into`'s
-    layout, o_parts [S, T, H, D] and lse_parts [S, T, H] (float32, contiguous).
+    last program puts it back to 0, ready for the next launch or graph replay). Rows: q_row
+    [BLOCK_M] (token of each row, int64), head [BLOCK_M], row_ok [BLOCK_M]. Partials in
+    `merge_into`'s layout from part 0: o_parts [S, T, H, D] and lse_parts [S, T, H] (float32,
+    contiguous). UNROLL: `merge_unroll(BLOCK_M, HEAD_DIM)`.
 
     Memory order: the barrier makes every thread's partial stores precede the arrival, which one
     thread makes with a release-acquire atomic at GPU scope; so the last program's acquire sees all
     the tile's partials, and it reads them from L2 (`.cg`: no stale L1 line).
+
+    One pass with a running maximum m of the lse seen: acc and the weights' sum are rescaled by
+    exp(m_old - m_new) as it grows, so that o = acc / w_sum = sum_s exp(lse_s - lse) * o_s.
     """
     tl.debug_barrier()
     arrived = tl.atomic_add(counters + slot, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
         tl.store(counters + slot, 0)
-        # every split's lse at once: [splits, rows]
-        offs_s = tl.arange(0, SPLITS_PAD)
-        lse_rows = (offs_s[:, None] * num_tokens + q_row[None, :]) * num_q_heads + head[None, :]
-        lse_all = tl.load(
-            LSE_parts + lse_rows,
-            mask=(offs_s[:, None] < num_splits) & row_ok[None, :],
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        lse_max = tl.max(lse_all, 0)
-        # All segments empty: weights 0, output 0 (no NaN from -inf - -inf).
-        lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        w_sum = tl.sum(tl.math.exp2((lse_all - lse_ref[None, :]) * LOG2_E_C), 0)
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for s in tl.range(0, num_splits, loop_unroll_factor=MERGE_LAST_UNROLL):
+        for s in tl.range(0, num_splits, loop_unroll_factor=UNROLL):
             row = (s * num_tokens + q_row) * num_q_heads + head
             lse_s = tl.load(LSE_parts + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
             o_s = tl.load(
@@ -140,9 +137,15 @@ def merge_if_last(
                 other=0.0,
                 cache_modifier=".cg",
             )
-            w = tl.math.exp2((lse_s - lse_ref) * LOG2_E_C)
+            m_new = tl.maximum(m, lse_s)
+            # No segment with a key yet: weights stay 0 (no NaN from -inf - -inf).
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2((m - m_ref) * LOG2_E_C)
+            w = tl.math.exp2((lse_s - m_ref) * LOG2_E_C)
             # An empty segment's output is undefined: select, don't multiply (0 * NaN is NaN).
-            acc += tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
+            acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
+            w_sum = w_sum * alpha + w
+            m = m_new
         o = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
         tl.store(
             O + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -196,7 +199,7 @@ def merge_into(
         out.stride(0),
         out.stride(1),
         HEAD_DIM=D,
-        SPLITS_PAD=splits_pad(S),
+        SPLITS_PAD=_splits_pad(S),
         WRITE_LSE=lse_out is not None,
         num_warps=4 if D >= 128 else 2,
         **pdl_launch_kwargs(out.device),

@@ -24,6 +24,7 @@ buffer (`split_counters`).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
@@ -45,7 +46,7 @@ from tilellm.kernels.config import (
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.merge import MERGE_LAST_MAX_SPLITS, merge_if_last, merge_into, splits_pad
+from tilellm.kernels.merge import MERGE_LAST_MAX_SPLITS, merge_if_last, merge_into, merge_unroll
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
@@ -57,6 +58,7 @@ from tilellm.kernels.schedule import (
     target_programs,
 )
 
+logger = logging.getLogger(__name__)
 LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
 # Decode and verification (at most this many new tokens per request) over an FP8 cache run
 # their masked key tiles (a request's last, partial tile, or two) without software pipelining:
@@ -156,7 +158,7 @@ def _paged_kernel(
     SPLIT: tl.constexpr, IS_DECODE: tl.constexpr, HAS_KV_LO: tl.constexpr, HAS_KV_HI: tl.constexpr,
     RECORD_STATS: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr,
     TILES_FASTEST: tl.constexpr, KV_FP8: tl.constexpr, DOT_FP16: tl.constexpr,
-    PIPELINE_MASKED: tl.constexpr, USE_PDL: tl.constexpr, MERGE_LAST: tl.constexpr, MERGE_PAD: tl.constexpr,
+    PIPELINE_MASKED: tl.constexpr, USE_PDL: tl.constexpr, MERGE_LAST: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     if TILES_FASTEST:
@@ -274,7 +276,7 @@ def _paged_kernel(
             merge_if_last(
                 O, O_parts, LSE_parts, split_counters, (req * num_kv_heads + kv_head) * num_q_tiles + q_tile,
                 num_splits, num_tokens, num_q_heads, q_row, head, row_ok, offs_d, stride_ot, stride_oh,
-                BLOCK_M, HEAD_DIM, MERGE_PAD,
+                BLOCK_M, HEAD_DIM, MERGE_UNROLL,
             )  # fmt: skip
     else:
         o = acc / l_i[:, None]
@@ -474,8 +476,9 @@ def _launch(
     else:
         o_parts = lse_parts = o  # unused
     counters = None
+    slots = batch * Hkv * q_tiles
     if 1 < splits <= MERGE_LAST_MAX_SPLITS and parts is None and split_merge_in_kernel():
-        counters = split_counters(q.device, batch * Hkv * q_tiles)
+        counters = split_counters(q.device, slots)
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
     _paged_launch[grid](
         q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
@@ -497,11 +500,13 @@ def _launch(
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         PIPELINE_MASKED=not (kv_fp8 and (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS and kv_lo is None),
-        MERGE_LAST=counters is not None, MERGE_PAD=splits_pad(splits) if counters is not None else 1,
+        MERGE_LAST=counters is not None, MERGE_UNROLL=merge_unroll(cfg.block_m, D),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(q.device),
     )  # fmt: skip
     if splits > 1 and parts is None and counters is None:
         merge_into(o_parts, lse_parts, o)
+    if counters is not None and validation.deep_checks_enabled(q):
+        _check_counters(counters, slots)
     if record_stats:
         return stats.view(batch, Hkv, q_tiles * splits, 2), plan
     return None
@@ -531,8 +536,10 @@ def _split_parts(splits: int, T: int, Hq: int, D: int, device) -> tuple[torch.Te
 
 # Arrival counters of `merge_if_last`, one buffer per device, shared by every call on it: each
 # launch leaves its counters at zero, so calls in stream order (and the graphs that captured
-# them) reuse it. Concurrent split calls on two streams of one device would share counters:
-# the separate merge (the default) is the mode for that.
+# them) reuse it. Split calls running at once on two streams of one device would share counters,
+# and a counter left off zero stays off and spoils every later call that uses it (until
+# `reset_split_counters`); the separate merge (the default) is the mode for such a program.
+# TILELLM_DEBUG=1 checks the counters after every eager call that used them.
 SPLIT_COUNTERS_MIN = 4096
 _counters_by_device: dict[torch.device, torch.Tensor] = {}
 _retired_counters: list[torch.Tensor] = []  # outgrown buffers, still read by captured graphs
@@ -542,16 +549,52 @@ def split_counters(device: torch.device, slots: int) -> torch.Tensor | None:
     """At least `slots` zeroed int32 arrival counters on `device`, or None inside a CUDA-graph
     capture that would have to allocate them (the call then merges in a separate launch; running
     it once outside the capture first allocates them)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     buf = _counters_by_device.get(device)
     if buf is not None and buf.numel() >= slots:
         return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            _log_capture_fallback_once(slots)
+            return None
     if buf is not None:
         _retired_counters.append(buf)
     buf = torch.zeros(max(SPLIT_COUNTERS_MIN, next_power_of_2(slots)), dtype=torch.int32, device=device)
     _counters_by_device[device] = buf
     return buf
+
+
+def reset_split_counters() -> None:
+    """Set every arrival counter back to zero (after split calls overlapped on two streams)."""
+    for buf in _counters_by_device.values():
+        buf.zero_()
+
+
+@functools.cache
+def _log_capture_fallback_once(slots: int) -> None:
+    logger.warning(
+        "TILELLM_SPLIT_MERGE=kernel: a CUDA-graph capture needs %d split counters, more than were "
+        "allocated before it; this graph merges in a separate launch (run the call once outside "
+        "the capture first)",
+        slots,
+    )
+
+
+def _check_counters(counters: torch.Tensor, slots: int) -> None:
+    """TILELLM_DEBUG: the counters the call used are back at zero (reads the device)."""
+    if counters.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    left = int(counters[:slots].count_nonzero())
+    if left:
+        counters[:slots].zero_()
+        raise RuntimeError(
+            f"split-KV merge: {left} arrival counters were left non-zero after the call (split calls "
+            "overlapping on two streams of one device?); they are reset now. Use "
+            "TILELLM_SPLIT_MERGE=separate for programs that launch attention on several streams."
+        )
 
 
 def _fp8_scales(kv_scales, device) -> tuple[torch.Tensor, torch.Tensor]:
