@@ -485,8 +485,7 @@ def _launch(
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
         block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
         validation.resolve_scale(scale, D) * LOG2_E, T, Hq,
-        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *q.stride()[:2], *o.stride()[:2], block_table.stride(0), *k_cache.stride()[:3],
         splits, plan.min_keys_per_split,
         kv_lo if kv_lo is not None else seq_lens,  # unread unless HAS_KV_LO
         kv_hi if kv_hi is not None else seq_lens,  # unread unless HAS_KV_HI
