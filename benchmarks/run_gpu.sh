@@ -8,7 +8,7 @@
 #   pdl         programmatic dependent launch (TILELLM_PDL=1) against none: its GPU tests, then
 #               benchmarks/small_batch_decode.py and E1 without and with it
 #   merge       split-KV calls merged in the paged kernel (TILELLM_SPLIT_MERGE=kernel) against the
-#               separate merge launch: the decode, paged and graph-capture GPU tests with it, then
+#               separate merge launch: its tests, the decode, graph-capture and engine GPU tests with it, then
 #               D1-D4 and V1 (eager and in graphs), the host time of eager calls and small-batch
 #               decode, each in both modes
 #   fp8         the FP8 tests on the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against
@@ -98,16 +98,18 @@ if selected pdl; then
     --json "$OUT/e1_pdl.json"
 fi
 if selected merge; then
-  run_step merge_tests 200 env TILELLM_SPLIT_MERGE=kernel "$PYTHON" -m pytest -q -p no:cacheprovider \
+  # (limits sum to under 10 minutes: one device call)
+  run_step merge_tests 140 env TILELLM_SPLIT_MERGE=kernel "$PYTHON" -m pytest -q -p no:cacheprovider \
     -o addopts=-ra tests/kernels/test_merge_in_kernel.py tests/kernels/test_decode.py \
-    tests/kernels/test_paged.py tests/kernels/test_graph_capture.py tests/engine/test_gpu.py
+    tests/kernels/test_graph_capture.py tests/engine/test_gpu.py
   for mode in separate kernel; do
-    run_step "merge_kernels_$mode" 150 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" -m tilellm.cli bench kernels \
+    run_step "merge_kernels_$mode" 100 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" -m tilellm.cli bench kernels \
       --workloads D1,D2,D3,D4,V1 --graph --no-peers --json "$OUT/merge_kernels_$mode.json"
-    run_step "merge_host_time_$mode" 60 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" benchmarks/kernel_host_time.py \
+    run_step "merge_host_time_$mode" 40 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" benchmarks/kernel_host_time.py \
       --json "$OUT/merge_host_time_$mode.json"
-    run_step "merge_small_batch_$mode" 120 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" \
-      benchmarks/small_batch_decode.py --batches 1,8 --kernels 8 --json "$OUT/merge_small_batch_$mode.json"
+    run_step "merge_small_batch_$mode" 80 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" \
+      benchmarks/small_batch_decode.py --batches 1,8 --steps 128 --kernels 8 \
+      --json "$OUT/merge_small_batch_$mode.json"
   done
 fi
 if selected fp8; then
