@@ -7,7 +7,15 @@ KV store and an RMSNorm. A kernel whose device time is longer than its host time
 host in an eager loop, so the figures say which calls a host can keep up with.
 
 Usage: python benchmarks/kernel_host_time.py [--json FILE]   (a CUDA GPU; about 20 s)
+       python benchmarks/kernel_host_time.py --python-only [--json FILE]   (any machine)
 Compare two trees by running it with each on PYTHONPATH, one after the other, on one machine.
+
+`--python-only` measures the wrappers' Python work alone, on the CPU: the same calls on CPU
+tensors, every Triton launch replaced by a no-op and the value checks off (as on a GPU without
+TILELLM_DEBUG), so that a change to the host path can be weighed without a GPU. What it leaves
+out: Triton's argument binder and launcher, and the CUDA caching allocator (its allocations are
+the CPU's); decode calls take `max_seqlen_k` (with CPU tensors the required-arguments path
+plans from `seq_lens`, which a GPU call never reads).
 """
 
 from __future__ import annotations
@@ -18,17 +26,31 @@ import time
 from collections.abc import Callable
 
 import torch
-import triton
 
 import tilellm.kernels as tk
-from tilellm.kernels.fused import rms_norm
+from tilellm.kernels.fused import apply_rotary, rms_norm, silu_and_mul
 
 DEVICE = "cuda"
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _python_only() -> None:
+    """CPU tensors, launches replaced by a no-op, value checks as on a GPU (see the docstring)."""
+    import importlib
+
+    global DEVICE
+    DEVICE = "cpu"
+    importlib.import_module("tilellm.kernels.launch").FastLaunch.run = lambda self, grid, args, kwargs: None
+    importlib.import_module("tilellm.kernels.validation").deep_checks_enabled = lambda t: False
+
+
 def _decode_batch(batch: int, seq_len: int):
-    blocks = batch * triton.cdiv(seq_len, PAGE)
+    blocks = batch * -(-seq_len // PAGE)
     k_cache = torch.randn(blocks, PAGE, HKV, D, device=DEVICE, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     block_table = torch.randperm(blocks, device=DEVICE, dtype=torch.int32).view(batch, -1)
@@ -41,27 +63,33 @@ def host_us(fn: Callable[[], object], calls: int = 200, rounds: int = 7) -> floa
     """Best of `rounds` of `calls` eager calls: microseconds of host time per call."""
     fn()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
+        _sync()
     return best
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--python-only", action="store_true", help="the wrappers' Python work, on the CPU")
     args = p.parse_args()
+    if args.python_only:
+        _python_only()
+    elif not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (or --python-only)")
     torch.manual_seed(0)
     res: dict[str, float] = {}
     decode = {"D1": (256, 2048), "D2": (8, 32768), "D3": (1, 131072), "4 x 256": (4, 256)}
     for name, (batch, seq_len) in decode.items():
         a = _decode_batch(batch, seq_len)
-        res[f"decode {name}, required args"] = host_us(lambda a=a: tk.decode_attention(*a))
+        if DEVICE == "cuda":
+            res[f"decode {name}, required args"] = host_us(lambda a=a: tk.decode_attention(*a))
         res[f"decode {name}, max_seqlen_k"] = host_us(
             lambda a=a, n=seq_len: tk.decode_attention(*a, max_seqlen_k=n)
         )
@@ -83,7 +111,17 @@ def main() -> None:
     x = torch.randn(256, 1024, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
     res["rms_norm 256 x 1024"] = host_us(lambda: rms_norm(x, w, 1e-6))
-    print(f"# {torch.cuda.get_device_name()}, tilellm from {tk.__file__}")
+    gate_up = torch.randn(256, 6144, device=DEVICE, dtype=torch.bfloat16)
+    res["silu_and_mul 256 x 6144"] = host_us(lambda: silu_and_mul(gate_up))
+    q_rot, k_rot = torch.randn(256, 16, D, device=DEVICE, dtype=torch.bfloat16), k_new[:, :HKV]
+    positions = torch.arange(256, device=DEVICE)
+    cos_sin = torch.randn(4096, D, device=DEVICE)
+    norm_w = torch.randn(D, device=DEVICE, dtype=torch.bfloat16)
+    res["apply_rotary 256 tokens, q/k norms"] = host_us(
+        lambda: apply_rotary(q_rot, k_rot, positions, cos_sin, q_norm_weight=norm_w, k_norm_weight=norm_w)
+    )
+    where = "Python work only, launches stubbed (CPU)" if DEVICE == "cpu" else torch.cuda.get_device_name()
+    print(f"# {where}, tilellm from {tk.__file__}")
     for k, v in res.items():
         print(f"{k:40s} {v:8.1f} us")
     if args.json:

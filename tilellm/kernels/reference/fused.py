@@ -6,15 +6,11 @@ versions, so both raise the same `ValueError` on the same bad input.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tilellm.kernels import validation
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _debug() -> bool:
-    return os.environ.get("TILELLM_DEBUG") == "1"
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
@@ -100,7 +96,7 @@ def check_apply_rotary(
     for name, other in devices.items():
         if other.device != q.device:
             raise ValueError(f"apply_rotary: {name} is on {other.device} but q is on {q.device}")
-    if t > 0 and (positions.device.type == "cpu" or _debug()):
+    if t > 0 and validation.deep_checks_enabled(positions):
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= cos_sin_cache.shape[0]:
             raise ValueError(
