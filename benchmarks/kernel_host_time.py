@@ -11,11 +11,12 @@ Usage: python benchmarks/kernel_host_time.py [--json FILE]   (a CUDA GPU; about 
 Compare two trees by running it with each on PYTHONPATH, one after the other, on one machine.
 
 `--python-only` measures the wrappers' Python work alone, on the CPU: the same calls on CPU
-tensors, every Triton launch replaced by a no-op and the value checks off (as on a GPU without
-TILELLM_DEBUG), so that a change to the host path can be weighed without a GPU. What it leaves
-out: Triton's argument binder and launcher, and the CUDA caching allocator (its allocations are
-the CPU's); decode calls take `max_seqlen_k` (with CPU tensors the required-arguments path
-plans from `seq_lens`, which a GPU call never reads).
+tensors, every launch through `FastLaunch` replaced by a no-op (its own key lookup, Triton's
+argument binder and launcher are not counted) and the value checks off (as on a GPU without
+TILELLM_DEBUG), so that a change to the host path can be weighed without a GPU. Allocations are
+the CPU's, not the CUDA caching allocator's; decode and verification calls take `max_seqlen_k`
+(with CPU tensors the required-arguments path plans from `seq_lens`, which a GPU call never
+reads).
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def main() -> None:
     q, kc, vc, bt, seq = _decode_batch(64, 1024)
     q_verify = torch.randn(256, HQ, D, device=DEVICE, dtype=torch.bfloat16)
     cu = torch.arange(0, 257, 4, device=DEVICE, dtype=torch.int32)
+    # (with CPU tensors the call would plan from seq_lens: give the bound a GPU call derives)
+    hint = {} if DEVICE == "cuda" else {"max_seqlen_k": 1024}
     res["paged_attention 64 x 4 tokens"] = host_us(
-        lambda: tk.paged_attention(q_verify, kc, vc, bt, cu, seq, 4)
+        lambda: tk.paged_attention(q_verify, kc, vc, bt, cu, seq, 4, **hint)
     )
     q_pre = torch.randn(2048, HQ, D, device=DEVICE, dtype=torch.bfloat16)
     k_pre = torch.randn(2048, HKV, D, device=DEVICE, dtype=torch.bfloat16)

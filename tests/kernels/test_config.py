@@ -105,3 +105,9 @@ def test_launch_arithmetic_matches_triton():
     for a in values[:600] + values[-30:]:
         for b in (1, 2, 3, 7, 16, 64, 128, 1000):
             assert config.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    import numpy as np
+
+    for n in (0, 1, 5, 64, 1000):  # integer types that validated arguments may carry
+        assert config.next_power_of_2(np.int64(n)) == triton.next_power_of_2(n)
+        assert config.next_power_of_2(torch.tensor(n)) == triton.next_power_of_2(n)
+        assert config.cdiv(np.int32(n), 16) == triton.cdiv(n, 16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n for n >= 1, and 0 for 0 (as `triton.next_power_of_2`)."""
+    """The smallest power of two >= n for n >= 1, and 0 for 0 (as `triton.next_power_of_2`); any
+    integer type (numpy's too)."""
+    n = operator.index(n)
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
