@@ -11,8 +11,8 @@
 #               separate merge launch: its tests, the decode, graph-capture and engine GPU tests with it, then
 #               D1-D4 and V1 (eager and in graphs), the host time of eager calls and small-batch
 #               decode, each in both modes
-#   fp8         the FP8 tests on the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against
-#               transformers), then benchmarks/fp8_gemm.py --no-sweep and benchmarks/decode_fp8.py
+#   fp8         benchmarks/fp8_gemm.py --no-sweep and benchmarks/decode_fp8.py, then the FP8 tests on
+#               the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against transformers)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
@@ -22,9 +22,11 @@
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
 # step passed, 1 otherwise, 2 for an unknown step.
 # Environment: OUT (default ./artifacts), PYTHON (default python3), TESTS_TIMEOUT (500 s),
-# KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the FP8 tests' share).
+# KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the FP8 tests' share),
+# BUDGET_S (seconds for the whole run, steps cut to fit; default none: BUDGET_S=570 in a 600 s call).
 # The GPU tests alone take over 5 minutes on an H200; where one call may run 10 minutes at most,
-# run `tests`, `kernels,throughput`, `pdl`, `merge` and `fp8` as calls of their own.
+# run `tests`, `kernels,throughput`, `pdl`, `merge` and `fp8` as calls of their own, each with
+# BUDGET_S=570.
 set -uo pipefail
 
 ALL_STEPS=(tests kernels throughput pdl merge fp8)
@@ -53,10 +55,22 @@ fi
   2>&1 | tee -a "$OUT/gpu.txt"
 
 failed=()
+# Every step ends by BUDGET_S seconds after the start (default: none), so that a call with a wall
+# limit (a lent GPU's 600 s) still returns every log: a step's limit is cut to what is left.
+BUDGET_S=${BUDGET_S:-0}
 # run_step NAME LIMIT_S CMD...: CMD under `timeout`, stdout and stderr to $OUT/NAME.log and the terminal.
 run_step() {
   local name=$1 limit=$2
   shift 2
+  if [ "$BUDGET_S" -gt 0 ]; then
+    local left=$((BUDGET_S - SECONDS))
+    if [ "$left" -lt 15 ]; then
+      echo "=== $name: SKIPPED (${BUDGET_S} s budget spent)" | tee "$OUT/$name.log"
+      failed+=("$name")
+      return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== $name (limit ${limit} s): $*"
   local start=$SECONDS
   timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
@@ -113,12 +127,13 @@ if selected merge; then
   done
 fi
 if selected fp8; then
+  # (the measurements first: the tests take what is left of a call's budget)
+  run_step fp8_gemm 200 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep
+  run_step decode_fp8 120 "$PYTHON" benchmarks/decode_fp8.py --json "$OUT/decode_fp8.json"
   run_step fp8_tests "${FP8_TIMEOUT:-400}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
     tests/kernels/test_decode_fp8.py tests/kernels/test_kv_fp8.py tests/kernels/test_fp8_gemm.py \
     tests/kernels/test_moe_fp8.py tests/engine/test_kv_cache_fp8.py tests/models/test_fp8_checkpoint.py \
     tests/engine/test_fp8_greedy_vs_hf.py
-  run_step fp8_gemm 200 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep
-  run_step decode_fp8 120 "$PYTHON" benchmarks/decode_fp8.py --json "$OUT/decode_fp8.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
