@@ -11,12 +11,14 @@
 #               separate merge launch: its tests, the decode, graph-capture and engine GPU tests with it, then
 #               D1-D4 and V1 (eager and in graphs), the host time of eager calls and small-batch
 #               decode, each in both modes
+#   rope        rotary embedding and KV store in one launch (TILELLM_ROPE_STORE=fused, the default)
+#               against two launches: its tests on the GPU, then small-batch decode and E1 in each mode
 #   fp8         benchmarks/fp8_gemm.py --no-sweep and benchmarks/decode_fp8.py, then the FP8 tests on
 #               the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against transformers)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,fp8, run in that order (default:
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,fp8, run in that order (default:
 #   the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
@@ -25,11 +27,11 @@
 # KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the FP8 tests' share),
 # BUDGET_S (seconds for the whole run, steps cut to fit; default none: BUDGET_S=570 in a 600 s call).
 # The GPU tests alone take over 5 minutes on an H200; where one call may run 10 minutes at most,
-# run `tests`, `kernels,throughput`, `pdl`, `merge` and `fp8` as calls of their own, each with
+# run `tests`, `kernels,throughput`, `pdl`, `merge`, `rope` and `fp8` as calls of their own, each with
 # BUDGET_S=570.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput pdl merge fp8)
+ALL_STEPS=(tests kernels throughput pdl merge rope fp8)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -124,6 +126,15 @@ if selected merge; then
     run_step "merge_small_batch_$mode" 80 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" \
       benchmarks/small_batch_decode.py --batches 1,8 --steps 128 --kernels 8 \
       --json "$OUT/merge_small_batch_$mode.json"
+  done
+fi
+if selected rope; then
+  run_step rope_tests 100 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/models/test_fused_ops.py
+  for mode in separate fused; do
+    run_step "rope_small_batch_$mode" 80 env TILELLM_ROPE_STORE=$mode "$PYTHON" benchmarks/small_batch_decode.py \
+      --batches 1,8 --steps 128 --kernels 8 --json "$OUT/rope_small_batch_$mode.json"
+    run_step "rope_e1_$mode" 150 env TILELLM_ROPE_STORE=$mode "$PYTHON" -m tilellm.cli bench throughput \
+      --workloads E1 --json "$OUT/rope_e1_$mode.json"
   done
 fi
 if selected fp8; then

@@ -85,9 +85,16 @@ def _cases() -> dict[str, tuple]:
     )  # fmt: skip
     rotary_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "qw_ptr", "kw_ptr")}
     rotary_types |= {"pos_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32"}
+    rotary_types |= {"v_ptr": "*bf16", "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     for norm in (False, True):
-        constexprs = dict(HAS_NORM=norm, BLOCK_R=32, BLOCK_HALF=64, USE_PDL=True)
-        cases[f"rotary-norm={norm}"] = (fused._rotary_kernel, rotary_types, constexprs, (), {}, False)
+        constexprs = dict(HAS_NORM=norm, STORE=False, QUANTIZE=False, BLOCK_R=32, BLOCK_HALF=64, USE_PDL=True)
+        types = rotary_types | {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
+        cases[f"rotary-norm={norm}"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
+    for fp8 in (False, True):  # rotation and the cache store in one launch
+        constexprs = dict(HAS_NORM=True, STORE=True, QUANTIZE=fp8, BLOCK_R=32, BLOCK_HALF=64, USE_PDL=True)
+        cache = "*fp8e4nv" if fp8 else "*bf16"
+        types = rotary_types | {"k_cache_ptr": cache, "v_cache_ptr": cache}
+        cases[f"rotary_store-fp8={fp8}"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
     for fp8 in (False, True):  # including the early return of padding rows (slot -1)
         cache = "*fp8e4nv" if fp8 else "*bf16"
         types = {"K": "*bf16", "V": "*bf16", "K_cache": cache, "V_cache": cache, "slot_mapping": "*i64"}
@@ -139,6 +146,7 @@ CASES = (
     [f"rms_norm-residual={r}" for r in (False, True)]
     + ["silu_and_mul"]
     + [f"rotary-norm={n}" for n in (False, True)]
+    + [f"rotary_store-fp8={f}" for f in (False, True)]
     + [f"store-fp8={f}" for f in (False, True)]
     + ["merge"]
     + [f"paged_decode-split={s}" for s in (False, True)]

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tilellm.kernels as tk
 import tilellm.kernels.fused as fused
+import tilellm.kernels.reference as tk_ref
 import tilellm.kernels.reference.fused as ref
 
 # fp32: both compute in fp32, so only summation order differs; fp16: at most one rounding apart
@@ -183,6 +185,121 @@ def test_apply_rotary_strided_views_of_qkv(device):
     q_ref, k_ref = ref.apply_rotary(q.contiguous(), k.contiguous(), positions, cache)
     _assert_close(q_out, q_ref, torch.float32)
     _assert_close(k_out, k_ref, torch.float32)
+
+
+def _qkv_views(t, hq, hkv, d, dtype, device, seed):
+    """q, k, v as the model passes them: strided views of one packed qkv projection."""
+    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=seed, device=device) * 3
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    return q, k, v
+
+
+def _poisoned_caches(num_blocks, block_size, hkv, d, cache_dtype, device):
+    """Two caches whose every slot holds NaN (FP8: its NaN byte), so any write shows."""
+    nan = torch.full((num_blocks, block_size, hkv, d), float("nan"), device=device)
+    return nan.to(cache_dtype), nan.to(cache_dtype).clone()  # (two tensors also when fp32)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so that NaN slots compare equal."""
+    return (
+        t.view(torch.uint8)
+        if t.element_size() == 1
+        else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    )
+
+
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.float16, torch.float8_e4m3fn),
+    ],
+)
+@pytest.mark.parametrize(
+    "t, hq, hkv, d, qk_norm", [(1, 2, 1, 16, True), (13, 6, 2, 32, False), (9, 16, 8, 128, True)]
+)
+def test_apply_rotary_store_equals_rotary_then_store(
+    device, impl, dtype, cache_dtype, t, hq, hkv, d, qk_norm
+):
+    """With the cache arguments, one call = `apply_rotary` then `store_kvcache` of its rotated k:
+    the same q and k come back, the same bits land in every written slot (FP8 too, with scales),
+    and slots of -1 tokens and every other slot are left alone."""
+    store_ops = tk if impl is fused else tk_ref
+    q, k, v = _qkv_views(t, hq, hkv, d, dtype, device, seed=21)
+    positions = torch.randint(0, 200, (t,), generator=torch.Generator().manual_seed(t)).to(device)
+    cache = _cos_sin_cache(200, d).to(device)
+    kwargs = {}
+    if qk_norm:
+        kwargs = dict(
+            q_norm_weight=_randn(d, seed=22, device=device), k_norm_weight=_randn(d, seed=23, device=device)
+        )
+    num_blocks, block_size = 4, 8
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(5))[:t]
+    slots[torch.arange(t) % 3 == 1] = -1  # padding rows of a graph batch
+    slots = slots.to(device=device, dtype=torch.int32)
+    scales = {}
+    if cache_dtype == torch.float8_e4m3fn:
+        scales = dict(
+            k_scale=torch.tensor([0.02], device=device), v_scale=torch.tensor([0.05], device=device)
+        )
+    k_cache, v_cache = _poisoned_caches(num_blocks, block_size, hkv, d, cache_dtype, device)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+
+    q_out, k_out = impl.apply_rotary(
+        q, k, positions, cache, **kwargs, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, **scales
+    )
+    q_two, k_two = impl.apply_rotary(q, k, positions, cache, **kwargs)
+    store_ops.store_kvcache(k_two, v, want_k_cache, want_v_cache, slots, **scales)
+    assert torch.equal(q_out, q_two) and torch.equal(k_out, k_two)
+    assert torch.equal(_bits(k_cache), _bits(want_k_cache)), "k_cache differs from rotary-then-store"
+    assert torch.equal(_bits(v_cache), _bits(want_v_cache)), "v_cache differs from rotary-then-store"
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots.cpu()[slots.cpu() >= 0].long()] = True
+    stored = ~torch.isnan(k_cache.float()).view(num_blocks * block_size, -1).cpu().any(-1)
+    assert torch.equal(stored, written), "a slot was written that no token maps to, or one was missed"
+
+
+def test_apply_rotary_store_twins_agree(device):
+    """The Triton call's cache equals its PyTorch twin's (fp32, one rounding of the rotation apart)."""
+    t, hq, hkv, d = 7, 4, 2, 32
+    q, k, v = _qkv_views(t, hq, hkv, d, torch.float32, device, seed=31)
+    positions = torch.arange(10, 10 + t, device=device)
+    cache = _cos_sin_cache(64, d).to(device)
+    slots = torch.tensor([3, 0, -1, 9, 15, 4, 12], device=device)
+    caches = [_poisoned_caches(2, 8, hkv, d, torch.float32, device) for _ in range(2)]
+    for impl, (kc, vc) in zip((fused, ref), caches):
+        impl.apply_rotary(q, k, positions, cache, v=v, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    for got, want in zip(caches[0], caches[1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(v=None), "v missing"),
+        (dict(k_cache=None, v_cache=None), "k_cache, v_cache missing"),
+        (dict(slot_mapping=torch.tensor([0, 1])), "slot_mapping has 2 entries"),
+        (dict(slot_mapping=torch.tensor([0, 1, 99])), "out of range"),
+        (dict(k_cache=torch.zeros(2, 4, 2, 16)), "k_cache"),
+    ],
+)
+def test_apply_rotary_store_rejects_bad_input(impl, change, match):
+    args = dict(
+        v=torch.randn(3, 1, 16), k_cache=torch.zeros(2, 4, 1, 16), v_cache=torch.zeros(2, 4, 1, 16),
+        slot_mapping=torch.tensor([0, 5, -1]),
+    )  # fmt: skip
+    args.update(change)
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    with pytest.raises(ValueError, match=match):
+        impl.apply_rotary(q, k, torch.arange(3), torch.randn(10, 16), **args)
 
 
 def test_apply_rotary_reference_matches_transformers():

@@ -69,6 +69,17 @@ def split_merge_in_kernel() -> bool:
     return mode == "kernel"
 
 
+@functools.cache
+def rope_store_fused() -> bool:
+    """Whether an attention layer with its rotary embedding rotates q and k and stores K/V into
+    the paged cache in one launch (`apply_rotary` with the cache arguments: the default, or
+    `TILELLM_ROPE_STORE=fused`) rather than in two (`TILELLM_ROPE_STORE=separate`)."""
+    mode = os.environ.get("TILELLM_ROPE_STORE", "fused")
+    if mode not in ("fused", "separate"):
+        raise ValueError(f"TILELLM_ROPE_STORE={mode!r}: choose 'fused' (the default) or 'separate'")
+    return mode == "fused"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 products for fp32 inputs (TF32 would cost ~1e-3
     relative error in the scores, which large logits amplify); native for fp16/bf16."""

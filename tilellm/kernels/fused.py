@@ -18,9 +18,15 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, next_power_of_2
+from tilellm.kernels.fp8 import is_fp8, to_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
-from tilellm.kernels.reference.fused import check_apply_rotary, check_rms_norm, check_silu_and_mul
+from tilellm.kernels.reference.fused import (
+    check_apply_rotary,
+    check_rms_norm,
+    check_rotary_store,
+    check_silu_and_mul,
+)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +156,8 @@ def _rotate_rows(
 ):  # fmt: skip
     """Rows row0..row0+BLOCK_R of x viewed as [T * H, D] (row = token * H + head):
     optionally x <- x * rsqrt(mean(x^2) + eps) * w, then
-    [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin] with the row's token's cos/sin."""
+    [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin] with the row's token's cos/sin.
+    Returns the two stored halves, in out's dtype ([BLOCK_R, BLOCK_HALF] each)."""
     rows = row0 + tl.arange(0, BLOCK_R)  # int32: T * H is far below 2^31
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows
@@ -173,20 +180,64 @@ def _rotate_rows(
     cs = cache_ptr + pos[:, None] * stride_cache + dims[None, :]
     cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(cs + half, mask=mask, other=0.0).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty)
     dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, y1, mask=mask)
+    tl.store(dst + half, y2, mask=mask)
+    return y1, y2
 
 
-@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["pos_ptr"])
+@triton.jit
+def _cache_rows(x1, x2, scale_ptr, QUANTIZE: tl.constexpr):
+    """Row halves as the cache stores them: e4m3 of x / scale for an FP8 cache (the rounding of
+    `store_kvcache` applied to the same stored values), else unchanged."""
+    if QUANTIZE:
+        s = tl.load(scale_ptr)
+        x1 = to_fp8(tl.div_rn(x1.to(tl.float32), s))
+        x2 = to_fp8(tl.div_rn(x2.to(tl.float32), s))
+    return x1, x2
+
+
+@triton.jit
+def _store_rows(
+    k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    stride_vt, stride_vh, stride_cslot, row0, num_rows, num_heads, half,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANTIZE: tl.constexpr,
+):  # fmt: skip
+    """The rotated k halves of rows row0..row0+BLOCK_R, and the same rows of v, into their
+    tokens' cache slots (cache rows are [Hkv, D] contiguous; slot -1 skips the token)."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_HALF)
+    row_ok = rows < num_rows
+    tok, head = (rows // num_heads).to(tl.int64), rows % num_heads
+    slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int64)
+    mask = ((slot >= 0) & row_ok)[:, None] & (dims < half)[None, :]
+    col = head[:, None] * (2 * half) + dims[None, :]
+    k1, k2 = _cache_rows(k1, k2, k_scale_ptr, QUANTIZE)
+    dst = slot[:, None] * stride_cslot + col
+    tl.store(k_cache_ptr + dst, k1, mask=mask)
+    tl.store(k_cache_ptr + dst + half, k2, mask=mask)
+    src = v_ptr + tok[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :]
+    v1 = tl.load(src, mask=mask)
+    v2 = tl.load(src + half, mask=mask)
+    v1, v2 = _cache_rows(v1, v2, v_scale_ptr, QUANTIZE)
+    tl.store(v_cache_ptr + dst, v1, mask=mask)
+    tl.store(v_cache_ptr + dst + half, v2, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache, stride_vt, stride_vh, stride_cslot,
     num_tokens, num_q_heads, num_k_heads, num_q_programs, half, eps,
-    HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, STORE: tl.constexpr, QUANTIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """The first num_q_programs programs handle q's (token, head) rows, the rest k's."""
+    """The first num_q_programs programs handle q's (token, head) rows, the rest k's; with STORE,
+    a k program also writes its rotated rows and the same rows of v into the paged cache."""
     pdl_start(USE_PDL)
     pid = tl.program_id(0)
     if pid < num_q_programs:
@@ -194,9 +245,14 @@ def _rotary_kernel(
                      stride_cache, pid * BLOCK_R, num_tokens * num_q_heads, num_q_heads, half, eps,
                      HAS_NORM=HAS_NORM, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
     else:
-        _rotate_rows(k_ptr, k_out_ptr, kw_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot, stride_koh,
-                     stride_cache, (pid - num_q_programs) * BLOCK_R, num_tokens * num_k_heads, num_k_heads,
-                     half, eps, HAS_NORM=HAS_NORM, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+        row0 = (pid - num_q_programs) * BLOCK_R
+        k1, k2 = _rotate_rows(k_ptr, k_out_ptr, kw_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot,
+                              stride_koh, stride_cache, row0, num_tokens * num_k_heads, num_k_heads, half, eps,
+                              HAS_NORM=HAS_NORM, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+        if STORE:
+            _store_rows(k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+                        stride_vt, stride_vh, stride_cslot, row0, num_tokens * num_k_heads, num_k_heads, half,
+                        BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, QUANTIZE=QUANTIZE)  # fmt: skip
 
 
 _rotary_launch = FastLaunch(_rotary_kernel)
@@ -211,6 +267,12 @@ def apply_rotary(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D]; new tensors.
 
@@ -218,8 +280,15 @@ def apply_rotary(
     positions [T] int32/int64 index its rows. With q_norm_weight and k_norm_weight [D] (Qwen3),
     each head is first RMS-normalised over D (eps) and scaled by its weight, in the same pass.
     q and k may be strided views (e.g. of a packed qkv projection) with a unit last-dim stride.
+
+    With v, k_cache, v_cache and slot_mapping (and an FP8 cache's k_scale / v_scale), the same
+    launch also does `store_kvcache(k_rotated, v, k_cache, v_cache, slot_mapping, ...)`: the
+    rotated keys go to the paged cache from registers, one launch a layer instead of two.
     """
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+    store = k_cache is not None
+    if store or v is not None or v_cache is not None or slot_mapping is not None:
+        check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
     cache = _last_dim_contiguous(cos_sin_cache)
     positions = positions.contiguous()
@@ -230,6 +299,17 @@ def apply_rotary(
     kw = k_norm_weight.contiguous() if has_norm else cache
     t, hq, d = q.shape
     hk = k.shape[1]
+    quantize = store and is_fp8(k_cache)
+    if store:
+        one = unit_scale(k.device) if quantize and (k_scale is None or v_scale is None) else None
+        store_args = (
+            v, k_cache, v_cache, slot_mapping,
+            (k_scale if k_scale is not None else one) if quantize else cache,  # unread unless QUANTIZE
+            (v_scale if v_scale is not None else one) if quantize else cache,
+        )  # fmt: skip
+        store_strides = (v.stride(0), v.stride(1), k_cache.stride(1))
+    else:
+        store_args, store_strides = (k, k, k, positions, cache, cache), (0, 0, 0)  # unused
     if t > 0:
         half = d // 2
         block_half = next_power_of_2(half)
@@ -238,10 +318,11 @@ def apply_rotary(
         num_q_programs = cdiv(t * hq, block_r)
         grid = (num_q_programs + cdiv(t * hk, block_r),)
         _rotary_launch[grid](
-            q, k, q_out, k_out, qw, kw, positions, cache,
+            q, k, q_out, k_out, qw, kw, positions, cache, *store_args,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0), *store_strides,
             t, hq, hk, num_q_programs, half, float(eps),
-            HAS_NORM=has_norm, BLOCK_R=block_r, BLOCK_HALF=block_half, **pdl_launch_kwargs(q.device),
+            HAS_NORM=has_norm, STORE=store, QUANTIZE=quantize, BLOCK_R=block_r, BLOCK_HALF=block_half,
+            **pdl_launch_kwargs(q.device),
         )  # fmt: skip
     return q_out, k_out

@@ -78,7 +78,12 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, attn_backend)
+        # q and k are rotated (after Qwen3's norms) inside the attention layer, in the launch that
+        # also stores K/V into the paged cache
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, attn_backend,
+            rotary=rotary, q_norm=self.q_norm, k_norm=self.k_norm,
+        )  # fmt: skip
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
@@ -87,8 +92,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)  # Qwen3: norms fused in
-        o = self.attn(q, k, v)  # [T, Hq, D]
+        o = self.attn(q, k, v, positions)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

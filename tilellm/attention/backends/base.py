@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tilellm.attention.metadata import AttentionMetadata, BatchKind
+from tilellm.kernels.config import rope_store_fused
 from tilellm.kernels.fp8 import K_SCALE_RANGE, V_SCALE_RANGE, measure_kv_scale
 from tilellm.kernels.schedule import PagedPlan
 
@@ -127,10 +128,19 @@ class AttentionBackend:
     # -- forward: once per layer --------------------------------------------------------------
 
     def forward(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k / v [T, Hkv, D] -> o [T, Hq, D], as `meta.plan` says.
 
+        With `positions` [T] (a layer built with its rotary embedding), q and k arrive unrotated:
+        they are rotated here, in the same launch that stores K/V into the cache where it can.
         The engine installs planned metadata; metadata installed without a plan (tests, tools)
         is planned here, for this layer, on every call.
         """
@@ -139,6 +149,17 @@ class AttentionBackend:
             plan = self.plan(meta, layer.spec(q.dtype)).plan
         assert plan is not None
         k_cache, v_cache, scale = layer.k_cache, layer.v_cache, layer.scale
+        kv_scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+        stored = False
+        if positions is not None:
+            # Rotation and store in one launch, except before the pool exists and on an FP8
+            # cache's first step, whose scales are measured on the rotated keys before the store.
+            fuse = k_cache.numel() > 0 and not layer.calibrate_kv_scales and rope_store_fused()
+            kv_store = dict(
+                v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, **kv_scales
+            )
+            q, k = layer.rotate(q, k, positions, kv_store if fuse else None)
+            stored = fuse
         if k_cache.numel() == 0:
             # Profiling pass before the pool exists: plain causal prefill over this step's K/V.
             if plan.mode != "prefill":
@@ -147,8 +168,8 @@ class AttentionBackend:
         if layer.calibrate_kv_scales:  # an FP8 cache's first real step: scales from its K and V
             measure_kv_scale(k, layer.k_scale, K_SCALE_RANGE)
             measure_kv_scale(v, layer.v_scale, V_SCALE_RANGE)
-        kv_scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
-        ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
+        if not stored:
+            ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
         if plan.mode == "prefill":
             return ops.prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale=scale)
         if plan.mode == "cascade":

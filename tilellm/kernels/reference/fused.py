@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tilellm.kernels import validation
+from tilellm.kernels.reference import store_kvcache
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -105,6 +106,19 @@ def check_apply_rotary(
             )
 
 
+def check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    """`apply_rotary`'s cache arguments: all of v, k_cache, v_cache and slot_mapping, as
+    `store_kvcache` takes them (an FP8 cache's scales optional)."""
+    given = {"v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
+    missing = [name for name, t in given.items() if t is None]
+    if missing:
+        raise ValueError(
+            f"apply_rotary: storing into the KV cache needs v, k_cache, v_cache and slot_mapping; "
+            f"{', '.join(missing)} missing"
+        )
+    validation.check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +153,12 @@ def apply_rotary(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D].
 
@@ -146,8 +166,13 @@ def apply_rotary(
     With x = [x1 | x2] (halves of D): out = [x1 cos - x2 sin | x2 cos + x1 sin]. Returns new tensors.
     With q_norm_weight and k_norm_weight [D] (Qwen3), each head is first RMS-normalised over D
     and scaled by its weight (no rounding in between).
+    With v, k_cache, v_cache and slot_mapping: then `store_kvcache(k_rotated, v, k_cache, v_cache,
+    slot_mapping, k_scale=k_scale, v_scale=v_scale)`.
     """
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+    store = k_cache is not None
+    if store or v is not None or v_cache is not None or slot_mapping is not None:
+        check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     half = q.shape[-1] // 2
     cs = cos_sin_cache.float()[positions.long()]  # [T, D]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
@@ -159,4 +184,7 @@ def apply_rotary(
         x1, x2 = xf.split(half, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    return rotate(q, q_norm_weight), rotate(k, k_norm_weight)
+    q_out, k_out = rotate(q, q_norm_weight), rotate(k, k_norm_weight)
+    if store:
+        store_kvcache(k_out, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return q_out, k_out

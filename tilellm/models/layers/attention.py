@@ -14,16 +14,31 @@ from torch import nn
 
 from tilellm.attention import AttentionBackend, AttentionSpec, get_attention_metadata
 from tilellm.attention.graph_break import attention_call
+from tilellm.models.layers.layernorm import RMSNorm
+from tilellm.models.layers.rotary_embedding import RotaryEmbedding
 
 
 class Attention(nn.Module):
     """Paged multi-head attention over packed tokens (MHA, GQA or MQA).
 
-    forward(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
+    forward(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], positions [T] | None) -> o [T, Hq, D]
+
+    Built with `rotary` (and Qwen3's per-head `q_norm` / `k_norm`), the layer takes q and k
+    before their rotation with the tokens' `positions`: the backend then rotates them in the
+    launch that stores K/V into the cache (`apply_rotary` with the cache arguments).
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: AttentionBackend,
+        *,
+        rotary: RotaryEmbedding | None = None,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -33,6 +48,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.rotary, self.q_norm, self.k_norm = rotary, q_norm, k_norm
         # [num_blocks, block_size, Hkv, D]; bound by the runner once the pool is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -63,11 +79,31 @@ class Attention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, dtype, block_size, cache_dtype=cache_dtype
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention_call(self._attend, q, k, v)  # a piecewise CUDA graph breaks here
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if (positions is None) != (self.rotary is None):
+            raise ValueError(
+                "Attention: pass positions exactly when the layer was built with a rotary embedding"
+            )
+        tensors = (q, k, v) if positions is None else (q, k, v, positions)
+        return attention_call(self._attend, *tensors)  # a piecewise CUDA graph breaks here
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(self, q, k, v, get_attention_metadata())
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.backend.forward(self, q, k, v, get_attention_metadata(), positions=positions)
+
+    def rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        kv_store: dict[str, torch.Tensor | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated (after Qwen3's norms); with `kv_store`, also stored (`RotaryEmbedding`)."""
+        assert self.rotary is not None
+        return self.rotary(positions, q, k, self.q_norm, self.k_norm, kv_store)
 
 
 class MLAAttention(nn.Module):

@@ -147,19 +147,17 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        kv_store: dict[str, torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated (q, k); with `q_norm`/`k_norm` (Qwen3) the per-head RMSNorms run first, fused."""
-        if q_norm is None:
-            return self.ops.apply_rotary(q, k, positions, self.cos_sin_cache)
-        return self.ops.apply_rotary(
-            q,
-            k,
-            positions,
-            self.cos_sin_cache,
-            q_norm_weight=q_norm.weight,
-            k_norm_weight=k_norm.weight,
-            eps=q_norm.eps,
-        )
+        """Rotated (q, k); with `q_norm`/`k_norm` (Qwen3) the per-head RMSNorms run first, fused.
+
+        kv_store: `apply_rotary`'s cache arguments (v, k_cache, v_cache, slot_mapping, k_scale,
+        v_scale): the rotated keys and v also go into the paged cache, in the same launch.
+        """
+        norms = {}
+        if q_norm is not None:
+            norms = {"q_norm_weight": q_norm.weight, "k_norm_weight": k_norm.weight, "eps": q_norm.eps}
+        return self.ops.apply_rotary(q, k, positions, self.cos_sin_cache, **norms, **(kv_store or {}))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
