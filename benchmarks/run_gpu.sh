@@ -12,7 +12,8 @@
 #               D1-D4 and V1 (eager and in graphs), the host time of eager calls and small-batch
 #               decode, each in both modes
 #   rope        rotary embedding and KV store in one launch (TILELLM_ROPE_STORE=fused, the default)
-#               against two launches: its tests on the GPU, then small-batch decode and E1 in each mode
+#               against two launches: its tests on the GPU, small-batch decode with two launches, one,
+#               and one plus the in-kernel split-KV merge, then E1 with the defaults
 #   fp8         benchmarks/fp8_gemm.py --no-sweep and benchmarks/decode_fp8.py, then the FP8 tests on
 #               the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against transformers)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
@@ -130,12 +131,13 @@ if selected merge; then
 fi
 if selected rope; then
   run_step rope_tests 100 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/models/test_fused_ops.py
-  for mode in separate fused; do
-    run_step "rope_small_batch_$mode" 80 env TILELLM_ROPE_STORE=$mode "$PYTHON" benchmarks/small_batch_decode.py \
-      --batches 1,8 --steps 128 --kernels 8 --json "$OUT/rope_small_batch_$mode.json"
-    run_step "rope_e1_$mode" 150 env TILELLM_ROPE_STORE=$mode "$PYTHON" -m tilellm.cli bench throughput \
-      --workloads E1 --json "$OUT/rope_e1_$mode.json"
+  # two launches, one, and one with the split-KV merge in the paged kernel too
+  for mode in separate,separate fused,separate fused,kernel; do
+    name=rope_${mode%,*}_merge_${mode#*,}
+    run_step "$name" 80 env TILELLM_ROPE_STORE=${mode%,*} TILELLM_SPLIT_MERGE=${mode#*,} "$PYTHON" \
+      benchmarks/small_batch_decode.py --batches 1,8,32 --steps 128 --kernels 8 --json "$OUT/$name.json"
   done
+  run_step rope_e1 150 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 --json "$OUT/rope_e1.json"
 fi
 if selected fp8; then
   # (the measurements first: the tests take what is left of a call's budget)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+import tilellm.kernels.reference as reference_kernels
 from tilellm.kernels import validation
-from tilellm.kernels.reference import store_kvcache
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -186,5 +186,7 @@ def apply_rotary(
 
     q_out, k_out = rotate(q, q_norm_weight), rotate(k, k_norm_weight)
     if store:
-        store_kvcache(k_out, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        reference_kernels.store_kvcache(
+            k_out, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+        )
     return q_out, k_out
