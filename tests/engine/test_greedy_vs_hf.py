@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.engine.conftest import hf_greedy
 from tilellm import LLM, SamplingParams
@@ -111,3 +112,47 @@ def test_unfused_ops_beside_triton_attention_match_hf(tiny_qwen3):
     assert got == [w[:4] for w in want]
     with pytest.raises(ValueError, match="fused_ops_backend"):
         LLM(tiny_qwen3, fused_ops_backend="cuda-graphs")
+
+
+def _counted(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_rotary_and_store_in_one_launch_or_two_agree(tiny_qwen3, monkeypatch, kv_cache_dtype):
+    """`TILELLM_ROPE_STORE`: the default rotates q and k in the launch that stores K/V (no
+    `store_kvcache` launch once the pool exists, the FP8 cache's calibration step aside); two
+    launches give the same tokens, logprobs and cache bits. Triton kernels, chunked and cached steps."""
+    import tilellm.kernels as triton_ops
+    from tilellm.kernels.config import rope_store_fused
+
+    prompts = _prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    runs = {}
+    for mode in ("separate", "fused"):
+        monkeypatch.setenv("TILELLM_ROPE_STORE", mode)
+        rope_store_fused.cache_clear()
+        llm = LLM(
+            tiny_qwen3, num_kv_blocks=32, attention_backend="triton", max_num_batched_tokens=24,
+            kv_cache_dtype=kv_cache_dtype,
+        )  # fmt: skip
+        store, calls = triton_ops.store_kvcache, []
+        monkeypatch.setattr(triton_ops, "store_kvcache", _counted(store, calls))
+        outs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]  # the second: cached
+        monkeypatch.setattr(triton_ops, "store_kvcache", store)
+        tokens = [[o.outputs[0].token_ids for o in out] for out in outs]
+        logprobs = [[o.outputs[0].cumulative_logprob for o in out] for out in outs]
+        runs[mode] = (tokens, logprobs, llm.llm_engine.runner.kv_cache.clone(), len(calls))
+    rope_store_fused.cache_clear()
+    (sep_tokens, sep_lp, sep_cache, sep_calls), (tokens, lp, cache, calls) = runs["separate"], runs["fused"]
+    assert tokens == sep_tokens and lp == sep_lp
+    assert tokens[0] == [w[:4] for w in expected(tiny_qwen3)[:4]]
+    assert torch.equal(cache.view(torch.uint8), sep_cache.view(torch.uint8))
+    layers = len(llm.llm_engine.runner.model.attention_layers())
+    assert sep_calls > 0 and sep_calls % layers == 0
+    # the FP8 cache measures its scales on the rotated keys of its first step, then stores them
+    assert calls == (layers if kv_cache_dtype == "fp8" else 0)
