@@ -1,57 +1,118 @@
-"""cuBLAS on Qwen3-0.6B's linear layers at small batches: microseconds per GEMM and weight GB/s.
+"""Qwen3-0.6B's linear layers at decode sizes, as a decode step runs them: us per GEMM, weight GB/s.
 
-    python benchmarks/linear_layers.py
+    python benchmarks/linear_layers.py [--rows 1,8,64,256] [--json FILE]
 
-`torch.nn.functional.linear` in bf16 on the four layer shapes of a decoder layer (qkv 1024->4096,
-o 2048->1024, gate-up 1024->6144, down 3072->1024) and the LM head (1024->151936) at 1, 8, 64 and
-256 rows, with cuBLAS and with cuBLASLt (`torch.backends.cuda.preferred_blas_library`), timed by
-`triton.testing.do_bench` (L2 flushed, median). The weight bytes over the better time say how far
-each is from streaming its weights at the copy rate. Needs a CUDA GPU.
+The four layer shapes of a decoder layer (qkv 1024->4096, o 2048->1024, gate-up 1024->6144,
+down 3072->1024) and the LM head (1024->151936), bf16. Each variant's calls of one layer shape
+are captured in one CUDA graph, one call per layer on its own weight (28 weights, as the model's
+28 layers; the LM head: one weight, 311 MB), so that every call reads its weight from HBM and no
+host launch time counts, as in the engine's decode graphs; the graph's replay is timed by
+`triton.testing.do_bench` (median) and divided by the calls. Variants:
+
+- `cublas`, `cublaslt`: `torch.nn.functional.linear` with `torch.backends.cuda.preferred_blas_library`
+  set to each (the engine runs the default, cuBLAS, whose heuristics pick cuBLASLt's kernels);
+- `mv` (one row only): the same product as a matrix-vector product (`F.linear` on the 1-D row),
+  which cuBLAS runs as a GEMV;
+- `skinny` (up to `SKINNY_MAX_ROWS` rows): the Triton split-K kernel of `tilellm.kernels.skinny`.
+
+The weight bytes over the time say how far each call is from streaming its weights at the copy
+rate (about 4.3 TB/s on an H200). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-SHAPES = {
+SHAPES = {  # name: (in_features, out_features)
     "qkv": (1024, 4096),
     "o": (2048, 1024),
     "gate_up": (1024, 6144),
     "down": (3072, 1024),
     "lm_head": (1024, 151936),
 }
+NUM_LAYERS = 28
 
 
-def main() -> int:
+def _graph_us(calls: list[Callable[[], torch.Tensor]]) -> float:
+    """Microseconds per call of `calls` replayed from one CUDA graph."""
     import triton.testing
 
+    for call in calls:  # warm-up: library handles and workspaces outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    return ms * 1e3 / len(calls)
+
+
+def _variants(rows: int) -> list[str]:
+    from tilellm.kernels.skinny import SKINNY_MAX_ROWS
+
+    names = ["cublas", "cublaslt"]
+    if rows == 1:
+        names.append("mv")
+    if rows <= SKINNY_MAX_ROWS:
+        names.append("skinny")
+    return names
+
+
+def _calls(variant: str, xs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[Callable]:
+    if variant == "mv":
+        return [lambda x=x, w=w: F.linear(x[0], w) for x, w in zip(xs, weights)]
+    if variant == "skinny":
+        from tilellm.kernels.skinny import skinny_linear
+
+        return [lambda x=x, w=w: skinny_linear(x, w, None) for x, w in zip(xs, weights)]
+    return [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
+
+
+def measure(rows: int) -> dict[str, dict[str, float]]:
+    """{layer: {variant: us per call}} at `rows` rows."""
+    out: dict[str, dict[str, float]] = {}
+    for name, (k, n) in SHAPES.items():
+        count = 1 if name == "lm_head" else NUM_LAYERS
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        out[name] = {}
+        for variant in _variants(rows):
+            torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
+            try:
+                out[name][variant] = _graph_us(_calls(variant, xs, weights))
+            finally:
+                torch.backends.cuda.preferred_blas_library("cublas")
+        del weights, xs
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,64,256", help="comma-separated row counts")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("linear_layers.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    weights = {
-        k: torch.randn(n, k_in, device="cuda", dtype=torch.bfloat16) for k, (k_in, n) in SHAPES.items()
-    }
-    print("us per GEMM, cuBLAS / cuBLASLt (weight GB/s of the better)")
-    for rows in (1, 8, 64, 256):
-        cells = []
-        for name, w in weights.items():
-            x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            times = []
-            for lib in ("cublas", "cublaslt"):
-                torch.backends.cuda.preferred_blas_library(lib)
-                F.linear(x, w)
-                times.append(
-                    triton.testing.do_bench(
-                        lambda x=x, w=w: F.linear(x, w), warmup=20, rep=100, return_mode="median"
-                    )
-                )
-            torch.backends.cuda.preferred_blas_library("cublas")
-            us = [t * 1e3 for t in times]
-            cells.append(f"{name} {us[0]:.1f}/{us[1]:.1f} ({w.numel() * 2 / min(us) / 1e3:.0f})")
-        print(f"M={rows:4d} " + "  ".join(cells))
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; us per GEMM (weight GB/s)")
+    results = {}
+    for rows in (int(r) for r in args.rows.split(",")):
+        results[rows] = measure(rows)
+        for name, times in results[rows].items():
+            k, n = SHAPES[name]
+            cells = [f"{v} {us:6.1f} ({k * n * 2 / us / 1e3:5.0f})" for v, us in times.items()]
+            print(f"M={rows:4d} {name:8s} " + "  ".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(r): t for r, t in results.items()}, f, indent=1)
     return 0
 
 

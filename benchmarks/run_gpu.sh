@@ -3,7 +3,8 @@
 #   tests       python -m pytest -q -m gpu tests/kernels tests/engine tests/models
 #   kernels     tilellm bench kernels --graph (every kernel workload beside cuDNN / FlashAttention SDPA,
 #               paged and decode workloads also replayed from CUDA graphs), then the host time of
-#               eager kernel calls (benchmarks/kernel_host_time.py)
+#               eager kernel calls (benchmarks/kernel_host_time.py) and the linear layers at decode
+#               sizes in graphs (benchmarks/linear_layers.py)
 #   throughput  tilellm bench throughput --workloads E1,E2 (random Qwen3-0.6B weights, bf16)
 #   pdl         programmatic dependent launch (TILELLM_PDL=1) against none: its GPU tests, then
 #               benchmarks/small_batch_decode.py and E1 without and with it
@@ -100,6 +101,7 @@ if selected kernels; then
   run_step kernels "${KERNELS_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench kernels --graph \
     --json "$OUT/kernels.json"
   run_step kernel_host_time 120 "$PYTHON" benchmarks/kernel_host_time.py --json "$OUT/kernel_host_time.json"
+  run_step linear_layers 100 "$PYTHON" benchmarks/linear_layers.py --json "$OUT/linear_layers.json"
 fi
 if selected throughput; then
   run_step throughput "${THROUGHPUT_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench throughput \
