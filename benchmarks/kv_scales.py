@@ -40,10 +40,12 @@ def _capture(model: str, num_prompts: int) -> list[tuple[torch.Tensor, torch.Ten
     captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     real = base.AttentionBackend.forward
 
-    def keep(self, layer, q, k, v, meta_):
+    def keep(self, layer, q, k, v, meta_, *, positions=None):
         if meta_.kind.value == "prefill":
-            captured.append((q.detach().clone(), k.detach().clone(), v.detach().clone()))
-        return real(self, layer, q, k, v, meta_)
+            # the layer rotates q and k itself (with the store): capture them as the cache gets them
+            q_rot, k_rot = (q, k) if positions is None else layer.rotate(q, k, positions)
+            captured.append((q_rot.detach().clone(), k_rot.detach().clone(), v.detach().clone()))
+        return real(self, layer, q, k, v, meta_, positions=positions)
 
     base.AttentionBackend.forward = keep
     try:

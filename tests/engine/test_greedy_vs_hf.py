@@ -85,6 +85,14 @@ def test_llama_greedy_matches_hf(tiny_llama, config):
     assert first == want and second == want
 
 
+def _counted(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
 def test_triton_backend_greedy_matches_hf(tiny_qwen3):
     """The Triton kernels under the interpreter (CPU): a small batch, cached + chunked steps included."""
     prompts = _prompts()[:4]
@@ -97,29 +105,29 @@ def test_triton_backend_greedy_matches_hf(tiny_qwen3):
     assert llm.llm_engine.get_stats().prefix_cache_hits > 0
 
 
-def test_unfused_ops_beside_triton_attention_match_hf(tiny_qwen3):
+def test_unfused_ops_beside_triton_attention_match_hf(tiny_qwen3, monkeypatch):
     """`fused_ops_backend="reference"`: Triton attention with the unfused PyTorch RMSNorm, SiLU-and-mul
     and rotary (what `bench throughput --compare-fused` times) gives the same greedy tokens."""
     import tilellm.kernels.reference.fused as unfused
 
     prompts = _prompts()[:3]
     want = expected(tiny_qwen3)[:3]
+    import tilellm.kernels as triton_ops
+
     llm = LLM(tiny_qwen3, num_kv_blocks=32, attention_backend="triton", fused_ops_backend="reference")
     model = llm.llm_engine.runner.model
     assert model.model.layers[0].mlp.act_fn.ops is unfused
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    stores: list = []
+    monkeypatch.setattr(triton_ops, "store_kvcache", _counted(triton_ops.store_kvcache, stores))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == [w[:4] for w in want]
+    # the rotary is the twin's, the store stays the backend's kernel (capturable in graphs)
+    assert stores and len(stores) % len(model.attention_layers()) == 0
+    if llm.llm_engine.runner.device.type == "cuda":
+        assert llm.llm_engine.runner.decode_graphs, "decode graphs were not captured"
     with pytest.raises(ValueError, match="fused_ops_backend"):
         LLM(tiny_qwen3, fused_ops_backend="cuda-graphs")
-
-
-def _counted(fn, calls: list):
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return fn(*args, **kwargs)
-
-    return counted
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -152,6 +160,8 @@ def test_rotary_and_store_in_one_launch_or_two_agree(tiny_qwen3, monkeypatch, kv
     assert tokens == sep_tokens and lp == sep_lp
     assert tokens[0] == [w[:4] for w in expected(tiny_qwen3)[:4]]
     assert torch.equal(cache.view(torch.uint8), sep_cache.view(torch.uint8))
+    if llm.llm_engine.runner.device.type == "cuda":
+        assert llm.llm_engine.runner.decode_graphs, "decode graphs were not captured"
     layers = len(llm.llm_engine.runner.model.attention_layers())
     assert sep_calls > 0 and sep_calls % layers == 0
     # the FP8 cache measures its scales on the rotated keys of its first step, then stores them

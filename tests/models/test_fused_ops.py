@@ -266,6 +266,31 @@ def test_apply_rotary_store_equals_rotary_then_store(
     assert torch.equal(stored, written), "a slot was written that no token maps to, or one was missed"
 
 
+def test_apply_rotary_store_past_int32_offsets(device):
+    """Slots whose element offset `slot * Hkv * D` exceeds 2^31 (a 4 GiB cache, only its top touched)."""
+    t, hq, hkv, d, block_size = 6, 4, 2, 64, 16
+    num_blocks = (1 << 31) // (block_size * hkv * d) + 16
+    q, k, v = _qkv_views(t, hq, hkv, d, torch.float16, device, seed=41)
+    positions = torch.arange(t, device=device)
+    cache = _cos_sin_cache(16, d).to(device)
+    top = num_blocks * block_size
+    slots = torch.tensor([top - 1, top - 7, -1, top - 40, top - 2, top - 150], device=device)
+    assert int(slots.max()) * hkv * d >= 2**31
+    k_cache = torch.empty((num_blocks, block_size, hkv, d), dtype=torch.float16, device=device)
+    v_cache = torch.empty_like(k_cache)
+    tail = slice(num_blocks - 10, num_blocks)  # covers every slot used
+    k_cache[tail] = float("nan")
+    v_cache[tail] = float("nan")
+    _, k_out = fused.apply_rotary(
+        q, k, positions, cache, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots
+    )
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat_k[s], k_out[i]) and torch.equal(flat_v[s], v[i]), f"token {i} (slot {s})"
+    assert int(torch.isnan(k_cache[tail]).flatten(0, 1).all(-1).all(-1).sum()) == 10 * block_size - (t - 1)
+
+
 def test_apply_rotary_store_twins_agree(device):
     """The Triton call's cache equals its PyTorch twin's (fp32, one rounding of the rotation apart)."""
     t, hq, hkv, d = 7, 4, 2, 32

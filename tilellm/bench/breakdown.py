@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 # (class, name fragments), first match wins; names are lower-cased. Order matters: "_store_kernel"
-# is the KV store, not attention; cuBLAS's split-K reduction belongs to its GEMM.
+# is the KV store, not attention; cuBLAS's split-K reduction belongs to its GEMM. A model whose
+# attention layer rotates and stores in one launch (`apply_rotary` with the cache arguments, the
+# default) counts that store under its "_rotary_kernel", with the element-wise ops.
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("KV store", ("store_kernel", "store_kvcache")),
     # (DeepSeek-V3.2's indexer, _score_kernel and _select_kernel, is part of its sparse attention)

@@ -6,9 +6,12 @@ holds the input checks both share. All math is in fp32; outputs take the input d
 - `rms_norm(x [N, H], weight [H], eps, *, residual=None)`: one program normalises a tile of
   BLOCK_N rows (several rows per program when H is small, e.g. Qwen3's per-head q/k norm).
 - `silu_and_mul(x [N, 2I]) -> [N, I]`: grid over (row tiles, column tiles).
-- `apply_rotary(q, k, positions, cos_sin_cache, *, q_norm_weight=None, k_norm_weight=None, eps)
-  -> (q, k)`: q and k viewed as [T * H, D] rows (one per token and head); a program rotates a
-  tile of rows, each with its token's cos/sin, after Qwen3's per-head RMSNorm when weights are given.
+- `apply_rotary(q, k, positions, cos_sin_cache, *, q_norm_weight=None, k_norm_weight=None, eps,
+  v=None, k_cache=None, v_cache=None, slot_mapping=None, k_scale=None, v_scale=None) -> (q, k)`:
+  q and k viewed as [T * H, D] rows (one per token and head); a program rotates a tile of rows,
+  each with its token's cos/sin, after Qwen3's per-head RMSNorm when weights are given. With the
+  cache arguments, k's programs also write their rotated rows, and the same rows of v, into the
+  paged cache (`store_kvcache` in the same launch).
 """
 
 from __future__ import annotations
@@ -205,8 +208,9 @@ def _store_rows(
     stride_vt, stride_vh, stride_cslot, row0, num_rows, num_heads, half,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANTIZE: tl.constexpr,
 ):  # fmt: skip
-    """The rotated k halves of rows row0..row0+BLOCK_R, and the same rows of v, into their
-    tokens' cache slots (cache rows are [Hkv, D] contiguous; slot -1 skips the token)."""
+    """The rotated k halves of rows row0..row0+BLOCK_R (k1, k2 [BLOCK_R, BLOCK_HALF] in k's
+    dtype), and the same rows of v, into their tokens' cache slots (cache rows are [Hkv, D]
+    contiguous; slot -1 skips the token)."""
     rows = row0 + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows

@@ -77,7 +77,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused_ops)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary_emb = rotary
+        self.rotary_emb = rotary  # (the attention layer applies it; kept under vLLM's name)
         # q and k are rotated (after Qwen3's norms) inside the attention layer, in the launch that
         # also stores K/V into the paged cache
         self.attn = Attention(

@@ -79,6 +79,7 @@ class AttentionBackend:
     name: str = "base"
     ops: types.ModuleType
     mla_ops: types.ModuleType
+    fused_ops: types.ModuleType  # the element-wise ops of `ops`' kind (its `apply_rotary` stores too)
 
     # -- plan: once per step ------------------------------------------------------------------
 
@@ -152,9 +153,15 @@ class AttentionBackend:
         kv_scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
         stored = False
         if positions is not None:
-            # Rotation and store in one launch, except before the pool exists and on an FP8
-            # cache's first step, whose scales are measured on the rotated keys before the store.
-            fuse = k_cache.numel() > 0 and not layer.calibrate_kv_scales and rope_store_fused()
+            # Rotation and store in one launch, except before the pool exists, on an FP8 cache's
+            # first step (its scales are measured on the rotated keys before the store), and
+            # where the model's element-wise ops are not this backend's (the store stays ours).
+            fuse = (
+                k_cache.numel() > 0
+                and not layer.calibrate_kv_scales
+                and layer.rotary.ops is self.fused_ops
+                and rope_store_fused()
+            )
             kv_store = dict(
                 v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, **kv_scales
             )

@@ -4,6 +4,7 @@ default: exact fp32, the oracle's precision)."""
 from __future__ import annotations
 
 import tilellm.kernels.reference as reference_ops
+import tilellm.kernels.reference.fused as reference_fused_ops
 import tilellm.kernels.reference.mla as reference_mla_ops
 from tilellm.attention.backends.base import AttentionBackend
 
@@ -14,3 +15,4 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
     ops = reference_ops
     mla_ops = reference_mla_ops
+    fused_ops = reference_fused_ops

@@ -4,6 +4,7 @@ under Triton's interpreter on CPU."""
 from __future__ import annotations
 
 import tilellm.kernels as triton_ops
+import tilellm.kernels.fused as triton_fused_ops
 import tilellm.kernels.mla as triton_mla_ops
 from tilellm.attention.backends.base import AttentionBackend, AttentionSpec
 from tilellm.kernels.mla import MlaPlan, plan_mla
@@ -16,6 +17,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     ops = triton_ops
     mla_ops = triton_mla_ops
+    fused_ops = triton_fused_ops
     allow_gluon = False
 
     def plan_paged(
