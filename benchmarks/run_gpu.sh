@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU benchmark in one call, on one CUDA GPU:
-#   tests       python -m pytest -q -m gpu tests/kernels tests/engine tests/models
+#   tests       python -m pytest -q -m gpu tests/kernels (in parallel), then tests/engine tests/models
 #   kernels     tilellm bench kernels --graph (every kernel workload beside cuDNN / FlashAttention SDPA,
 #               paged and decode workloads also replayed from CUDA graphs), then the host time of
 #               eager kernel calls (benchmarks/kernel_host_time.py) and the linear layers at decode
@@ -25,13 +25,14 @@
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
 # step passed, 1 otherwise, 2 for an unknown step.
-# Environment: OUT (default ./artifacts), PYTHON (default python3), TESTS (the test paths, default
-# "tests/kernels tests/engine tests/models"), TESTS_TIMEOUT (500 s),
+# Environment: OUT (default ./artifacts), PYTHON (default python3), TESTS (the kernel test paths,
+# default tests/kernels), TEST_WORKERS (4), TESTS_TIMEOUT (500 s),
 # KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the FP8 tests' share),
 # BUDGET_S (seconds for the whole run, steps cut to fit; default none: BUDGET_S=570 in a 600 s call).
-# The GPU tests take about 13 minutes on an H200 (about 200 of their 323 in 480 s); where one call
-# may run 10 minutes at most, run them as two calls, TESTS="$(echo tests/kernels/test_[a-m]*.py)"
-# and TESTS="$(echo tests/kernels/test_[n-z]*.py) tests/engine tests/models", then
+# Run serially, the GPU tests took about 13 minutes on an H200 (about 200 of their 323 in 480 s);
+# `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
+# engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
+# too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run
 # `kernels,throughput`, `pdl`, `merge`, `rope` and `fp8` as calls of their own, each with BUDGET_S=570.
 set -uo pipefail
 
@@ -91,11 +92,18 @@ run_step() {
 }
 
 if selected tests; then
-  # (-o addopts: one process whether or not pytest-xdist is installed; the GPU tests run alone)
+  # The kernel tests in TEST_WORKERS processes sharing the GPU (they check values, not time or
+  # memory); the engine's and models' serially (they size the KV pool from the free memory).
   # (a module whose optional test dependency the machine lacks, e.g. jsonschema, fails alone)
+  parallel=()
+  if [ "${TEST_WORKERS:-4}" -gt 1 ] && "$PYTHON" -c "import xdist" 2>/dev/null; then
+    parallel=(-n "${TEST_WORKERS:-4}" --dist loadfile)
+  fi
   # shellcheck disable=SC2086
   run_step tests "${TESTS_TIMEOUT:-500}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu \
-    --continue-on-collection-errors ${TESTS:-tests/kernels tests/engine tests/models}
+    --continue-on-collection-errors ${parallel[@]+"${parallel[@]}"} ${TESTS:-tests/kernels}
+  run_step tests_engine 200 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu \
+    --continue-on-collection-errors tests/engine tests/models
 fi
 if selected kernels; then
   run_step kernels "${KERNELS_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench kernels --graph \
