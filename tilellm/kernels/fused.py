@@ -290,9 +290,7 @@ def apply_rotary(
     rotated keys go to the paged cache from registers, one launch a layer instead of two.
     """
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
-    store = k_cache is not None
-    if store or v is not None or v_cache is not None or slot_mapping is not None:
-        check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    store = check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
     cache = _last_dim_contiguous(cos_sin_cache)
     positions = positions.contiguous()

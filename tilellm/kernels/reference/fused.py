@@ -106,17 +106,21 @@ def check_apply_rotary(
             )
 
 
-def check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
-    """`apply_rotary`'s cache arguments: all of v, k_cache, v_cache and slot_mapping, as
-    `store_kvcache` takes them (an FP8 cache's scales optional)."""
+def check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
+    """Whether `apply_rotary` also stores: none of its cache arguments given (False), or all of
+    v, k_cache, v_cache and slot_mapping, as `store_kvcache` takes them (an FP8 cache's scales
+    optional)."""
     given = {"v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
     missing = [name for name, t in given.items() if t is None]
+    if len(missing) == len(given):
+        return False
     if missing:
         raise ValueError(
             f"apply_rotary: storing into the KV cache needs v, k_cache, v_cache and slot_mapping; "
             f"{', '.join(missing)} missing"
         )
     validation.check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return True
 
 
 def rms_norm(
@@ -170,9 +174,7 @@ def apply_rotary(
     slot_mapping, k_scale=k_scale, v_scale=v_scale)`.
     """
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
-    store = k_cache is not None
-    if store or v is not None or v_cache is not None or slot_mapping is not None:
-        check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    store = check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     half = q.shape[-1] // 2
     cs = cos_sin_cache.float()[positions.long()]  # [T, D]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
