@@ -116,6 +116,25 @@ def test_fp8_layers_run_the_w8a8_gemm_on_the_dequantized_weights(dirs, backend):
         torch.testing.assert_close(mod(x[:, :k]), x_deq @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("num_tokens", [8, 40])
+def test_fp8_down_proj_quantizes_silu_and_mul_in_its_launch(dirs, backend, num_tokens, monkeypatch):
+    """Steps whose down_proj input is quantized in a launch of its own (more than 16 tokens) get it
+    from SiLU-and-mul's launch: the MLP's output is bit-identical to down_proj(silu_and_mul(.));
+    steps of up to 16 tokens keep the GEMM's in-kernel quantization."""
+    mlp = _load(dirs["block"], fused_ops_backend=backend).model.layers[1].mlp
+    ops, calls = mlp.act_fn.ops, []
+    fused = ops.silu_and_mul_per_token_group_quant_fp8
+    monkeypatch.setattr(
+        ops, "silu_and_mul_per_token_group_quant_fp8", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(3))
+    got = mlp(x)
+    want = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
+    assert torch.equal(got, want)
+    assert len(calls) == (1 if num_tokens > 16 else 0)
+
+
 def test_deepseek_experts_mla_and_indexer(tmp_path):
     """DeepSeek-V3.2 in [16, 16] blocks: the experts load as FP8 with the file's scales; MLA's
     kv_b_proj, read raw, is dequantized once loaded; the router and the indexer's fp32

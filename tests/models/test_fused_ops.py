@@ -122,6 +122,50 @@ def test_silu_and_mul_rejects_bad_input(impl, x, match):
         impl.silu_and_mul(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, i, group", [(1, 128, 128), (37, 384, 128), (70, 64, 32), (5, 96, 48)])
+@pytest.mark.parametrize("column_major_scales", [False, True])
+def test_silu_and_mul_quant_equals_silu_and_mul_then_quant(device, dtype, n, i, group, column_major_scales):
+    """One launch = `silu_and_mul` then `per_token_group_quant_fp8`: the same e4m3 bits and scales,
+    the scales in the layout asked for (bf16 too: no tl.dot, and both sides share the rounding)."""
+    import tilellm.kernels.fp8_gemm as fp8_gemm
+
+    x = _randn(n, 2 * i, dtype=dtype, seed=n, device=device) * 4
+    x_q, x_s = fused.silu_and_mul_per_token_group_quant_fp8(x, group, column_major_scales=column_major_scales)
+    want_q, want_s = fp8_gemm.per_token_group_quant_fp8(
+        fused.silu_and_mul(x), group, column_major_scales=column_major_scales
+    )
+    assert x_q.shape == (n, i) and x_s.shape == (n, i // group)
+    assert torch.equal(x_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(x_s, want_s) and x_s.stride() == want_s.stride()
+    assert x_s.stride(0) == (1 if column_major_scales else i // group)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_quant_twin(device, dtype):
+    """The twin (PyTorch silu_and_mul, then its quantization) within one e4m3 step of the kernel."""
+    x = _randn(19, 512, dtype=dtype, seed=5, device=device) * 4
+    got = [t.float() for t in fused.silu_and_mul_per_token_group_quant_fp8(x, 128)]
+    want = [t.float() for t in ref.silu_and_mul_per_token_group_quant_fp8(x, 128)]
+    torch.testing.assert_close(got[1], want[1], rtol=2e-3, atol=0)
+    deq = [q * s.repeat_interleave(128, dim=1) for q, s in (got, want)]
+    assert bool(((deq[0] - deq[1]).abs() <= 0.125 * deq[1].abs() + 1e-6).all())
+
+
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+@pytest.mark.parametrize(
+    "x, group, match",
+    [
+        (torch.randn(3, 256), 0, "group_size must be a positive int"),
+        (torch.randn(3, 200), 64, "must be a multiple of group_size"),
+        (torch.randn(3, 255), 64, "even last dim"),
+    ],
+)
+def test_silu_and_mul_quant_rejects_bad_input(impl, x, group, match):
+    with pytest.raises(ValueError, match=match):
+        impl.silu_and_mul_per_token_group_quant_fp8(x, group)
+
+
 # ---------------------------------------------------------------------------------------------
 # apply_rotary
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ holds the input checks both share. All math is in fp32; outputs take the input d
 
 - `rms_norm(x [N, H], weight [H], eps, *, residual=None)`: one program normalises a tile of
   BLOCK_N rows (several rows per program when H is small, e.g. Qwen3's per-head q/k norm).
-- `silu_and_mul(x [N, 2I]) -> [N, I]`: grid over (row tiles, column tiles).
+- `silu_and_mul(x [N, 2I]) -> [N, I]`: grid over (row tiles, column tiles);
+  `silu_and_mul_per_token_group_quant_fp8(x, group_size)`: its output quantized to FP8 per token
+  and group as `fp8_gemm.per_token_group_quant_fp8` does, in the same launch (grid: row tiles,
+  groups).
 - `apply_rotary(q, k, positions, cos_sin_cache, *, q_norm_weight=None, k_norm_weight=None, eps,
   v=None, k_cache=None, v_cache=None, slot_mapping=None, k_scale=None, v_scale=None) -> (q, k)`:
   q and k viewed as [T * H, D] rows (one per token and head); a program rotates a tile of rows,
@@ -21,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, next_power_of_2
-from tilellm.kernels.fp8 import is_fp8, to_fp8, unit_scale
+from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX_C, is_fp8, to_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import (
@@ -29,6 +32,7 @@ from tilellm.kernels.reference.fused import (
     check_rms_norm,
     check_rotary_store,
     check_silu_and_mul,
+    check_silu_and_mul_quant,
 )
 
 
@@ -144,6 +148,59 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             **pdl_launch_kwargs(x.device),
         )  # fmt: skip
     return out
+
+
+@triton.jit(do_not_specialize=["N"])
+def _silu_and_mul_quant_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sn, stride_sg, N, I, eps,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """a = silu(gate) * up rounded to x's dtype (what `_silu_and_mul_kernel` stores), then
+    `fp8_gemm`'s per-token-group quantization of a: q = e4m3(a / s), s = max(amax |a|, eps) / 448
+    over each row's GROUP-wide group (program (row tile, group))."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK_G)
+    row_ok = rows < N
+    mask = row_ok[:, None] & (tl.arange(0, BLOCK_G) < GROUP)[None, :]
+    rows64 = rows.to(tl.int64)
+    src = x_ptr + rows64[:, None] * stride_x + cols[None, :]
+    gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
+    a = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    amax = tl.max(tl.abs(a), axis=1)  # masked lanes are 0: they never raise the max
+    s = tl.div_rn(tl.maximum(amax, eps), FP8_MAX_C)  # div_rn: IEEE division, as the twin's
+    tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], to_fp8(tl.div_rn(a, s[:, None])), mask=mask)
+    tl.store(s_ptr + rows64 * stride_sn + g * stride_sg, s, mask=row_ok)
+
+
+_silu_and_mul_quant_launch = FastLaunch(_silu_and_mul_quant_kernel)
+
+
+def silu_and_mul_per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int, *, eps: float = 1e-10, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, 2I] = [gate | up] -> (x_q [N, I] float8_e4m3fn, x_s [N, I // group_size] float32):
+    `per_token_group_quant_fp8(silu_and_mul(x), group_size, ...)` (`tilellm.kernels.fp8_gemm`),
+    the same bits in one launch, without silu_and_mul's output going through memory. The input of
+    an FP8 down projection; `column_major_scales`: x_s with strides (1, N), as cuBLAS reads it.
+    """
+    check_silu_and_mul_quant(x, group_size, eps)
+    n, i = x.shape[0], x.shape[1] // 2
+    groups = i // group_size
+    x_q = torch.empty((n, i), dtype=FP8_DTYPE, device=x.device)
+    shape = (groups, n) if column_major_scales else (n, groups)
+    x_s = torch.empty(shape, dtype=torch.float32, device=x.device)
+    x_s = x_s.t() if column_major_scales else x_s
+    if n > 0 and groups > 0:
+        block_g = next_power_of_2(group_size)
+        # whole groups of several rows, about 4K elements a program (per_token_group_quant_fp8's tiles)
+        block_n = min(max(1, 4096 // block_g), next_power_of_2(n), 16)
+        _silu_and_mul_quant_launch[(cdiv(n, block_n), groups)](
+            x, x_q, x_s, x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1), n, i, float(eps),
+            GROUP=group_size, BLOCK_G=block_g, BLOCK_N=block_n, num_warps=4,
+        )  # fmt: skip
+    return x_q, x_s
 
 
 # ----------------------------------------------------------------------------------------------

@@ -301,6 +301,44 @@ class Fp8LinearMethod(LinearMethod):
         if self.static_activations:  # one per checkpoint shard until loaded, then their largest
             layer.input_scale = input_scale_param(len(layer.shard_ids), device=device)
 
+    def _group_scaled_mm(self, num_tokens: int) -> bool:
+        """Whether a dynamically quantized step of `num_tokens` runs cuBLAS's block-scaled GEMM
+        (which reads column-major activation scales) rather than Triton's."""
+        return self.use_scaled_mm and num_tokens >= SCALED_MM_MIN_TOKENS and num_tokens % 16 == 0
+
+    def apply_silu_and_mul(
+        self, layer: LinearBase, x: torch.Tensor, ops: types.ModuleType
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of x [T, 2I] quantized per token and group in the activation's launch
+        (`ops.silu_and_mul_per_token_group_quant_fp8`: the same bits as the two), then the GEMM,
+        for the steps whose input `apply` quantizes in a launch of its own (more than
+        `IN_GEMM_QUANT_MAX_TOKENS` tokens, dynamic scales); None for the others."""
+        num_tokens = x.numel() // max(1, x.shape[-1])
+        fused = getattr(ops, "silu_and_mul_per_token_group_quant_fp8", None)
+        if fused is None or self.static_activations or num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:
+            return None
+        x2d = x.reshape(num_tokens, x.shape[-1])
+        scaled_mm = self._group_scaled_mm(num_tokens)
+        x_q, x_s = fused(x2d, self.block_size[1], column_major_scales=scaled_mm)
+        y = self._group_gemm(layer, x_q, x_s, scaled_mm, x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _group_gemm(
+        self, layer: LinearBase, x_q: torch.Tensor, x_s: torch.Tensor, scaled_mm: bool, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """x_q [M, K] e4m3 with per-token-group scales x_s [M, K / bk] -> [M, N] in `dtype`."""
+        y = None
+        if scaled_mm:
+            y = self._scaled_mm(
+                layer, self.ops.scaled_mm_block_fp8, x_q, layer.weight, x_s, layer.weight_scale_inv,
+                list(self.block_size), dtype,
+            )  # fmt: skip
+        if y is None:
+            y = self.ops.w8a8_block_fp8_matmul(
+                x_q, layer.weight, x_s, layer.weight_scale_inv, list(self.block_size), dtype
+            )
+        return y
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype: x quantized per token and bk-wide group (or by the
         layer's static `input_scale`), then the block-scaled FP8 GEMM (the scales applied in fp32,
@@ -324,14 +362,10 @@ class Fp8LinearMethod(LinearMethod):
             if y is None:
                 x_s = self.ops.broadcast_input_scale(scale, num_tokens, x2d.shape[1] // bk)
         else:
-            scaled_mm = scaled_mm and num_tokens % 16 == 0
+            scaled_mm = self._group_scaled_mm(num_tokens)
             x_q, x_s = self.ops.per_token_group_quant_fp8(x2d, bk, column_major_scales=scaled_mm)
-            if scaled_mm:
-                y = self._scaled_mm(
-                    layer, self.ops.scaled_mm_block_fp8, x_q, layer.weight, x_s, layer.weight_scale_inv,
-                    [bn, bk], x.dtype,
-                )  # fmt: skip
-        if y is None:
+            y = self._group_gemm(layer, x_q, x_s, scaled_mm, x.dtype)
+        if y is None:  # static scales on Triton's GEMM
             y = self.ops.w8a8_block_fp8_matmul(
                 x_q, layer.weight, x_s, layer.weight_scale_inv, [bn, bk], x.dtype
             )

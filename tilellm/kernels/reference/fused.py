@@ -106,6 +106,21 @@ def check_apply_rotary(
             )
 
 
+def check_silu_and_mul_quant(x: torch.Tensor, group_size: int, eps: float) -> None:
+    """x [N, 2I] = [gate | up] with I a multiple of group_size (`silu_and_mul`'s output as
+    `per_token_group_quant_fp8` takes it)."""
+    name = "silu_and_mul_per_token_group_quant_fp8"
+    check_silu_and_mul(x)
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+        raise ValueError(f"{name}: group_size must be a positive int, got {group_size!r}")
+    if (x.shape[1] // 2) % group_size:
+        raise ValueError(
+            f"{name}: I = x.shape[1] / 2 = {x.shape[1] // 2} must be a multiple of group_size {group_size}"
+        )
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"{name}: eps must be a positive number, got {eps!r}")
+
+
 def check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
     """Whether `apply_rotary` also stores: none of its cache arguments given (False), or all of
     v, k_cache, v_cache and slot_mapping, as `store_kvcache` takes them (an FP8 cache's scales
@@ -146,6 +161,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_silu_and_mul(x)
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def silu_and_mul_per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int, *, eps: float = 1e-10, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, 2I] = [gate | up] -> per_token_group_quant_fp8(silu_and_mul(x), group_size, ...):
+    (x_q [N, I] float8_e4m3fn, x_s [N, I // group_size] float32)."""
+    check_silu_and_mul_quant(x, group_size, eps)
+    return reference_kernels.per_token_group_quant_fp8(
+        silu_and_mul(x), group_size, eps=eps, column_major_scales=column_major_scales
+    )
 
 
 def apply_rotary(

@@ -27,6 +27,7 @@ bk), every shard on whole blocks.
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +172,14 @@ class LinearMethod:
             y = skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, layer.weight, bias)
+
+    def apply_silu_and_mul(
+        self, layer: LinearBase, x: torch.Tensor, ops: types.ModuleType
+    ) -> torch.Tensor | None:
+        """`layer(silu_and_mul(x))` for x [T, 2I] = [gate | up] (`ops`: the model's element-wise
+        ops) where this method can fuse the activation into its input path, else None: the caller
+        runs the two. A 16/32-bit layer fuses nothing."""
+        return None
 
     def process_weights_after_loading(self, layer: LinearBase, dtype: torch.dtype) -> None:
         """Runs once every checkpoint tensor has been loaded; `dtype` is the model's."""
@@ -399,7 +408,16 @@ class RowParallelLinear(LinearBase):
         return ShardLayout(1, 0, self.tp_rank * k, k, k * self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, None)
+        return self._reduce(self.quant_method.apply(self, x, None))
+
+    def apply_silu_and_mul(self, x: torch.Tensor, ops: types.ModuleType) -> torch.Tensor | None:
+        """`self(ops.silu_and_mul(x))` with the activation fused into the weight method's input
+        path (an FP8 layer's quantization), or None where it is not (`LinearMethod.apply_silu_and_mul`)."""
+        y = self.quant_method.apply_silu_and_mul(self, x, ops)
+        return None if y is None else self._reduce(y)
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product -> the layer's output (all-reduced, then the bias added)."""
         if self.reduce_results:
             y = all_reduce(y, self.tp_size)
         return y + self.bias if self.bias is not None else y

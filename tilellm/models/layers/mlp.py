@@ -38,4 +38,7 @@ class GatedMLP(nn.Module):
         self.act_fn = SiluAndMul(fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        # An FP8 down_proj quantizes silu(gate) * up in the activation's own launch.
+        y = self.down_proj.apply_silu_and_mul(gate_up, self.act_fn.ops)
+        return y if y is not None else self.down_proj(self.act_fn(gate_up))
