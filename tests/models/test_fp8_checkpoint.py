@@ -117,7 +117,7 @@ def test_fp8_layers_run_the_w8a8_gemm_on_the_dequantized_weights(dirs, backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("num_tokens", [8, 40])
+@pytest.mark.parametrize("num_tokens", [8, 16, 17, 40])
 def test_fp8_down_proj_quantizes_silu_and_mul_in_its_launch(dirs, backend, num_tokens, monkeypatch):
     """Steps whose down_proj input is quantized in a launch of its own (more than 16 tokens) get it
     from SiLU-and-mul's launch: the MLP's output is bit-identical to down_proj(silu_and_mul(.));

@@ -141,6 +141,17 @@ def test_silu_and_mul_quant_equals_silu_and_mul_then_quant(device, dtype, n, i, 
     assert x_s.stride(0) == (1 if column_major_scales else i // group)
 
 
+def test_silu_and_mul_quant_strided_rows(device):
+    """Rows of a wider buffer (row stride > 2I) and a non-unit last-dim stride read as their values."""
+    wide = _randn(9, 3 * 256, seed=6, device=device) * 4
+    for x in (wide[:, :512], wide[:, 1::2][:, :256]):  # a row-strided view; every other column
+        got = fused.silu_and_mul_per_token_group_quant_fp8(x, 64)
+        want = fused.silu_and_mul_per_token_group_quant_fp8(x.contiguous(), 64)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(
+            got[1], want[1]
+        )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_quant_twin(device, dtype):
     """The twin (PyTorch silu_and_mul, then its quantization) within one e4m3 step of the kernel."""

@@ -186,6 +186,7 @@ def silu_and_mul_per_token_group_quant_fp8(
     an FP8 down projection; `column_major_scales`: x_s with strides (1, N), as cuBLAS reads it.
     """
     check_silu_and_mul_quant(x, group_size, eps)
+    x = _last_dim_contiguous(x)
     n, i = x.shape[0], x.shape[1] // 2
     groups = i // group_size
     x_q = torch.empty((n, i), dtype=FP8_DTYPE, device=x.device)

@@ -176,9 +176,10 @@ class LinearMethod:
     def apply_silu_and_mul(
         self, layer: LinearBase, x: torch.Tensor, ops: types.ModuleType
     ) -> torch.Tensor | None:
-        """`layer(silu_and_mul(x))` for x [T, 2I] = [gate | up] (`ops`: the model's element-wise
-        ops) where this method can fuse the activation into its input path, else None: the caller
-        runs the two. A 16/32-bit layer fuses nothing."""
+        """`apply(layer, silu_and_mul(x), None)` for x [T, 2I] = [gate | up] (`ops`: the model's
+        element-wise ops) where this method can fuse the activation into its input path, else
+        None: the caller runs the two. The caller adds the bias (`RowParallelLinear._reduce`).
+        A 16/32-bit layer fuses nothing."""
         return None
 
     def process_weights_after_loading(self, layer: LinearBase, dtype: torch.dtype) -> None:
