@@ -418,9 +418,13 @@ class RowParallelLinear(LinearBase):
         return None if y is None else self._reduce(y)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """This rank's partial product -> the layer's output (all-reduced, then the bias added)."""
+        """This rank's partial product -> the layer's output: all-reduced, then the bias added; or,
+        with `reduce_results=False`, this rank's partial sum, which carries the bias on rank 0
+        only (the caller's all-reduce then adds it once)."""
         if self.reduce_results:
             y = all_reduce(y, self.tp_size)
+        elif self.tp_rank != 0:
+            return y
         return y + self.bias if self.bias is not None else y
 
 
