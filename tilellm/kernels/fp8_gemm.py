@@ -73,6 +73,17 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 # ----------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def quantize_groups(x, eps):
+    """x [BLOCK_M, BLOCK_G] fp32, one group of each row (lanes past the group 0) -> (q e4m3
+    [BLOCK_M, BLOCK_G], s [BLOCK_M] fp32): s = max(amax |x|, eps) / 448, q = to_fp8(x / s), both
+    divisions IEEE-rounded (`tl.div_rn`: Triton's `/` on fp32 is approximate on the GPU), so they
+    match the PyTorch twin bit for bit."""
+    amax = tl.max(tl.abs(x), axis=1)  # lanes past the group are 0: they never raise the max
+    s = tl.div_rn(tl.maximum(amax, eps), FP8_MAX_C)
+    return to_fp8(tl.div_rn(x, s[:, None])), s
+
+
 @triton.jit(do_not_specialize=["M", "eps"])
 def _per_token_group_quant_kernel(
     X, Q, S, M, eps,
@@ -87,14 +98,31 @@ def _per_token_group_quant_kernel(
     ok = row_ok[:, None] & (tl.arange(0, BLOCK_G) < GROUP)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # masked lanes are 0: they never raise the max
-    s = tl.div_rn(tl.maximum(amax, eps), FP8_MAX_C)
-    q = to_fp8(tl.div_rn(x, s[:, None]))
+    q, s = quantize_groups(x, eps)
     tl.store(Q + rows64[:, None] * stride_qm + cols[None, :], q, mask=ok)
     tl.store(S + rows64 * stride_sm + g * stride_sg, s, mask=row_ok)
 
 
 _per_token_group_quant_launch = FastLaunch(_per_token_group_quant_kernel)
+
+
+def group_quant_outputs(
+    m: int, k: int, group_size: int, device: torch.device, column_major_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of quantizing [m, k] per token and group: x_q [m, k] e4m3 and x_s
+    [m, k // group_size] fp32, with strides (1, m) when `column_major_scales`."""
+    groups = k // group_size
+    x_q = _empty((m, k), FP8_DTYPE, device)
+    if column_major_scales:
+        return x_q, _empty((groups, m), torch.float32, device).t()
+    return x_q, _empty((m, groups), torch.float32, device)
+
+
+def group_quant_tile(group_size: int, m: int) -> tuple[int, int]:
+    """(BLOCK_G, BLOCK_M) of a per-token-group quantization program: whole groups of several rows,
+    about 4K elements (16 rows of a 128-wide group; 64 under the interpreter, for speed)."""
+    block_g = next_power_of_2(group_size)
+    return block_g, min(max(1, 4096 // block_g), next_power_of_2(m), 16 if not interpreting() else 64)
 
 
 def per_token_group_quant_fp8(
@@ -108,19 +136,11 @@ def per_token_group_quant_fp8(
     """
     check_per_token_group_quant(x, group_size, eps)
     M, K = x.shape
-    G = K // group_size
-    x_q = _empty((M, K), FP8_DTYPE, x.device)
-    x_s = (
-        _empty((G, M), torch.float32, x.device).t()
-        if column_major_scales
-        else _empty((M, G), torch.float32, x.device)
-    )
-    if M == 0 or G == 0:
+    x_q, x_s = group_quant_outputs(M, K, group_size, x.device, column_major_scales)
+    if M == 0 or K == 0:
         return x_q, x_s
-    block_g = next_power_of_2(group_size)
-    # About 4K elements a program: whole groups of several rows (16 rows of a 128-wide group).
-    block_m = min(max(1, 4096 // block_g), next_power_of_2(M), 16 if not interpreting() else 64)
-    grid = (cdiv(M, block_m), G)
+    block_g, block_m = group_quant_tile(group_size, M)
+    grid = (cdiv(M, block_m), K // group_size)
     _per_token_group_quant_launch[grid](
         x, x_q, x_s, M, float(eps),
         x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1),

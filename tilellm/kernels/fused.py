@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, next_power_of_2
-from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX_C, is_fp8, to_fp8, unit_scale
+from tilellm.kernels.fp8 import is_fp8, to_fp8, unit_scale
+from tilellm.kernels.fp8_gemm import group_quant_outputs, group_quant_tile, quantize_groups
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import (
@@ -168,9 +169,8 @@ def _silu_and_mul_quant_kernel(
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
     a = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    amax = tl.max(tl.abs(a), axis=1)  # masked lanes are 0: they never raise the max
-    s = tl.div_rn(tl.maximum(amax, eps), FP8_MAX_C)  # div_rn: IEEE division, as the twin's
-    tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], to_fp8(tl.div_rn(a, s[:, None])), mask=mask)
+    q, s = quantize_groups(a, eps)
+    tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows64 * stride_sn + g * stride_sg, s, mask=row_ok)
 
 
@@ -188,16 +188,10 @@ def silu_and_mul_per_token_group_quant_fp8(
     check_silu_and_mul_quant(x, group_size, eps)
     x = _last_dim_contiguous(x)
     n, i = x.shape[0], x.shape[1] // 2
-    groups = i // group_size
-    x_q = torch.empty((n, i), dtype=FP8_DTYPE, device=x.device)
-    shape = (groups, n) if column_major_scales else (n, groups)
-    x_s = torch.empty(shape, dtype=torch.float32, device=x.device)
-    x_s = x_s.t() if column_major_scales else x_s
-    if n > 0 and groups > 0:
-        block_g = next_power_of_2(group_size)
-        # whole groups of several rows, about 4K elements a program (per_token_group_quant_fp8's tiles)
-        block_n = min(max(1, 4096 // block_g), next_power_of_2(n), 16)
-        _silu_and_mul_quant_launch[(cdiv(n, block_n), groups)](
+    x_q, x_s = group_quant_outputs(n, i, group_size, x.device, column_major_scales)
+    if n > 0 and i > 0:
+        block_g, block_n = group_quant_tile(group_size, n)  # per_token_group_quant_fp8's tiles
+        _silu_and_mul_quant_launch[(cdiv(n, block_n), i // group_size)](
             x, x_q, x_s, x.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1), n, i, float(eps),
             GROUP=group_size, BLOCK_G=block_g, BLOCK_N=block_n, num_warps=4,
         )  # fmt: skip

@@ -162,10 +162,12 @@ class AttentionBackend:
                 and layer.rotary.ops is self.fused_ops
                 and rope_store_fused()
             )
-            kv_store = dict(
-                v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, **kv_scales
-            )
-            q, k = layer.rotate(q, k, positions, kv_store if fuse else None)
+            kv_store = None
+            if fuse:
+                kv_store = dict(
+                    v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, **kv_scales
+                )
+            q, k = layer.rotate(q, k, positions, kv_store)
             stored = fuse
         if k_cache.numel() == 0:
             # Profiling pass before the pool exists: plain causal prefill over this step's K/V.
