@@ -79,6 +79,12 @@ def _cases() -> dict[str, tuple]:
             {},
             False,
         )
+    quant_types = norm_types | {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "quant_eps": "fp32"}
+    for residual in (False, True):  # the norm with the FP8 quantization of its output
+        constexprs = dict(HAS_RESIDUAL=residual, GROUP=128, BLOCK_N=4, BLOCK_H=1024, USE_PDL=True)
+        cases[f"rms_norm_quant-residual={residual}"] = (
+            fused._rms_norm_quant_kernel, quant_types, constexprs, (), {}, False,
+        )  # fmt: skip
     cases["silu_and_mul"] = (
         fused._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"},
         dict(BLOCK_N=1, BLOCK_I=2048, USE_PDL=True), (), {}, False,
@@ -144,6 +150,7 @@ def _cases() -> dict[str, tuple]:
 
 CASES = (
     [f"rms_norm-residual={r}" for r in (False, True)]
+    + [f"rms_norm_quant-residual={r}" for r in (False, True)]
     + ["silu_and_mul"]
     + [f"rotary-norm={n}" for n in (False, True)]
     + [f"rotary_store-fp8={f}" for f in (False, True)]

@@ -18,7 +18,7 @@ from tilellm.kernels.reference.fp8_gemm import (
     quantize_fp8_block,
 )
 from tilellm.models import load_model
-from tilellm.models.layers.linear import UNQUANTIZED
+from tilellm.models.layers.linear import UNQUANTIZED, QuantizedActivation
 from tilellm.models.quantization import Fp8Config, dequantize_linear_, resolve_quantization
 from tilellm.testing import dequantize_model_dir, make_tiny_model, make_tiny_moe_model, quantize_model_dir_fp8
 
@@ -133,6 +133,53 @@ def test_fp8_down_proj_quantizes_silu_and_mul_in_its_launch(dirs, backend, num_t
     want = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
     assert torch.equal(got, want)
     assert len(calls) == (1 if num_tokens > 16 else 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("num_tokens", [16, 17, 40])
+@pytest.mark.parametrize("first_layer", [False, True])  # no residual yet in the first layer
+def test_fp8_qkv_and_gate_up_take_their_input_quantized_in_the_norms_launch(
+    dirs, backend, num_tokens, first_layer, monkeypatch
+):
+    """Steps whose qkv_proj / gate_up_proj input is quantized in a launch of its own (more than 16
+    tokens) get it from the RMSNorm before, as a `QuantizedActivation`: the layers' outputs and
+    the residual bit-identical to the norm then the layer; up to 16 tokens the norm returns the
+    tensor and the GEMM quantizes as it loads."""
+    layer = _load(dirs["block"], fused_ops_backend=backend).model.layers[1]
+    ops, calls = layer.input_layernorm.ops, []
+    fused = ops.rms_norm_per_token_group_quant_fp8
+    monkeypatch.setattr(
+        ops, "rms_norm_per_token_group_quant_fp8", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
+    gen = torch.Generator().manual_seed(num_tokens)
+    x, residual = torch.randn(num_tokens, 64, generator=gen), torch.randn(num_tokens, 64, generator=gen)
+    assert layer.self_attn.input_linear is layer.self_attn.qkv_proj
+    assert layer.mlp.input_linear is layer.mlp.gate_up_proj
+    for norm, linear in [
+        (layer.input_layernorm, layer.self_attn.qkv_proj),
+        (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+    ]:
+        if first_layer:
+            got, want = norm(x, quant_for=linear), norm(x)
+        else:
+            (got, got_res), (want, want_res) = norm(x, residual, quant_for=linear), norm(x, residual)
+            assert torch.equal(got_res, want_res)
+        assert isinstance(got, QuantizedActivation) == (num_tokens > 16)
+        assert torch.equal(linear(got), linear(want))
+    assert len(calls) == (2 if num_tokens > 16 else 0)
+
+
+def test_moe_and_mla_blocks_name_no_single_input_linear(tmp_path):
+    """An MoE block's input goes to its router and experts, MLA's to several projections: the
+    norms before them quantize nothing (`PreNormDecoderLayer` finds no `input_linear`); DeepSeek's
+    dense first layer's MLP names its gate_up_proj."""
+    src = make_tiny_moe_model(tmp_path / "src", vocab_size=383)
+    layers = _load(quantize_model_dir_fp8(src, tmp_path / "fp8", (16, 16))).model.layers
+    assert layers[0].mlp.input_linear is layers[0].mlp.gate_up_proj
+    assert layers[0].mlp.gate_up_proj.input_group_quant(32) == (16, False)
+    for layer in layers[1:]:
+        assert getattr(layer.mlp, "input_linear", None) is None
+    assert all(getattr(layer.self_attn, "input_linear", None) is None for layer in layers)
 
 
 def test_deepseek_experts_mla_and_indexer(tmp_path):

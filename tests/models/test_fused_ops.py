@@ -177,6 +177,88 @@ def test_silu_and_mul_quant_rejects_bad_input(impl, x, group, match):
         impl.silu_and_mul_per_token_group_quant_fp8(x, group)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, h, group", [(1, 128, 128), (37, 384, 128), (70, 96, 32), (5, 1024, 128)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("column_major_scales", [False, True])
+def test_rms_norm_quant_equals_rms_norm_then_quant(
+    device, dtype, n, h, group, with_residual, column_major_scales
+):
+    """One launch = `rms_norm` then `per_token_group_quant_fp8`: the same e4m3 bits and scales,
+    the same new residual, the scales in the layout asked for. H = 384 and 96 leave the padded
+    row's last group of lanes empty (the tile is a power of two wide)."""
+    import tilellm.kernels.fp8_gemm as fp8_gemm
+
+    x = _randn(n, h, dtype=dtype, seed=n, device=device) * 3
+    weight = _randn(h, seed=h, device=device).to(dtype) + 1
+    residual = _randn(n, h, dtype=dtype, seed=n + 1, device=device) if with_residual else None
+    got = fused.rms_norm_per_token_group_quant_fp8(
+        x, weight, 1e-6, group, residual=residual, column_major_scales=column_major_scales
+    )
+    normed = fused.rms_norm(x, weight, 1e-6, residual=residual)
+    y, want_res = normed if with_residual else (normed, None)
+    want_q, want_s = fp8_gemm.per_token_group_quant_fp8(y, group, column_major_scales=column_major_scales)
+    assert len(got) == (3 if with_residual else 2)
+    x_q, x_s = got[0], got[1]
+    assert x_q.shape == (n, h) and x_s.shape == (n, h // group)
+    assert torch.equal(x_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(x_s, want_s) and x_s.stride() == want_s.stride()
+    assert x_s.stride(0) == (1 if column_major_scales else h // group)
+    if with_residual:
+        assert torch.equal(got[2], want_res)
+
+
+def test_rms_norm_quant_strided_rows(device):
+    """Rows of a wider buffer, and a residual that is one, read as their values."""
+    wide = _randn(9, 3 * 256, seed=6, device=device) * 4
+    res_wide = _randn(9, 512, seed=7, device=device)
+    weight = _randn(256, seed=8, device=device)
+    for x in (wide[:, :256], wide[:, 1::2][:, :256]):  # a row-strided view; every other column
+        got = fused.rms_norm_per_token_group_quant_fp8(x, weight, 1e-5, 64, residual=res_wide[:, ::2])
+        want = fused.rms_norm_per_token_group_quant_fp8(
+            x.contiguous(), weight, 1e-5, 64, residual=res_wide[:, ::2].contiguous()
+        )
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_rms_norm_quant_empty(device):
+    x = torch.empty(0, 256, device=device)
+    x_q, x_s = fused.rms_norm_per_token_group_quant_fp8(x, torch.ones(256, device=device), 1e-6, 128)
+    assert x_q.shape == (0, 256) and x_s.shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_quant_twin(device, dtype):
+    """The twin (PyTorch rms_norm, then its quantization) within one e4m3 step of the kernel."""
+    x = _randn(19, 512, dtype=dtype, seed=5, device=device) * 4
+    weight = _randn(512, seed=9, device=device).to(dtype)
+    residual = _randn(19, 512, dtype=dtype, seed=10, device=device)
+    args = (x, weight, 1e-6, 128)
+    got = [t.float() for t in fused.rms_norm_per_token_group_quant_fp8(*args, residual=residual)]
+    want = [t.float() for t in ref.rms_norm_per_token_group_quant_fp8(*args, residual=residual)]
+    torch.testing.assert_close(got[1], want[1], rtol=2e-3, atol=0)
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+    deq = [q * s.repeat_interleave(128, dim=1) for q, s, _ in (got, want)]
+    assert bool(((deq[0] - deq[1]).abs() <= 0.125 * deq[1].abs() + 1e-6).all())
+
+
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+@pytest.mark.parametrize(
+    "h, group, kwargs, match",
+    [
+        (256, 0, {}, "group_size must be a positive int"),
+        (200, 64, {}, "must be a multiple of group_size"),
+        (96, 48, {}, "group_size must be a power of two"),
+        (256, 128, {"quant_eps": 0.0}, "quant_eps must be a positive number"),
+        (256, 128, {"residual": torch.randn(3, 128)}, "residual shape"),
+    ],
+)
+def test_rms_norm_quant_rejects_bad_input(impl, h, group, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        impl.rms_norm_per_token_group_quant_fp8(torch.randn(3, h), torch.ones(h), 1e-6, group, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------
 # apply_rotary
 # ---------------------------------------------------------------------------------------------

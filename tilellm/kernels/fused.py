@@ -5,6 +5,8 @@ holds the input checks both share. All math is in fp32; outputs take the input d
 
 - `rms_norm(x [N, H], weight [H], eps, *, residual=None)`: one program normalises a tile of
   BLOCK_N rows (several rows per program when H is small, e.g. Qwen3's per-head q/k norm).
+  `rms_norm_per_token_group_quant_fp8(x, weight, eps, group_size, *, residual=None)`: y quantized
+  to FP8 per token and group as `fp8_gemm.per_token_group_quant_fp8` does, in the same launch.
 - `silu_and_mul(x [N, 2I]) -> [N, I]`: grid over (row tiles, column tiles);
   `silu_and_mul_per_token_group_quant_fp8(x, group_size)`: its output quantized to FP8 per token
   and group as `fp8_gemm.per_token_group_quant_fp8` does, in the same launch (grid: row tiles,
@@ -31,6 +33,7 @@ from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import (
     check_apply_rotary,
     check_rms_norm,
+    check_rms_norm_quant,
     check_rotary_store,
     check_silu_and_mul,
     check_silu_and_mul_quant,
@@ -106,6 +109,88 @@ def rms_norm(
             num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device),
         )  # fmt: skip
     return y if res_out is y else (y, res_out)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _rms_norm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr,
+    stride_x, stride_res, stride_q, stride_sn, stride_sg, stride_res_out,
+    N, H, eps, quant_eps,
+    HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """`_rms_norm_kernel`'s y, rounded to x's dtype as it stores it, then `fp8_gemm`'s
+    per-token-group quantization of y: the row of BLOCK_H lanes viewed as BLOCK_H / GROUP groups
+    (the lanes past H, and the groups made only of them, are 0 and not stored)."""
+    pdl_start(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok = rows < N
+    mask = row_ok[:, None] & (cols[None, :] < H)
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows64 * stride_res_out + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / H
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    y = (x * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    # -- one scale per row and GROUP-wide group: [BLOCK_N, BLOCK_H] as [BLOCK_N * groups, GROUP] --
+    NUM_G: tl.constexpr = BLOCK_H // GROUP
+    q, s = quantize_groups(tl.reshape(y, (BLOCK_N * NUM_G, GROUP)), quant_eps)
+    tl.store(q_ptr + rows64 * stride_q + cols[None, :], tl.reshape(q, (BLOCK_N, BLOCK_H)), mask=mask)
+    g = tl.arange(0, NUM_G)
+    s_mask = row_ok[:, None] & (g[None, :] * GROUP < H)
+    tl.store(
+        s_ptr + rows64 * stride_sn + g[None, :] * stride_sg, tl.reshape(s, (BLOCK_N, NUM_G)), mask=s_mask
+    )
+
+
+_rms_norm_quant_launch = FastLaunch(_rms_norm_quant_kernel)
+
+
+def rms_norm_per_token_group_quant_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    *,
+    residual: torch.Tensor | None = None,
+    quant_eps: float = 1e-10,
+    column_major_scales: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`per_token_group_quant_fp8(rms_norm(x, weight, eps, residual=residual), group_size,
+    eps=quant_eps)` (`tilellm.kernels.fp8_gemm`): the same bits in one launch, the normalised rows
+    never going through memory. The input of an FP8 linear layer after a decoder's norm.
+
+    x [N, H] with H a multiple of `group_size`, a power of two -> (x_q [N, H] float8_e4m3fn,
+    x_s [N, H // group_size] float32), plus the new residual [N, H] (x + residual in x's dtype)
+    when `residual` is given; `column_major_scales`: x_s with strides (1, N), as cuBLAS reads it.
+    """
+    check_rms_norm_quant(x, weight, eps, residual, group_size, quant_eps)
+    x = _last_dim_contiguous(x)
+    weight = weight.contiguous()
+    n, h = x.shape
+    x_q, x_s = group_quant_outputs(n, h, group_size, x.device, column_major_scales)
+    if residual is not None:
+        residual = _last_dim_contiguous(residual)
+        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        residual = res_out = x  # unused (HAS_RESIDUAL=False)
+    if n > 0:
+        block_h = next_power_of_2(h)
+        block_n = max(1, min(64, 4096 // block_h))  # rms_norm's tiles
+        _rms_norm_quant_launch[(cdiv(n, block_n),)](
+            x, residual, weight, x_q, x_s, res_out,
+            x.stride(0), residual.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1), res_out.stride(0),
+            n, h, float(eps), float(quant_eps),
+            HAS_RESIDUAL=res_out is not x, GROUP=group_size, BLOCK_N=block_n, BLOCK_H=block_h,
+            num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device),
+        )  # fmt: skip
+    return (x_q, x_s) if res_out is x else (x_q, x_s, res_out)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from tilellm.models.layers.layernorm import RMSNorm
 from tilellm.models.layers.linear import (
     ParallelLMHead,
     QKVParallelLinear,
+    QuantizedActivation,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -85,7 +86,12 @@ class LlamaAttention(nn.Module):
             rotary=rotary, q_norm=self.q_norm, k_norm=self.k_norm,
         )  # fmt: skip
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_linear(self) -> QKVParallelLinear:
+        """The one layer that reads this block's input (the norm before may quantize for it)."""
+        return self.qkv_proj
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
@@ -120,12 +126,16 @@ class PreNormDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # A sublayer whose input one linear layer reads names it (`input_linear`): an FP8 layer's
+        # input is then quantized in the norm's launch (`RMSNorm.forward`'s quant_for).
+        attn_in = getattr(self.self_attn, "input_linear", None)
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, quant_for=attn_in)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quant_for=attn_in)
         hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        mlp_in = getattr(self.mlp, "input_linear", None)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, quant_for=mlp_in)
         return self.mlp(hidden), residual
 
 

@@ -71,6 +71,7 @@ from tilellm.models.layers.linear import (
     UNQUANTIZED,
     LinearBase,
     LinearMethod,
+    QuantizedActivation,
     input_scale_param,
     is_block_aligned,
     reduce_input_scale,
@@ -306,21 +307,30 @@ class Fp8LinearMethod(LinearMethod):
         (which reads column-major activation scales) rather than Triton's."""
         return self.use_scaled_mm and num_tokens >= SCALED_MM_MIN_TOKENS and num_tokens % 16 == 0
 
+    def input_group_quant(self, layer: LinearBase, num_tokens: int) -> tuple[int, bool] | None:
+        """(bk, whether cuBLAS's GEMM reads the scales: column-major) for the steps whose input
+        `apply` quantizes in a launch of its own: dynamic scales, more than
+        `IN_GEMM_QUANT_MAX_TOKENS` tokens (up to that the GEMM quantizes as it loads). The op
+        before the layer quantizes in its own launch then: RMSNorm, SiLU-and-mul."""
+        if self.static_activations or num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:
+            return None
+        return self.block_size[1], self._group_scaled_mm(num_tokens)
+
     def apply_silu_and_mul(
         self, layer: LinearBase, x: torch.Tensor, ops: types.ModuleType
     ) -> torch.Tensor | None:
         """silu(gate) * up of x [T, 2I] quantized per token and group in the activation's launch
         (`ops.silu_and_mul_per_token_group_quant_fp8`: the same bits as the two), then the GEMM,
-        for the steps whose input `apply` quantizes in a launch of its own (more than
-        `IN_GEMM_QUANT_MAX_TOKENS` tokens, dynamic scales); None for the others."""
+        for the steps `input_group_quant` names; None for the others."""
         num_tokens = x.numel() // max(1, x.shape[-1])
         fused = getattr(ops, "silu_and_mul_per_token_group_quant_fp8", None)
-        if fused is None or self.static_activations or num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:
+        quant = self.input_group_quant(layer, num_tokens)
+        if fused is None or quant is None:
             return None
+        group_size, column_major_scales = quant
         x2d = x.reshape(num_tokens, x.shape[-1])
-        scaled_mm = self._group_scaled_mm(num_tokens)
-        x_q, x_s = fused(x2d, self.block_size[1], column_major_scales=scaled_mm)
-        y = self._group_gemm(layer, x_q, x_s, scaled_mm, x.dtype)
+        x_q, x_s = fused(x2d, group_size, column_major_scales=column_major_scales)
+        y = self._group_gemm(layer, x_q, x_s, column_major_scales, x.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _group_gemm(
@@ -339,10 +349,16 @@ class Fp8LinearMethod(LinearMethod):
             )
         return y
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype: x quantized per token and bk-wide group (or by the
         layer's static `input_scale`), then the block-scaled FP8 GEMM (the scales applied in fp32,
-        one rounding to x's dtype); static layers' many-token steps through `scaled_mm_fp8`."""
+        one rounding to x's dtype); static layers' many-token steps through `scaled_mm_fp8`. An
+        input the op before quantized (`QuantizedActivation`, [T, K]) goes to the GEMM as it is."""
+        if isinstance(x, QuantizedActivation):
+            y = self._group_gemm(layer, x.x_q, x.x_s, x.column_major_scales, x.dtype)
+            return y if bias is None else y + bias
         bn, bk = self.block_size
         x2d = x.reshape(-1, x.shape[-1])
         num_tokens = x2d.shape[0]

@@ -106,19 +106,39 @@ def check_apply_rotary(
             )
 
 
+def _check_group_quant(name: str, k: int, group_size: int, eps: float, eps_name: str = "eps") -> None:
+    """The quantization arguments of a fused op whose k-wide output is quantized per token and
+    group, as `per_token_group_quant_fp8` takes them."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+        raise ValueError(f"{name}: group_size must be a positive int, got {group_size!r}")
+    if k % group_size:
+        raise ValueError(f"{name}: the {k} quantized channels must be a multiple of group_size {group_size}")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"{name}: {eps_name} must be a positive number, got {eps!r}")
+
+
 def check_silu_and_mul_quant(x: torch.Tensor, group_size: int, eps: float) -> None:
     """x [N, 2I] = [gate | up] with I a multiple of group_size (`silu_and_mul`'s output as
     `per_token_group_quant_fp8` takes it)."""
-    name = "silu_and_mul_per_token_group_quant_fp8"
     check_silu_and_mul(x)
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
-        raise ValueError(f"{name}: group_size must be a positive int, got {group_size!r}")
-    if (x.shape[1] // 2) % group_size:
-        raise ValueError(
-            f"{name}: I = x.shape[1] / 2 = {x.shape[1] // 2} must be a multiple of group_size {group_size}"
-        )
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"{name}: eps must be a positive number, got {eps!r}")
+    _check_group_quant("silu_and_mul_per_token_group_quant_fp8", x.shape[1] // 2, group_size, eps)
+
+
+def check_rms_norm_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    group_size: int,
+    quant_eps: float,
+) -> None:
+    """`rms_norm`'s arguments, with H a multiple of group_size, a power of two (the kernel views
+    a row as whole groups)."""
+    name = "rms_norm_per_token_group_quant_fp8"
+    check_rms_norm(x, weight, eps, residual)
+    _check_group_quant(name, x.shape[1], group_size, quant_eps, "quant_eps")
+    if group_size & (group_size - 1):
+        raise ValueError(f"{name}: group_size must be a power of two, got {group_size}")
 
 
 def check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
@@ -161,6 +181,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_silu_and_mul(x)
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def rms_norm_per_token_group_quant_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    *,
+    residual: torch.Tensor | None = None,
+    quant_eps: float = 1e-10,
+    column_major_scales: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H] -> per_token_group_quant_fp8(rms_norm(x, weight, eps, residual=residual), ...):
+    (x_q [N, H] float8_e4m3fn, x_s [N, H // group_size] float32), plus the new residual when
+    `residual` is given."""
+    check_rms_norm_quant(x, weight, eps, residual, group_size, quant_eps)
+    normed = rms_norm(x, weight, eps, residual=residual)
+    y, res_out = normed if residual is not None else (normed, None)
+    x_q, x_s = reference_kernels.per_token_group_quant_fp8(
+        y, group_size, eps=quant_eps, column_major_scales=column_major_scales
+    )
+    return (x_q, x_s) if res_out is None else (x_q, x_s, res_out)
 
 
 def silu_and_mul_per_token_group_quant_fp8(

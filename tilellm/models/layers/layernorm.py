@@ -7,12 +7,17 @@ import types
 import torch
 from torch import nn
 
+from tilellm.models.layers.linear import LinearBase, QuantizedActivation
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim.
 
     forward(x [..., H]) -> y, or forward(x, residual) -> (norm(x + residual), x + residual): the
     pre-norm decoder's "add the sublayer output to the residual stream, then normalise" in one op.
+    With `quant_for` (the linear layer that reads y), y comes out quantized to FP8 in the same
+    launch, as a `QuantizedActivation` [T, H], on the steps where that layer would quantize it in a
+    launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps).
     """
 
     def __init__(self, hidden_size: int, eps: float, ops: types.ModuleType):
@@ -21,13 +26,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        quant_for: LinearBase | None = None,
+    ) -> torch.Tensor | QuantizedActivation | tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
+        res2 = None if residual is None else residual.reshape(-1, self.hidden_size)
+        quant = None if quant_for is None else quant_for.input_group_quant(x2.shape[0])
+        if quant is not None:
+            group_size, column_major_scales = quant
+            out = self.ops.rms_norm_per_token_group_quant_fp8(
+                x2, self.weight, self.eps, group_size, residual=res2, column_major_scales=column_major_scales
+            )
+            y = QuantizedActivation(out[0], out[1], column_major_scales, x.dtype)
+            return y if residual is None else (y, out[2].view(shape))
         if residual is None:
             return self.ops.rms_norm(x2, self.weight, self.eps).view(shape)
-        y, res = self.ops.rms_norm(x2, self.weight, self.eps, residual=residual.reshape(-1, self.hidden_size))
+        y, res = self.ops.rms_norm(x2, self.weight, self.eps, residual=res2)
         return y.view(shape), res.view(shape)
 
     def extra_repr(self) -> str:

@@ -153,6 +153,24 @@ def reduce_input_scale(scale: torch.Tensor) -> nn.Parameter:
 # -- how a layer holds and applies its weight ------------------------------------------------
 
 
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """A linear layer's input already quantized to FP8 per token and group by the op before it
+    (`RMSNorm.forward(..., quant_for=layer)`): x_q [T, K] float8_e4m3fn, x_s [T, K / group]
+    float32 in the layout the layer asked for (`LinearBase.input_group_quant`: strides (1, T)
+    when `column_major_scales`), and the dtype of the unquantized input, which the layer's output
+    takes."""
+
+    x_q: torch.Tensor
+    x_s: torch.Tensor
+    column_major_scales: bool
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x_q.shape
+
+
 class LinearMethod:
     """How a linear layer holds and applies its weight (vLLM's `LinearMethodBase`). This one: the
     plain `weight` [out, in] in the model dtype; `tilellm.models.quantization.Fp8LinearMethod`
@@ -180,6 +198,12 @@ class LinearMethod:
         element-wise ops) where this method can fuse the activation into its input path, else
         None: the caller runs the two. The caller adds the bias (`RowParallelLinear._reduce`).
         A 16/32-bit layer fuses nothing."""
+        return None
+
+    def input_group_quant(self, layer: LinearBase, num_tokens: int) -> tuple[int, bool] | None:
+        """(group_size, column_major_scales) where a step of `num_tokens` tokens quantizes this
+        layer's input per token and group in a launch of its own, which the op before it can
+        take over (handing `apply` a `QuantizedActivation`); else None. A 16/32-bit layer: None."""
         return None
 
     def process_weights_after_loading(self, layer: LinearBase, dtype: torch.dtype) -> None:
@@ -272,6 +296,12 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         self.quant_method.process_weights_after_loading(self, dtype)
 
+    def input_group_quant(self, num_tokens: int) -> tuple[int, bool] | None:
+        """(group_size, column_major_scales) where the op before this layer may hand it its input
+        quantized (`QuantizedActivation`) for a step of `num_tokens` tokens, else None
+        (`LinearMethod.input_group_quant`)."""
+        return self.quant_method.input_group_quant(self, num_tokens)
+
     def extra_repr(self) -> str:
         quant = "" if self.quant_method is UNQUANTIZED else f", quant={self.quant_method}"
         return (
@@ -302,7 +332,7 @@ class ColumnParallelLinear(LinearBase):
         n = self.out_features
         return ShardLayout(0, 0, self.tp_rank * n, n, n * self.tp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
         return all_gather_last_dim(y, self.tp_size) if self.gather_output else y
 

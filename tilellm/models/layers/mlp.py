@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tilellm.models.layers.activation import SiluAndMul
-from tilellm.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tilellm.models.layers.linear import MergedColumnParallelLinear, QuantizedActivation, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
@@ -37,7 +37,12 @@ class GatedMLP(nn.Module):
         )
         self.act_fn = SiluAndMul(fused_ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_linear(self) -> MergedColumnParallelLinear:
+        """The one layer that reads the MLP's input (the norm before may quantize for it)."""
+        return self.gate_up_proj
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         # An FP8 down_proj quantizes silu(gate) * up in the activation's own launch.
         y = self.down_proj.apply_silu_and_mul(gate_up, self.act_fn.ops)
