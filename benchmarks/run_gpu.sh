@@ -15,8 +15,10 @@
 #   rope        rotary embedding and KV store in one launch (TILELLM_ROPE_STORE=fused, the default)
 #               against two launches: its tests on the GPU, small-batch decode with two launches, one,
 #               and one plus the in-kernel split-KV merge, then E1 with the defaults
-#   fp8         benchmarks/fp8_gemm.py --no-sweep and benchmarks/decode_fp8.py, then the FP8 tests on
-#               the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine against transformers)
+#   fp8         benchmarks/fp8_gemm.py --no-sweep, benchmarks/fused_quant.py (the activation
+#               quantization in RMSNorm's and SiLU-and-mul's launches) and benchmarks/decode_fp8.py,
+#               then the FP8 tests on the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine
+#               against transformers, the fused ops)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
@@ -156,11 +158,12 @@ fi
 if selected fp8; then
   # (the measurements first: the tests take what is left of a call's budget)
   run_step fp8_gemm 200 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep
+  run_step fused_quant 90 "$PYTHON" benchmarks/fused_quant.py --json "$OUT/fused_quant.json"
   run_step decode_fp8 120 "$PYTHON" benchmarks/decode_fp8.py --json "$OUT/decode_fp8.json"
   run_step fp8_tests "${FP8_TIMEOUT:-400}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
     tests/kernels/test_decode_fp8.py tests/kernels/test_kv_fp8.py tests/kernels/test_fp8_gemm.py \
     tests/kernels/test_moe_fp8.py tests/engine/test_kv_cache_fp8.py tests/models/test_fp8_checkpoint.py \
-    tests/engine/test_fp8_greedy_vs_hf.py
+    tests/engine/test_fp8_greedy_vs_hf.py tests/models/test_fused_ops.py
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
