@@ -179,7 +179,32 @@ def test_moe_and_mla_blocks_name_no_single_input_linear(tmp_path):
     assert layers[0].mlp.gate_up_proj.input_group_quant(32) == (16, False)
     for layer in layers[1:]:
         assert getattr(layer.mlp, "input_linear", None) is None
-    assert all(getattr(layer.self_attn, "input_linear", None) is None for layer in layers)
+    assert all(layer.self_attn.input_linear is None for layer in layers)  # no q_lora_rank: q_proj
+
+
+def test_deepseek_q_and_latent_down_projections_run_as_one_fp8_gemm(tmp_path):
+    """DeepSeek-V3 (q_lora_rank): q_a_proj and kv_a_proj_with_mqa load into `fused_qkv_a_proj`,
+    their FP8 weights and block scales stacked bit for bit; the input norm quantizes for it from
+    17 tokens and its output equals the norm then the layer. (The twins: the tiny model's 48-wide
+    q latent needs blocks of 16, and the Triton GEMM's k-blocks are at least 32 wide.)"""
+    src = make_tiny_moe_model(tmp_path / "src", "DeepseekV3ForCausalLM", q_lora_rank=48, vocab_size=383)
+    d = quantize_model_dir_fp8(src, tmp_path / "fp8", (16, 16))
+    sd = load_file(d / "model.safetensors")
+    layer = _load(d).model.layers[1]
+    fused = layer.self_attn.fused_qkv_a_proj
+    parts = ("q_a_proj", "kv_a_proj_with_mqa")
+    assert _same_bits(fused.weight.data, _merged(sd, "model.layers.1.self_attn.", parts, "weight"))
+    assert torch.equal(
+        fused.weight_scale_inv, _merged(sd, "model.layers.1.self_attn.", parts, "weight_scale_inv")
+    )
+    assert layer.self_attn.input_linear is fused
+    x, residual = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(1))
+    (got, got_res), (want, want_res) = (
+        layer.input_layernorm(x, residual, quant_for=fused),
+        layer.input_layernorm(x, residual),
+    )
+    assert isinstance(got, QuantizedActivation) and torch.equal(got_res, want_res)
+    assert torch.equal(fused(got), fused(want))
 
 
 def test_deepseek_experts_mla_and_indexer(tmp_path):
@@ -199,6 +224,8 @@ def test_deepseek_experts_mla_and_indexer(tmp_path):
     assert torch.equal(kv_b.weight, want)
     indexer = layer.self_attn.indexer
     assert indexer.weights_proj.weight.dtype == torch.float32 and indexer.wq_b.weight.dtype == FP8_DTYPE
+    # the indexer reads the block's input beside fused_qkv_a_proj: the norm quantizes nothing
+    assert layer.self_attn.fused_qkv_a_proj.weight.dtype == FP8_DTYPE and layer.self_attn.input_linear is None
     assert layer.mlp.gate.weight.dtype == torch.float32
     experts = layer.mlp.experts
     for param, parts in [("w13_weight", GATE_UP), ("w2_weight", ("down_proj",))]:

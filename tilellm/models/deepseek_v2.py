@@ -7,6 +7,11 @@ Attention (per token, H heads of Dn "nope" + Dr rotary query dims, Dv value dims
     latent   = kv_a_layernorm(latent)                             [L]  (kv_lora_rank; 512 in DeepSeek)
     q_pe, k_pe = RoPE(q_pe, k_pe)                                  k_pe shared by every head
 
+With q_lora_rank, q_a_proj and kv_a_proj_with_mqa read the same x: they run as one GEMM,
+`fused_qkv_a_proj` = [q_a_proj | kv_a_proj_with_mqa] (vLLM's name), loaded from the two checkpoint
+matrices (`packed_modules_mapping`); an FP8 one then quantizes x once, in the input norm's launch
+where nothing else reads x (`input_linear`).
+
 Only the row [latent | k_pe] is cached (576 values for DeepSeek: about a tenth of a GQA model's
 K and V of the same width). Keys and values are the latent expanded by `kv_b_proj` per head
 (k_nope = W_UK latent, v = W_UV latent); `MLAAttention` and its backend decide whether to expand
@@ -36,7 +41,9 @@ from tilellm.models.layers.attention import MLAAttention
 from tilellm.models.layers.layernorm import RMSNorm
 from tilellm.models.layers.linear import (
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ParallelLMHead,
+    QuantizedActivation,
     ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -85,13 +92,16 @@ class DeepseekV2Attention(nn.Module):
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         bias = bool(getattr(config, "attention_bias", False))
+        self.kv_a_size = kv_a_size = self.kv_lora_rank + self.qk_rope_head_dim
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, total_heads * qk_head_dim, False, **tp)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, kv_a_size, bias)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
+            # [q_a_proj | kv_a_proj_with_mqa] in one GEMM; whole on every rank (tp_size 1), as
+            # each of the two is
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(hidden, [self.q_lora_rank, kv_a_size], bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, fused_ops)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim, False, **tp)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, fused_ops)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), False, **tp
@@ -109,19 +119,36 @@ class DeepseekV2Attention(nn.Module):
             self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, r, self.v_head_dim, scale, attn_backend
         )
 
+    @property
+    def input_linear(self) -> MergedColumnParallelLinear | None:
+        """The one layer that reads this block's input, where there is one (the norm before may
+        quantize for it): `fused_qkv_a_proj`. Without q_lora_rank two layers read it."""
+        return getattr(self, "fused_qkv_a_proj", None)
+
+    def project_latents(
+        self, hidden: torch.Tensor | QuantizedActivation
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """hidden [T, hidden] -> (the q latent q_a_layernorm(q_a_proj(x)) [T, Lq], or None
+        without q_lora_rank; kv_a [T, L + Dr], before kv_a_layernorm)."""
+        if self.q_lora_rank is None:
+            return None, self.kv_a_proj_with_mqa(hidden)
+        q_a, kv_a = self.fused_qkv_a_proj(hidden).split([self.q_lora_rank, self.kv_a_size], dim=-1)
+        return self.q_a_layernorm(q_a), kv_a
+
     def project(
-        self, positions: torch.Tensor, hidden: torch.Tensor, q_resid: torch.Tensor | None = None
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | QuantizedActivation,
+        latents: tuple[torch.Tensor | None, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> (q_nope [T, H, Dn], q_pe [T, H, Dr], latent [T, L], k_pe [T, Dr]),
-        rope applied. `q_resid`: the q latent when the caller already has it (DeepSeek-V3.2)."""
+        rope applied. `latents`: `project_latents(hidden)` when the caller already has them
+        (DeepSeek-V3.2's indexer reads the q latent too)."""
         t = hidden.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(hidden)
-        else:
-            q = self.q_b_proj(q_resid if q_resid is not None else self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_latent, kv_a = latents if latents is not None else self.project_latents(hidden)
+        q = self.q_proj(hidden) if q_latent is None else self.q_b_proj(q_latent)
         q = q.view(t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_a = self.kv_a_proj_with_mqa(hidden)
         latent, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         k_pe = k_pe.unsqueeze(1)  # [T, 1, Dr]: one rotary key for every head
@@ -136,7 +163,7 @@ class DeepseekV2Attention(nn.Module):
         (as vLLM does), so the attention sees the weight the checkpoint describes."""
         dequantize_linear_(self.kv_b_proj, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         q_nope, q_pe, latent, k_pe = self.project(positions, hidden)
         o = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight)  # [T, H, Dv]
         return self.o_proj(o.reshape(hidden.shape[0], self.num_heads * self.v_head_dim))
@@ -255,6 +282,12 @@ class DeepseekV2ForCausalLM(nn.Module):
             layers.append(
                 DeepseekV2DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, fused_ops)
             )
+        if getattr(config, "q_lora_rank", None):  # the two down-projections load into one layer
+            self.packed_modules_mapping = {
+                **type(self).packed_modules_mapping,
+                "q_a_proj": ("fused_qkv_a_proj", 0),
+                "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
+            }
         self.model = DeepseekV2Model(config, layers, fused_ops, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -84,9 +84,15 @@ class DeepseekV32Attention(DeepseekV2Attention):
         )  # fmt: skip
         self.indexer = DeepseekV32Indexer(config)
 
+    @property
+    def input_linear(self) -> None:
+        """None: the indexer's wk and weights_proj read the block's input too."""
+        return None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden))  # read by both the MLA and the indexer
-        q_nope, q_pe, latent, k_pe = self.project(positions, hidden, q_resid)
+        latents = self.project_latents(hidden)
+        q_resid = latents[0]  # the q latent: read by both the MLA and the indexer
+        q_nope, q_pe, latent, k_pe = self.project(positions, hidden, latents)
         index_q, index_weights, index_k = self.indexer(positions, hidden, q_resid, self.rotary_emb)
         o = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, index_q, index_weights, index_k)
         return self.o_proj(o.reshape(hidden.shape[0], self.num_heads * self.v_head_dim))
