@@ -26,6 +26,8 @@ NAMES = [
     ("_fused_moe_kernel", "MoE experts"),
     ("_rms_norm_kernel", "RMSNorm"),
     ("_silu_and_mul_kernel", "SiLU-and-mul"),
+    ("_rms_norm_quant_kernel", "RMSNorm"),  # with the FP8 quantization of its output
+    ("_silu_and_mul_quant_kernel", "SiLU-and-mul"),
     ("_rotary_kernel", "rotary"),
     ("_gumbel_argmax_kernel", "sampling"),
     (

@@ -37,6 +37,9 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("MoE experts", ("moe",)),
+    # (before the FP8 quantization: RMSNorm and SiLU-and-mul kernels may quantize their output)
+    ("RMSNorm", ("rms_norm", "rmsnorm")),
+    ("SiLU-and-mul", ("silu",)),
     ("FP8 quantization", ("quant",)),
     (
         "GEMM (linear layers, LM head)",
@@ -54,8 +57,6 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "aten::addmm",
         ),
     ),
-    ("RMSNorm", ("rms_norm", "rmsnorm")),
-    ("SiLU-and-mul", ("silu",)),
     ("rotary", ("rotary", "rope")),
     (
         "sampling",

@@ -17,7 +17,8 @@ class RMSNorm(nn.Module):
     pre-norm decoder's "add the sublayer output to the residual stream, then normalise" in one op.
     With `quant_for` (the linear layer that reads y), y comes out quantized to FP8 in the same
     launch, as a `QuantizedActivation` [T, H], on the steps where that layer would quantize it in a
-    launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps).
+    launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps) and the
+    group width is a power of two.
     """
 
     def __init__(self, hidden_size: int, eps: float, ops: types.ModuleType):
@@ -36,7 +37,9 @@ class RMSNorm(nn.Module):
         x2 = x.reshape(-1, self.hidden_size)
         res2 = None if residual is None else residual.reshape(-1, self.hidden_size)
         quant = None if quant_for is None else quant_for.input_group_quant(x2.shape[0])
-        if quant is not None:
+        # (the fused op views a row as whole groups of a power-of-two width: a per-tensor
+        # checkpoint's group may be a whole odd-sized row, which the layer then quantizes itself)
+        if quant is not None and quant[0] & (quant[0] - 1) == 0:
             group_size, column_major_scales = quant
             out = self.ops.rms_norm_per_token_group_quant_fp8(
                 x2, self.weight, self.eps, group_size, residual=res2, column_major_scales=column_major_scales
