@@ -71,12 +71,14 @@ def test_prefill_with_the_norms_quantization_is_bit_identical(ckpts, name, backe
     # one fused norm per FP8 qkv_proj / gate_up_proj that is its block's only reader
     want = sum(
         (getattr(layer.self_attn, "input_linear", None) is not None)
+        + (getattr(layer.self_attn, "q_latent_linear", None) is not None)  # DeepSeek's q_a_layernorm
         + (getattr(layer.mlp, "input_linear", None) is not None)
         for layer in model.model.layers
     )
     assert n_fused == want > 0
-    if name == "deepseek_v3":  # the attention's input goes to fused_qkv_a_proj alone
-        assert all(layer.self_attn.input_linear is not None for layer in model.model.layers)
+    if name == "deepseek_v3":  # the attention's input goes to fused_qkv_a_proj alone, q's latent to q_b_proj
+        attns = [layer.self_attn for layer in model.model.layers]
+        assert all(a.input_linear is a.fused_qkv_a_proj and a.q_latent_linear is a.q_b_proj for a in attns)
 
 
 def test_per_tensor_layer_of_non_power_of_two_group_prefills(tmp_path):

@@ -127,19 +127,26 @@ class DeepseekV2Attention(nn.Module):
 
     def project_latents(
         self, hidden: torch.Tensor | QuantizedActivation
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """hidden [T, hidden] -> (the q latent q_a_layernorm(q_a_proj(x)) [T, Lq], or None
-        without q_lora_rank; kv_a [T, L + Dr], before kv_a_layernorm)."""
+    ) -> tuple[torch.Tensor | QuantizedActivation | None, torch.Tensor]:
+        """hidden [T, hidden] -> (the q latent q_a_layernorm(q_a_proj(x)) [T, Lq] (FP8-quantized
+        for an FP8 q_b_proj from 17 tokens), or None without q_lora_rank; kv_a [T, L + Dr], before
+        kv_a_layernorm)."""
         if self.q_lora_rank is None:
             return None, self.kv_a_proj_with_mqa(hidden)
         q_a, kv_a = self.fused_qkv_a_proj(hidden).split([self.q_lora_rank, self.kv_a_size], dim=-1)
-        return self.q_a_layernorm(q_a), kv_a
+        return self.q_a_layernorm(q_a, quant_for=self.q_latent_linear), kv_a
+
+    @property
+    def q_latent_linear(self) -> ColumnParallelLinear | None:
+        """The one layer that reads the q latent, q_b_proj (q_a_layernorm may quantize for it);
+        None where the latent has several readers."""
+        return getattr(self, "q_b_proj", None)
 
     def project(
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor | QuantizedActivation,
-        latents: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+        latents: tuple[torch.Tensor | QuantizedActivation | None, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> (q_nope [T, H, Dn], q_pe [T, H, Dr], latent [T, L], k_pe [T, Dr]),
         rope applied. `latents`: `project_latents(hidden)` when the caller already has them

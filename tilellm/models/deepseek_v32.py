@@ -89,6 +89,11 @@ class DeepseekV32Attention(DeepseekV2Attention):
         """None: the indexer's wk and weights_proj read the block's input too."""
         return None
 
+    @property
+    def q_latent_linear(self) -> None:
+        """None: the indexer's wq_b reads the q latent too."""
+        return None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         latents = self.project_latents(hidden)
         q_resid = latents[0]  # the q latent: read by both the MLA and the indexer
