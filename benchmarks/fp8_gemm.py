@@ -37,6 +37,7 @@ holds every number, the configs and the checks. About 1-2 minutes on an H200.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -46,8 +47,8 @@ from dataclasses import asdict
 
 import torch
 import triton
-from triton.testing import do_bench
 
+from tilellm.bench.timing import graph_replay_us
 from tilellm.kernels import fp8_gemm as tk
 from tilellm.kernels.reference import fp8_gemm as ref
 
@@ -72,18 +73,7 @@ def copies_for(weight_bytes: int) -> int:
 
 def time_us(call: Callable[[int], object], num_calls: int) -> float:
     """Microseconds per call of call(0), ..., call(num_calls - 1), replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and allocate outside the capture
-        for i in range(num_calls):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(num_calls):
-            call(i)
-    ms = do_bench(graph.replay, warmup=5, rep=40, return_mode="median")
-    return ms * 1e3 / num_calls
+    return graph_replay_us([functools.partial(call, i) for i in range(num_calls)], warmup=5, rep=40)
 
 
 def max_rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:

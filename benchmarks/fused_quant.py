@@ -25,29 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 
 import torch
+
+from tilellm.bench.timing import graph_replay_us
 
 GROUP = 128
 SHAPES = {"qwen3-0.6b": (1024, 3072), "qwen3-8b": (4096, 12288)}  # (hidden, intermediate)
 L2_BYTES = 50 << 20
 DEVICE = "cuda"
-
-
-def _graph_us(calls: list[Callable[[], object]]) -> float:
-    """Microseconds per call of `calls` replayed from one CUDA graph."""
-    import triton.testing
-
-    for call in calls:  # compile and warm up outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-    return ms * 1e3 / len(calls)
 
 
 def _copy_gbps() -> float:
@@ -104,8 +90,8 @@ def measure(op: str, width: int, tokens: int, copy_gbps: float) -> dict:
         two_bytes = fused_bytes + 2 * tokens * width * 2
     if not _same(one(0), two(0)):
         raise AssertionError(f"{op} {width} x {tokens}: one launch differs from two")
-    us_two = _graph_us([lambda i=i: two(i) for i in range(copies)])
-    us_one = _graph_us([lambda i=i: one(i) for i in range(copies)])
+    us_two = graph_replay_us([lambda i=i: two(i) for i in range(copies)])
+    us_one = graph_replay_us([lambda i=i: one(i) for i in range(copies)])
     return {
         "op": op,
         "width": width,

@@ -29,6 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tilellm.bench.timing import graph_replay_us
+
 SHAPES = {  # name: (in_features, out_features)
     "qkv": (1024, 4096),
     "o": (2048, 1024),
@@ -37,21 +39,6 @@ SHAPES = {  # name: (in_features, out_features)
     "lm_head": (1024, 151936),
 }
 NUM_LAYERS = 28
-
-
-def _graph_us(calls: list[Callable[[], torch.Tensor]]) -> float:
-    """Microseconds per call of `calls` replayed from one CUDA graph."""
-    import triton.testing
-
-    for call in calls:  # warm-up: library handles and workspaces outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-    return ms * 1e3 / len(calls)
 
 
 def _variants(rows: int) -> list[str]:
@@ -86,7 +73,7 @@ def measure(rows: int) -> dict[str, dict[str, float]]:
         for variant in _variants(rows):
             torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
             try:
-                out[name][variant] = _graph_us(_calls(variant, xs, weights))
+                out[name][variant] = graph_replay_us(_calls(variant, xs, weights))
             finally:
                 torch.backends.cuda.preferred_blas_library("cublas")
         del weights, xs

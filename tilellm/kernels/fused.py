@@ -49,6 +49,27 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _normed_rows(
+    x_ptr, res_ptr, w_ptr, res_out_ptr, rows64, cols, mask, stride_x, stride_res, stride_res_out, H, eps,
+    HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """The rows `rows64` [BLOCK_N, 1] (int64) of x, lanes `cols` [BLOCK_H], normalised:
+    y = x * rsqrt(mean(x^2) + eps) * w in fp32 [BLOCK_N, BLOCK_H] (0 where not `mask`). With
+    HAS_RESIDUAL, x + residual first, rounded to the storage dtype like an unfused add and stored
+    to res_out."""
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows64 * stride_res_out + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / H
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    return x * rstd[:, None] * w[None, :]
+
+
 @triton.jit(do_not_specialize=["N"])  # the token count changes every step
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
@@ -61,18 +82,10 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < N) & (cols[None, :] < H)
     rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        # -- residual = x + residual, rounded to the storage dtype like an unfused add --
-        r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + rows64 * stride_res_out + cols[None, :], s, mask=mask)
-        x = s.to(tl.float32)
-    # -- y = x * rsqrt(mean(x^2) + eps) * w --
-    mean_sq = tl.sum(x * x, axis=1) / H
-    rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    y = x * rstd[:, None] * w[None, :]
+    y = _normed_rows(
+        x_ptr, res_ptr, w_ptr, res_out_ptr, rows64, cols, mask, stride_x, stride_res, stride_res_out, H, eps,
+        HAS_RESIDUAL,
+    )  # fmt: skip
     tl.store(y_ptr + rows64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -128,16 +141,10 @@ def _rms_norm_quant_kernel(
     row_ok = rows < N
     mask = row_ok[:, None] & (cols[None, :] < H)
     rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + rows64 * stride_res_out + cols[None, :], s, mask=mask)
-        x = s.to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=1) / H
-    rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    y = (x * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = _normed_rows(
+        x_ptr, res_ptr, w_ptr, res_out_ptr, rows64, cols, mask, stride_x, stride_res, stride_res_out, H, eps,
+        HAS_RESIDUAL,
+    ).to(x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
     # -- one scale per row and GROUP-wide group: [BLOCK_N, BLOCK_H] as [BLOCK_N * groups, GROUP] --
     NUM_G: tl.constexpr = BLOCK_H // GROUP
     q, s = quantize_groups(tl.reshape(y, (BLOCK_N * NUM_G, GROUP)), quant_eps)
