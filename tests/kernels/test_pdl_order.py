@@ -93,11 +93,31 @@ def _cases() -> dict[str, tuple]:
     rotary_types |= {"pos_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32"}
     rotary_types |= {"v_ptr": "*bf16", "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     for norm in (False, True):
-        constexprs = dict(HAS_NORM=norm, STORE=False, QUANTIZE=False, BLOCK_R=32, BLOCK_HALF=64, USE_PDL=True)
+        constexprs = dict(
+            HAS_NORM=norm,
+            INTERLEAVED=False,
+            STORE=False,
+            QUANTIZE=False,
+            BLOCK_R=32,
+            BLOCK_HALF=64,
+            USE_PDL=True,
+        )
         types = rotary_types | {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
         cases[f"rotary-norm={norm}"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
+    constexprs = dict(  # DeepSeek's interleaved pairs
+        HAS_NORM=False, INTERLEAVED=True, STORE=False, QUANTIZE=False, BLOCK_R=64, BLOCK_HALF=32, USE_PDL=True
+    )
+    cases["rotary-interleaved"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
     for fp8 in (False, True):  # rotation and the cache store in one launch
-        constexprs = dict(HAS_NORM=True, STORE=True, QUANTIZE=fp8, BLOCK_R=32, BLOCK_HALF=64, USE_PDL=True)
+        constexprs = dict(
+            HAS_NORM=True,
+            INTERLEAVED=False,
+            STORE=True,
+            QUANTIZE=fp8,
+            BLOCK_R=32,
+            BLOCK_HALF=64,
+            USE_PDL=True,
+        )
         cache = "*fp8e4nv" if fp8 else "*bf16"
         types = rotary_types | {"k_cache_ptr": cache, "v_cache_ptr": cache}
         cases[f"rotary_store-fp8={fp8}"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
@@ -153,6 +173,7 @@ CASES = (
     + [f"rms_norm_quant-residual={r}" for r in (False, True)]
     + ["silu_and_mul"]
     + [f"rotary-norm={n}" for n in (False, True)]
+    + ["rotary-interleaved"]
     + [f"rotary_store-fp8={f}" for f in (False, True)]
     + [f"store-fp8={f}" for f in (False, True)]
     + ["merge"]

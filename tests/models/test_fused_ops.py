@@ -289,6 +289,55 @@ def test_apply_rotary_matches_reference(device, dtype, t, hq, hkv, d, pos_dtype)
     _assert_close(k_out, k_ref, dtype)
 
 
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t, hq, hkv, d", [(1, 1, 1, 2), (7, 6, 1, 16), (20, 4, 1, 64)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_apply_rotary_interleaved_equals_the_permuted_call(device, impl, dtype, t, hq, hkv, d, with_norm):
+    """interleaved=True (DeepSeek's pairs) = the same op on q and k permuted to [evens | odds]: the
+    same bits, on strided views of a packed projection (as DeepSeek's q_pe and k_pe are)."""
+    packed = _randn(t, hq * (d + 8) + hkv * d + 5, dtype=dtype, seed=t, device=device) * 3
+    q = packed[:, : hq * (d + 8)].view(t, hq, d + 8)[..., 8:]  # q_pe after each head's "nope" dims
+    k = packed[:, hq * (d + 8) : hq * (d + 8) + hkv * d].view(t, hkv, d)
+    positions = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(2)).to(device)
+    cache = _cos_sin_cache(300, d).to(device)
+    perm = ref.interleaved_to_halves(d, device)
+    norms, norms_perm = {}, {}
+    if with_norm:
+        wq, wk = _randn(d, seed=3, device=device), _randn(d, seed=4, device=device)
+        norms = {"q_norm_weight": wq, "k_norm_weight": wk}
+        norms_perm = {"q_norm_weight": wq[perm], "k_norm_weight": wk[perm]}
+    got = impl.apply_rotary(q, k, positions, cache, interleaved=True, **norms)
+    want = impl.apply_rotary(
+        q[..., perm].contiguous(), k[..., perm].contiguous(), positions, cache, **norms_perm
+    )
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
+def test_apply_rotary_interleaved_stores_the_rotated_rows(device, impl):
+    """With the cache arguments, interleaved=True stores what the permuted call stores."""
+    t, hkv, d = 6, 2, 16
+    q, k, v = (_randn(t, h, d, seed=s, device=device) for h, s in ((4, 1), (hkv, 2), (hkv, 3)))
+    positions = torch.arange(t, device=device) * 7
+    cache = _cos_sin_cache(64, d).to(device)
+    slots = torch.tensor([3, 0, -1, 9, 4, 15], device=device)
+    perm = ref.interleaved_to_halves(d, device)
+    caches = []
+    for interleaved in (True, False):
+        kc, vc = torch.zeros(2, 8, hkv, d, device=device), torch.zeros(2, 8, hkv, d, device=device)
+        qi, ki = (q, k) if interleaved else (q[..., perm].contiguous(), k[..., perm].contiguous())
+        store = {"v": v, "k_cache": kc, "v_cache": vc, "slot_mapping": slots}
+        impl.apply_rotary(qi, ki, positions, cache, interleaved=interleaved, **store)
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert caches[0][0].abs().sum() > 0
+
+
+def test_interleaved_to_halves():
+    assert ref.interleaved_to_halves(8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t, hq, hkv, d", [(1, 2, 1, 16), (11, 6, 2, 24), (33, 16, 8, 128)])
 def test_apply_rotary_with_qk_norm_matches_reference(device, dtype, t, hq, hkv, d):

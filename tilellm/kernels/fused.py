@@ -299,12 +299,13 @@ def silu_and_mul_per_token_group_quant_fp8(
 def _rotate_rows(
     x_ptr, out_ptr, w_ptr, pos_ptr, cache_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_cache,
     row0, num_rows, num_heads, half, eps,
-    HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     """Rows row0..row0+BLOCK_R of x viewed as [T * H, D] (row = token * H + head):
     optionally x <- x * rsqrt(mean(x^2) + eps) * w, then
-    [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin] with the row's token's cos/sin.
-    Returns the two stored halves, in out's dtype ([BLOCK_R, BLOCK_HALF] each)."""
+    [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin] with the row's token's cos/sin; with
+    INTERLEAVED, x1 and x2 are the row's even and odd dims (pairs (x0, x1), (x2, x3), ...), still
+    stored as halves. Returns the two stored halves, in out's dtype ([BLOCK_R, BLOCK_HALF] each)."""
     rows = row0 + tl.arange(0, BLOCK_R)  # int32: T * H is far below 2^31
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows
@@ -312,14 +313,20 @@ def _rotate_rows(
     mask = row_ok[:, None] & dim_ok[None, :]
     tok, head = (rows // num_heads).to(tl.int64), rows % num_heads
     src = x_ptr + tok[:, None] * stride_xt + head[:, None] * stride_xh + dims[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        src = src + dims[None, :]  # dim 2j and 2j + 1
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         # -- per-head RMSNorm over the whole row [x1 | x2] --
         mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
         rstd = (1.0 / tl.sqrt(mean_sq + eps))[:, None]
-        w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + half + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        w_dims = 2 * dims if INTERLEAVED else dims  # the weights in the input's layout
+        w1 = tl.load(w_ptr + w_dims, mask=dim_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + w_dims + (1 if INTERLEAVED else half), mask=dim_ok, other=0.0).to(tl.float32)
         x1 = x1 * rstd * w1[None, :]
         x2 = x2 * rstd * w2[None, :]
     # -- cos/sin of each row's position: cache row = [cos | sin] --
@@ -381,7 +388,7 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache, stride_vt, stride_vh, stride_cslot,
     num_tokens, num_q_heads, num_k_heads, num_q_programs, half, eps,
-    HAS_NORM: tl.constexpr, STORE: tl.constexpr, QUANTIZE: tl.constexpr,
+    HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr, QUANTIZE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The first num_q_programs programs handle q's (token, head) rows, the rest k's; with STORE,
@@ -391,12 +398,14 @@ def _rotary_kernel(
     if pid < num_q_programs:
         _rotate_rows(q_ptr, q_out_ptr, qw_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
                      stride_cache, pid * BLOCK_R, num_tokens * num_q_heads, num_q_heads, half, eps,
-                     HAS_NORM=HAS_NORM, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+                     HAS_NORM=HAS_NORM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
+                     BLOCK_HALF=BLOCK_HALF)  # fmt: skip
     else:
         row0 = (pid - num_q_programs) * BLOCK_R
         k1, k2 = _rotate_rows(k_ptr, k_out_ptr, kw_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot,
                               stride_koh, stride_cache, row0, num_tokens * num_k_heads, num_k_heads, half, eps,
-                              HAS_NORM=HAS_NORM, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+                              HAS_NORM=HAS_NORM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
+                              BLOCK_HALF=BLOCK_HALF)  # fmt: skip
         if STORE:
             _store_rows(k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                         stride_vt, stride_vh, stride_cslot, row0, num_tokens * num_k_heads, num_k_heads, half,
@@ -421,6 +430,7 @@ def apply_rotary(
     slot_mapping: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D]; new tensors.
 
@@ -432,6 +442,11 @@ def apply_rotary(
     With v, k_cache, v_cache and slot_mapping (and an FP8 cache's k_scale / v_scale), the same
     launch also does `store_kvcache(k_rotated, v, k_cache, v_cache, slot_mapping, ...)`: the
     rotated keys go to the paged cache from registers, one launch a layer instead of two.
+
+    `interleaved`: q's and k's dims come in rotated pairs (x0, x1), (x2, x3), ... (DeepSeek's
+    layout, GPT-J's), the norm weights too; the outputs are those of the call on q[..., perm],
+    k[..., perm] and the weights [perm] with perm = [0, 2, ..., D - 2, 1, 3, ..., D - 1]: the
+    pairs' halves in the NeoX layout, without the gathers.
     """
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
     store = check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -468,7 +483,8 @@ def apply_rotary(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0), *store_strides,
             t, hq, hk, num_q_programs, half, float(eps),
-            HAS_NORM=has_norm, STORE=store, QUANTIZE=quantize, BLOCK_R=block_r, BLOCK_HALF=block_half,
+            HAS_NORM=has_norm, INTERLEAVED=bool(interleaved), STORE=store, QUANTIZE=quantize, BLOCK_R=block_r,
+            BLOCK_HALF=block_half,
             **pdl_launch_kwargs(q.device),
         )  # fmt: skip
     return q_out, k_out

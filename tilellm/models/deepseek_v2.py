@@ -17,9 +17,9 @@ K and V of the same width). Keys and values are the latent expanded by `kv_b_pro
 (k_nope = W_UK latent, v = W_UV latent); `MLAAttention` and its backend decide whether to expand
 (new prompts) or to absorb the expansion into q and o (decode, verification, cached prefixes).
 
-RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; the queries' and keys' rotary
-dims are permuted to [evens | odds] first, after which the rotation is the NeoX one the shared
-kernel applies (scores are unchanged: q and k get the same permutation). YaRN scaling with
+RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; the rotary kernel reads them as
+the NeoX halves [evens | odds] and writes them so (`apply_rotary(..., interleaved=True)`: the
+queries' and keys' rotary dims permuted alike, so scores are unchanged), without a gather. YaRN scaling with
 DeepSeek's mscale: cos/sin scaled by the attention factor, the softmax scale by mscale_all_dim^2.
 
 MLP: layer i is an MoE block (routed + shared experts) when the config has routed experts,
@@ -109,10 +109,8 @@ class DeepseekV2Attention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias, **tp)
         self.rotary_emb = rotary
         r = self.qk_rope_head_dim
-        # [evens | odds] of the rotary dims: DeepSeek's interleaved pairs in the NeoX layout
-        evens, odds = torch.arange(0, r, 2, device="cpu"), torch.arange(1, r, 2, device="cpu")
-        perm = torch.cat((evens, odds)) if rope_interleave else None
-        self.register_buffer("rope_perm", perm, persistent=False)
+        # DeepSeek's interleaved pairs: the rotary kernel reads them as [evens | odds] halves
+        self.rope_interleave = rope_interleave
         _, scaling = rope_config(config)
         scale = qk_head_dim**-0.5 * yarn_softmax_scale(scaling)
         self.attn = MLAAttention(
@@ -159,9 +157,8 @@ class DeepseekV2Attention(nn.Module):
         latent, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         k_pe = k_pe.unsqueeze(1)  # [T, 1, Dr]: one rotary key for every head
-        if self.rope_perm is not None:
-            q_pe, k_pe = q_pe[..., self.rope_perm], k_pe[..., self.rope_perm]
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        # rotated into the NeoX layout [evens | odds] (the same for q and k: scores unchanged)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe, interleaved=self.rope_interleave)
         return q_nope, q_pe, latent, k_pe.squeeze(1)
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:

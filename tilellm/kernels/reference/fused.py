@@ -216,6 +216,12 @@ def silu_and_mul_per_token_group_quant_fp8(
     )
 
 
+def interleaved_to_halves(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[0, 2, ..., d - 2, 1, 3, ..., d - 1]: the index that puts interleaved rotary pairs (x0, x1),
+    (x2, x3), ... into the NeoX halves [evens | odds]."""
+    return torch.cat((torch.arange(0, d, 2, device=device), torch.arange(1, d, 2, device=device)))
+
+
 def apply_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -231,6 +237,7 @@ def apply_rotary(
     slot_mapping: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D].
 
@@ -240,9 +247,16 @@ def apply_rotary(
     and scaled by its weight (no rounding in between).
     With v, k_cache, v_cache and slot_mapping: then `store_kvcache(k_rotated, v, k_cache, v_cache,
     slot_mapping, k_scale=k_scale, v_scale=v_scale)`.
+    `interleaved`: the dims in pairs (x0, x1), (x2, x3), ...: q, k and the norm weights permuted
+    to [evens | odds] first (the outputs keep that layout).
     """
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
     store = check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if interleaved:
+        perm = interleaved_to_halves(q.shape[-1], q.device)
+        q, k = q[..., perm], k[..., perm]
+        if q_norm_weight is not None and k_norm_weight is not None:
+            q_norm_weight, k_norm_weight = q_norm_weight[perm], k_norm_weight[perm]
     half = q.shape[-1] // 2
     cs = cos_sin_cache.float()[positions.long()]  # [T, D]
     cos, sin = cs[:, None, :half], cs[:, None, half:]

@@ -148,16 +148,22 @@ class RotaryEmbedding(nn.Module):
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
         kv_store: dict[str, torch.Tensor | None] | None = None,
+        *,
+        interleaved: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k); with `q_norm`/`k_norm` (Qwen3) the per-head RMSNorms run first, fused.
 
         kv_store: `apply_rotary`'s cache arguments (v, k_cache, v_cache, slot_mapping, k_scale,
         v_scale): the rotated keys and v also go into the paged cache, in the same launch.
+        interleaved: the dims come in rotated pairs (DeepSeek); the outputs are in the NeoX layout
+        (`apply_rotary`'s `interleaved`).
         """
-        norms = {}
+        kwargs = dict(kv_store or {})
         if q_norm is not None:
-            norms = {"q_norm_weight": q_norm.weight, "k_norm_weight": k_norm.weight, "eps": q_norm.eps}
-        return self.ops.apply_rotary(q, k, positions, self.cos_sin_cache, **norms, **(kv_store or {}))
+            kwargs |= {"q_norm_weight": q_norm.weight, "k_norm_weight": k_norm.weight, "eps": q_norm.eps}
+        if interleaved:
+            kwargs["interleaved"] = True
+        return self.ops.apply_rotary(q, k, positions, self.cos_sin_cache, **kwargs)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
