@@ -155,7 +155,7 @@ class DeepseekV2Attention(nn.Module):
         q = q.view(t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
+        latent = self.kv_a_layernorm(latent)  # (the norm reads the row-strided view in place)
         k_pe = k_pe.unsqueeze(1)  # [T, 1, Dr]: one rotary key for every head
         # rotated into the NeoX layout [evens | odds] (the same for q and k: scores unchanged)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe, interleaved=self.rope_interleave)
