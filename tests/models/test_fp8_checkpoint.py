@@ -207,6 +207,46 @@ def test_deepseek_q_and_latent_down_projections_run_as_one_fp8_gemm(tmp_path):
     assert torch.equal(fused(got), fused(want))
 
 
+def test_layer_of_a_partial_last_block_runs_cublas_on_whole_blocks(monkeypatch):
+    """cuBLAS's block-scaled GEMM takes N in whole blocks of rows: a layer whose last block is
+    partial (DeepSeek-V3's fused_qkv_a_proj: 1536 + 576 rows; here 32 + 16 in blocks of 32) holds
+    its weight zero-padded to whole blocks for it, and its output is the block GEMM's, the padding
+    columns dropped. (cuBLAS stood in for by the twin GEMM, refusing partial blocks as it does.)"""
+    from tilellm.kernels import fp8_gemm
+    from tilellm.kernels.reference import fp8_gemm as ref_gemm
+    from tilellm.models import quantization
+    from tilellm.models.layers.linear import MergedColumnParallelLinear
+    from tilellm.models.quantization import Fp8LinearMethod
+
+    def cublas(a, b, a_s, b_s, block_size, dtype):
+        if b.shape[0] % block_size[0]:
+            raise AssertionError("N must be whole blocks")
+        calls.append(tuple(b.shape))
+        return ref_gemm.w8a8_block_fp8_matmul(a, b, a_s, b_s, block_size, dtype)
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_block_unavailable", lambda device, block, n: None)
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_block_fp8", cublas)
+    monkeypatch.setattr(quantization, "SCALED_MM_MIN_TOKENS", 32)  # the interpreter's GEMMs are slow
+    gen = torch.Generator().manual_seed(4)
+    layer = MergedColumnParallelLinear(64, [32, 16])
+    layer.weight.data = torch.randn(48, 64, generator=gen)
+    layer.quant_method = Fp8LinearMethod((32, 32), fp8_gemm, online=True)
+    layer.process_weights_after_loading(torch.float32)
+    assert layer.quant_method.use_scaled_mm and layer.scaled_mm_weight.shape == (64, 64)
+    assert _same_bits(layer.scaled_mm_weight[:48], layer.weight.data)
+    assert not layer.scaled_mm_weight[48:].float().any()
+    assert layer.weight.data_ptr() == layer.scaled_mm_weight.data_ptr()  # one copy of the weight
+    x = torch.randn(32, 64, generator=gen)
+    x_q, x_s = per_token_group_quant_fp8(x, 32)
+    want = (x_q.float() * x_s.repeat_interleave(32, dim=1)) @ _dequantized(layer).T
+    got = layer(x)
+    assert calls == [(64, 64)] and got.shape == (32, 48)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    dequantize_linear_(layer, torch.float32)
+    assert not hasattr(layer, "scaled_mm_weight")
+
+
 def test_deepseek_experts_mla_and_indexer(tmp_path):
     """DeepSeek-V3.2 in [16, 16] blocks: the experts load as FP8 with the file's scales; MLA's
     kv_b_proj, read raw, is dequantized once loaded; the router and the indexer's fp32

@@ -339,10 +339,13 @@ class Fp8LinearMethod(LinearMethod):
         """x_q [M, K] e4m3 with per-token-group scales x_s [M, K / bk] -> [M, N] in `dtype`."""
         y = None
         if scaled_mm:
+            weight = getattr(layer, "scaled_mm_weight", layer.weight)  # whole blocks of rows
             y = self._scaled_mm(
-                layer, self.ops.scaled_mm_block_fp8, x_q, layer.weight, x_s, layer.weight_scale_inv,
+                layer, self.ops.scaled_mm_block_fp8, x_q, weight, x_s, layer.weight_scale_inv,
                 list(self.block_size), dtype,
             )  # fmt: skip
+            if y is not None and weight is not layer.weight:
+                y = y[:, : layer.weight.shape[0]]  # the padding rows' columns dropped
         if y is None:
             y = self.ops.w8a8_block_fp8_matmul(
                 x_q, layer.weight, x_s, layer.weight_scale_inv, list(self.block_size), dtype
@@ -419,9 +422,13 @@ class Fp8LinearMethod(LinearMethod):
             self.use_scaled_mm = self._prepare_scaled_mm_fp8(layer, dtype)
         else:
             unavailable = getattr(self.ops, "scaled_mm_block_unavailable", None)
+            n, bn = layer.weight.shape[0], self.block_size[0]
+            rows = -(-n // bn) * bn  # whole blocks of rows, as cuBLAS's block-scaled GEMM takes them
             self.use_scaled_mm = unavailable is not None and (
-                unavailable(layer.weight.device, list(self.block_size), layer.weight.shape[0]) is None
+                unavailable(layer.weight.device, list(self.block_size), rows) is None
             )
+            if self.use_scaled_mm and rows != n:
+                _pad_weight_rows(layer, rows)
 
     def _prepare_scaled_mm_fp8(self, layer: LinearBase, dtype: torch.dtype) -> bool:
         """A static layer's scales for `scaled_mm_fp8`, if it can run here: the input scale times
@@ -475,6 +482,19 @@ class Fp8LinearMethod(LinearMethod):
         shards.clear()
 
 
+def _pad_weight_rows(layer: LinearBase, rows: int) -> None:
+    """Hold an FP8 layer's weight [N, K] in a buffer of `rows` rows, the rows past N zero:
+    `layer.scaled_mm_weight` [rows, K], which cuBLAS's block-scaled GEMM takes (N in whole
+    128-row blocks; DeepSeek-V3's fused_qkv_a_proj has 1536 + 576 rows), and `layer.weight` its
+    first N rows (the same values, which the Triton GEMM reads). The block scales already cover the
+    last block whole; the padding rows' output columns are dropped."""
+    w = layer.weight.data
+    padded = torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device)
+    padded[: w.shape[0]] = w
+    layer.weight = nn.Parameter(padded[: w.shape[0]], requires_grad=False)
+    layer.scaled_mm_weight = padded
+
+
 def dequantize_linear_(layer: LinearBase, dtype: torch.dtype) -> None:
     """An FP8 layer back to a plain one in `dtype`: weight = weight * its block scales (for
     weights read raw rather than applied, such as MLA's absorbed `kv_b_proj`). No-op if plain."""
@@ -488,6 +508,8 @@ def dequantize_linear_(layer: LinearBase, dtype: torch.dtype) -> None:
         del layer.input_scale
     if hasattr(layer, "scaled_mm_scale_b"):
         del layer.scaled_mm_scale_b
+    if hasattr(layer, "scaled_mm_weight"):
+        del layer.scaled_mm_weight
     layer.quant_method = UNQUANTIZED
 
 
