@@ -163,7 +163,7 @@ if selected fp8; then
   run_step fp8_tests "${FP8_TIMEOUT:-400}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
     tests/kernels/test_decode_fp8.py tests/kernels/test_kv_fp8.py tests/kernels/test_fp8_gemm.py \
     tests/kernels/test_moe_fp8.py tests/engine/test_kv_cache_fp8.py tests/models/test_fp8_checkpoint.py \
-    tests/engine/test_fp8_greedy_vs_hf.py tests/models/test_fused_ops.py
+    tests/engine/test_fp8_greedy_vs_hf.py tests/models/test_fused_ops.py tests/models/test_layernorm.py
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
