@@ -109,10 +109,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker of several: its share of
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_slow = pytest.mark.skip(reason="slow test: set TILELLM_SLOW=1 to run")
+    # (a model on the CPU with the Triton ops: the kernels' own tests cover them on a GPU)
+    skip_interpreter = pytest.mark.skip(reason="Triton on CPU tensors needs the interpreter (no CUDA)")
     run_slow = os.environ.get("TILELLM_SLOW") == "1"
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and not interpreting:
+            item.add_marker(skip_interpreter)
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
 

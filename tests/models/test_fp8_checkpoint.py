@@ -61,6 +61,8 @@ def _merged(sd: dict, prefix: str, parts: tuple[str, ...], suffix: str) -> torch
 
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+# the PyTorch twins, and Triton's kernels on the CPU model (under the interpreter: no CUDA)
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.interpreter)]
 
 
 def _fp8_layers(model) -> list[tuple]:
@@ -93,7 +95,7 @@ def test_block_checkpoint_loads_fp8_weights_and_scales(dirs):
     assert model.model.embed_tokens.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_layers_run_the_w8a8_gemm_on_the_dequantized_weights(dirs, backend):
     """y = (x quantized per token and 32-wide group) @ (dequantized W)^T, in fp32: what the block
     GEMM computes exactly up to the order of fp32 additions, with the twin or the Triton kernels
@@ -116,7 +118,7 @@ def test_fp8_layers_run_the_w8a8_gemm_on_the_dequantized_weights(dirs, backend):
         torch.testing.assert_close(mod(x[:, :k]), x_deq @ w.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_tokens", [8, 16, 17, 40])
 def test_fp8_down_proj_quantizes_silu_and_mul_in_its_launch(dirs, backend, num_tokens, monkeypatch):
     """Steps whose down_proj input is quantized in a launch of its own (more than 16 tokens) get it
@@ -135,7 +137,7 @@ def test_fp8_down_proj_quantizes_silu_and_mul_in_its_launch(dirs, backend, num_t
     assert len(calls) == (1 if num_tokens > 16 else 0)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_tokens", [16, 17, 40])
 @pytest.mark.parametrize("first_layer", [False, True])  # no residual yet in the first layer
 def test_fp8_qkv_and_gate_up_take_their_input_quantized_in_the_norms_launch(
@@ -207,6 +209,7 @@ def test_deepseek_q_and_latent_down_projections_run_as_one_fp8_gemm(tmp_path):
     assert torch.equal(fused(got), fused(want))
 
 
+@pytest.mark.interpreter
 def test_layer_of_a_partial_last_block_runs_cublas_on_whole_blocks(monkeypatch):
     """cuBLAS's block-scaled GEMM takes N in whole blocks of rows: a layer whose last block is
     partial (DeepSeek-V3's fused_qkv_a_proj: 1536 + 576 rows; here 32 + 16 in blocks of 32) holds
@@ -507,7 +510,7 @@ def test_static_checkpoint_loads_each_layers_largest_input_scale(dirs, tmp_path)
         assert len(parts) == 1 or len(set(scales)) > 1
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_tokens", [5, 40])  # in-GEMM quantization (<= 16 tokens), then two passes
 def test_static_layers_quantize_their_input_by_the_input_scale(dirs, backend, num_tokens):
     """y = (x quantized by the layer's one input scale) @ (its dequantized W)^T in fp32, inputs
@@ -526,6 +529,7 @@ def test_static_layers_quantize_their_input_by_the_input_scale(dirs, backend, nu
         assert not torch.allclose(mod(x), dynamic, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.interpreter
 def test_static_layers_run_scaled_mm_for_many_tokens(dirs, monkeypatch):
     """With the Triton kernels (where torch has a scaled_mm: on the CPU always), a static layer's
     many-token steps run `scaled_mm_fp8` on the input scale folded into its weight scales: one
@@ -562,6 +566,7 @@ def test_static_layers_run_scaled_mm_for_many_tokens(dirs, monkeypatch):
     assert not hasattr(o, "scaled_mm_scale_b") and not hasattr(o, "input_scale")
 
 
+@pytest.mark.interpreter
 def test_static_layer_with_scales_varying_along_a_row_keeps_the_block_gemm(tmp_path, monkeypatch):
     """A per-tensor static checkpoint whose down_proj ships block-shaped scales (two k-blocks, the
     second 4x the first: loaded as block scales) has no one scale per row, so the layer keeps the

@@ -44,8 +44,12 @@ def _prefill(model_dir, backend, lens):
         return model(ids, positions), model
 
 
+# the PyTorch twins, and Triton's kernels on the CPU model (under the interpreter: no CUDA)
+TRITON_ON_CPU = pytest.mark.interpreter
 CASES = [
-    (name, backend) for name in ("qwen3", "qwen2", "deepseek_v2") for backend in ("reference", "triton")
+    pytest.param(name, backend, marks=TRITON_ON_CPU) if backend == "triton" else (name, backend)
+    for name in ("qwen3", "qwen2", "deepseek_v2")
+    for backend in ("reference", "triton")
 ] + [("deepseek_v3", "reference")]
 
 
@@ -95,6 +99,7 @@ def test_per_tensor_layer_of_non_power_of_two_group_prefills(tmp_path):
     assert out.shape == (20, 48) and bool(out.isfinite().all())
 
 
+@TRITON_ON_CPU
 def test_column_major_scales_after_a_scaled_mm_refusal(tmp_path, monkeypatch):
     """A layer that runs cuBLAS's GEMM at 256 tokens asks the norm for column-major scales; where
     cuBLAS then refuses, the Triton GEMM takes the column-major scales as they are: the same
