@@ -93,6 +93,30 @@ def store_kvcache_case(device, dtype) -> Case:
     return Case(call, refresh)
 
 
+def concat_and_cache_mla_case(device, dtype) -> Case:
+    gen = _gen(2)
+    T, L, Dr, num_blocks = 37, 512, 64, 6
+    kv_c, k_pe = randn((T, L), dtype, device, gen), randn((T, Dr), dtype, device, gen)
+    cache = randn((num_blocks, PAGE, 1, L + Dr), dtype, device, gen)
+    slots = torch.empty(T, dtype=torch.int64, device=device)
+
+    def new_slots():
+        s = torch.randperm(num_blocks * PAGE, generator=gen)[:T]
+        s[torch.rand(T, generator=gen) < 0.25] = -1
+        slots.copy_(s)
+
+    def call():
+        tk.concat_and_cache_mla(kv_c, k_pe, cache, slots)
+        return cache
+
+    def refresh():
+        _fill(gen, kv_c, k_pe)
+        new_slots()
+
+    new_slots()
+    return Case(call, refresh)
+
+
 def _prefill_case(lengths, device, dtype, seed) -> Case:
     gen = _gen(seed)
     T, hq, hkv, d = sum(lengths), 8, 2, 128
@@ -371,6 +395,7 @@ def gemm_fp8_case(device, dtype) -> Case:
 # (test id, builder): the id's first part is the kernel's name in tilellm.kernels.__all__
 CASES: list[tuple[str, Callable[[str, torch.dtype], Case]]] = [
     ("store_kvcache", store_kvcache_case),
+    ("concat_and_cache_mla", concat_and_cache_mla_case),
     ("prefill_attention", prefill_case),
     ("prefill_attention-long", prefill_long_case),
     ("paged_attention", paged_case),

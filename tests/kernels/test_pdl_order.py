@@ -127,6 +127,18 @@ def _cases() -> dict[str, tuple]:
         types |= {"k_scale": "*fp32", "v_scale": "*fp32"}
         constexprs = dict(HEADS=8, HEAD_DIM=128, BLOCK=1024, HAS_V=True, QUANTIZE=fp8, USE_PDL=True)
         cases[f"store-fp8={fp8}"] = (store._store_kernel, types, constexprs, (), {"num_warps": 4}, False)
+    for fp8 in (False, True):  # MLA's rows from their two parts
+        types = {"KV_C": "*bf16", "K_PE": "*bf16", "Cache": "*fp8e4nv" if fp8 else "*bf16"}
+        types |= {"slot_mapping": "*i64", "scale": "*fp32"}
+        constexprs = dict(L=512, DR=64, BLOCK_L=512, BLOCK_R=64, QUANTIZE=fp8, USE_PDL=True)
+        cases[f"mla_rows-fp8={fp8}"] = (
+            store._mla_rows_kernel,
+            types,
+            constexprs,
+            (),
+            {"num_warps": 1},
+            False,
+        )
     merge_types = {"O_parts": "*fp32", "LSE_parts": "*fp32", "O": "*bf16", "LSE": "*fp32"}
     merge_constexprs = dict(HEAD_DIM=128, SPLITS_PAD=8, WRITE_LSE=True, USE_PDL=True)
     cases["merge"] = (merge._merge_kernel, merge_types, merge_constexprs, (), {}, False)
@@ -176,6 +188,7 @@ CASES = (
     + ["rotary-interleaved"]
     + [f"rotary_store-fp8={f}" for f in (False, True)]
     + [f"store-fp8={f}" for f in (False, True)]
+    + [f"mla_rows-fp8={f}" for f in (False, True)]
     + ["merge"]
     + [f"paged_decode-split={s}" for s in (False, True)]
     + ["paged_decode-split=True-merge_last"]

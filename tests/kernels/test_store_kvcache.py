@@ -122,3 +122,75 @@ def test_one_cache_needs_both_none(device, impl):
         impl(k, v, k_cache, None, slots)
     with pytest.raises(ValueError, match="power of two"):  # K and V caches keep the kernels' head dims
         impl(k, v, k_cache, v_cache, slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# concat_and_cache_mla: MLA's row [latent | k_pe] from its two parts
+# ---------------------------------------------------------------------------------------------
+
+
+def _mla_parts(T, L, Dr, num_blocks, block_size, dtype, device, seed=0):
+    """kv_c and k_pe as row-strided views of one projection (as the model has them), a NaN cache."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = randn((T, L + Dr + 8), dtype, device, gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[torch.rand(T, generator=gen) < 0.25] = -1
+    cache = torch.full((num_blocks, block_size, 1, L + Dr), float("nan"), dtype=dtype, device=device)
+    return packed[:, 8 : 8 + L], packed[:, 8 + L :], cache, slots.to(device)
+
+
+@pytest.mark.parametrize("dtype", STORE_DTYPES, ids=str)
+@pytest.mark.parametrize(("L", "Dr", "block_size"), [(32, 16, 16), (512, 64, 64), (40, 8, 1)])
+def test_concat_and_cache_mla_equals_storing_the_concatenation(device, dtype, L, Dr, block_size):
+    """The same cache bits as `store_kvcache` of cat((kv_c, k_pe)), on strided parts; the twin
+    too; -1 slots untouched."""
+    kv_c, k_pe, cache, slots = _mla_parts(37, L, Dr, -(-48 // block_size) + 1, block_size, dtype, device)
+    expected = cache.clone()
+    tk.store_kvcache(torch.cat((kv_c, k_pe), dim=-1).unsqueeze(1), None, expected, None, slots)
+    for impl in (tk.concat_and_cache_mla, ref.concat_and_cache_mla):
+        got = cache.clone()
+        impl(kv_c, k_pe, got, slots)
+        assert torch.equal(torch.isnan(got), torch.isnan(expected))
+        assert torch.equal(got[~torch.isnan(got)], expected[~torch.isnan(expected)])
+    assert (slots >= 0).any() and torch.isnan(expected).any()
+
+
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_concat_and_cache_mla_fp8_cache(device, with_scale):
+    """An e4m3 cache stores x / kv_scale (1.0 without one) as `store_kvcache` does."""
+    kv_c, k_pe, _, slots = _mla_parts(21, 64, 16, 4, 16, torch.bfloat16, device, seed=3)
+    cache = torch.zeros(4, 16, 1, 80, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.tensor([0.05], device=device) if with_scale else None
+    expected = cache.clone()
+    rows = torch.cat((kv_c, k_pe), dim=-1).unsqueeze(1)
+    tk.store_kvcache(rows, None, expected, None, slots, k_scale=scale)
+    for impl in (tk.concat_and_cache_mla, ref.concat_and_cache_mla):
+        got = cache.clone()
+        impl(kv_c, k_pe, got, slots, kv_scale=scale)
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_concat_and_cache_mla_no_tokens(device):
+    kv_c, k_pe, cache, slots = _mla_parts(0, 32, 16, 2, 16, torch.float32, device)
+    tk.concat_and_cache_mla(kv_c, k_pe, cache, slots)
+    assert torch.isnan(cache).all()
+
+
+@pytest.mark.parametrize(
+    "impl", [tk.concat_and_cache_mla, ref.concat_and_cache_mla], ids=["triton", "reference"]
+)
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: {**a, "k_pe": a["k_pe"][:3]}, "kv_c has 5 tokens, k_pe 3"),
+        (lambda a: {**a, "kv_cache": a["kv_cache"][..., :40]}, "must end in"),
+        (lambda a: {**a, "kv_c": a["kv_c"].unsqueeze(1)}, "kv_c must be 2-D"),
+        (lambda a: {**a, "k_pe": a["k_pe"].half()}, "k_pe"),
+        (lambda a: {**a, "slot_mapping": a["slot_mapping"].float()}, "int32 or int64"),
+    ],
+)
+def test_concat_and_cache_mla_rejects_bad_input(impl, change, match):
+    kv_c, k_pe, cache, slots = _mla_parts(5, 32, 16, 2, 16, torch.float32, "cpu")
+    args = change({"kv_c": kv_c, "k_pe": k_pe, "kv_cache": cache, "slot_mapping": slots})
+    with pytest.raises(ValueError, match=match):
+        impl(args["kv_c"], args["k_pe"], args["kv_cache"], args["slot_mapping"])

@@ -1,6 +1,7 @@
 """Attention kernels in Triton and Gluon. Each has a PyTorch twin in `tilellm.kernels.reference`.
 
-- `store_kvcache`: this step's K/V into their slots of the paged cache (slot -1 = skip).
+- `store_kvcache`: this step's K/V into their slots of the paged cache (slot -1 = skip);
+  `concat_and_cache_mla`: MLA's rows [latent | k_pe] from their two parts.
 - `prefill_attention`: packed varlen causal prefill over this step's contiguous K/V.
 - `paged_attention`: any mix of prefix-cached/chunked prefill, verification and decode, K/V read
   through the block table, with split-KV segments when the batch cannot fill the GPU.
@@ -45,10 +46,11 @@ from tilellm.kernels.paged import cascade_decode_attention, decode_attention, pa
 from tilellm.kernels.prefill import prefill_attention
 from tilellm.kernels.sparse import sparse_attention
 from tilellm.kernels.sparse_mla import sparse_mla_attention
-from tilellm.kernels.store import store_kvcache
+from tilellm.kernels.store import concat_and_cache_mla, store_kvcache
 
 __all__ = [
     "store_kvcache",
+    "concat_and_cache_mla",
     "prefill_attention",
     "paged_attention",
     "decode_attention",

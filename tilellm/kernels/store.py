@@ -1,7 +1,9 @@
 """Write this step's K/V rows into their slots of the paged cache.
 
 One program per token: it reads the token's slot from `slot_mapping` and copies the token's
-`Hkv x D` K and V values there (or, with no V, one row: MLA's latent cache). Slot -1 marks
+`Hkv x D` K and V values there (or, with no V, one row: MLA's latent cache).
+`concat_and_cache_mla` writes MLA's row [latent | k_pe] from its two parts, with no
+concatenated copy in between. Slot -1 marks
 padding (e.g. the dummy rows of a CUDA-graph batch): the program returns without touching the
 cache. An FP8 cache (float8_e4m3fn) stores `k / k_scale` and `v / v_scale`, saturated to +-448
 (`tilellm.kernels.fp8.to_fp8`); the scales are read from device memory, so a CUDA graph replays
@@ -114,3 +116,64 @@ def store_kvcache(
         num_warps=4 if Hkv * D >= 1024 else 1,
         **pdl_launch_kwargs(k.device),
     )
+
+
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping"])
+def _mla_rows_kernel(
+    KV_C, K_PE, Cache, slot_mapping, scale, stride_ct, stride_pt, stride_cslot,
+    L: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    QUANTIZE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Token t's row [kv_c[t] | k_pe[t]] into slot slot_mapping[t] (-1: nothing), as
+    `_store_kernel` stores a row: e4m3 of x / scale for an FP8 cache."""
+    pdl_start(USE_PDL)
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping + tok).to(tl.int64)
+    if slot < 0:
+        return
+    row = Cache + slot * stride_cslot
+    offs_l = tl.arange(0, BLOCK_L)
+    c = tl.load(KV_C + tok.to(tl.int64) * stride_ct + offs_l, mask=offs_l < L)
+    offs_r = tl.arange(0, BLOCK_R)
+    pe = tl.load(K_PE + tok.to(tl.int64) * stride_pt + offs_r, mask=offs_r < DR)
+    if QUANTIZE:
+        s = tl.load(scale)
+        c = to_fp8(tl.div_rn(c.to(tl.float32), s))
+        pe = to_fp8(tl.div_rn(pe.to(tl.float32), s))
+    tl.store(row + offs_l, c, mask=offs_l < L)
+    tl.store(row + L + offs_r, pe, mask=offs_r < DR)
+
+
+_mla_rows_launch = FastLaunch(_mla_rows_kernel)
+
+
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Store MLA's cache rows from their two parts (vLLM's `concat_and_cache_mla`):
+    `store_kvcache(cat((kv_c, k_pe), -1)[:, None], None, kv_cache, None, slot_mapping,
+    k_scale=kv_scale)` in one launch, without the concatenated copy.
+
+    Args:
+        kv_c: [T, L] the normalised latents; k_pe: [T, Dr] the rotated keys (last dims contiguous).
+        kv_cache: [num_blocks, block_size, 1, L + Dr], contiguous, in kv_c's dtype or FP8.
+        slot_mapping: [T] int32/int64; -1 skips the token.
+        kv_scale: an FP8 cache's [1] float32 scale (None = 1.0): the cache stores x / kv_scale.
+    """
+    validation.check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
+    t, width = kv_c.shape
+    if t == 0:
+        return
+    dr = k_pe.shape[1]
+    quantize = is_fp8(kv_cache)
+    scale = kv_scale if kv_scale is not None else (unit_scale(kv_c.device) if quantize else kv_c)
+    _mla_rows_launch[(t,)](
+        kv_c, k_pe, kv_cache, slot_mapping, scale, kv_c.stride(0), k_pe.stride(0), kv_cache.stride(1),
+        L=width, DR=dr, BLOCK_L=next_power_of_2(width), BLOCK_R=next_power_of_2(dr), QUANTIZE=quantize,
+        num_warps=4 if width + dr >= 1024 else 1, **pdl_launch_kwargs(kv_c.device),
+    )  # fmt: skip

@@ -63,6 +63,41 @@ def check_store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_sc
         check_slot_values(name, slot_mapping, k_cache)
 
 
+def check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=None) -> None:
+    """MLA's latent kv_c [T, L] and rotary key k_pe [T, Dr] into one cache of rows
+    [num_blocks, block_size, 1, L + Dr] (kv_c's dtype, or FP8 with an optional scale)."""
+    name = "concat_and_cache_mla"
+    _check_layout_once(_check_mla_rows_layout, name, kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
+    if deep_checks_enabled(kv_c) and kv_c.shape[0] > 0:
+        check_slot_values(name, slot_mapping, kv_cache)
+
+
+def _check_mla_rows_layout(name, kv_c, k_pe, kv_cache, slot_mapping, kv_scale) -> None:
+    _check_rank(name, "kv_c", kv_c, 2, "[T, L]")
+    _check_rank(name, "k_pe", k_pe, 2, "[T, Dr]")
+    _check_float(name, {"kv_c": kv_c, "k_pe": k_pe})
+    _check_rank(name, "kv_cache", kv_cache, 4, "[num_blocks, block_size, 1, L + Dr]")
+    check_cache_dtype(name, "kv_c", kv_c, {"kv_cache": kv_cache}, {"kv_scale": kv_scale})
+    _check_rank(name, "slot_mapping", slot_mapping, 1, "[T]")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    _check_device(name, {"kv_c": kv_c, "k_pe": k_pe, "kv_cache": kv_cache, "slot_mapping": slot_mapping})
+    (t, width), dr = kv_c.shape, k_pe.shape[1]
+    if k_pe.shape[0] != t or slot_mapping.shape[0] != t:
+        raise ValueError(
+            f"{name}: kv_c has {t} tokens, k_pe {k_pe.shape[0]} and slot_mapping {slot_mapping.shape[0]}"
+        )
+    if tuple(kv_cache.shape[2:]) != (1, width + dr):
+        raise ValueError(
+            f"{name}: kv_cache [num_blocks, block_size, 1, L + Dr] must end in (1, {width + dr}) for "
+            f"L = {width} and Dr = {dr}, got {tuple(kv_cache.shape[2:])}"
+        )
+    if not 1 <= width + dr <= STORE_MAX_ROW:
+        raise ValueError(f"{name}: a cache row holds 1..{STORE_MAX_ROW} values, got L + Dr = {width + dr}")
+    _check_last_dim_stride(name, {"kv_c": kv_c, "k_pe": k_pe})
+    _check_contiguous(name, {"kv_cache": kv_cache, "slot_mapping": slot_mapping})
+
+
 def check_slot_values(name: str, slot_mapping: torch.Tensor, cache: torch.Tensor) -> None:
     """Every slot_mapping entry is -1 (padding) or a slot of `cache` [num_blocks, block_size, ...]
     (a host read: callers do it on CPU tensors and under TILELLM_DEBUG=1)."""

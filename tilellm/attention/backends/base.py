@@ -246,10 +246,7 @@ class AttentionBackend:
         if cache.numel() == 0 and plan.mode != "prefill":
             raise RuntimeError("KV cache not bound: only PREFILL steps can run without it")
         if cache.numel() != 0:
-            rows = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, L + Dr]
-            if layer.calibrate_kv_scales:
-                measure_kv_scale(rows, layer.kv_scale, K_SCALE_RANGE)
-            self.ops.store_kvcache(rows, None, cache, None, meta.slot_mapping, k_scale=layer.kv_scale)
+            self._store_mla_rows(layer, latent, k_pe, meta.slot_mapping)
         if plan.mode == "prefill":
             kv = F.linear(latent, kv_b_weight).view(num_tokens, num_heads, dn + dv)
             k_nope, v = kv.split([dn, dv], dim=-1)
@@ -290,10 +287,7 @@ class AttentionBackend:
         if cache.numel() == 0:
             return self.forward_mla(layer, q_nope, q_pe, latent, k_pe, kv_b_weight, meta)
         ops = self.ops
-        rows = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, L + Dr]
-        if layer.calibrate_kv_scales:
-            measure_kv_scale(rows, layer.kv_scale, K_SCALE_RANGE)
-        ops.store_kvcache(rows, None, cache, None, meta.slot_mapping, k_scale=layer.kv_scale)
+        self._store_mla_rows(layer, latent, k_pe, meta.slot_mapping)
         index_scales = layer.index_scales  # an FP8 cache: e4m3 keys with a scale each
         ops.store_index_keys(index_k, index_cache, meta.slot_mapping, index_scales=index_scales)
         topk_indices = ops.index_topk(
@@ -311,6 +305,15 @@ class AttentionBackend:
             kv_lora_rank=layer.kv_lora_rank, scale=layer.scale, kv_scale=layer.kv_scale,
         )  # fmt: skip
         return _expand_output(o_latent, w_uv)
+
+    def _store_mla_rows(
+        self, layer: MLAAttention, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Each token's row [latent | k_pe] into the layer's cache, in one launch
+        (`concat_and_cache_mla`); on an FP8 cache's calibration step, its scale measured first."""
+        if layer.calibrate_kv_scales:
+            measure_kv_scale(torch.cat((latent, k_pe), dim=-1), layer.kv_scale, K_SCALE_RANGE)
+        self.ops.concat_and_cache_mla(latent, k_pe, layer.kv_cache, slot_mapping, kv_scale=layer.kv_scale)
 
     def _mla_attend(
         self,

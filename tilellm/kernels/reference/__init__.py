@@ -6,7 +6,7 @@ This package holds every twin: the attention kernels here, the fused element-wis
 They are the tests' oracle and the engine's CPU attention backend, so they stay readable (one
 loop over requests, the K/V of a request gathered through its block table) and avoid loops over
 tokens. Scores, softmax and accumulation run in fp32; outputs come back in `q.dtype`. Inputs are
-never modified (except the caches that `store_kvcache` writes), and every function validates its
+never modified (except the caches that `store_kvcache` and `concat_and_cache_mla` write), and every function validates its
 arguments with `tilellm.kernels.validation` exactly as its Triton twin does.
 
 FP8 caches (float8_e4m3fn, with `k_scale` / `v_scale` [1] float32 tensors, None = 1.0): the store
@@ -50,6 +50,21 @@ def store_kvcache(
     k_cache[blocks, offsets] = _to_cache(k[keep], k_cache, k_scale)
     if v is not None:
         v_cache[blocks, offsets] = _to_cache(v[keep], v_cache, v_scale)
+
+
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """MLA's rows [kv_c | k_pe] ([T, L] and [T, Dr]) into kv_cache [num_blocks, block_size, 1,
+    L + Dr]: `store_kvcache` of their concatenation."""
+    validation.check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
+    rows = torch.cat((kv_c, k_pe), dim=-1).unsqueeze(1)
+    store_kvcache(rows, None, kv_cache, None, slot_mapping, k_scale=kv_scale)
 
 
 def prefill_attention(
