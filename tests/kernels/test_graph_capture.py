@@ -392,6 +392,41 @@ def gemm_fp8_case(device, dtype) -> Case:
     return Case(lambda: tk.w8a8_block_fp8_matmul(*tensors, FP8_BLOCK), refresh)
 
 
+def linear_fp8_case(device, dtype) -> Case:
+    """A decode-sized step: the activation quantized inside the GEMM (split-K for few rows)."""
+    gen = _gen(22)
+    M, N, K = 8, 512, 1024
+    x = randn((M, K), dtype, device, gen)
+    b, b_s = ref_fp8.quantize_fp8_block(randn((N, K), torch.float32, device, gen) / K**0.5, FP8_BLOCK)
+    return Case(lambda: tk.w8a8_block_fp8_linear(x, b, b_s, FP8_BLOCK), lambda: _fill(gen, x))
+
+
+def store_index_keys_case(device, dtype) -> Case:
+    """DeepSeek-V3.2's indexer keys into an e4m3 cache, each row with a scale of its own."""
+    gen = _gen(23)
+    T, D, num_blocks = 37, 128, 6
+    index_k = randn((T, D), dtype, device, gen)
+    cache = torch.zeros(num_blocks, PAGE, 1, D, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.zeros(num_blocks, PAGE, dtype=torch.float32, device=device)
+    slots = torch.empty(T, dtype=torch.int64, device=device)
+
+    def new_slots():
+        s = torch.randperm(num_blocks * PAGE, generator=gen)[:T]
+        s[torch.rand(T, generator=gen) < 0.25] = -1
+        slots.copy_(s)
+
+    def call():
+        tk.store_index_keys(index_k, cache, slots, index_scales=scales)
+        return cache, scales
+
+    def refresh():
+        _fill(gen, index_k)
+        new_slots()
+
+    new_slots()
+    return Case(call, refresh)
+
+
 # (test id, builder): the id's first part is the kernel's name in tilellm.kernels.__all__
 CASES: list[tuple[str, Callable[[str, torch.dtype], Case]]] = [
     ("store_kvcache", store_kvcache_case),
@@ -416,8 +451,15 @@ CASES: list[tuple[str, Callable[[str, torch.dtype], Case]]] = [
     ("sparse_mla_attention-long", sparse_mla_long_case),
     ("per_token_group_quant_fp8", quant_fp8_case),
     ("w8a8_block_fp8_matmul", gemm_fp8_case),
+    ("w8a8_block_fp8_linear", linear_fp8_case),
+    ("store_index_keys", store_index_keys_case),
 ]
-FP8_KERNELS = {"per_token_group_quant_fp8", "w8a8_block_fp8_matmul"}
+FP8_KERNELS = {
+    "per_token_group_quant_fp8",
+    "w8a8_block_fp8_matmul",
+    "w8a8_block_fp8_linear",
+    "store_index_keys",
+}
 NEEDS_FP8 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="FP8 (e4m3) kernels need sm_89 or newer",
