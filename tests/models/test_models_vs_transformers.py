@@ -107,6 +107,7 @@ def test_prefill_decode_mixed_match_transformers(checkpoint):
     _assert_rows_match(rows, _hf_logits(checkpoint, seqs))
 
 
+@pytest.mark.interpreter  # a CPU model: on a GPU, the engine's tests run these kernels
 def test_triton_backend_matches_transformers(tmp_path):
     """Triton attention kernels and fused ops (the interpreter on CPU) through the whole model."""
     ckpt = make_tiny_model(tmp_path, "Qwen3ForCausalLM", seed=5)

@@ -26,6 +26,12 @@ E, H, I, T, K = 4, 64, 128, 11, 2
 BLOCK = (32, 32)
 MATRICES = ("gate_proj", "up_proj", "down_proj")
 
+# the twin, and the Triton kernel on CPU tensors (under the interpreter: no CUDA)
+OPS = [
+    pytest.param(ref, id="reference"),
+    pytest.param(triton_moe, id="triton", marks=pytest.mark.interpreter),
+]
+
 
 def checkpoint(
     per_tensor: bool = False, seed: int = 0
@@ -120,7 +126,7 @@ def test_enable_fp8_declares_parameters():
     assert "fp8_block=[32, 32]" in repr(layer)
 
 
-@pytest.mark.parametrize("ops", [ref, triton_moe], ids=["reference", "triton"])
+@pytest.mark.parametrize("ops", OPS)
 def test_block_scales_load_and_forward(ops):
     ckpt = checkpoint()
     layer = fp8_layer(ops)
@@ -287,7 +293,7 @@ def test_deepseek_v3_checkpoint_loads_fp8_experts(deepseek_dirs, form):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ops", [ref, triton_moe], ids=["reference", "triton"])
+@pytest.mark.parametrize("ops", OPS)
 def test_static_input_scales_load_reduce_and_forward(ops):
     """Each expert's gate / up / down `input_scale` loads into w13_input_scale [E, 2] and
     w2_input_scale [E]; once loading is done each is its largest ([1]: one quantization of the
