@@ -1,7 +1,9 @@
 """Block-scaled FP8 W8A8 GEMM on one GPU: the Triton kernel and torch's block-wise scaled_mm
-against the bf16 matmul, on Qwen3-0.6B's and Qwen3-8B's linear layers.
+against the bf16 matmul, on Qwen3-0.6B's and Qwen3-8B's linear layers (and, with `--models
+deepseek-v3`, DeepSeek-V3's q_a and kv_a projections apart and merged as the engine runs them).
 
-    python benchmarks/fp8_gemm.py [--models qwen3-0.6b,qwen3-8b] [--ms 1,16,64,256,1024,4096] [--no-sweep]
+    python benchmarks/fp8_gemm.py [--models qwen3-0.6b,qwen3-8b,deepseek-v3] [--ms 1,16,64,256,1024,4096]
+        [--no-sweep] [--json FILE]
 
 For every layer (qkv, o, gate_up, down: y = x @ W^T, W [N, K]) and token count M it times calls
 as a model's decode step runs them: captured in one CUDA graph, each call on its own copy of the
@@ -57,8 +59,16 @@ BLOCK = [128, 128]
 LAYERS = {
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
     "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
+    # DeepSeek-V3's down-projections of the attention input, apart and as the engine merges them
+    # (`fused_qkv_a_proj`: 1536 + 576 rows, held zero-padded to 2176 = 17 whole blocks for cuBLAS)
+    "deepseek-v3": {"q_a": (1536, 7168), "kv_a": (576, 7168), "qkv_a_padded": (2176, 7168)},
 }
-MERGED = ("qkv", "gate_up")  # several checkpoint matrices, each with a per-tensor scale of its own
+DEFAULT_MODELS = "qwen3-0.6b,qwen3-8b"
+MERGED = (
+    "qkv",
+    "gate_up",
+    "qkv_a_padded",
+)  # several checkpoint matrices, each with a per-tensor scale of its own
 MS = (1, 16, 64, 256, 1024, 4096)
 CHECK_TOL = 1e-2  # of the output scale: bf16 rounding (2^-8) plus fp8 MMA accumulation
 
@@ -287,9 +297,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default=",".join(LAYERS))
+    parser.add_argument("--models", default=DEFAULT_MODELS, help=f"of {', '.join(LAYERS)}")
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--no-sweep", action="store_true", help="skip the alternative tile configs")
+    parser.add_argument("--json", default=None, help="the report's path (default $OUT/fp8_gemm.json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_gemm.py needs a CUDA GPU")
@@ -308,8 +319,8 @@ def main() -> None:
                 row.update(model=model, layer=layer)
                 print_row(model, layer, row)
                 rows.append(row)
-    out_dir = pathlib.Path(os.environ.get("OUT", "out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    path = pathlib.Path(args.json or pathlib.Path(os.environ.get("OUT", "out")) / "fp8_gemm.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
@@ -318,8 +329,8 @@ def main() -> None:
         "scaled_mm": tk.scaled_mm_block_unavailable(device, BLOCK, 128) or "available",
         "rows": rows,
     }
-    (out_dir / "fp8_gemm.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {out_dir / 'fp8_gemm.json'}")
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

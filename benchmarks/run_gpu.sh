@@ -159,6 +159,8 @@ if selected fp8; then
   # (the measurements first: the tests take what is left of a call's budget)
   run_step fp8_gemm 200 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep
   run_step fused_quant 90 "$PYTHON" benchmarks/fused_quant.py --json "$OUT/fused_quant.json"
+  run_step fp8_gemm_deepseek 90 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep --models deepseek-v3 \
+    --ms 16,256,4096 --json "$OUT/fp8_gemm_deepseek.json"
   run_step decode_fp8 120 "$PYTHON" benchmarks/decode_fp8.py --json "$OUT/decode_fp8.json"
   run_step fp8_tests "${FP8_TIMEOUT:-400}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
     tests/kernels/test_decode_fp8.py tests/kernels/test_kv_fp8.py tests/kernels/test_fp8_gemm.py \
