@@ -15,8 +15,9 @@
 #   rope        rotary embedding and KV store in one launch (TILELLM_ROPE_STORE=fused, the default)
 #               against two launches: its tests on the GPU, small-batch decode with two launches, one,
 #               and one plus the in-kernel split-KV merge, then E1 with the defaults
-#   fp8         benchmarks/fp8_gemm.py --no-sweep, benchmarks/fused_quant.py (the activation
-#               quantization in RMSNorm's and SiLU-and-mul's launches) and benchmarks/decode_fp8.py,
+#   fp8         benchmarks/fp8_gemm.py --no-sweep (Qwen3's layers, then DeepSeek-V3's merged q_a / kv_a),
+#               benchmarks/fused_quant.py (the activation quantization in RMSNorm's and SiLU-and-mul's
+#               launches) and benchmarks/decode_fp8.py,
 #               then the FP8 tests on the GPU (KV cache, decode, GEMM, MoE, checkpoints, the engine
 #               against transformers, the fused ops)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
