@@ -68,6 +68,18 @@ def _step_lengths(b: PagedBatch, gen: torch.Generator) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _slot_refiller(slots: torch.Tensor, num_slots: int, gen: torch.Generator) -> Callable[[], None]:
+    """A function that refills `slots` [T] in place: distinct random slots of the cache's
+    `num_slots`, about a quarter of them -1 (padding rows: skipped)."""
+
+    def refill() -> None:
+        s = torch.randperm(num_slots, generator=gen)[: slots.shape[0]].to(slots.dtype)
+        s[torch.rand(slots.shape[0], generator=gen) < 0.25] = -1
+        slots.copy_(s)
+
+    return refill
+
+
 def store_kvcache_case(device, dtype) -> Case:
     gen = _gen(1)
     T, Hkv, D, num_blocks = 37, 2, 128, 6
@@ -75,11 +87,7 @@ def store_kvcache_case(device, dtype) -> Case:
     k_cache = randn((num_blocks, PAGE, Hkv, D), dtype, device, gen)
     v_cache = randn((num_blocks, PAGE, Hkv, D), dtype, device, gen)
     slots = torch.empty(T, dtype=torch.int32, device=device)
-
-    def new_slots():
-        s = torch.randperm(num_blocks * PAGE, generator=gen)[:T].to(torch.int32)
-        s[torch.rand(T, generator=gen) < 0.25] = -1  # padding rows: skipped
-        slots.copy_(s)
+    new_slots = _slot_refiller(slots, num_blocks * PAGE, gen)
 
     def call():
         tk.store_kvcache(k, v, k_cache, v_cache, slots)
@@ -99,11 +107,7 @@ def concat_and_cache_mla_case(device, dtype) -> Case:
     kv_c, k_pe = randn((T, L), dtype, device, gen), randn((T, Dr), dtype, device, gen)
     cache = randn((num_blocks, PAGE, 1, L + Dr), dtype, device, gen)
     slots = torch.empty(T, dtype=torch.int64, device=device)
-
-    def new_slots():
-        s = torch.randperm(num_blocks * PAGE, generator=gen)[:T]
-        s[torch.rand(T, generator=gen) < 0.25] = -1
-        slots.copy_(s)
+    new_slots = _slot_refiller(slots, num_blocks * PAGE, gen)
 
     def call():
         tk.concat_and_cache_mla(kv_c, k_pe, cache, slots)
@@ -409,11 +413,7 @@ def store_index_keys_case(device, dtype) -> Case:
     cache = torch.zeros(num_blocks, PAGE, 1, D, dtype=torch.float8_e4m3fn, device=device)
     scales = torch.zeros(num_blocks, PAGE, dtype=torch.float32, device=device)
     slots = torch.empty(T, dtype=torch.int64, device=device)
-
-    def new_slots():
-        s = torch.randperm(num_blocks * PAGE, generator=gen)[:T]
-        s[torch.rand(T, generator=gen) < 0.25] = -1
-        slots.copy_(s)
+    new_slots = _slot_refiller(slots, num_blocks * PAGE, gen)
 
     def call():
         tk.store_index_keys(index_k, cache, slots, index_scales=scales)
