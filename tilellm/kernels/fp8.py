@@ -49,6 +49,16 @@ def to_fp8(x):
     return x.to(tl.float8e4nv)
 
 
+@triton.jit
+def to_cache(x, scale_ptr, QUANTIZE: tl.constexpr):
+    """Values as a KV cache stores them: for an FP8 cache (QUANTIZE), e4m3 of x / scale, the
+    scale read from device memory (a CUDA graph replays with its current value) and the division
+    IEEE-rounded (`tl.div_rn`: torch's exact division); otherwise x unchanged."""
+    if QUANTIZE:
+        x = to_fp8(tl.div_rn(x.to(tl.float32), tl.load(scale_ptr)))
+    return x
+
+
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8_DTYPE
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, next_power_of_2
-from tilellm.kernels.fp8 import is_fp8, to_fp8, unit_scale
+from tilellm.kernels.fp8 import is_fp8, to_cache, unit_scale
 from tilellm.kernels.fp8_gemm import group_quant_outputs, group_quant_tile, quantize_groups
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
@@ -343,17 +343,6 @@ def _rotate_rows(
 
 
 @triton.jit
-def _cache_rows(x1, x2, scale_ptr, QUANTIZE: tl.constexpr):
-    """Row halves as the cache stores them: e4m3 of x / scale for an FP8 cache (the rounding of
-    `store_kvcache` applied to the same stored values), else unchanged."""
-    if QUANTIZE:
-        s = tl.load(scale_ptr)
-        x1 = to_fp8(tl.div_rn(x1.to(tl.float32), s))
-        x2 = to_fp8(tl.div_rn(x2.to(tl.float32), s))
-    return x1, x2
-
-
-@triton.jit
 def _store_rows(
     k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_vt, stride_vh, stride_cslot, row0, num_rows, num_heads, half,
@@ -369,14 +358,14 @@ def _store_rows(
     slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int64)
     mask = ((slot >= 0) & row_ok)[:, None] & (dims < half)[None, :]
     col = head[:, None] * (2 * half) + dims[None, :]
-    k1, k2 = _cache_rows(k1, k2, k_scale_ptr, QUANTIZE)
+    k1, k2 = to_cache(k1, k_scale_ptr, QUANTIZE), to_cache(k2, k_scale_ptr, QUANTIZE)
     dst = slot[:, None] * stride_cslot + col
     tl.store(k_cache_ptr + dst, k1, mask=mask)
     tl.store(k_cache_ptr + dst + half, k2, mask=mask)
     src = v_ptr + tok[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :]
     v1 = tl.load(src, mask=mask)
     v2 = tl.load(src + half, mask=mask)
-    v1, v2 = _cache_rows(v1, v2, v_scale_ptr, QUANTIZE)
+    v1, v2 = to_cache(v1, v_scale_ptr, QUANTIZE), to_cache(v2, v_scale_ptr, QUANTIZE)
     tl.store(v_cache_ptr + dst, v1, mask=mask)
     tl.store(v_cache_ptr + dst + half, v2, mask=mask)
 

@@ -468,8 +468,7 @@ def check_store_index_keys(name, index_k, index_cache, slot_mapping, index_scale
             f"{name}: index_cache must be [num_blocks, block_size, 1, {D}] and slot_mapping [{T}], got "
             f"{tuple(index_cache.shape)} and {tuple(slot_mapping.shape)}"
         )
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    v._check_slot_mapping(name, slot_mapping)
     v._check_device(name, {"index_k": index_k, "index_cache": index_cache, "slot_mapping": slot_mapping})
     v._check_contiguous(name, {"index_cache": index_cache, "slot_mapping": slot_mapping})
     v._check_last_dim_stride(name, {"index_k": index_k})

@@ -1,13 +1,12 @@
 """Write this step's K/V rows into their slots of the paged cache.
 
 One program per token: it reads the token's slot from `slot_mapping` and copies the token's
-`Hkv x D` K and V values there (or, with no V, one row: MLA's latent cache).
+`Hkv x D` K and V values there (or, with no V, one row: MLA's latent cache);
 `concat_and_cache_mla` writes MLA's row [latent | k_pe] from its two parts, with no
-concatenated copy in between. Slot -1 marks
-padding (e.g. the dummy rows of a CUDA-graph batch): the program returns without touching the
-cache. An FP8 cache (float8_e4m3fn) stores `k / k_scale` and `v / v_scale`, saturated to +-448
-(`tilellm.kernels.fp8.to_fp8`); the scales are read from device memory, so a CUDA graph replays
-with their current values.
+concatenated copy in between. Slot -1 marks padding (e.g. the dummy rows of a CUDA-graph batch):
+the program returns without touching the cache. An FP8 cache (float8_e4m3fn) stores `k / k_scale`
+and `v / v_scale`, saturated to +-448 (`tilellm.kernels.fp8.to_cache`); the scales are read from
+device memory, so a CUDA graph replays with their current values.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import next_power_of_2
-from tilellm.kernels.fp8 import is_fp8, to_fp8, unit_scale
+from tilellm.kernels.fp8 import is_fp8, to_cache, unit_scale
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 
@@ -54,15 +53,11 @@ def _store_kernel(
     head = offs // HEAD_DIM
     d = offs % HEAD_DIM
     k = tl.load(K + tok.to(tl.int64) * stride_kt + head * stride_kh + d, mask=ok)
-    if QUANTIZE:
-        k = to_fp8(tl.div_rn(k.to(tl.float32), tl.load(k_scale)))  # div_rn: torch's exact division
     # Cache rows are [Hkv, D] contiguous: a slot is one row of Hkv * D values.
-    tl.store(K_cache + slot * stride_cslot + offs, k, mask=ok)
+    tl.store(K_cache + slot * stride_cslot + offs, to_cache(k, k_scale, QUANTIZE), mask=ok)
     if HAS_V:
         v = tl.load(V + tok.to(tl.int64) * stride_vt + head * stride_vh + d, mask=ok)
-        if QUANTIZE:
-            v = to_fp8(tl.div_rn(v.to(tl.float32), tl.load(v_scale)))
-        tl.store(V_cache + slot * stride_cslot + offs, v, mask=ok)
+        tl.store(V_cache + slot * stride_cslot + offs, to_cache(v, v_scale, QUANTIZE), mask=ok)
 
 
 _store_launch = FastLaunch(_store_kernel)
@@ -136,12 +131,8 @@ def _mla_rows_kernel(
     c = tl.load(KV_C + tok.to(tl.int64) * stride_ct + offs_l, mask=offs_l < L)
     offs_r = tl.arange(0, BLOCK_R)
     pe = tl.load(K_PE + tok.to(tl.int64) * stride_pt + offs_r, mask=offs_r < DR)
-    if QUANTIZE:
-        s = tl.load(scale)
-        c = to_fp8(tl.div_rn(c.to(tl.float32), s))
-        pe = to_fp8(tl.div_rn(pe.to(tl.float32), s))
-    tl.store(row + offs_l, c, mask=offs_l < L)
-    tl.store(row + L + offs_r, pe, mask=offs_r < DR)
+    tl.store(row + offs_l, to_cache(c, scale, QUANTIZE), mask=offs_l < L)
+    tl.store(row + L + offs_r, to_cache(pe, scale, QUANTIZE), mask=offs_r < DR)
 
 
 _mla_rows_launch = FastLaunch(_mla_rows_kernel)

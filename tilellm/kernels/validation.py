@@ -78,9 +78,7 @@ def _check_mla_rows_layout(name, kv_c, k_pe, kv_cache, slot_mapping, kv_scale) -
     _check_float(name, {"kv_c": kv_c, "k_pe": k_pe})
     _check_rank(name, "kv_cache", kv_cache, 4, "[num_blocks, block_size, 1, L + Dr]")
     check_cache_dtype(name, "kv_c", kv_c, {"kv_cache": kv_cache}, {"kv_scale": kv_scale})
-    _check_rank(name, "slot_mapping", slot_mapping, 1, "[T]")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    _check_slot_mapping(name, slot_mapping)
     _check_device(name, {"kv_c": kv_c, "k_pe": k_pe, "kv_cache": kv_cache, "slot_mapping": slot_mapping})
     (t, width), dr = kv_c.shape, k_pe.shape[1]
     if k_pe.shape[0] != t or slot_mapping.shape[0] != t:
@@ -96,6 +94,13 @@ def _check_mla_rows_layout(name, kv_c, k_pe, kv_cache, slot_mapping, kv_scale) -
         raise ValueError(f"{name}: a cache row holds 1..{STORE_MAX_ROW} values, got L + Dr = {width + dr}")
     _check_last_dim_stride(name, {"kv_c": kv_c, "k_pe": k_pe})
     _check_contiguous(name, {"kv_cache": kv_cache, "slot_mapping": slot_mapping})
+
+
+def _check_slot_mapping(name: str, slot_mapping: torch.Tensor) -> None:
+    """slot_mapping [T], int32 or int64 (its values: `check_slot_values`)."""
+    _check_rank(name, "slot_mapping", slot_mapping, 1, "[T]")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
 
 
 def check_slot_values(name: str, slot_mapping: torch.Tensor, cache: torch.Tensor) -> None:
@@ -130,9 +135,7 @@ def _check_store_layout(name, k, v, k_cache, v_cache, slot_mapping, k_scale, v_s
     caches = {"k_cache": k_cache} if v is None else {"k_cache": k_cache, "v_cache": v_cache}
     _check_float(name, {"k": k} if v is None else {"k": k, "v": v})
     check_cache_dtype(name, "k", k, caches, {"k_scale": k_scale, "v_scale": v_scale})
-    _check_rank(name, "slot_mapping", slot_mapping, 1, "[T]")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    _check_slot_mapping(name, slot_mapping)
     _check_device(name, {**pair, "slot_mapping": slot_mapping})
     T, Hkv, D = k.shape
     if tuple(k_cache.shape[2:]) != (Hkv, D):

@@ -316,23 +316,6 @@ class Fp8LinearMethod(LinearMethod):
             return None
         return self.block_size[1], self._group_scaled_mm(num_tokens)
 
-    def apply_silu_and_mul(
-        self, layer: LinearBase, x: torch.Tensor, ops: types.ModuleType
-    ) -> torch.Tensor | None:
-        """silu(gate) * up of x [T, 2I] quantized per token and group in the activation's launch
-        (`ops.silu_and_mul_per_token_group_quant_fp8`: the same bits as the two), then the GEMM,
-        for the steps `input_group_quant` names; None for the others."""
-        num_tokens = x.numel() // max(1, x.shape[-1])
-        fused = getattr(ops, "silu_and_mul_per_token_group_quant_fp8", None)
-        quant = self.input_group_quant(layer, num_tokens)
-        if fused is None or quant is None:
-            return None
-        group_size, column_major_scales = quant
-        x2d = x.reshape(num_tokens, x.shape[-1])
-        x_q, x_s = fused(x2d, group_size, column_major_scales=column_major_scales)
-        y = self._group_gemm(layer, x_q, x_s, column_major_scales, x.dtype)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
     def _group_gemm(
         self, layer: LinearBase, x_q: torch.Tensor, x_s: torch.Tensor, scaled_mm: bool, dtype: torch.dtype
     ) -> torch.Tensor:

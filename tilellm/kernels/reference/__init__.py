@@ -6,8 +6,9 @@ This package holds every twin: the attention kernels here, the fused element-wis
 They are the tests' oracle and the engine's CPU attention backend, so they stay readable (one
 loop over requests, the K/V of a request gathered through its block table) and avoid loops over
 tokens. Scores, softmax and accumulation run in fp32; outputs come back in `q.dtype`. Inputs are
-never modified (except the caches that `store_kvcache` and `concat_and_cache_mla` write), and every function validates its
-arguments with `tilellm.kernels.validation` exactly as its Triton twin does.
+never modified (except the caches that `store_kvcache` and `concat_and_cache_mla` write), and
+every function validates its arguments with `tilellm.kernels.validation` exactly as its Triton
+twin does.
 
 FP8 caches (float8_e4m3fn, with `k_scale` / `v_scale` [1] float32 tensors, None = 1.0): the store
 quantizes (`tilellm.kernels.fp8.quantize_fp8`), and attention dequantizes the gathered rows

@@ -27,7 +27,6 @@ bk), every shard on whole blocks.
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,10 +155,10 @@ def reduce_input_scale(scale: torch.Tensor) -> nn.Parameter:
 @dataclass(frozen=True)
 class QuantizedActivation:
     """A linear layer's input already quantized to FP8 per token and group by the op before it
-    (`RMSNorm.forward(..., quant_for=layer)`): x_q [T, K] float8_e4m3fn, x_s [T, K / group]
-    float32 in the layout the layer asked for (`LinearBase.input_group_quant`: strides (1, T)
-    when `column_major_scales`), and the dtype of the unquantized input, which the layer's output
-    takes."""
+    (`RMSNorm.forward(..., quant_for=layer)`, `SiluAndMul.forward(..., quant_for=layer)`):
+    x_q [T, K] float8_e4m3fn, x_s [T, K / group] float32 in the layout the layer asked for
+    (`LinearBase.input_group_quant`: strides (1, T) when `column_major_scales`), and the dtype of
+    the unquantized input, which the layer's output takes."""
 
     x_q: torch.Tensor
     x_s: torch.Tensor
@@ -190,15 +189,6 @@ class LinearMethod:
             y = skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, layer.weight, bias)
-
-    def apply_silu_and_mul(
-        self, layer: LinearBase, x: torch.Tensor, ops: types.ModuleType
-    ) -> torch.Tensor | None:
-        """`apply(layer, silu_and_mul(x), None)` for x [T, 2I] = [gate | up] (`ops`: the model's
-        element-wise ops) where this method can fuse the activation into its input path, else
-        None: the caller runs the two. The caller adds the bias (`RowParallelLinear._reduce`).
-        A 16/32-bit layer fuses nothing."""
-        return None
 
     def input_group_quant(self, layer: LinearBase, num_tokens: int) -> tuple[int, bool] | None:
         """(group_size, column_major_scales) where a step of `num_tokens` tokens quantizes this
@@ -438,14 +428,8 @@ class RowParallelLinear(LinearBase):
         k = self.in_features
         return ShardLayout(1, 0, self.tp_rank * k, k, k * self.tp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self._reduce(self.quant_method.apply(self, x, None))
-
-    def apply_silu_and_mul(self, x: torch.Tensor, ops: types.ModuleType) -> torch.Tensor | None:
-        """`self(ops.silu_and_mul(x))` with the activation fused into the weight method's input
-        path (an FP8 layer's quantization), or None where it is not (`LinearMethod.apply_silu_and_mul`)."""
-        y = self.quant_method.apply_silu_and_mul(self, x, ops)
-        return None if y is None else self._reduce(y)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial product -> the layer's output: all-reduced, then the bias added; or,

@@ -43,7 +43,5 @@ class GatedMLP(nn.Module):
         return self.gate_up_proj
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # An FP8 down_proj quantizes silu(gate) * up in the activation's own launch.
-        y = self.down_proj.apply_silu_and_mul(gate_up, self.act_fn.ops)
-        return y if y is not None else self.down_proj(self.act_fn(gate_up))
+        # (an FP8 down_proj takes silu(gate) * up quantized in the activation's own launch)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), quant_for=self.down_proj))
