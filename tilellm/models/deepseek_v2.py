@@ -19,8 +19,9 @@ K and V of the same width). Keys and values are the latent expanded by `kv_b_pro
 
 RoPE: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; the rotary kernel reads them as
 the NeoX halves [evens | odds] and writes them so (`apply_rotary(..., interleaved=True)`: the
-queries' and keys' rotary dims permuted alike, so scores are unchanged), without a gather. YaRN scaling with
-DeepSeek's mscale: cos/sin scaled by the attention factor, the softmax scale by mscale_all_dim^2.
+queries' and keys' rotary dims permuted alike, so scores are unchanged), without a gather.
+YaRN scaling with DeepSeek's mscale: cos/sin scaled by the attention factor, the softmax scale by
+mscale_all_dim^2.
 
 MLP: layer i is an MoE block (routed + shared experts) when the config has routed experts,
 i >= first_k_dense_replace and i % moe_layer_freq == 0; else a dense gated MLP. Routers:
