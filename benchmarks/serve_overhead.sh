@@ -15,7 +15,9 @@
 #      1 - (server output tok/s at rate inf) / (offline E1 output tok/s); target < 10%.
 #   5. the plainest client (benchmarks/plain_client.py: one asyncio + httpx client, every request at
 #      once, not streamed) at each httpx connection limit of $PLAIN_CONNECTIONS (default: 0 = none,
-#      and 100 = httpx's default), then streamed without a limit.
+#      and 100 = httpx's default), then streamed without a limit from each count of client processes
+#      in $PLAIN_STREAM_CLIENTS (default: 1 4; one client process reading 256 streams is bound by its
+#      own CPU, several measure the server).
 # Files in $OUT (8): offline_e1.json/.log, server.log, bench_serve.log, plain_client.log, serve.json
 # (every run + offline), metrics.txt (the server's /metrics after the runs), summary.txt.
 #
@@ -48,6 +50,7 @@ DEVICE=${DEVICE:-}
 DTYPE=${DTYPE:-bfloat16}
 RATES=${RATES:-inf 64 16}
 PLAIN_CONNECTIONS=${PLAIN_CONNECTIONS-0 100}
+PLAIN_STREAM_CLIENTS=${PLAIN_STREAM_CLIENTS-1 4}
 CLIENTS=${CLIENTS:-1}
 MAX_BATCHED=${MAX_BATCHED:-16384}  # the same token budget offline and served
 PORT=${PORT:-8011}
@@ -179,12 +182,14 @@ if [ $healthy = 1 ]; then
   done
   # The plainest client (benchmarks/plain_client.py): one asyncio + httpx client, every request at
   # once, not streamed, at each connection limit of $PLAIN_CONNECTIONS (0: none; 100 is httpx's
-  # default), then streamed without a limit.
-  for conn in $PLAIN_CONNECTIONS stream; do
+  # default), then streamed without a limit from each count of client processes in $PLAIN_STREAM_CLIENTS.
+  plain_runs=($PLAIN_CONNECTIONS)
+  for k in $PLAIN_STREAM_CLIENTS; do plain_runs+=("stream$k"); done
+  for conn in "${plain_runs[@]}"; do
     i=$((i + 1))
     lim=$(limit 150)
     if [ "$lim" -lt 10 ]; then echo "SKIPPED: no time left in the budget"; break; fi
-    if [ "$conn" = stream ]; then args=(--stream); else args=(--max-connections "$conn"); fi
+    if [[ "$conn" == stream* ]]; then args=(--stream --num-clients "${conn#stream}"); else args=(--max-connections "$conn"); fi
     step "plain client: ${args[*]} (prompt ids +$i)"
     http=$(pgrep -P "$SERVER_PID" | head -1); eng=$(pgrep -P "$http" -f spawn_main | head -1)
     h0=$(cpu_ticks "$http"); e0=$(cpu_ticks "$eng"); t0=$(date +%s.%N); hz=$(getconf CLK_TCK)
@@ -252,6 +257,7 @@ else:
     print("serving overhead: not computed (missing the offline result or a clean rate-inf run)")
 for r in plain:
     mode = "streamed" if r["stream"] else "not streamed"
+    mode += f", {r.get('num_clients', 1)} client process(es)"
     share = f"{100 * r['output_tok_s'] / base:.1f}% of offline" if base else ""
     print(f"plain client, {mode}, max_connections {r['max_connections'] or 'none'}: "
           f"{r['output_tok_s']:,.0f} output tok/s ({r['output_tokens']} tokens, {r['seconds']:.2f} s) {share}; "
