@@ -100,7 +100,8 @@ async def _send(args: argparse.Namespace, bodies: list[dict], ready=None) -> dic
         tokens = await asyncio.gather(*(_one(client, b, args.stream) for b in bodies))
         end = time.perf_counter()
         cpu_s = time.process_time() - cpu0
-    return {"tokens": sum(tokens), "start": t0, "end": end, "cpu_s": cpu_s, "last_sent": max(sent, default=t0)}
+    last_sent = max(sent, default=t0)
+    return {"tokens": sum(tokens), "start": t0, "end": end, "cpu_s": cpu_s, "last_sent": last_sent}
 
 
 def _client_process(args: argparse.Namespace, bodies: list[dict], ready, queue) -> None:
@@ -179,7 +180,8 @@ def main() -> int:
     mode = "streamed" if args.stream else "not streamed"
     limit = args.max_connections or "no limit"
     print(
-        f"plain client ({mode}, max_connections {limit}, {args.num_clients} process(es)): {result['output_tokens']} output tokens in "
+        f"plain client ({mode}, max_connections {limit}, {args.num_clients} process(es)): "
+        f"{result['output_tokens']} output tokens in "
         f"{result['seconds']:.2f} s = {result['output_tok_s']:,.0f} tok/s; client CPU "
         f"{result['client_cpu_s']:.2f} s, last request sent at {result['last_request_sent_s'] or 0:.3f} s"
     )
