@@ -168,6 +168,25 @@ def test_captured_in_a_cuda_graph(splits, launches):
     assert launches[0] == 2
 
 
+@pytest.mark.gpu
+@hopper_only
+def test_repeated_calls_launch_through_fast_launch():
+    """From the second call with the same specialisation on, the kernel launches without
+    Triton's `JITFunction.run` (`FastLaunch`), with the same result."""
+    from tilellm.kernels import decode_fp8
+
+    b, ks, vs = _fp8_batch([(1, n) for n in CONTEXTS], 4, 2, 128, 16, torch.bfloat16, "cuda", seed=9)
+    want = _expected(b, ks, vs)
+    before = None
+    for call in range(3):
+        got = tk.decode_attention(b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens, num_splits=1,
+                                  k_scale=ks, v_scale=vs)  # fmt: skip
+        assert_close(got, want, tolerance(torch.bfloat16, "cuda"), f"call {call}")
+        if call == 0:
+            before = decode_fp8._decode_fp8_launch.fast_launches
+    assert decode_fp8._decode_fp8_launch.fast_launches == before + 2
+
+
 # -- on any machine: which batches the plan gives the kernel, and how paged.py calls it --
 
 

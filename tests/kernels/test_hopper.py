@@ -120,6 +120,30 @@ def test_against_reference(case, dtype, pingpong):
 
 @pytest.mark.gpu
 @needs_hopper
+def test_repeated_calls_launch_through_fast_launch():
+    """The Gluon kernel launches as every Triton kernel here does (`FastLaunch`): from the second
+    call with the same specialisation on, without Triton's `JITFunction.run`, and with the same
+    result (TMA descriptors included)."""
+    lengths, hq, hkv, head_dim = [300, 1000], 8, 2, 128
+    gen = torch.Generator().manual_seed(3)
+    T = sum(lengths)
+    q, k, v = (randn((T, h, head_dim), torch.bfloat16, "cuda", gen) for h in (hq, hkv, hkv))
+    cu = cu_seqlens(lengths, "cuda")
+    expected = ref.prefill_attention(q, k, v, cu, max(lengths))
+    before = None
+    for call in range(3):
+        out = poisoned(q)
+        scale_log2 = head_dim**-0.5 * LOG2_E
+        q_rows, k_rows, v_rows = rows_view(q), rows_view(k), rows_view(v)
+        hopper.launch_prefill(q_rows, k_rows, v_rows, out, cu, max(lengths), hq // hkv, scale_log2)
+        assert_close(out, expected, tolerance(torch.bfloat16, "cuda"), f"call {call}")
+        if call == 0:
+            before = hopper._attention_launch.fast_launches
+    assert hopper._attention_launch.fast_launches == before + 2
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_prefill_attention_dispatches_long_batches_here():
     assert config.prefill_config(128, torch.bfloat16, 4096).kernel == "gluon"
     assert config.prefill_config(128, torch.bfloat16, 1024).kernel == "triton"  # short: prefill.py

@@ -41,6 +41,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from tilellm.kernels.launch import FastLaunch
+
 # cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7 on
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
@@ -310,6 +312,9 @@ def _decode_fp8_kernel(
         gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=col_ok)
 
 
+_decode_fp8_launch = FastLaunch(_decode_fp8_kernel)
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether this kernel takes the decode batch: 16-bit queries over an e4m3 cache, head dim
     64 or 128, at most 8 query heads per KV head, rows of contiguous head dims."""
@@ -358,7 +363,7 @@ def launch_decode_fp8(
         o_parts = lse_parts = o  # unread
     # the caches as 32-bit words of four e4m3 values (strides in words)
     k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
-    _decode_fp8_kernel[(Hkv, B, num_splits)](
+    _decode_fp8_launch[(Hkv, B, num_splits)](
         q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens,
         qk_scale, B, Hq,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_table.stride(0),

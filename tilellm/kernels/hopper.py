@@ -68,6 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, cdiv
+from tilellm.kernels.launch import FastLaunch
 
 # Gluon's names moved between Triton releases; each alias takes what the installed one offers.
 # A CTA-wide barrier: `gl.thread_barrier()` in Triton 3.6, `gl.barrier()` from 3.7 on.
@@ -352,6 +353,9 @@ def _attention_kernel(
         )  # fmt: skip
 
 
+_attention_launch = FastLaunch(_attention_kernel)
+
+
 def _check_pipeline(block_n: int, stages: int) -> None:
     # One slot deadlocks (a consumer frees tile j-1 only after tile j has arrived in the same
     # slot); four 128-key stages at D = 128 exceed the 227 KB of shared memory.
@@ -443,7 +447,7 @@ def _run(
     num_heads, head_dim = o.shape[1], o.shape[2]
     grid = (cdiv(max(max_seqlen_q, 1), QUERY_TILE), num_heads, cu_seqlens_q.numel() - 1)
     stride_bt, page, oob_row = paged if paged is not None else (0, 1, 0)
-    _attention_kernel[grid](
+    _attention_launch[grid](
         _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),
         _descriptor(v_rows, box, head_dim), o, cu_seqlens_q, seq_lens, block_table,
         stats if stats is not None else cu_seqlens_q, scale_log2, o.stride(0), o.stride(1), stride_bt, page,
