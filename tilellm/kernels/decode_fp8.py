@@ -35,6 +35,8 @@ scores. Split-KV partials use `paged.py`'s layout and merge (`merge.merge_into`)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -56,6 +58,7 @@ STAGES = 3  # a cp.async ring of this many tiles (0: the next tile prefetched in
 RING_LAYOUT = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
 
 
+@functools.cache  # (Gluon checks a linear layout in Python as it builds it: once per shape, not per launch)
 def _k_load_layout(block_n: int, head_dim: int) -> gl.DistributedLinearLayout:
     """The key tile as stored, [block_n, head_dim / 4] 32-bit words of four e4m3 values (key,
     word): each thread holds the bytes of the A operand (keys x relabelled head dims) it
@@ -67,6 +70,7 @@ def _k_load_layout(block_n: int, head_dim: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, head_dim // 4])
 
 
+@functools.cache
 def _v_load_layout(block_n: int, head_dim: int) -> gl.DistributedLinearLayout:
     """The value tile as stored, [block_n, head_dim / 4] 32-bit words (key, word): each thread
     holds the bytes of the A operand V^T (relabelled head dims x keys) it multiplies. Registers
