@@ -24,16 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from tilellm.kernels.config import interpreting
+from triton import knobs
 
 
 def _default_settings() -> bool:
     """Whether Triton runs with its default settings: no launch hook (a profiler), no debug mode,
     no instrumentation or sanitiser mode, no stage-inspection hook. Those change what
     `JITFunction.run` does or compiles, so every launch then takes Triton's path."""
-    from triton import knobs
-
     runtime, compilation = knobs.runtime, knobs.compilation
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
@@ -59,6 +56,9 @@ class FastLaunch:
         self._kernels: dict[tuple, Any] = {}
         self._binders: dict[int, Callable | None] = {}  # None: this kernel takes Triton's path
         self.fast_launches = 0  # calls that skipped JITFunction.run (tests read it)
+        # Fixed when the kernel was decorated: under TRITON_INTERPRET=1 `triton.jit` returns an
+        # interpreted function, with no compiled binaries to look up (Triton's path runs it).
+        self._compiled = hasattr(fn, "device_caches")
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
@@ -67,7 +67,7 @@ class FastLaunch:
         return self.fn[grid](*args, **kwargs)
 
     def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if interpreting() or getattr(self.fn, "pre_run_hooks", None) or not _default_settings():
+        if not self._compiled or getattr(self.fn, "pre_run_hooks", None) or not _default_settings():
             self._slow(grid, args, kwargs)
             return
         device = torch.cuda.current_device()
