@@ -11,7 +11,8 @@ Usage: python benchmarks/kernel_host_time.py [--json FILE] [--profile N]   (a CU
 Compare two trees by running it with each on PYTHONPATH, one after the other, on one machine.
 `--profile N` then runs each call 200 times more under cProfile and prints its N costliest
 functions by own time, in microseconds per call (native functions, such as Triton's binder and
-launcher, appear as built-ins).
+launcher, appear as built-ins). The profiler adds its own cost to every Python call it sees, so
+its figures give shares, not times.
 
 `--python-only` measures the wrappers' Python work alone, on the CPU: the same calls on CPU
 tensors, every launch through `FastLaunch` replaced by a no-op (its own key lookup, Triton's

@@ -35,7 +35,7 @@ import httpx
 
 from tilellm.bench.throughput import e1
 
-_RUN_TIMEOUT_S = 600.0  # a client process's whole run, at most
+_READY_TIMEOUT_S = 120.0  # client processes waiting for each other at the start
 
 
 async def _one(client: httpx.AsyncClient, body: dict, stream: bool) -> int:
@@ -95,7 +95,7 @@ async def _send(args: argparse.Namespace, bodies: list[dict], ready=None) -> dic
     async with _client(args) as client:
         client.event_hooks = {"request": [on_request]}
         if ready is not None:
-            ready.wait()
+            ready.wait(_READY_TIMEOUT_S)
         t0, cpu0 = time.perf_counter(), time.process_time()
         tokens = await asyncio.gather(*(_one(client, b, args.stream) for b in bodies))
         end = time.perf_counter()
@@ -115,6 +115,7 @@ def _client_process(args: argparse.Namespace, bodies: list[dict], ready, queue) 
 def _send_from_processes(args: argparse.Namespace, bodies: list[dict]) -> list[dict]:
     """--num-clients K > 1: K client processes, client k sending every K-th request."""
     import multiprocessing as mp
+    import queue as queue_mod
 
     ctx = mp.get_context("spawn")
     k_clients = args.num_clients
@@ -125,7 +126,17 @@ def _send_from_processes(args: argparse.Namespace, bodies: list[dict]) -> list[d
     ]
     for p in procs:
         p.start()
-    parts = [queue.get(timeout=_RUN_TIMEOUT_S) for _ in procs]
+    parts: list = []
+    while len(parts) < k_clients:
+        try:
+            parts.append(queue.get(timeout=1.0))
+        except queue_mod.Empty:
+            # a client killed before it reported (signal, out of memory) must not hang the run
+            dead = [p.exitcode for p in procs if not p.is_alive() and p.exitcode != 0]
+            if dead and queue.empty():
+                ready.abort()
+                msg = f"a client process exited with status {dead[0]} without a result"
+                raise RuntimeError(msg) from None
     for p in procs:
         p.join(10)
     errors = [p for p in parts if isinstance(p, str)]

@@ -185,7 +185,7 @@ if [ $healthy = 1 ]; then
   # default), then streamed without a limit from each count of client processes in $PLAIN_STREAM_CLIENTS.
   plain_runs=($PLAIN_CONNECTIONS)
   for k in $PLAIN_STREAM_CLIENTS; do plain_runs+=("stream$k"); done
-  for conn in "${plain_runs[@]}"; do
+  for conn in ${plain_runs[@]+"${plain_runs[@]}"}; do
     i=$((i + 1))
     lim=$(limit 150)
     if [ "$lim" -lt 10 ]; then echo "SKIPPED: no time left in the budget"; break; fi
