@@ -350,6 +350,7 @@ def test_static_activation_scales_stay_close_to_hf(checkpoints, name, tmp_path):
     assert not torch.allclose(got, _last_logits(str(dynamic), prompts), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 tensor-core dot needs a CUDA device")
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v2"])
 def test_triton_fp8_gemm_engine_agrees_with_the_w8a8_replay(checkpoints, name):

@@ -853,6 +853,7 @@ def test_scaled_mm_rejects_bad_input(fn, message):
         fn(a, b, s_a, rows[:1], torch.int32)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_scaled_mm_row_scales_never_grow_inside_a_capture():
     """A row-wise call of more rows than any before allocates its unit row scales: inside a CUDA

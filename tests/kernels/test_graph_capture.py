@@ -18,9 +18,10 @@ import tilellm.kernels as tk
 from tests.kernels.helpers import PagedBatch, cu_seqlens, make_paged_batch, randn, sparse_indices
 from tilellm.kernels.reference import fp8_gemm as ref_fp8
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs and sync detection need a GPU"
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and sync detection need a GPU"),
+]
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16

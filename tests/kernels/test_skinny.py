@@ -153,6 +153,7 @@ def test_linear_layers_take_it_for_few_rows_under_pdl(monkeypatch):
     assert calls == [(1, 64), (16, 64), (SKINNY_MAX_ROWS, 64)]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("N", "K"), [(4096, 1024), (1024, 3072), (6144, 1024), (256, 4104)])
