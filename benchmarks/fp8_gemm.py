@@ -64,11 +64,8 @@ LAYERS = {
     "deepseek-v3": {"q_a": (1536, 7168), "kv_a": (576, 7168), "qkv_a_padded": (2176, 7168)},
 }
 DEFAULT_MODELS = "qwen3-0.6b,qwen3-8b"
-MERGED = (
-    "qkv",
-    "gate_up",
-    "qkv_a_padded",
-)  # several checkpoint matrices, each with a per-tensor scale of its own
+# several checkpoint matrices, each with a per-tensor scale of its own
+MERGED = ("qkv", "gate_up", "qkv_a_padded")
 MS = (1, 16, 64, 256, 1024, 4096)
 CHECK_TOL = 1e-2  # of the output scale: bf16 rounding (2^-8) plus fp8 MMA accumulation
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 import tilellm.kernels as tk
+from tilellm.kernels.config import gluon_ok
 from tilellm.kernels.fused import apply_rotary, rms_norm, silu_and_mul
 
 DEVICE = "cuda"
@@ -62,13 +63,6 @@ def _decode_batch(batch: int, seq_len: int):
     seq_lens = torch.full((batch,), seq_len, device=DEVICE, dtype=torch.int32)
     q = torch.randn(batch, HQ, D, device=DEVICE, dtype=torch.bfloat16)
     return q, k_cache, v_cache, block_table, seq_lens
-
-
-def _fp8_decode_runs_gluon() -> bool:
-    """Whether decode over an FP8 cache runs the Gluon kernel on this machine (an H100/H200)."""
-    from tilellm.kernels.config import gluon_ok
-
-    return gluon_ok()
 
 
 def host_us(fn: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
@@ -131,7 +125,7 @@ def main() -> None:
         if DEVICE == "cuda":
             calls[f"decode {name}, required args"] = lambda a=a: tk.decode_attention(*a)
         calls[f"decode {name}, max_seqlen_k"] = lambda a=a, n=seq_len: tk.decode_attention(*a, max_seqlen_k=n)
-    if DEVICE == "cuda" and _fp8_decode_runs_gluon():
+    if DEVICE == "cuda" and gluon_ok():  # decode over an FP8 cache runs the Gluon kernel (H100/H200)
         a = _decode_batch(8, 32768)
         k8, v8 = a[1].to(torch.float8_e4m3fn), a[2].to(torch.float8_e4m3fn)
         scale = torch.ones((), device=DEVICE)
