@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import tilellm.kernels
 from tilellm.bench.breakdown import OTHER, breakdown_from_events, kernel_class
 
 # Kernel names as torch.profiler reports them on an H200 (an E1 decode step and a batch-1 step).
@@ -16,6 +19,10 @@ NAMES = [
     ("_merge_kernel", "attention"),
     ("_score_kernel", "attention"),
     ("_store_kernel", "KV store"),
+    ("_mla_rows_kernel", "KV store"),  # MLA's latent rows, not MLA's attention
+    ("_store_index_fp8_kernel", "KV store"),
+    ("_decode_fp8_kernel", "attention"),
+    ("_split_k_sum_kernel", "GEMM (linear layers, LM head)"),
     ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "GEMM (linear layers, LM head)"),
     (
         "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>",
@@ -42,6 +49,26 @@ NAMES = [
 @pytest.mark.parametrize("name,cls", NAMES)
 def test_kernel_class(name, cls):
     assert kernel_class(name) == cls
+
+
+def _package_kernels() -> list[str]:
+    """The names of the package's launched kernels: `*_kernel` functions under a `jit` decorator."""
+    names = []
+    for path in sorted(Path(tilellm.kernels.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.FunctionDef)
+                and node.name.endswith("_kernel")
+                and any("jit" in ast.unparse(d) for d in node.decorator_list)
+            ):
+                names.append(node.name)
+    return names
+
+
+def test_every_kernel_of_the_package_has_a_class():
+    names = _package_kernels()
+    assert len(names) >= 20, names  # the scan found the kernels
+    assert {n: kernel_class(n) for n in names if kernel_class(n) == OTHER} == {}
 
 
 def test_breakdown_sums_by_class_and_leaves_idle_time():

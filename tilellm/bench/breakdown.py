@@ -16,16 +16,18 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 # (class, name fragments), first match wins; names are lower-cased. Order matters: "_store_kernel"
-# is the KV store, not attention; cuBLAS's split-K reduction belongs to its GEMM. A model whose
+# is the KV store, not attention (MLA's latent rows and the indexer's keys too); cuBLAS's split-K
+# reduction, and the FP8 GEMM's, belong to their GEMM. A model whose
 # attention layer rotates and stores in one launch (`apply_rotary` with the cache arguments, the
 # default) counts that store under its "_rotary_kernel", with the element-wise ops.
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("KV store", ("store_kernel", "store_kvcache")),
+    ("KV store", ("store_kernel", "store_kvcache", "mla_rows", "store_index")),
     # (DeepSeek-V3.2's indexer, _score_kernel and _select_kernel, is part of its sparse attention)
     (
         "attention",
         (
             "paged",
+            "decode",
             "prefill_kernel",
             "attention",
             "attn",
@@ -49,6 +51,7 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "cutlass",
             "xmma",
             "splitk",
+            "split_k",
             "matmul",
             "cublas",
             "sm90",
