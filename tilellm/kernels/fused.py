@@ -305,35 +305,41 @@ def _rotate_rows(
     optionally x <- x * rsqrt(mean(x^2) + eps) * w, then
     [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin] with the row's token's cos/sin; with
     INTERLEAVED, x1 and x2 are the row's even and odd dims (pairs (x0, x1), (x2, x3), ...), still
-    stored as halves. Returns the two stored halves, in out's dtype ([BLOCK_R, BLOCK_HALF] each)."""
+    stored as halves. Returns the two stored halves, in out's dtype ([BLOCK_R, BLOCK_HALF] each).
+
+    Every load is issued before the first value is used: the positions, then x, the norm weights
+    and the cos/sin rows (which wait only for the positions). At decode sizes a program's time is
+    its chain of dependent memory round trips, not its bytes."""
     rows = row0 + tl.arange(0, BLOCK_R)  # int32: T * H is far below 2^31
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows
     dim_ok = dims < half
     mask = row_ok[:, None] & dim_ok[None, :]
     tok, head = (rows // num_heads).to(tl.int64), rows % num_heads
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64)
     src = x_ptr + tok[:, None] * stride_xt + head[:, None] * stride_xh + dims[None, :]
     if INTERLEAVED:
         src = src + dims[None, :]  # dim 2j and 2j + 1
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(src, mask=mask, other=0.0)
+        x2 = tl.load(src + 1, mask=mask, other=0.0)
     else:
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(src, mask=mask, other=0.0)
+        x2 = tl.load(src + half, mask=mask, other=0.0)
+    if HAS_NORM:
+        w_dims = 2 * dims if INTERLEAVED else dims  # the weights in the input's layout
+        w1 = tl.load(w_ptr + w_dims, mask=dim_ok, other=0.0)
+        w2 = tl.load(w_ptr + w_dims + (1 if INTERLEAVED else half), mask=dim_ok, other=0.0)
+    # -- cos/sin of each row's position: cache row = [cos | sin] --
+    cs = cache_ptr + pos[:, None] * stride_cache + dims[None, :]
+    cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs + half, mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
         # -- per-head RMSNorm over the whole row [x1 | x2] --
         mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
         rstd = (1.0 / tl.sqrt(mean_sq + eps))[:, None]
-        w_dims = 2 * dims if INTERLEAVED else dims  # the weights in the input's layout
-        w1 = tl.load(w_ptr + w_dims, mask=dim_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + w_dims + (1 if INTERLEAVED else half), mask=dim_ok, other=0.0).to(tl.float32)
-        x1 = x1 * rstd * w1[None, :]
-        x2 = x2 * rstd * w2[None, :]
-    # -- cos/sin of each row's position: cache row = [cos | sin] --
-    pos = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64)
-    cs = cache_ptr + pos[:, None] * stride_cache + dims[None, :]
-    cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(cs + half, mask=mask, other=0.0).to(tl.float32)
+        x1 = x1 * rstd * w1.to(tl.float32)[None, :]
+        x2 = x2 * rstd * w2.to(tl.float32)[None, :]
     y1 = (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty)
     y2 = (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty)
     dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -343,29 +349,42 @@ def _rotate_rows(
 
 
 @triton.jit
-def _store_rows(
-    k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    stride_vt, stride_vh, stride_cslot, row0, num_rows, num_heads, half,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANTIZE: tl.constexpr,
+def _load_store_rows(
+    v_ptr, slot_ptr, stride_vt, stride_vh, row0, num_rows, num_heads, half,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """The rotated k halves of rows row0..row0+BLOCK_R (k1, k2 [BLOCK_R, BLOCK_HALF] in k's
-    dtype), and the same rows of v, into their tokens' cache slots (cache rows are [Hkv, D]
-    contiguous; slot -1 skips the token)."""
+    """What the cache store of rows row0..row0+BLOCK_R reads besides the rotated keys: each row's
+    token's slot and the row of v (its two halves), loaded whatever the slot, so that these loads
+    go out with the rotation's."""
     rows = row0 + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows
     tok, head = (rows // num_heads).to(tl.int64), rows % num_heads
     slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int64)
+    mask = row_ok[:, None] & (dims < half)[None, :]
+    src = v_ptr + tok[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :]
+    return slot, tl.load(src, mask=mask), tl.load(src + half, mask=mask)
+
+
+@triton.jit
+def _store_rows(
+    k1, k2, v1, v2, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    stride_cslot, row0, num_rows, num_heads, half,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANTIZE: tl.constexpr,
+):  # fmt: skip
+    """The rotated k halves of rows row0..row0+BLOCK_R (k1, k2 [BLOCK_R, BLOCK_HALF] in k's
+    dtype) and the same rows' v halves (`_load_store_rows`) into their tokens' cache slots (cache
+    rows are [Hkv, D] contiguous; slot -1 skips the token)."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_HALF)
+    row_ok = rows < num_rows
+    head = rows % num_heads
     mask = ((slot >= 0) & row_ok)[:, None] & (dims < half)[None, :]
-    col = head[:, None] * (2 * half) + dims[None, :]
+    dst = slot[:, None] * stride_cslot + head[:, None] * (2 * half) + dims[None, :]
     k1, k2 = to_cache(k1, k_scale_ptr, QUANTIZE), to_cache(k2, k_scale_ptr, QUANTIZE)
-    dst = slot[:, None] * stride_cslot + col
+    v1, v2 = to_cache(v1, v_scale_ptr, QUANTIZE), to_cache(v2, v_scale_ptr, QUANTIZE)
     tl.store(k_cache_ptr + dst, k1, mask=mask)
     tl.store(k_cache_ptr + dst + half, k2, mask=mask)
-    src = v_ptr + tok[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :]
-    v1 = tl.load(src, mask=mask)
-    v2 = tl.load(src + half, mask=mask)
-    v1, v2 = to_cache(v1, v_scale_ptr, QUANTIZE), to_cache(v2, v_scale_ptr, QUANTIZE)
     tl.store(v_cache_ptr + dst, v1, mask=mask)
     tl.store(v_cache_ptr + dst + half, v2, mask=mask)
 
@@ -391,14 +410,18 @@ def _rotary_kernel(
                      BLOCK_HALF=BLOCK_HALF)  # fmt: skip
     else:
         row0 = (pid - num_q_programs) * BLOCK_R
+        num_rows = num_tokens * num_k_heads
+        if STORE:  # (issued before the rotation's loads: nothing waits for them until the store)
+            slot, v1, v2 = _load_store_rows(v_ptr, slot_ptr, stride_vt, stride_vh, row0, num_rows, num_k_heads,
+                                            half, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
         k1, k2 = _rotate_rows(k_ptr, k_out_ptr, kw_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot,
-                              stride_koh, stride_cache, row0, num_tokens * num_k_heads, num_k_heads, half, eps,
+                              stride_koh, stride_cache, row0, num_rows, num_k_heads, half, eps,
                               HAS_NORM=HAS_NORM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
                               BLOCK_HALF=BLOCK_HALF)  # fmt: skip
         if STORE:
-            _store_rows(k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-                        stride_vt, stride_vh, stride_cslot, row0, num_tokens * num_k_heads, num_k_heads, half,
-                        BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, QUANTIZE=QUANTIZE)  # fmt: skip
+            _store_rows(k1, k2, v1, v2, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_cslot,
+                        row0, num_rows, num_k_heads, half, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF,
+                        QUANTIZE=QUANTIZE)  # fmt: skip
 
 
 _rotary_launch = FastLaunch(_rotary_kernel)
