@@ -57,16 +57,19 @@ def _normed_rows(
     """The rows `rows64` [BLOCK_N, 1] (int64) of x, lanes `cols` [BLOCK_H], normalised:
     y = x * rsqrt(mean(x^2) + eps) * w in fp32 [BLOCK_N, BLOCK_H] (0 where not `mask`). With
     HAS_RESIDUAL, x + residual first, rounded to the storage dtype like an unfused add and stored
-    to res_out."""
-    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    to res_out. The weight is loaded with x, not after the row sums: at decode sizes a program's
+    time is its chain of dependent memory round trips."""
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0)
+    x, w = x.to(tl.float32), w.to(tl.float32)
+    if HAS_RESIDUAL:
+        s = (x + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + rows64 * stride_res_out + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
     mean_sq = tl.sum(x * x, axis=1) / H
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     return x * rstd[:, None] * w[None, :]
 
 
