@@ -30,23 +30,13 @@ import sys
 
 import torch
 
-from tilellm.bench.timing import graph_replay_us
+from tilellm.bench.timing import copy_gbps, graph_replay_us
 
 HQ, HKV, D, HIDDEN, INTER = 16, 8, 128, 1024, 3072
 LAYERS = 28
 L2_BYTES = 50 << 20
 PAGE = 16
 DEVICE = "cuda"
-
-
-def _copy_gbps() -> float:
-    """Device copy rate of a 1 GiB buffer, GB/s (read + write)."""
-    import triton.testing
-
-    src = torch.randn(1 << 28, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return 2 * src.numel() * 4 / ms / 1e6
 
 
 def _count(bytes_per_call: int) -> int:
@@ -133,7 +123,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("decode_layer_ops.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    copy = _copy_gbps()
+    copy = copy_gbps()
     rows = measure([int(t) for t in args.tokens.split(",")])
     print(f"# {torch.cuda.get_device_name()}, copy rate {copy:.0f} GB/s; us per call (GB/s)")
     for r in rows:

@@ -28,22 +28,13 @@ import sys
 
 import torch
 
+from tilellm.bench.timing import copy_gbps as measure_copy_gbps
 from tilellm.bench.timing import graph_replay_us
 
 GROUP = 128
 SHAPES = {"qwen3-0.6b": (1024, 3072), "qwen3-8b": (4096, 12288)}  # (hidden, intermediate)
 L2_BYTES = 50 << 20
 DEVICE = "cuda"
-
-
-def _copy_gbps() -> float:
-    """Device copy rate of a 1 GiB buffer, GB/s (read + write)."""
-    import triton.testing
-
-    src = torch.randn(1 << 28, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return 2 * src.numel() * 4 / ms / 1e6
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -113,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("fused_quant.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    copy_gbps = _copy_gbps()
+    copy_gbps = measure_copy_gbps()
     print(f"device: {torch.cuda.get_device_name()}, copy {copy_gbps:.0f} GB/s")
     header = ("op", "model", "width", "tokens", "two us", "one us", "floor", "x")
     print("{:5} {:11} {:>6} {:>6} {:>8} {:>8} {:>7} {:>6}".format(*header))

@@ -32,3 +32,15 @@ def graph_replay_us(calls: Sequence[Callable[[], object]], *, warmup: int = 10, 
             call()
     ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
     return ms * 1e3 / len(calls)
+
+
+def copy_gbps(device: str = "cuda") -> float:
+    """The device's copy rate, GB/s (bytes read + written), over a 1 GiB fp32 buffer: the floor of
+    a memory-bound kernel, measured in the same run as the kernel it is set against."""
+    import torch
+    import triton.testing
+
+    src = torch.randn(1 << 28, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    return 2 * src.numel() * 4 / ms / 1e6
