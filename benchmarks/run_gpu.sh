@@ -4,7 +4,8 @@
 #   kernels     tilellm bench kernels --graph (every kernel workload beside cuDNN / FlashAttention SDPA,
 #               paged and decode workloads also replayed from CUDA graphs), then the host time of
 #               eager kernel calls (benchmarks/kernel_host_time.py) and the linear layers at decode
-#               sizes in graphs (benchmarks/linear_layers.py)
+#               sizes in graphs (benchmarks/linear_layers.py) and the element-wise kernels of a decode
+#               layer in graphs (benchmarks/decode_layer_ops.py)
 #   throughput  tilellm bench throughput --workloads E1,E2 (random Qwen3-0.6B weights, bf16)
 #   pdl         programmatic dependent launch (TILELLM_PDL=1) against none: its GPU tests, then
 #               benchmarks/small_batch_decode.py and E1 without and with it
@@ -119,6 +120,7 @@ if selected kernels; then
     --json "$OUT/kernels.json"
   run_step kernel_host_time 120 "$PYTHON" benchmarks/kernel_host_time.py --json "$OUT/kernel_host_time.json"
   run_step linear_layers 100 "$PYTHON" benchmarks/linear_layers.py --json "$OUT/linear_layers.json"
+  run_step decode_layer_ops 100 "$PYTHON" benchmarks/decode_layer_ops.py --json "$OUT/decode_layer_ops.json"
 fi
 if selected throughput; then
   run_step throughput "${THROUGHPUT_TIMEOUT:-300}" "$PYTHON" -m tilellm.cli bench throughput \
