@@ -37,7 +37,6 @@ def graph_replay_us(calls: Sequence[Callable[[], object]], *, warmup: int = 10, 
 def copy_gbps(device: str = "cuda") -> float:
     """The device's copy rate, GB/s (bytes read + written), over a 1 GiB fp32 buffer: the floor of
     a memory-bound kernel, measured in the same run as the kernel it is set against."""
-    import torch
     import triton.testing
 
     src = torch.randn(1 << 28, device=device)

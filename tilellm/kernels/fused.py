@@ -353,37 +353,31 @@ def _rotate_rows(
 
 @triton.jit
 def _load_store_rows(
-    v_ptr, slot_ptr, stride_vt, stride_vh, row0, num_rows, num_heads, half,
+    v_ptr, slot_ptr, stride_vt, stride_vh, stride_cslot, row0, num_rows, num_heads, half,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """What the cache store of rows row0..row0+BLOCK_R reads besides the rotated keys: each row's
-    token's slot and the row of v (its two halves), loaded whatever the slot, so that these loads
-    go out with the rotation's."""
+    """Where rows row0..row0+BLOCK_R go in the cache and the v they store beside the rotated keys:
+    (dst, mask, v1, v2), dst [BLOCK_R, BLOCK_HALF] the cache offsets of each row's first half
+    (cache rows are [Hkv, D] contiguous), mask false for rows past the end and tokens of slot -1.
+    v is loaded whatever the slot, so that its loads go out with the rotation's."""
     rows = row0 + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows
     tok, head = (rows // num_heads).to(tl.int64), rows % num_heads
     slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1).to(tl.int64)
-    mask = row_ok[:, None] & (dims < half)[None, :]
+    in_v = row_ok[:, None] & (dims < half)[None, :]
     src = v_ptr + tok[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :]
-    return slot, tl.load(src, mask=mask), tl.load(src + half, mask=mask)
+    v1, v2 = tl.load(src, mask=in_v), tl.load(src + half, mask=in_v)
+    dst = slot[:, None] * stride_cslot + head[:, None] * (2 * half) + dims[None, :]
+    return dst, in_v & (slot >= 0)[:, None], v1, v2
 
 
 @triton.jit
 def _store_rows(
-    k1, k2, v1, v2, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    stride_cslot, row0, num_rows, num_heads, half,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANTIZE: tl.constexpr,
+    k1, k2, v1, v2, dst, mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, half, QUANTIZE: tl.constexpr
 ):  # fmt: skip
-    """The rotated k halves of rows row0..row0+BLOCK_R (k1, k2 [BLOCK_R, BLOCK_HALF] in k's
-    dtype) and the same rows' v halves (`_load_store_rows`) into their tokens' cache slots (cache
-    rows are [Hkv, D] contiguous; slot -1 skips the token)."""
-    rows = row0 + tl.arange(0, BLOCK_R)
-    dims = tl.arange(0, BLOCK_HALF)
-    row_ok = rows < num_rows
-    head = rows % num_heads
-    mask = ((slot >= 0) & row_ok)[:, None] & (dims < half)[None, :]
-    dst = slot[:, None] * stride_cslot + head[:, None] * (2 * half) + dims[None, :]
+    """The rotated k halves (k1, k2 [BLOCK_R, BLOCK_HALF] in k's dtype) and v's halves into the
+    cache at `dst` where `mask` (`_load_store_rows`)."""
     k1, k2 = to_cache(k1, k_scale_ptr, QUANTIZE), to_cache(k2, k_scale_ptr, QUANTIZE)
     v1, v2 = to_cache(v1, v_scale_ptr, QUANTIZE), to_cache(v2, v_scale_ptr, QUANTIZE)
     tl.store(k_cache_ptr + dst, k1, mask=mask)
@@ -415,15 +409,15 @@ def _rotary_kernel(
         row0 = (pid - num_q_programs) * BLOCK_R
         num_rows = num_tokens * num_k_heads
         if STORE:  # (issued before the rotation's loads: nothing waits for them until the store)
-            slot, v1, v2 = _load_store_rows(v_ptr, slot_ptr, stride_vt, stride_vh, row0, num_rows, num_k_heads,
-                                            half, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF)  # fmt: skip
+            dst, mask, v1, v2 = _load_store_rows(v_ptr, slot_ptr, stride_vt, stride_vh, stride_cslot, row0,
+                                                 num_rows, num_k_heads, half, BLOCK_R=BLOCK_R,
+                                                 BLOCK_HALF=BLOCK_HALF)  # fmt: skip
         k1, k2 = _rotate_rows(k_ptr, k_out_ptr, kw_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot,
                               stride_koh, stride_cache, row0, num_rows, num_k_heads, half, eps,
                               HAS_NORM=HAS_NORM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
                               BLOCK_HALF=BLOCK_HALF)  # fmt: skip
         if STORE:
-            _store_rows(k1, k2, v1, v2, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_cslot,
-                        row0, num_rows, num_k_heads, half, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF,
+            _store_rows(k1, k2, v1, v2, dst, mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, half,
                         QUANTIZE=QUANTIZE)  # fmt: skip
 
 
