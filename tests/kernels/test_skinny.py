@@ -1,5 +1,7 @@
 """`skinny_linear` (few-row GEMM) against `F.linear` in fp64, its checks, and the linear layers'
-choice of it under programmatic dependent launch (`TILELLM_PDL=1`; `pdl_enabled`).
+choice of it under programmatic dependent launch (`TILELLM_PDL=1`; `pdl_enabled`);
+`skinny_linear_silu_and_mul` against `skinny_linear` then `silu_and_mul`, and the gated MLP's
+choice of it.
 
 On the CPU the kernel runs under Triton's interpreter without PDL (the `griddepcontrol`
 instructions exist only on the GPU); on an H100/H200 the GPU tests run it with and without PDL
@@ -15,9 +17,11 @@ import torch
 
 from tests.kernels.helpers import assert_close
 from tilellm.kernels import pdl, skinny
-from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_config, skinny_linear
+from tilellm.kernels.fused import silu_and_mul
+from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_config, skinny_linear, skinny_linear_silu_and_mul
 from tilellm.models.layers import linear as linear_layers
 from tilellm.models.layers.linear import ColumnParallelLinear
+from tilellm.models.layers.mlp import GatedMLP
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -153,6 +157,85 @@ def test_linear_layers_take_it_for_few_rows_under_pdl(monkeypatch):
     assert calls == [(1, 64), (16, 64), (SKINNY_MAX_ROWS, 64)]
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("M", "I", "K"), [(1, 48, 64), (5, 32, 200), (16, 64, 96), (40, 16, 7)])
+def test_silu_and_mul_in_the_same_launch(M, I, K, bias):
+    """fp32 on the CPU: the same bits as `skinny_linear` then `silu_and_mul` (column counts that
+    are whole tiles, so both launches sum each output over the same tile shapes), at rows below,
+    at and above 16, and K that leaves a partial tile."""
+    x, w, b = _operands(M, 2 * I, K, torch.float32, "cpu", seed=M + I + K, bias=bias)
+    got = skinny_linear_silu_and_mul(x, w, b)
+    assert got.shape == (M, I)
+    assert torch.equal(got, silu_and_mul(skinny_linear(x, w, b))), f"M={M} I={I} K={K}"
+
+
+def test_silu_and_mul_partial_tiles_and_empty():
+    """An output width that leaves a partial column tile (the gate and up tiles then start at
+    different offsets within a tile of the two-launch path): within fp32 summation order of the
+    fp64 result; K = 0: silu(b_gate) * b_up; no rows: an empty [0, I]."""
+    x, w, b = _operands(3, 2 * 20, 48, torch.float32, "cpu", seed=1, bias=True)
+    ref = _fp64(x, w, b)
+    gate, up = ref[:, :20], ref[:, 20:]
+    assert_close(skinny_linear_silu_and_mul(x, w, b), (gate * torch.sigmoid(gate) * up).float(), 1e-5, "I=20")
+    b = torch.linspace(-2, 2, 40)
+    got = skinny_linear_silu_and_mul(x[:, :0], w[:, :0], b)
+    assert torch.equal(got, silu_and_mul(b.expand(3, 40).contiguous()))
+    assert torch.equal(skinny_linear_silu_and_mul(x[:, :0], w[:, :0]), torch.zeros(3, 20))
+    assert skinny_linear_silu_and_mul(x[:0], w).shape == (0, 20)
+
+
+def test_silu_and_mul_rejects_an_odd_weight():
+    x, w, _ = _operands(2, 33, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"^skinny_linear_silu_and_mul: weight must hold \[gate \| up\]"):
+        skinny_linear_silu_and_mul(x, w)
+    with pytest.raises(ValueError, match="^skinny_linear: x must be a 2-D tensor"):
+        skinny_linear_silu_and_mul(x[None], w[:32])
+
+
+def test_gated_mlp_takes_one_launch_for_few_rows_under_pdl(monkeypatch):
+    """With PDL on, the gated MLP's gate-up and SiLU-and-mul run as one `skinny_linear_silu_and_mul`
+    for up to SKINNY_MAX_ROWS rows and as the two ops above; the output is the same either way.
+    (On the CPU the switch is forced in the layer only, as above.)"""
+    from tilellm.kernels import fused
+
+    mlp = GatedMLP(64, 48, bias=True, fused_ops=fused)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 8)
+    calls = []
+    monkeypatch.setattr(
+        linear_layers,
+        "skinny_linear_silu_and_mul",
+        lambda *a: calls.append(a[0].shape) or skinny_linear_silu_and_mul(*a),
+    )
+    for shape in [(1, 64), (SKINNY_MAX_ROWS, 64), (SKINNY_MAX_ROWS + 1, 64)]:  # [T, H], as the model calls it
+        x = torch.randn(shape, generator=gen)
+        monkeypatch.setattr(linear_layers, "pdl_enabled", lambda device: False)
+        expected = mlp(x)
+        monkeypatch.setattr(linear_layers, "pdl_enabled", lambda device: True)
+        got = mlp(x)
+        assert got.shape == shape
+        assert_close(got, expected, 1e-5, f"{shape}")
+    assert calls == [(1, 64), (16, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("I", "K"), [(3072, 1024), (128, 4104)])
+def test_silu_and_mul_in_the_same_launch_on_the_gpu(I, K, dtype):
+    """bf16 / fp16 on the GPU at 1, 5 and 16 rows (Qwen3-0.6B's gate-up, and a K past the tile):
+    the same bits as `skinny_linear` then `silu_and_mul`, without PDL and, on Hopper, with it."""
+    for M in (1, 5, 16):
+        x, w, b = _operands(M, 2 * I, K, dtype, "cuda", seed=M, bias=M == 5)
+        for on in (False, True) if HOPPER else (False,):
+            with _pdl(on):
+                got = skinny_linear_silu_and_mul(x, w, b)
+                expected = silu_and_mul(skinny_linear(x, w, b))
+            assert torch.equal(got, expected), f"{dtype} M={M} I={I} K={K} pdl={on}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -173,9 +256,10 @@ def test_half_precision_on_the_gpu(N, K, dtype):
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs sm_90 or newer")
 def test_pdl_chain_in_a_cuda_graph():
-    """A chain of PDL kernels (RMSNorm, skinny linear, SiLU-and-mul, skinny linear, each reading
-    the one before) captured in a CUDA graph and replayed on new inputs: the same bits as the
-    chain launched without PDL."""
+    """A chain of PDL kernels (RMSNorm, skinny linear, SiLU-and-mul, skinny linear, then RMSNorm,
+    the gate-up GEMM with SiLU-and-mul in one launch, skinny linear; each reading the one before)
+    captured in a CUDA graph and replayed on new inputs: the same bits as the chain launched
+    without PDL."""
     from tilellm.kernels.fused import rms_norm, silu_and_mul
 
     gen = torch.Generator().manual_seed(0)
@@ -186,7 +270,8 @@ def test_pdl_chain_in_a_cuda_graph():
     x = torch.randn(4, hidden, device="cuda").bfloat16()
 
     def chain():
-        return skinny_linear(silu_and_mul(skinny_linear(rms_norm(x, norm_w, 1e-6), w1)), w2)
+        h = skinny_linear(silu_and_mul(skinny_linear(rms_norm(x, norm_w, 1e-6), w1)), w2)
+        return skinny_linear(skinny_linear_silu_and_mul(rms_norm(h, norm_w, 1e-6), w1), w2)
 
     with _pdl(False):
         expected = chain()

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
+from tilellm.kernels.fused import silu_and_mul
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_dependents, pdl_launch_kwargs, pdl_wait
 
@@ -63,33 +64,54 @@ def _skinny_linear_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PREFETCH_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr,
+    GATED: tl.constexpr = False,
 ):  # fmt: skip
+    """y = x W^T (+ b), Y [M, N]; with GATED, W holds 2N rows [gate | up] and
+    y = silu(x W_gate^T + b_gate) * (x W_up^T + b_up), each product rounded to Y's dtype first
+    (what `skinny_linear` then `silu_and_mul` store)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     row_ok = rows < M
     w_rows = W + cols.to(tl.int64) * stride_wn  # [BLOCK_N] the start of each weight row
+    up_rows = w_rows + N * stride_wn  # GATED: the up projection's rows, N rows below the gate's
     pdl_launch_dependents(USE_PDL)
     if PREFETCH_CHUNKS > 0:  # only the weight (no kernel writes it) is touched before the wait
         _prefetch_rows_l2(w_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
+        if GATED:
+            _prefetch_rows_l2(up_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
     pdl_wait(USE_PDL)  # x is the kernel before's output
     x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_rows[:, None] + offs_k[None, :]
+    u_ptrs = up_rows[:, None] + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED only (else unused, removed)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+            x_ok = row_ok[:, None]
+            w_ok = col_ok[:, None]
         else:
             k_ok = (k0 + offs_k) < K
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x_ok = row_ok[:, None] & k_ok[None, :]
+            w_ok = col_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+        if GATED:
+            u = tl.load(u_ptrs, mask=w_ok, other=0.0)
+            acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
+            u_ptrs += BLOCK_K
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # silu(gate) * up on the rounded products, as `fused.silu_and_mul` computes it
+        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
     y = Y + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -116,15 +138,16 @@ PREFETCH_BUDGET_BYTES = 16 << 20
 
 @functools.lru_cache(maxsize=256)
 def _plan(
-    M: int, N: int, K: int, element_size: int, interpreting_: bool
+    M: int, N: int, K: int, element_size: int, interpreting_: bool, weight_rows_per_col: int = 1
 ) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch chunks, bytes per chunk) of one shape:
     `skinny_config`, and each program's prefetch of its rows: [BLOCK_N, chunks] requests, one per
-    thread, covering each row's first bytes within PREFETCH_BUDGET_BYTES over all programs (0
-    chunks: no prefetch)."""
+    thread, for each of its `weight_rows_per_col` weight rows per output column (2: gate and up),
+    covering each row's first bytes within PREFETCH_BUDGET_BYTES over all programs (0 chunks: no
+    prefetch)."""
     block_n, block_k, warps, stages = skinny_config(M, N, K)
     programs = cdiv(N, block_n) * cdiv(M, 16)
-    row_bytes = min(K * element_size, PREFETCH_BUDGET_BYTES // (programs * block_n))
+    row_bytes = min(K * element_size, PREFETCH_BUDGET_BYTES // (programs * block_n * weight_rows_per_col))
     chunks = max(1, warps * 32 // block_n)
     chunk_bytes = row_bytes // chunks // 16 * 16
     return block_n, block_k, warps, stages, (chunks if chunk_bytes > 0 else 0), chunk_bytes
@@ -165,15 +188,42 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     waiting for the kernel before it (module docstring).
     """
     check_skinny_linear(x, weight, bias)
-    (M, K), N = x.shape, weight.shape[0]
+    return _skinny(x, weight, bias, weight.shape[0], gated=False)
+
+
+def skinny_linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`silu_and_mul(skinny_linear(x, weight, bias))` in one launch, the same bits: x [M, K],
+    weight [2I, K] = [gate | up] (a merged gate-up projection), bias [2I] -> [M, I] in x's dtype.
+
+    Each program computes one column tile of both products, rounds each to x's dtype as
+    `skinny_linear` stores it, and writes silu(gate) * up as `fused.silu_and_mul` does: the
+    [M, 2I] product never goes through memory and the activation's launch is saved."""
+    check_skinny_linear(x, weight, bias)
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"skinny_linear_silu_and_mul: weight must hold [gate | up], an even number of rows, got "
+            f"{tuple(weight.shape)}"
+        )
+    return _skinny(x, weight, bias, weight.shape[0] // 2, gated=True)
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, N: int, gated: bool):
+    """The launch of both wrappers: y [M, N] (N = weight's rows, or half of them when gated)."""
+    (M, K) = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    if K == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    if K == 0:  # the products are the bias (or zeros)
+        rows = weight.shape[0]
+        prod = bias.expand(M, rows).clone() if bias is not None else y.new_zeros((M, rows))
+        if not gated:
+            return prod
+        return silu_and_mul(prod)
     pdl = pdl_launch_kwargs(x.device)
     block_n, block_k, warps, stages, chunks, chunk_bytes = _plan(
-        M, N, K, weight.element_size(), interpreting()
+        M, N, K, weight.element_size(), interpreting(), 2 if gated else 1
     )
     aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
     grid = (cdiv(N, block_n), cdiv(M, 16))
@@ -182,6 +232,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         PRECISION=dot_precision(x.dtype), PREFETCH_CHUNKS=chunks if pdl["USE_PDL"] and aligned else 0,
-        num_warps=warps, num_stages=stages, **pdl,
+        GATED=gated, num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     return y

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tilellm.kernels.pdl import pdl_enabled
-from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_linear
+from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_linear, skinny_linear_silu_and_mul
 from tilellm.models.parallel import all_gather_last_dim, all_reduce, check_tp, divide, partition_kv_heads
 
 WeightSource = Any  # torch.Tensor or a safetensors slice (`safe_open(...).get_slice(name)`)
@@ -185,10 +185,30 @@ class LinearMethod:
         (`TILELLM_PDL=1`): `skinny_linear`, which streams the weight while the kernel before runs
         (cuBLAS's kernels do not take part in PDL)."""
         rows = x.numel() // max(1, x.shape[-1])
-        if rows <= SKINNY_MAX_ROWS and x.dtype == layer.weight.dtype and pdl_enabled(x.device):
+        if self._skinny(layer, x, rows):
             y = skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, layer.weight, bias)
+
+    def apply_silu_and_mul(
+        self, layer: LinearBase, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of a merged [gate | up] layer in one launch, [..., out / 2]: the same
+        bits as `apply` then `silu_and_mul`; or None where this step has no such launch (then the
+        caller runs the two). Served where `apply` runs `skinny_linear`: a few rows under PDL."""
+        if isinstance(x, QuantizedActivation):
+            return None
+        rows = x.numel() // max(1, x.shape[-1])
+        if not self._skinny(layer, x, rows):
+            return None
+        y = skinny_linear_silu_and_mul(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def _skinny(layer: LinearBase, x: torch.Tensor, rows: int) -> bool:
+        """Whether a step of `rows` tokens runs `skinny.py`'s kernel (PDL on, few rows, the weight
+        in x's dtype) rather than cuBLAS."""
+        return rows <= SKINNY_MAX_ROWS and x.dtype == layer.weight.dtype and pdl_enabled(x.device)
 
     def input_group_quant(self, layer: LinearBase, num_tokens: int) -> tuple[int, bool] | None:
         """(group_size, column_major_scales) where a step of `num_tokens` tokens quantizes this

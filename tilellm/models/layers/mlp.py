@@ -43,5 +43,10 @@ class GatedMLP(nn.Module):
         return self.gate_up_proj
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        # (an FP8 down_proj takes silu(gate) * up quantized in the activation's own launch)
-        return self.down_proj(self.act_fn(self.gate_up_proj(x), quant_for=self.down_proj))
+        gate_up = self.gate_up_proj
+        # a few tokens under PDL: the gate-up GEMM and SiLU-and-mul in one launch
+        act = gate_up.quant_method.apply_silu_and_mul(gate_up, x, gate_up.bias)
+        if act is None:
+            # (an FP8 down_proj takes silu(gate) * up quantized in the activation's own launch)
+            act = self.act_fn(gate_up(x), quant_for=self.down_proj)
+        return self.down_proj(act)
