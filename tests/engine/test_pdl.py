@@ -1,7 +1,9 @@
 """The engine under programmatic dependent launch (`TILELLM_PDL=1`, Hopper only): greedy tokens
 equal to transformers' with the decode path's kernels launched with PDL and the linear layers of
-small steps on `skinny_linear`, under decode CUDA graphs (the PDL edges are captured), chunked
-prefill, async scheduling and preemption."""
+small steps on `skinny.py`'s kernel (the decoder's norms and the MLP's SiLU-and-mul in the layers'
+launches), under decode CUDA graphs (the PDL edges are captured), chunked prefill, async
+scheduling and preemption. On the CPU, the same layer choices forced (the kernels then run under
+the interpreter, without PDL)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from tilellm.kernels import pdl
 from tilellm.models.layers import linear as linear_layers
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-pytestmark = pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs sm_90 or newer")
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs sm_90 or newer")
 
 
 @pytest.fixture
@@ -24,14 +26,40 @@ def pdl_on(monkeypatch):
     pdl._pdl_enabled.cache_clear()
 
 
+def _count_skinny_calls(monkeypatch) -> dict[str, int]:
+    """Calls of the two skinny entry points the linear layers use, counted as they run."""
+    calls = {"skinny_linear": 0, "skinny_rms_norm_linear": 0}
+    for name in calls:
+        real = getattr(linear_layers, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(linear_layers, name, counted)
+    return calls
+
+
+@needs_hopper
 @pytest.mark.parametrize("config", ["default", "chunked_prefill", "async_chunked", "tiny_pool_preempts"])
 def test_qwen3_greedy_matches_hf_under_pdl(tiny_qwen3, config, pdl_on, monkeypatch):
-    calls = []
-    real = linear_layers.skinny_linear
-    monkeypatch.setattr(linear_layers, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    calls = _count_skinny_calls(monkeypatch)
     llm, first, second = run_twice(tiny_qwen3, **CONFIGS[config])
     assert pdl.pdl_enabled(torch.device("cuda"))
-    assert calls, "no linear layer ran skinny_linear"
+    assert calls["skinny_linear"], "no linear layer ran skinny_linear"
+    assert calls["skinny_rms_norm_linear"], "no norm ran in its layer's launch"
     assert sum(llm.llm_engine.runner.graph_replays.values()) > 0, "no decode step replayed a CUDA graph"
+    want = expected(tiny_qwen3)
+    assert first == want and second == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the test above")
+def test_qwen3_greedy_matches_hf_with_the_pdl_layers_on_the_cpu(tiny_qwen3, monkeypatch):
+    """The linear layers' PDL choices forced on the CPU: steps of up to 16 tokens run the norm,
+    the layer and the MLP's activation in `skinny.py`'s launches; the tokens stay transformers'."""
+    monkeypatch.setattr(linear_layers, "pdl_enabled", lambda device: True)
+    calls = _count_skinny_calls(monkeypatch)
+    _, first, second = run_twice(tiny_qwen3, **CONFIGS["chunked_prefill"])
+    assert calls["skinny_linear"] and calls["skinny_rms_norm_linear"]
     want = expected(tiny_qwen3)
     assert first == want and second == want

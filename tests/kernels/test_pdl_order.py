@@ -168,13 +168,17 @@ def _cases() -> dict[str, tuple]:
         )
     skinny_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16"}
     skinny_aligned = ("X", "W", "B", "Y", "N", "K", "chunk_bytes", "stride_xm", "stride_wn", "stride_ym")
-    for block_n, gated in ((16, False), (32, False), (64, False), (16, True)):
+    skinny_types |= {"R": "*bf16", "NW": "*bf16", "RO": "*bf16", "eps": "fp32"}
+    skinny_aligned += ("R", "NW", "RO", "stride_rm", "stride_om")
+    variants = [(16, False, False), (32, False, False), (64, False, False), (16, True, False)]
+    for block_n, gated, norm in variants + [(32, False, True), (16, True, True)]:
         constexprs = dict(
             HAS_BIAS=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, EVEN_K=True, PRECISION="tf32",
-            PREFETCH_CHUNKS=128 // block_n, USE_PDL=True, GATED=gated,
+            PREFETCH_CHUNKS=128 // block_n, USE_PDL=True, GATED=gated, NORM=norm, HAS_RESIDUAL=norm,
         )  # fmt: skip
         options = {"num_warps": 4, "num_stages": 4}
-        cases[f"skinny_linear-block_n={block_n}" + ("-gated" if gated else "")] = (
+        name = f"skinny_linear-block_n={block_n}" + ("-gated" if gated else "") + ("-norm" if norm else "")
+        cases[name] = (
             skinny._skinny_linear_kernel, skinny_types, constexprs, skinny_aligned, options, True,
         )  # fmt: skip
     return cases
@@ -193,7 +197,11 @@ CASES = (
     + [f"paged_decode-split={s}" for s in (False, True)]
     + ["paged_decode-split=True-merge_last"]
     + [f"skinny_linear-block_n={b}" for b in (16, 32, 64)]
-    + ["skinny_linear-block_n=16-gated"]
+    + [
+        "skinny_linear-block_n=16-gated",
+        "skinny_linear-block_n=32-norm",
+        "skinny_linear-block_n=16-gated-norm",
+    ]
 )
 
 

@@ -1,7 +1,8 @@
 """`skinny_linear` (few-row GEMM) against `F.linear` in fp64, its checks, and the linear layers'
 choice of it under programmatic dependent launch (`TILELLM_PDL=1`; `pdl_enabled`);
 `skinny_linear_silu_and_mul` against `skinny_linear` then `silu_and_mul`, and the gated MLP's
-choice of it.
+choice of it; `skinny_rms_norm_linear` (the RMSNorm before a layer in its launch) against
+`rms_norm` then the layer, and the decoder's handing of its norm to the layer.
 
 On the CPU the kernel runs under Triton's interpreter without PDL (the `griddepcontrol`
 instructions exist only on the GPU); on an H100/H200 the GPU tests run it with and without PDL
@@ -17,8 +18,14 @@ import torch
 
 from tests.kernels.helpers import assert_close
 from tilellm.kernels import pdl, skinny
-from tilellm.kernels.fused import silu_and_mul
-from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_config, skinny_linear, skinny_linear_silu_and_mul
+from tilellm.kernels.fused import rms_norm, silu_and_mul
+from tilellm.kernels.skinny import (
+    SKINNY_MAX_ROWS,
+    skinny_config,
+    skinny_linear,
+    skinny_linear_silu_and_mul,
+    skinny_rms_norm_linear,
+)
 from tilellm.models.layers import linear as linear_layers
 from tilellm.models.layers.linear import ColumnParallelLinear
 from tilellm.models.layers.mlp import GatedMLP
@@ -218,6 +225,112 @@ def test_gated_mlp_takes_one_launch_for_few_rows_under_pdl(monkeypatch):
         assert got.shape == shape
         assert_close(got, expected, 1e-5, f"{shape}")
     assert calls == [(1, 64), (16, 64)]
+
+
+def _norm_operands(M, K, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(device=device, dtype=dtype)
+    r = torch.randn(M, K, generator=gen).to(device=device, dtype=dtype)
+    nw = (torch.rand(K, generator=gen) + 0.5).to(device=device, dtype=dtype)
+    return x, r, nw
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 48, 64), (5, 32, 200), (16, 64, 96), (40, 16, 7)])
+def test_rms_norm_in_the_same_launch(M, N, K, with_residual, gated):
+    """fp32 on the CPU: y within fp32 rounding of `rms_norm` then the layer (the row's sum of
+    squares is summed in chunks here, whole in the norm's kernel), and the new residual stream
+    bit for bit, at rows below, at and above 16 and K that leaves a partial tile."""
+    x, r, nw = _norm_operands(M, K, torch.float32, "cpu", seed=M + N + K)
+    _, w, b = _operands(M, 2 * N if gated else N, K, torch.float32, "cpu", seed=K, bias=True)
+    res = r if with_residual else None
+    got = skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=res, silu_and_mul=gated)
+    normed = rms_norm(x, nw, 1e-6, residual=res)
+    if with_residual:
+        (got, got_res), (normed, expected_res) = got, normed
+        assert torch.equal(got_res, expected_res), "residual stream"
+    layer = skinny_linear_silu_and_mul if gated else skinny_linear
+    assert got.shape == (M, N)
+    assert_close(got, layer(normed, w, b), 1e-5, f"M={M} N={N} K={K} gated={gated}")
+
+
+def test_rms_norm_in_the_same_launch_fills_the_given_residual_and_checks():
+    """`residual_out` is filled in place (what the decoder was handed before the layer ran); empty
+    shapes still produce the residual; bad arguments name the problem."""
+    x, r, nw = _norm_operands(3, 64, torch.float32, "cpu", seed=5)
+    _, w, _ = _operands(3, 32, 64, torch.float32, "cpu")
+    out = torch.full_like(x, float("nan"))
+    y, h = skinny_rms_norm_linear(x, nw, 1e-5, w, residual=r, residual_out=out)
+    assert h is out and torch.equal(out, x + r)
+    y0, h0 = skinny_rms_norm_linear(x, nw, 1e-5, w[:0], residual=r)
+    assert y0.shape == (3, 0) and torch.equal(h0, x + r)
+    with pytest.raises(ValueError, match=r"^rms_norm: weight must be \[H=64\]"):
+        skinny_rms_norm_linear(x, nw[:10], 1e-5, w)
+    with pytest.raises(ValueError, match=r"^skinny_rms_norm_linear: residual_out must be \[M, K\]"):
+        skinny_rms_norm_linear(x, nw, 1e-5, w, residual=r, residual_out=out[:, :8])
+    with pytest.raises(ValueError, match="^skinny_rms_norm_linear: with silu_and_mul, weight must hold"):
+        skinny_rms_norm_linear(x, nw, 1e-5, w[:31], silu_and_mul=True)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_decoder_norm_is_run_by_the_layer_under_pdl(monkeypatch, with_residual):
+    """With PDL on, an RMSNorm whose reader is a plain linear layer (the decoder's `quant_for`)
+    hands it the rows un-normalised for up to SKINNY_MAX_ROWS tokens; the layer's output and the
+    residual stream are those of the norm then the layer, and above that many tokens the norm
+    runs on its own. The gated MLP takes it too (norm, gate-up and SiLU-and-mul in one launch)."""
+    from tilellm.kernels import fused
+    from tilellm.models.layers.layernorm import RMSNorm
+    from tilellm.models.layers.linear import NormedActivation
+
+    gen = torch.Generator().manual_seed(9)
+    norm = RMSNorm(64, 1e-6, fused)
+    layer = ColumnParallelLinear(64, 48, bias=False, tp_rank=0, tp_size=1)
+    mlp = GatedMLP(64, 40, bias=False, fused_ops=fused)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+        for p in (layer.weight, *mlp.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) / 8)
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
+        x = torch.randn(rows, 64, generator=gen)
+        r = torch.randn(rows, 64, generator=gen) if with_residual else None
+        monkeypatch.setattr(linear_layers, "pdl_enabled", lambda device: False)
+        args = (x,) if r is None else (x, r)
+        want = norm(*args)
+        want_y, want_res = want if r is not None else (want, None)
+        want_out, want_mlp = layer(want_y), mlp(want_y)
+        monkeypatch.setattr(linear_layers, "pdl_enabled", lambda device: True)
+        for reader, run, expected in ((layer, layer, want_out), (mlp.input_linear, mlp, want_mlp)):
+            got = norm(*args, quant_for=reader)
+            got_y, got_res = got if r is not None else (got, None)
+            assert isinstance(got_y, NormedActivation) == (rows <= SKINNY_MAX_ROWS), rows
+            assert_close(run(got_y), expected, 1e-5, f"rows={rows}")
+            if r is not None:
+                assert torch.equal(got_res, want_res), f"residual rows={rows}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("N", "K", "gated"), [(4096, 1024, False), (3072, 1024, True), (256, 4104, False)])
+def test_rms_norm_in_the_same_launch_on_the_gpu(N, K, gated, dtype):
+    """bf16 / fp16 on the GPU at 1, 5 and 16 rows: within one output rounding of `rms_norm` then
+    the layer (the sum of squares may round differently), the residual stream bit for bit; under
+    PDL on Hopper the same bits as without."""
+    for M in (1, 5, 16):
+        x, r, nw = _norm_operands(M, K, dtype, "cuda", seed=M)
+        _, w, b = _operands(M, 2 * N if gated else N, K, dtype, "cuda", seed=M, bias=M == 5)
+        layer = skinny_linear_silu_and_mul if gated else skinny_linear
+        with _pdl(False):
+            y, h = skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=r, silu_and_mul=gated)
+            normed, expected_h = rms_norm(x, nw, 1e-6, residual=r)
+            expected = layer(normed, w, b)
+        assert torch.equal(h, expected_h), f"residual {dtype} M={M}"
+        assert_close(y.float(), expected.float(), 2e-2, f"{dtype} M={M} N={N} K={K} gated={gated}")
+        if HOPPER:
+            with _pdl(True):
+                y_pdl, h_pdl = skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=r, silu_and_mul=gated)
+            assert torch.equal(y_pdl, y) and torch.equal(h_pdl, h), f"PDL changed the result: M={M}"
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ it as usual.
 `TILELLM_PDL=1` turns PDL on for the kernels of a decoder layer's decode path: RMSNorm, rotary,
 the K/V store, paged attention and its split-KV merge, SiLU-and-mul, and the linear layers of up
 to `SKINNY_MAX_ROWS` rows (`skinny_linear` instead of cuBLAS; a gated MLP's gate-up projection and
-its SiLU-and-mul as one `skinny_linear_silu_and_mul`). Off by default: its effect on the
+its SiLU-and-mul as one `skinny_linear_silu_and_mul`, and the RMSNorm before qkv and gate-up in
+their launches, `skinny_rms_norm_linear`). Off by default: its effect on the
 decode step is measured by `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` against the
 same command without it.
 """

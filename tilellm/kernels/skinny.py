@@ -31,9 +31,10 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
-from tilellm.kernels.fused import silu_and_mul
+from tilellm.kernels.fused import rms_norm, silu_and_mul
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_dependents, pdl_launch_kwargs, pdl_wait
+from tilellm.kernels.reference.fused import check_rms_norm
 
 SKINNY_MAX_ROWS = 16  # the linear layers of steps of up to this many tokens run here under PDL
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,18 +63,25 @@ def _prefetch_rows_l2(row_ptrs, row_ok, chunk_bytes, CHUNKS: tl.constexpr):
 def _skinny_linear_kernel(
     X, W, B, Y, M, N, K, chunk_bytes,
     stride_xm, stride_wn, stride_ym,
+    R, NW, RO, stride_rm, stride_om, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PREFETCH_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr,
-    GATED: tl.constexpr = False,
+    GATED: tl.constexpr = False, NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
 ):  # fmt: skip
     """y = x W^T (+ b), Y [M, N]; with GATED, W holds 2N rows [gate | up] and
     y = silu(x W_gate^T + b_gate) * (x W_up^T + b_up), each product rounded to Y's dtype first
-    (what `skinny_linear` then `silu_and_mul` store)."""
+    (what `skinny_linear` then `silu_and_mul` store).
+
+    With NORM, x is first replaced by rms_norm(x) with weight NW [K] (with HAS_RESIDUAL:
+    h = x + R rounded to x's dtype, stored to RO by the programs of the first column tile, then
+    rms_norm(h)), as `fused.rms_norm` computes it: a first pass over the row tile's K sums the
+    squares, the loop then scales each chunk and rounds it to x's dtype before its product."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     row_ok = rows < M
+    rows64 = rows.to(tl.int64)
     w_rows = W + cols.to(tl.int64) * stride_wn  # [BLOCK_N] the start of each weight row
     up_rows = w_rows + N * stride_wn  # GATED: the up projection's rows, N rows below the gate's
     pdl_launch_dependents(USE_PDL)
@@ -81,8 +89,30 @@ def _skinny_linear_kernel(
         _prefetch_rows_l2(w_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
         if GATED:
             _prefetch_rows_l2(up_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
-    pdl_wait(USE_PDL)  # x is the kernel before's output
-    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    pdl_wait(USE_PDL)  # x (and the residual) are the kernels before's output
+    x_rows = X + rows64[:, None] * stride_xm
+    r_rows = R + rows64[:, None] * stride_rm
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:  # the rows' mean square, and the new residual stream (one column tile stores it)
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        store_res = (row_ok & (rows * 0 + tl.program_id(0) == 0))[:, None]  # [BLOCK_M, 1]
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            h = tl.load(x_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            h = h.to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(r_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                h16 = (h + r.to(tl.float32)).to(X.dtype.element_ty)
+                tl.store(
+                    RO + rows64[:, None] * stride_om + (k0 + offs_k)[None, :],
+                    h16,
+                    mask=store_res & k_ok[None, :],
+                )
+                h = h16.to(tl.float32)
+            sum_sq += tl.sum(h * h, axis=1)
+        rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
+    x_ptrs = x_rows + offs_k[None, :]
+    r_ptrs = r_rows + offs_k[None, :]
     w_ptrs = w_rows[:, None] + offs_k[None, :]
     u_ptrs = up_rows[:, None] + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -96,6 +126,14 @@ def _skinny_linear_kernel(
             x_ok = row_ok[:, None] & k_ok[None, :]
             w_ok = col_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if NORM:  # rms_norm's value of this chunk, rounded as its kernel stores it
+            h = x.to(tl.float32)
+            if HAS_RESIDUAL:
+                h = (h + tl.load(r_ptrs, mask=x_ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+                h = h.to(tl.float32)
+            nw = tl.load(NW + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+            x = (h * rstd[:, None] * nw[None, :]).to(X.dtype.element_ty)
+            r_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=w_ok, other=0.0)
         if GATED:
             u = tl.load(u_ptrs, mask=w_ok, other=0.0)
@@ -112,7 +150,7 @@ def _skinny_linear_kernel(
         gate = acc.to(Y.dtype.element_ty).to(tl.float32)
         up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
         acc = gate / (1.0 + tl.exp(-gate)) * up
-    y = Y + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    y = Y + rows64[:, None] * stride_ym + cols[None, :]
     tl.store(y, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -209,8 +247,70 @@ def skinny_linear_silu_and_mul(
     return _skinny(x, weight, bias, weight.shape[0] // 2, gated=True)
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, N: int, gated: bool):
-    """The launch of both wrappers: y [M, N] (N = weight's rows, or half of them when gated)."""
+def skinny_rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`skinny_linear(rms_norm(x, norm_weight, eps, residual=residual), weight, bias)` in one
+    launch (`silu_and_mul=True`: `skinny_linear_silu_and_mul`'s output): a pre-norm decoder's
+    norm and the linear layer that reads it, without the normalised rows going through memory.
+
+    x [M, K]; norm_weight [K]; weight [N, K] (or [2I, K] = [gate | up]) -> y [M, N] (or [M, I]).
+    With `residual` [M, K]: h = x + residual (rounded to x's dtype) is normalised and also
+    returned, written to `residual_out` [M, K] when given (a new tensor otherwise):
+    (y, h). y differs from the two launches' only where the row's sum of squares, summed here
+    in BLOCK_K chunks, rounds differently.
+    """
+    check_rms_norm(x, norm_weight, eps, residual)
+    check_skinny_linear(x, weight, bias)
+    if silu_and_mul and weight.shape[0] % 2:
+        raise ValueError(
+            f"skinny_rms_norm_linear: with silu_and_mul, weight must hold [gate | up], an even number of "
+            f"rows, got {tuple(weight.shape)}"
+        )
+    if residual is not None:
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        if residual_out is None:
+            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        elif residual_out.shape != x.shape or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1:
+            raise ValueError(
+                f"skinny_rms_norm_linear: residual_out must be [M, K]={tuple(x.shape)} {x.dtype} with a "
+                f"contiguous last dim, got {tuple(residual_out.shape)} {residual_out.dtype}"
+            )
+    rows = weight.shape[0]
+    n = rows // 2 if silu_and_mul else rows
+    if x.numel() == 0 or n == 0:  # nothing to sum: the two launches (the residual still comes out)
+        normed = rms_norm(x, norm_weight, eps, residual=residual)
+        if residual is not None:
+            normed, h = normed
+            residual_out.copy_(h)
+        y = _skinny(normed, weight, bias, n, silu_and_mul)
+    else:
+        y = _skinny(
+            x, weight, bias, n, silu_and_mul, (norm_weight.contiguous(), float(eps), residual, residual_out)
+        )
+    return y if residual is None else (y, residual_out)
+
+
+def _skinny(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    N: int,
+    gated: bool,
+    norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """The launch of the wrappers: y [M, N] (N = weight's rows, or half of them when gated);
+    `norm`: (norm weight, eps, residual or None, residual_out) for the RMSNorm prologue, for
+    M, N, K > 0 only."""
     (M, K) = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -218,20 +318,26 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, N:
     if K == 0:  # the products are the bias (or zeros)
         rows = weight.shape[0]
         prod = bias.expand(M, rows).clone() if bias is not None else y.new_zeros((M, rows))
-        if not gated:
-            return prod
-        return silu_and_mul(prod)
+        return silu_and_mul(prod) if gated else prod
     pdl = pdl_launch_kwargs(x.device)
     block_n, block_k, warps, stages, chunks, chunk_bytes = _plan(
         M, N, K, weight.element_size(), interpreting(), 2 if gated else 1
     )
     aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+    if norm is None:
+        norm_w, eps, res, res_out = weight, 0.0, None, None
+    else:
+        norm_w, eps, res, res_out = norm
+    has_res = res is not None
+    res, res_out = (res, res_out) if has_res else (x, x)  # (unread without a residual)
     grid = (cdiv(N, block_n), cdiv(M, 16))
     _skinny_launch[grid](
         x, weight, bias.contiguous() if bias is not None else weight, y, M, N, K, chunk_bytes,
         x.stride(0), weight.stride(0), y.stride(0),
+        res, norm_w, res_out, res.stride(0), res_out.stride(0), eps,
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         PRECISION=dot_precision(x.dtype), PREFETCH_CHUNKS=chunks if pdl["USE_PDL"] and aligned else 0,
-        GATED=gated, num_warps=warps, num_stages=stages, **pdl,
+        GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
+        num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     return y

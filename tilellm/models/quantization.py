@@ -335,6 +335,10 @@ class Fp8LinearMethod(LinearMethod):
             )
         return y
 
+    def takes_normed_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """False: the norm before an FP8 layer quantizes for it instead (`input_group_quant`)."""
+        return False
+
     def apply(
         self, layer: LinearBase, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None
     ) -> torch.Tensor:

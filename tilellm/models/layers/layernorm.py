@@ -7,7 +7,7 @@ import types
 import torch
 from torch import nn
 
-from tilellm.models.layers.linear import LinearBase, QuantizedActivation
+from tilellm.models.layers.linear import LayerInput, LinearBase, NormedActivation, QuantizedActivation
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +18,9 @@ class RMSNorm(nn.Module):
     With `quant_for` (the linear layer that reads y), y comes out quantized to FP8 in the same
     launch, as a `QuantizedActivation` [T, H], on the steps where that layer would quantize it in a
     launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps) and the
-    group width is a power of two.
+    group width is a power of two; or, where that layer runs the norm in its own launch
+    (`LinearMethod.takes_normed_input`: a few tokens under PDL), y is a `NormedActivation` and
+    the new residual stream an empty [..., H] that the layer's launch fills.
     """
 
     def __init__(self, hidden_size: int, eps: float, ops: types.ModuleType):
@@ -32,10 +34,15 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None = None,
         *,
         quant_for: LinearBase | None = None,
-    ) -> torch.Tensor | QuantizedActivation | tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+    ) -> LayerInput | tuple[LayerInput, torch.Tensor]:
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         res2 = None if residual is None else residual.reshape(-1, self.hidden_size)
+        if quant_for is not None and quant_for.quant_method.takes_normed_input(quant_for, x2):
+            # the layer runs this norm in its own launch (a few tokens under PDL)
+            res_out = None if res2 is None else torch.empty_like(x2, memory_format=torch.contiguous_format)
+            normed = NormedActivation(x2, self.weight, self.eps, res2, res_out)
+            return normed if residual is None else (normed, res_out.view(shape))
         quant = None if quant_for is None else quant_for.input_group_quant(x2.shape[0])
         # (the fused op views a row as whole groups of a power-of-two width: a per-tensor
         # checkpoint's group may be a whole odd-sized row, which the layer then quantizes itself)

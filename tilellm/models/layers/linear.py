@@ -34,8 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tilellm.kernels.fused import rms_norm as fused_rms_norm
 from tilellm.kernels.pdl import pdl_enabled
-from tilellm.kernels.skinny import SKINNY_MAX_ROWS, skinny_linear, skinny_linear_silu_and_mul
+from tilellm.kernels.skinny import (
+    SKINNY_MAX_ROWS,
+    skinny_linear,
+    skinny_linear_silu_and_mul,
+    skinny_rms_norm_linear,
+)
 from tilellm.models.parallel import all_gather_last_dim, all_reduce, check_tp, divide, partition_kv_heads
 
 WeightSource = Any  # torch.Tensor or a safetensors slice (`safe_open(...).get_slice(name)`)
@@ -170,6 +176,45 @@ class QuantizedActivation:
         return self.x_q.shape
 
 
+@dataclass(frozen=True)
+class NormedActivation:
+    """A linear layer's input as the RMSNorm before it left it, not yet normalised: the layer runs
+    the norm in its own launch (`skinny_rms_norm_linear`), on the steps where it says it can
+    (`LinearMethod.takes_normed_input`: a few tokens under PDL).
+
+    x [T, H] and, when the norm adds the residual stream first, residual [T, H] and residual_out
+    [T, H], which the layer's launch fills with x + residual (the norm returned it to the decoder
+    already; it is read only by later launches on the same stream). norm_weight [H], eps: the
+    norm's."""
+
+    x: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def normalised(self) -> torch.Tensor:
+        """The norm in a launch of its own (residual_out filled), for a layer that takes it after
+        all: rms_norm(x + residual) [T, H]."""
+        if self.residual is None:
+            return fused_rms_norm(self.x, self.norm_weight, self.eps)
+        y, h = fused_rms_norm(self.x, self.norm_weight, self.eps, residual=self.residual)
+        self.residual_out.copy_(h)
+        return y
+
+
+# what a linear layer takes as its input: the activation itself, quantized, or not yet normalised
+LayerInput = torch.Tensor | QuantizedActivation | NormedActivation
+
+
 class LinearMethod:
     """How a linear layer holds and applies its weight (vLLM's `LinearMethodBase`). This one: the
     plain `weight` [out, in] in the model dtype; `tilellm.models.quantization.Fp8LinearMethod`
@@ -178,26 +223,50 @@ class LinearMethod:
     # (bn, bk): the weight's block of one `weight_scale_inv` entry; None when it has no scales
     block_size: tuple[int, int] | None = None
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> x W^T (+ bias) [..., out]: this rank's part, before any collective.
 
         cuBLAS, except steps of up to `SKINNY_MAX_ROWS` tokens under programmatic dependent launch
         (`TILELLM_PDL=1`): `skinny_linear`, which streams the weight while the kernel before runs
-        (cuBLAS's kernels do not take part in PDL)."""
+        (cuBLAS's kernels do not take part in PDL), and there a `NormedActivation` is normalised
+        in the same launch (`skinny_rms_norm_linear`)."""
+        if isinstance(x, NormedActivation):
+            if not self._skinny(layer, x.x, x.shape[0]):
+                return self.apply(layer, x.normalised(), bias)
+            return self._normed_skinny(layer, x, bias, silu_and_mul=False)
         rows = x.numel() // max(1, x.shape[-1])
         if self._skinny(layer, x, rows):
             y = skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, layer.weight, bias)
 
+    def takes_normed_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether this layer runs the RMSNorm before it in its own launch for input x [T, H]
+        (the norm then hands it a `NormedActivation`): where `apply` runs `skinny_linear`."""
+        return self._skinny(layer, x, x.numel() // max(1, x.shape[-1]))
+
+    @staticmethod
+    def _normed_skinny(
+        layer: LinearBase, x: NormedActivation, bias: torch.Tensor | None, silu_and_mul: bool
+    ) -> torch.Tensor:
+        out = skinny_rms_norm_linear(
+            x.x, x.norm_weight, x.eps, layer.weight, bias, residual=x.residual,
+            residual_out=x.residual_out, silu_and_mul=silu_and_mul,
+        )  # fmt: skip
+        return out if x.residual is None else out[0]
+
     def apply_silu_and_mul(
-        self, layer: LinearBase, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None
+        self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
         """silu(gate) * up of a merged [gate | up] layer in one launch, [..., out / 2]: the same
         bits as `apply` then `silu_and_mul`; or None where this step has no such launch (then the
         caller runs the two). Served where `apply` runs `skinny_linear`: a few rows under PDL."""
         if isinstance(x, QuantizedActivation):
             return None
+        if isinstance(x, NormedActivation):
+            if not self._skinny(layer, x.x, x.shape[0]):
+                return None
+            return self._normed_skinny(layer, x, bias, silu_and_mul=True)
         rows = x.numel() // max(1, x.shape[-1])
         if not self._skinny(layer, x, rows):
             return None
