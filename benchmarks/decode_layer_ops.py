@@ -44,7 +44,7 @@ def _count(bytes_per_call: int) -> int:
 
 
 def _rotary_calls(t: int, fp8: bool) -> tuple[list, int]:
-    import tilellm.kernels as tk
+    import tilellm.kernels.fused as tk
 
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     e = 1 if fp8 else 2
@@ -75,7 +75,7 @@ def _rotary_calls(t: int, fp8: bool) -> tuple[list, int]:
 
 
 def _rms_norm_calls(t: int) -> tuple[list, int]:
-    import tilellm.kernels as tk
+    import tilellm.kernels.fused as tk
 
     nbytes = t * HIDDEN * 2 * 4 + HIDDEN * 2  # x and residual in, out and the new residual out
     calls = []
@@ -88,7 +88,7 @@ def _rms_norm_calls(t: int) -> tuple[list, int]:
 
 
 def _silu_calls(t: int) -> tuple[list, int]:
-    import tilellm.kernels as tk
+    import tilellm.kernels.fused as tk
 
     nbytes = t * INTER * 2 * 3
     calls = []

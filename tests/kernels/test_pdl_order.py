@@ -236,13 +236,18 @@ def analysis() -> dict[str, dict]:
 @pytest.mark.parametrize("name", CASES)
 def test_waits_before_touching_memory(analysis, name):
     """No global load, store, atomic or exit before the wait; only skinny_linear's weight
-    prefetch, which it must issue there."""
+    prefetch, which it must issue there. Nor the trigger that lets the next kernel launch
+    (`griddepcontrol.launch_dependents`, PREEXIT): before its own wait it lets every later kernel
+    of the chain launch and wait on the SMs."""
     result = analysis[name]
     assert "error" not in result, result.get("error")
     assert result["launch_pdl"]
     before = result["before"]
     touches = [ins for ins in before if GLOBAL_ACCESS.search(ins) or re.search(r"\bEXIT\b", ins)]
     assert not touches, f"{name}: global memory or exit before the wait: {touches}"
+    assert not [ins for ins in before if "PREEXIT" in ins], (
+        f"{name}: the next kernel let launch before the wait"
+    )
     prefetches = [ins for ins in before if PREFETCH.search(ins)]
     if name.startswith("skinny_linear"):
         assert prefetches, f"{name}: no L2 prefetch of the weight before the wait"

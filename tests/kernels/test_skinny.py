@@ -66,6 +66,7 @@ def _fp64(x, w, b):
     ("M", "N", "K"),
     [(1, 48, 64), (5, 100, 96), (16, 64, 200), (40, 33, 64), (3, 16, 7)],  # K not a multiple of the tile
 )
+@pytest.mark.interpreter  # CPU tensors through the kernel
 def test_matches_fp64(M, N, K, bias):
     """fp32 on the CPU (the interpreter): within fp32 summation order of the fp64 product, over
     row counts below, at and above 16, column counts that leave a partial tile, and K that does."""
@@ -73,6 +74,7 @@ def test_matches_fp64(M, N, K, bias):
     assert_close(skinny_linear(x, w, b), _fp64(x, w, b).float(), 1e-5, f"M={M} N={N} K={K}")
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
 def test_strided_operands_and_empty():
     """Rows of x and of the weight with strides past K (the memory past K full of inf: a load that
     reaches it shows), a strided bias, and empty inputs."""
@@ -143,6 +145,7 @@ def test_pdl_is_off_without_its_switch_and_off_the_gpu(monkeypatch):
         pdl._pdl_enabled.cache_clear()
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
 def test_linear_layers_take_it_for_few_rows_under_pdl(monkeypatch):
     """With PDL on, a plain linear layer runs `skinny_linear` for up to SKINNY_MAX_ROWS rows (any
     leading dims) and cuBLAS above; both give the layer's product. (On the CPU the switch is
@@ -164,6 +167,7 @@ def test_linear_layers_take_it_for_few_rows_under_pdl(monkeypatch):
     assert calls == [(1, 64), (16, 64), (SKINNY_MAX_ROWS, 64)]
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("M", "I", "K"), [(1, 48, 64), (5, 32, 200), (16, 64, 96), (40, 16, 7)])
 def test_silu_and_mul_in_the_same_launch(M, I, K, bias):
@@ -176,6 +180,7 @@ def test_silu_and_mul_in_the_same_launch(M, I, K, bias):
     assert torch.equal(got, silu_and_mul(skinny_linear(x, w, b))), f"M={M} I={I} K={K}"
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
 def test_silu_and_mul_partial_tiles_and_empty():
     """An output width that leaves a partial column tile (the gate and up tiles then start at
     different offsets within a tile of the two-launch path): within fp32 summation order of the
@@ -199,6 +204,7 @@ def test_silu_and_mul_rejects_an_odd_weight():
         skinny_linear_silu_and_mul(x[None], w[:32])
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
 def test_gated_mlp_takes_one_launch_for_few_rows_under_pdl(monkeypatch):
     """With PDL on, the gated MLP's gate-up and SiLU-and-mul run as one `skinny_linear_silu_and_mul`
     for up to SKINNY_MAX_ROWS rows and as the two ops above; the output is the same either way.
@@ -235,6 +241,7 @@ def _norm_operands(M, K, dtype, device, seed):
     return x, r, nw
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize(("M", "N", "K"), [(1, 48, 64), (5, 32, 200), (16, 64, 96), (40, 16, 7)])
@@ -255,6 +262,7 @@ def test_rms_norm_in_the_same_launch(M, N, K, with_residual, gated):
     assert_close(got, layer(normed, w, b), 1e-5, f"M={M} N={N} K={K} gated={gated}")
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
 def test_rms_norm_in_the_same_launch_fills_the_given_residual_and_checks():
     """`residual_out` is filled in place (what the decoder was handed before the layer ran); empty
     shapes still produce the residual; bad arguments name the problem."""
@@ -273,6 +281,7 @@ def test_rms_norm_in_the_same_launch_fills_the_given_residual_and_checks():
         skinny_rms_norm_linear(x, nw, 1e-5, w[:31], silu_and_mul=True)
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_decoder_norm_is_run_by_the_layer_under_pdl(monkeypatch, with_residual):
     """With PDL on, an RMSNorm whose reader is a plain linear layer (the decoder's `quant_for`)

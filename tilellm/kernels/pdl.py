@@ -8,16 +8,18 @@ kernel before it has run `griddepcontrol.launch_dependents` (or finished), and w
 must with `griddepcontrol.wait`, which returns once the kernel before has completed and its writes
 are visible. Whatever a kernel does before that wait must not read what the kernels before it
 write, nor write anything: here, only loads of weights and L2 prefetches of them
-(`skinny.py`). A kernel launched so after one that was not (cuBLAS's, NCCL's, a copy) waits for
+(`skinny.py`). Each kernel lets the next launch right after its own wait, so at most the kernel
+before, this one and the next hold SM slots at a time. A kernel launched so after one that was not (cuBLAS's, NCCL's, a copy) waits for
 it as usual.
 
 `TILELLM_PDL=1` turns PDL on for the kernels of a decoder layer's decode path: RMSNorm, rotary,
 the K/V store, paged attention and its split-KV merge, SiLU-and-mul, and the linear layers of up
 to `SKINNY_MAX_ROWS` rows (`skinny_linear` instead of cuBLAS; a gated MLP's gate-up projection and
 its SiLU-and-mul as one `skinny_linear_silu_and_mul`, and the RMSNorm before qkv and gate-up in
-their launches, `skinny_rms_norm_linear`). Off by default: its effect on the
-decode step is measured by `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` against the
-same command without it.
+their launches, `skinny_rms_norm_linear`). Off by default: the decode step of a small batch is
+slower with it than with cuBLAS and separate launches (docs/benchmarks.md, "Programmatic
+dependent launch"; `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` against the same
+command without it).
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 @triton.jit
 def pdl_start(USE_PDL: tl.constexpr):
-    """The prologue of a kernel that reads its inputs at once: the next kernel may launch, then
-    this one waits for the kernel before (no-op unless USE_PDL)."""
-    pdl_launch_dependents(USE_PDL)
+    """The prologue of a kernel that reads its inputs at once: wait for the kernel before, then
+    let the next kernel launch (no-op unless USE_PDL). In that order: a kernel that let the next
+    one launch before its own wait let every later kernel of the chain launch too, each holding
+    SM slots while it waited."""
     pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)

@@ -6,14 +6,13 @@ takes as long as its weight bytes take to arrive. Qwen3-0.6B's layers (2-6 MB in
 1-3 us to read at the copy rate but 5-9 us in cuBLAS (docs/benchmarks.md, "Where the time
 goes"): each kernel starts only once the one before it has finished, then ramps its loads up.
 
-Launched with programmatic dependent launch (`pdl.py`), each program of this kernel first lets
-the next kernel launch, then asks for its weight rows in L2 (`cp.async.bulk.prefetch.L2`, one
-instruction per thread for a part of a row; no kernel writes the weight, so nothing it reads can
-change; a layer's requests are kept to 16 MB of L2, so a large layer prefetches the start of
-each row), then
-waits for the kernel before it (`griddepcontrol.wait`) and only then reads x. The weight's
-bytes thus stream from HBM while the kernel before (an RMSNorm, an attention merge) still runs,
-and the loop finds them in L2. Without PDL it is a plain GEMM of narrow column tiles.
+Launched with programmatic dependent launch (`pdl.py`), each program of this kernel first asks
+for its weight rows in L2 (`cp.async.bulk.prefetch.L2`, one instruction per thread for a part of
+a row; no kernel writes the weight, so nothing it reads can change; a layer's requests are kept
+to 16 MB of L2, so a large layer prefetches the start of each row), then waits for the kernel
+before it (`griddepcontrol.wait`), lets the next kernel launch, and only then reads x. The
+weight's bytes thus stream from HBM while the kernel before (an RMSNorm, an attention merge)
+still runs, and the loop finds them in L2. Without PDL it is a plain GEMM of narrow column tiles.
 
 Grid: (column tiles of BLOCK_N, row tiles of 16). A program walks K in BLOCK_K steps, one
 `tl.dot` of [16, BLOCK_K] x [BLOCK_K, BLOCK_N] each (rows past M are loaded as zeros), and
@@ -84,12 +83,15 @@ def _skinny_linear_kernel(
     rows64 = rows.to(tl.int64)
     w_rows = W + cols.to(tl.int64) * stride_wn  # [BLOCK_N] the start of each weight row
     up_rows = w_rows + N * stride_wn  # GATED: the up projection's rows, N rows below the gate's
-    pdl_launch_dependents(USE_PDL)
     if PREFETCH_CHUNKS > 0:  # only the weight (no kernel writes it) is touched before the wait
         _prefetch_rows_l2(w_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
         if GATED:
             _prefetch_rows_l2(up_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
     pdl_wait(USE_PDL)  # x (and the residual) are the kernels before's output
+    # The next kernel may launch only now: triggered before the wait, every kernel of a step let
+    # the next one launch at once, and the whole chain sat on the SMs waiting (measured: 2.4 ms a
+    # step against 1.5; docs/benchmarks.md).
+    pdl_launch_dependents(USE_PDL)
     x_rows = X + rows64[:, None] * stride_xm
     r_rows = R + rows64[:, None] * stride_rm
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
