@@ -273,6 +273,10 @@ def test_rms_norm_in_the_same_launch_fills_the_given_residual_and_checks():
     assert h is out and torch.equal(out, x + r)
     y0, h0 = skinny_rms_norm_linear(x, nw, 1e-5, w[:0], residual=r)
     assert y0.shape == (3, 0) and torch.equal(h0, x + r)
+    y0, h0 = skinny_rms_norm_linear(x[:0], nw, 1e-5, w, residual=r[:0])
+    assert y0.shape == (0, 32) and h0.shape == (0, 64)
+    with pytest.raises(ValueError, match=r"^skinny_rms_norm_linear: x has no columns to normalise"):
+        skinny_rms_norm_linear(x[:, :0], nw[:0], 1e-5, w[:, :0])
     with pytest.raises(ValueError, match=r"^rms_norm: weight must be \[H=64\]"):
         skinny_rms_norm_linear(x, nw[:10], 1e-5, w)
     with pytest.raises(ValueError, match=r"^skinny_rms_norm_linear: residual_out must be \[M, K\]"):

@@ -272,6 +272,8 @@ def skinny_rms_norm_linear(
     """
     check_rms_norm(x, norm_weight, eps, residual)
     check_skinny_linear(x, weight, bias)
+    if x.shape[1] == 0:
+        raise ValueError("skinny_rms_norm_linear: x has no columns to normalise (K = 0)")
     if silu_and_mul and weight.shape[0] % 2:
         raise ValueError(
             f"skinny_rms_norm_linear: with silu_and_mul, weight must hold [gate | up], an even number of "
@@ -289,7 +291,7 @@ def skinny_rms_norm_linear(
             )
     rows = weight.shape[0]
     n = rows // 2 if silu_and_mul else rows
-    if x.numel() == 0 or n == 0:  # nothing to sum: the two launches (the residual still comes out)
+    if x.shape[0] == 0 or n == 0:  # no product: the norm's own launch (the residual still comes out)
         normed = rms_norm(x, norm_weight, eps, residual=residual)
         if residual is not None:
             normed, h = normed
