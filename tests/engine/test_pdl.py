@@ -3,14 +3,15 @@ equal to transformers' with the decode path's kernels launched with PDL and the 
 small steps on `skinny.py`'s kernel (the decoder's norms and the MLP's SiLU-and-mul in the layers'
 launches), under decode CUDA graphs (the PDL edges are captured), chunked prefill, async
 scheduling and preemption. On the CPU, the same layer choices forced (the kernels then run under
-the interpreter, without PDL)."""
+the interpreter, without PDL), on Qwen3 and on DeepSeek-V3 (MLA, MoE's shared experts)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.engine.test_greedy_vs_hf import CONFIGS, expected, run_twice
+from tests.engine.test_greedy_vs_hf import CONFIGS, _prompts, expected, run_twice
+from tilellm import LLM, SamplingParams
 from tilellm.kernels import pdl
 from tilellm.models.layers import linear as linear_layers
 
@@ -63,3 +64,18 @@ def test_qwen3_greedy_matches_hf_with_the_pdl_layers_on_the_cpu(tiny_qwen3, monk
     assert calls["skinny_linear"] and calls["skinny_rms_norm_linear"]
     want = expected(tiny_qwen3)
     assert first == want and second == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the test above")
+def test_deepseek_v3_greedy_matches_hf_with_the_pdl_layers_on_the_cpu(tiny_deepseek_v3, monkeypatch):
+    """The same on DeepSeek-V3's shape: MLA's q latent norm runs in q_b_proj's launch, the block's
+    input norm in fused_qkv_a_proj's, the shared experts' gate-up with its SiLU-and-mul."""
+    monkeypatch.setattr(linear_layers, "pdl_enabled", lambda device: True)
+    calls = _count_skinny_calls(monkeypatch)
+    prompts = _prompts()[:4]
+    want = [w[:4] for w in expected(tiny_deepseek_v3)[:4]]
+    llm = LLM(tiny_deepseek_v3, num_kv_blocks=32, max_num_batched_tokens=13)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls["skinny_linear"] and calls["skinny_rms_norm_linear"]
+    assert got == want

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tilellm.models.layers.activation import SiluAndMul
-from tilellm.models.layers.linear import MergedColumnParallelLinear, QuantizedActivation, RowParallelLinear
+from tilellm.models.layers.linear import LayerInput, MergedColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
@@ -42,7 +42,7 @@ class GatedMLP(nn.Module):
         """The one layer that reads the MLP's input (the norm before may quantize for it)."""
         return self.gate_up_proj
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    def forward(self, x: LayerInput) -> torch.Tensor:
         gate_up = self.gate_up_proj
         # a few tokens under PDL: the gate-up GEMM and SiLU-and-mul in one launch
         act = gate_up.quant_method.apply_silu_and_mul(gate_up, x, gate_up.bias)
