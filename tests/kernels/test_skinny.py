@@ -283,6 +283,15 @@ def test_rms_norm_in_the_same_launch_fills_the_given_residual_and_checks():
         skinny_rms_norm_linear(x, nw, 1e-5, w, residual=r, residual_out=out[:, :8])
     with pytest.raises(ValueError, match="^skinny_rms_norm_linear: with silu_and_mul, weight must hold"):
         skinny_rms_norm_linear(x, nw, 1e-5, w[:31], silu_and_mul=True)
+    with pytest.raises(ValueError, match="^skinny_rms_norm_linear: residual_out is given without residual"):
+        skinny_rms_norm_linear(x, nw, 1e-5, w, residual_out=out)
+    buf = torch.empty(4 * 64)
+    buf[:192] = r.flatten()
+    r_in_buf, shifted = buf[:192].view(3, 64), buf[64:].view(3, 64)  # two rows in common
+    # an in-place residual update, or a part of one: the launch reads x and residual again
+    for residual, shared in ((r, r), (r, x), (r_in_buf, shifted)):
+        with pytest.raises(ValueError, match="^skinny_rms_norm_linear: residual_out must not share memory"):
+            skinny_rms_norm_linear(x, nw, 1e-5, w, residual=residual, residual_out=shared)
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
@@ -304,6 +313,13 @@ def test_decoder_norm_is_run_by_the_layer_under_pdl(monkeypatch, with_residual):
         norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
         for p in (layer.weight, *mlp.parameters()):
             p.copy_(torch.randn(p.shape, generator=gen) / 8)
+    launches = []  # the silu_and_mul flag of each norm-and-GEMM launch
+    real = linear_layers.skinny_rms_norm_linear
+    monkeypatch.setattr(
+        linear_layers,
+        "skinny_rms_norm_linear",
+        lambda *a, **k: launches.append(k["silu_and_mul"]) or real(*a, **k),
+    )
     for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
         x = torch.randn(rows, 64, generator=gen)
         r = torch.randn(rows, 64, generator=gen) if with_residual else None
@@ -320,6 +336,44 @@ def test_decoder_norm_is_run_by_the_layer_under_pdl(monkeypatch, with_residual):
             assert_close(run(got_y), expected, 1e-5, f"rows={rows}")
             if r is not None:
                 assert torch.equal(got_res, want_res), f"residual rows={rows}"
+    # rows 1 and 16: the plain layer's launch, then the MLP's with its SiLU-and-mul
+    assert launches == [False, True, False, True]
+
+
+@pytest.mark.interpreter  # CPU tensors through the kernel
+def test_normed_input_taken_by_a_layer_that_does_not_run_the_norm():
+    """A `NormedActivation` reaching a layer whose step runs cuBLAS after all: the norm runs in a
+    launch of its own (`NormedActivation.normalised`), the residual stream it was promised filled."""
+    from tilellm.models.layers.linear import NormedActivation
+
+    x, r, nw = _norm_operands(3, 64, torch.float32, "cpu", seed=2)
+    layer = ColumnParallelLinear(64, 24, bias=False, tp_rank=0, tp_size=1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 64, generator=torch.Generator().manual_seed(3)) / 8)
+    res_out = torch.full_like(x, float("nan"))
+    y = layer(NormedActivation(x, nw, 1e-6, r, res_out))  # PDL off: the cuBLAS path
+    normed, h = rms_norm(x, nw, 1e-6, residual=r)
+    assert torch.equal(res_out, h)
+    assert torch.equal(y, layer(normed))
+
+
+@pytest.mark.interpreter  # CPU tensors through the kernel
+def test_rms_norm_and_gate_up_keep_the_two_launches_roundings_in_fp16():
+    """fp16 under the interpreter, where each rounding to the storage dtype shows: the gate-up
+    launch gives `skinny_linear` then `silu_and_mul` bit for bit (its products rounded before the
+    activation), and the norm's launch gives `rms_norm` then the layer bit for bit on these
+    inputs (the residual sum and each normalised chunk rounded as the norm's kernel stores them;
+    the chunked sum of squares rounds as the whole row's here). With a large eps: the same."""
+    x, r, nw = _norm_operands(5, 96, torch.float16, "cpu", seed=0)
+    _, w, b = _operands(5, 64, 96, torch.float16, "cpu", seed=1, bias=True)
+    w = w / 4  # (products well inside fp16's range)
+    assert torch.equal(skinny_linear_silu_and_mul(x, w, b), silu_and_mul(skinny_linear(x, w, b)))
+    for eps in (1e-6, 0.5):
+        for gated, layer in ((False, skinny_linear), (True, skinny_linear_silu_and_mul)):
+            y, h = skinny_rms_norm_linear(x, nw, eps, w, b, residual=r, silu_and_mul=gated)
+            normed, expected_h = rms_norm(x, nw, eps, residual=r)
+            assert torch.equal(h, expected_h)
+            assert torch.equal(y, layer(normed, w, b)), f"eps={eps} gated={gated}"
 
 
 @pytest.mark.gpu

@@ -82,7 +82,7 @@ def _skinny_linear_kernel(
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
     w_rows = W + cols.to(tl.int64) * stride_wn  # [BLOCK_N] the start of each weight row
-    up_rows = w_rows + N * stride_wn  # GATED: the up projection's rows, N rows below the gate's
+    up_rows = W + (cols.to(tl.int64) + N) * stride_wn  # GATED: the up projection's rows, N below
     if PREFETCH_CHUNKS > 0:  # only the weight (no kernel writes it) is touched before the wait
         _prefetch_rows_l2(w_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
         if GATED:
@@ -279,15 +279,29 @@ def skinny_rms_norm_linear(
             f"skinny_rms_norm_linear: with silu_and_mul, weight must hold [gate | up], an even number of "
             f"rows, got {tuple(weight.shape)}"
         )
+    if residual is None and residual_out is not None:
+        raise ValueError("skinny_rms_norm_linear: residual_out is given without residual (nothing to store)")
     if residual is not None:
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
         if residual_out is None:
             residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        elif residual_out.shape != x.shape or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1:
+        elif (
+            residual_out.shape != x.shape
+            or residual_out.dtype != x.dtype
+            or residual_out.device != x.device
+            or residual_out.stride(-1) != 1
+        ):
             raise ValueError(
-                f"skinny_rms_norm_linear: residual_out must be [M, K]={tuple(x.shape)} {x.dtype} with a "
-                f"contiguous last dim, got {tuple(residual_out.shape)} {residual_out.dtype}"
+                f"skinny_rms_norm_linear: residual_out must be [M, K]={tuple(x.shape)} {x.dtype} on "
+                f"{x.device} with a contiguous last dim, got {tuple(residual_out.shape)} "
+                f"{residual_out.dtype} on {residual_out.device}"
+            )
+        elif _overlaps(residual_out, x) or _overlaps(residual_out, residual):
+            # (the launch reads x and residual again after the first column tile stored the sum)
+            raise ValueError(
+                "skinny_rms_norm_linear: residual_out must not share memory with x or residual "
+                "(an in-place residual update): pass a new tensor, or none"
             )
     rows = weight.shape[0]
     n = rows // 2 if silu_and_mul else rows
@@ -302,6 +316,19 @@ def skinny_rms_norm_linear(
             x, weight, bias, n, silu_and_mul, (norm_weight.contiguous(), float(eps), residual, residual_out)
         )
     return y if residual is None else (y, residual_out)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes a and b may touch overlap (their spans in memory intersect)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _skinny(

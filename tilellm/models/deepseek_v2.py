@@ -42,9 +42,9 @@ from tilellm.models.layers.attention import MLAAttention
 from tilellm.models.layers.layernorm import RMSNorm
 from tilellm.models.layers.linear import (
     ColumnParallelLinear,
+    LayerInput,
     MergedColumnParallelLinear,
     ParallelLMHead,
-    QuantizedActivation,
     ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -124,9 +124,7 @@ class DeepseekV2Attention(nn.Module):
         quantize for it): `fused_qkv_a_proj`. Without q_lora_rank two layers read it."""
         return getattr(self, "fused_qkv_a_proj", None)
 
-    def project_latents(
-        self, hidden: torch.Tensor | QuantizedActivation
-    ) -> tuple[torch.Tensor | QuantizedActivation | None, torch.Tensor]:
+    def project_latents(self, hidden: LayerInput) -> tuple[LayerInput | None, torch.Tensor]:
         """hidden [T, hidden] -> (the q latent q_a_layernorm(q_a_proj(x)) [T, Lq] (FP8-quantized
         for an FP8 q_b_proj from 17 tokens), or None without q_lora_rank; kv_a [T, L + Dr], before
         kv_a_layernorm)."""
@@ -144,8 +142,8 @@ class DeepseekV2Attention(nn.Module):
     def project(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor | QuantizedActivation,
-        latents: tuple[torch.Tensor | QuantizedActivation | None, torch.Tensor] | None = None,
+        hidden: LayerInput,
+        latents: tuple[LayerInput | None, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> (q_nope [T, H, Dn], q_pe [T, H, Dr], latent [T, L], k_pe [T, Dr]),
         rope applied. `latents`: `project_latents(hidden)` when the caller already has them
@@ -168,7 +166,7 @@ class DeepseekV2Attention(nn.Module):
         (as vLLM does), so the attention sees the weight the checkpoint describes."""
         dequantize_linear_(self.kv_b_proj, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: LayerInput) -> torch.Tensor:
         q_nope, q_pe, latent, k_pe = self.project(positions, hidden)
         o = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight)  # [T, H, Dv]
         return self.o_proj(o.reshape(hidden.shape[0], self.num_heads * self.v_head_dim))

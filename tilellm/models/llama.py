@@ -25,9 +25,9 @@ from tilellm.attention import AttentionBackend, get_attention_backend
 from tilellm.models.layers.attention import Attention
 from tilellm.models.layers.layernorm import RMSNorm
 from tilellm.models.layers.linear import (
+    LayerInput,
     ParallelLMHead,
     QKVParallelLinear,
-    QuantizedActivation,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -91,7 +91,7 @@ class LlamaAttention(nn.Module):
         """The one layer that reads this block's input (the norm before may quantize for it)."""
         return self.qkv_proj
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: LayerInput) -> torch.Tensor:
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
