@@ -58,6 +58,17 @@ def _prefetch_rows_l2(row_ptrs, row_ok, chunk_bytes, CHUNKS: tl.constexpr):
     )
 
 
+@triton.jit
+def _summed_rows(x_ptrs, r_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
+    """x where `mask` (0 elsewhere), plus the residual rounded to x's dtype as an unfused add
+    (`fused.rms_norm`'s residual stream) with HAS_RESIDUAL; in x's dtype."""
+    h = tl.load(x_ptrs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+    return h
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_linear_kernel(
     X, W, B, Y, M, N, K, chunk_bytes,
@@ -100,17 +111,11 @@ def _skinny_linear_kernel(
         store_res = (row_ok & (rows * 0 + tl.program_id(0) == 0))[:, None]  # [BLOCK_M, 1]
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + offs_k) < K
-            h = tl.load(x_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            h = h.to(tl.float32)
+            cols_k = (k0 + offs_k)[None, :]
+            h = _summed_rows(x_rows + cols_k, r_rows + cols_k, row_ok[:, None] & k_ok[None, :], HAS_RESIDUAL)
             if HAS_RESIDUAL:
-                r = tl.load(r_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                h16 = (h + r.to(tl.float32)).to(X.dtype.element_ty)
-                tl.store(
-                    RO + rows64[:, None] * stride_om + (k0 + offs_k)[None, :],
-                    h16,
-                    mask=store_res & k_ok[None, :],
-                )
-                h = h16.to(tl.float32)
+                tl.store(RO + rows64[:, None] * stride_om + cols_k, h, mask=store_res & k_ok[None, :])
+            h = h.to(tl.float32)
             sum_sq += tl.sum(h * h, axis=1)
         rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
     x_ptrs = x_rows + offs_k[None, :]
@@ -127,15 +132,13 @@ def _skinny_linear_kernel(
             k_ok = (k0 + offs_k) < K
             x_ok = row_ok[:, None] & k_ok[None, :]
             w_ok = col_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
         if NORM:  # rms_norm's value of this chunk, rounded as its kernel stores it
-            h = x.to(tl.float32)
-            if HAS_RESIDUAL:
-                h = (h + tl.load(r_ptrs, mask=x_ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-                h = h.to(tl.float32)
+            h = _summed_rows(x_ptrs, r_ptrs, x_ok, HAS_RESIDUAL).to(tl.float32)
             nw = tl.load(NW + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
             x = (h * rstd[:, None] * nw[None, :]).to(X.dtype.element_ty)
             r_ptrs += BLOCK_K
+        else:
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
         w = tl.load(w_ptrs, mask=w_ok, other=0.0)
         if GATED:
             u = tl.load(u_ptrs, mask=w_ok, other=0.0)

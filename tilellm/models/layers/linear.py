@@ -230,30 +230,12 @@ class LinearMethod:
         (`TILELLM_PDL=1`): `skinny_linear`, which streams the weight while the kernel before runs
         (cuBLAS's kernels do not take part in PDL), and there a `NormedActivation` is normalised
         in the same launch (`skinny_rms_norm_linear`)."""
-        if isinstance(x, NormedActivation):
-            if not self._skinny(layer, x.x, x.shape[0]):
-                return self.apply(layer, x.normalised(), bias)
-            return self._normed_skinny(layer, x, bias, silu_and_mul=False)
-        rows = x.numel() // max(1, x.shape[-1])
-        if self._skinny(layer, x, rows):
-            y = skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
+        y = self._apply_skinny(layer, x, bias, silu_and_mul=False)
+        if y is not None:
+            return y
+        if isinstance(x, NormedActivation):  # (a step that runs cuBLAS after all)
+            x = x.normalised()
         return F.linear(x, layer.weight, bias)
-
-    def takes_normed_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
-        """Whether this layer runs the RMSNorm before it in its own launch for input x [T, H]
-        (the norm then hands it a `NormedActivation`): where `apply` runs `skinny_linear`."""
-        return self._skinny(layer, x, x.numel() // max(1, x.shape[-1]))
-
-    @staticmethod
-    def _normed_skinny(
-        layer: LinearBase, x: NormedActivation, bias: torch.Tensor | None, silu_and_mul: bool
-    ) -> torch.Tensor:
-        out = skinny_rms_norm_linear(
-            x.x, x.norm_weight, x.eps, layer.weight, bias, residual=x.residual,
-            residual_out=x.residual_out, silu_and_mul=silu_and_mul,
-        )  # fmt: skip
-        return out if x.residual is None else out[0]
 
     def apply_silu_and_mul(
         self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None
@@ -261,22 +243,38 @@ class LinearMethod:
         """silu(gate) * up of a merged [gate | up] layer in one launch, [..., out / 2]: the same
         bits as `apply` then `silu_and_mul`; or None where this step has no such launch (then the
         caller runs the two). Served where `apply` runs `skinny_linear`: a few rows under PDL."""
+        return self._apply_skinny(layer, x, bias, silu_and_mul=True)
+
+    def takes_normed_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether this layer runs the RMSNorm before it in its own launch for input x [T, H]
+        (the norm then hands it a `NormedActivation`): where `apply` runs `skinny_linear`."""
+        return self._skinny(layer, x)
+
+    def _apply_skinny(
+        self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None, silu_and_mul: bool
+    ) -> torch.Tensor | None:
+        """The step on `skinny.py`'s kernel (the norm of a `NormedActivation` and, with
+        `silu_and_mul`, the activation in the same launch), or None where it runs cuBLAS."""
         if isinstance(x, QuantizedActivation):
             return None
-        if isinstance(x, NormedActivation):
-            if not self._skinny(layer, x.x, x.shape[0]):
-                return None
-            return self._normed_skinny(layer, x, bias, silu_and_mul=True)
-        rows = x.numel() // max(1, x.shape[-1])
-        if not self._skinny(layer, x, rows):
+        t = x.x if isinstance(x, NormedActivation) else x
+        if not self._skinny(layer, t):
             return None
-        y = skinny_linear_silu_and_mul(x.reshape(rows, x.shape[-1]).contiguous(), layer.weight, bias)
+        if isinstance(x, NormedActivation):
+            out = skinny_rms_norm_linear(
+                x.x, x.norm_weight, x.eps, layer.weight, bias, residual=x.residual,
+                residual_out=x.residual_out, silu_and_mul=silu_and_mul,
+            )  # fmt: skip
+            return out if x.residual is None else out[0]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = (skinny_linear_silu_and_mul if silu_and_mul else skinny_linear)(x2, layer.weight, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    def _skinny(layer: LinearBase, x: torch.Tensor, rows: int) -> bool:
-        """Whether a step of `rows` tokens runs `skinny.py`'s kernel (PDL on, few rows, the weight
-        in x's dtype) rather than cuBLAS."""
+    def _skinny(layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether a step on input x [..., in] runs `skinny.py`'s kernel (PDL on, at most
+        SKINNY_MAX_ROWS rows, the weight in x's dtype) rather than cuBLAS."""
+        rows = x.numel() // max(1, x.shape[-1])
         return rows <= SKINNY_MAX_ROWS and x.dtype == layer.weight.dtype and pdl_enabled(x.device)
 
     def input_group_quant(self, layer: LinearBase, num_tokens: int) -> tuple[int, bool] | None:
