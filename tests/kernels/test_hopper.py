@@ -93,6 +93,8 @@ CASES = [  # (lengths, (Hq, Hkv), D)
     ([4099, 7], (32, 8), 128),
     ([65, 64, 63, 1, 513, 300], (8, 2), 64),
     ([2048, 131], (10, 2), 64),
+    # many tiles a program: runs of empty tiles inside (head, request)s, 1-token requests
+    ([700, 3001, 1, 0, 129, 2500, 64, 1800] * 3, (16, 4), 128),
 ]
 
 
@@ -164,6 +166,7 @@ PAGED_CASES = [  # ((q_len, kv_len) pairs, (Hq, Hkv), page)
     ([(200, 2000), (64, 65), (7, 4096)], (8, 1), 64),  # MQA, a verification beside a chunk
     ([(256, 1280), (1, 1)], (4, 4), 256),  # pages larger than a key tile
     ([(130, 5000)], (10, 2), 32),
+    ([(512, 4608), (0, 300), (129, 129), (1, 2000), (640, 1000)] * 6, (16, 4), 16),  # many tiles a program
 ]
 
 

@@ -116,8 +116,9 @@ def _query_tile(req, head, q_tile, q_len, seq_len, bm, bn, causal=True) -> Progr
 
 
 def gluon_paged_schedule(q_lens, lens, num_q_heads: int, num_sms: int | None = None) -> TileSchedule:
-    """Tiles of `hopper.py`'s paged kernel: grid (query tiles, query heads, requests), programs of
-    one query head's 128 tokens, 128-key tiles, no split."""
+    """Tiles of `hopper.py`'s paged kernel: (query tiles, query heads, requests), each one query
+    head's 128 tokens over 128-key tiles, no split (the kernel runs them from one persistent
+    program per SM, in this order)."""
     bm, bn = GLUON_QUERY_TILE, GLUON_KEY_TILE
     q_tiles = cdiv(max(max(q_lens, default=1), 1), bm)
     sched = TileSchedule(

@@ -24,8 +24,15 @@ exposes all three, so this kernel writes FlashAttention-3's schedule out:
 - Ping-pong. The consumers take turns issuing their products (two "turn" barriers), so one's
   softmax tends to run while the other's products hold the tensor cores.
 
-One program = (query tile of 128 tokens, query head, request); query tiles launch fastest,
-longest first. Query token t of a request sits at position `context + t` (context = keys cached
+The work is cut into tiles = (query tile of 128 tokens, query head, request), numbered with the
+query tiles fastest, longest first. The launch is persistent: one program per SM claims tiles
+from a counter in that order (the SM that frees first takes the next longest, as the hardware
+would hand out a grid) until none is left. Within a program the producer hands each tile to the
+consumers through a ring of small records, loads warpgroup 0's Q and the first K/V tile as soon
+as warpgroup 0 is done with the last tile's Q K^T, and claims the next tile while the consumers
+drain the ring: the next tile's copies overlap the last one's products and its output's store,
+which a fresh program per tile could not (one 224 KB program fills an SM's shared memory).
+Query token t of a request sits at position `context + t` (context = keys cached
 before this step: 0 for prefill) and sees keys 0..position. Key tiles wholly below every row's
 diagonal run unmasked; tiles crossing it build the mask in registers; future tiles are never
 visited. The two kernels differ only in where the producer finds K/V:
@@ -67,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, cdiv
+from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, cdiv, num_sms
 from tilellm.kernels.launch import FastLaunch
 
 # Gluon's names moved between Triton releases; each alias takes what the installed one offers.
@@ -103,88 +110,197 @@ def _softmax_tile(s, m_i, l_i, q_pos, tile, n_full, qk_scale, BLOCK_N: gl.conste
     return p, alpha, m_new, l_new
 
 
-@gluon.jit
-def _load_q(descs, smem, bars, prog):
-    q_desc, k_desc, v_desc = descs
-    q_smem, k_smem, v_smem = smem
-    q_bars, k_bars, v_bars, empty_bars, turn_bars = bars
-    q_start, q_len, context, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh, bt_row, page, oob = (
-        prog
-    )
-    half: gl.constexpr = q_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    for w in gl.static_range(2):
-        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-        tma_load(q_desc, [q_start + m_start + w * half, head * HEAD_DIM], q_bars.index(w), q_smem.index(w))
+# A tile's coordinates travel from the producer to the consumers through a ring of shared-memory
+# records: (tile id, first token, query head, q_start, q_len, context). Every thread holds the
+# whole record (the producer's lanes write the same values; a consumer picks fields in registers).
+RECORD = gl.constexpr(8)
+RECORD_1: gl.constexpr = gl.BlockedLayout([RECORD], [32], [1], [0])  # the producer warp
+RECORD_4: gl.constexpr = gl.BlockedLayout([RECORD], [32], [4], [0])  # a consumer warpgroup
+# Records in flight: a consumer lags the other by at most STAGES key tiles, so by at most three
+# tiles; four slots never overwrite a record one of them has yet to read.
+TILE_SLOTS = gl.constexpr(4)
+LANES_1: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
 
 
 @gluon.jit
-def _load_packed(descs, smem, bars, prog):
-    """Producer warp (prefill): Q, then each key tile's K and V, one TMA box each, into the ring;
-    a slot is refilled once both consumers have released it."""
-    _load_q(descs, smem, bars, prog)
-    q_desc, k_desc, v_desc = descs
-    q_smem, k_smem, v_smem = smem
-    q_bars, k_bars, v_bars, empty_bars, turn_bars = bars
-    q_start, q_len, context, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh, bt_row, page, oob = (
-        prog
-    )
+def _tile_coords(PAGED: gl.constexpr, t, args):
+    """Virtual tile t -> (first token, query head, q_start, q_len, context). Tiles of one (query
+    head, request) are consecutive, longest first (the one ending nearest the diagonal's end);
+    the heads of one request follow each other, so a GQA group's K/V tiles come from L2."""
+    cu_seqlens_q, seq_lens = args[1], args[2]
+    num_m_tiles, num_heads, num_reqs = args[12], args[13], args[14]
+    m_tile = num_m_tiles - 1 - t % num_m_tiles
+    rest = t // num_m_tiles
+    head = rest % num_heads
+    req = gl.minimum(rest // num_heads, num_reqs - 1)  # past the last tile: any request, unread
+    q_start = gl.load(cu_seqlens_q + req)
+    q_len = gl.load(cu_seqlens_q + req + 1) - q_start
+    context = q_len * 0  # keys cached before this step's tokens: none in packed prefill
+    if PAGED:
+        context = gl.load(seq_lens + req) - q_len
+    return m_tile * BLOCK_M, head, q_start, q_len, context
+
+
+@gluon.jit
+def _lane0_atomic(ptr, value, MAX: gl.constexpr):
+    """One atomic on *ptr by lane 0, its old value in every lane (a scalar atomic would broadcast
+    it through a CTA-wide barrier, which a warp-specialised partition cannot pass)."""
+    lane = gl.arange(0, 32, layout=LANES_1)
+    if MAX:
+        old = gl.atomic_max(ptr + lane * 0, lane * 0 + value, mask=lane == 0)
+    else:
+        old = gl.atomic_add(ptr + lane * 0, lane * 0 + value, mask=lane == 0)
+    return gl.max(gl.where(lane == 0, old, 0), 0)
+
+
+@gluon.jit
+def _claim(PAGED: gl.constexpr, args):
+    """Producer: the launch's next tile with tokens and its coordinates; an id >= the tile count
+    when none is left. The SM that frees first takes the next longest tile, as the hardware
+    hands out a grid. A claim landing in a (head, request)'s empty tiles (past a short request's
+    end) moves the counter to that pair's first real tile, so other programs skip the run too."""
+    tile_counter = args[5]
+    num_m_tiles, num_heads, num_reqs = args[12], args[13], args[14]
+    total = num_m_tiles * num_heads * num_reqs
+    t = _lane0_atomic(tile_counter, 1, False)
+    m_start, head, q_start, q_len, context = _tile_coords(PAGED, t, args)
+    while (t < total) & (m_start >= q_len):
+        _lane0_atomic(tile_counter, t - t % num_m_tiles + num_m_tiles - gl.cdiv(q_len, BLOCK_M), True)
+        t = _lane0_atomic(tile_counter, 1, False)
+        m_start, head, q_start, q_len, context = _tile_coords(PAGED, t, args)
+    return t, m_start, head, q_start, q_len, context
+
+
+@gluon.jit
+def _publish(tile_info, info_bars, i, t, m_start, head, q_start, q_len, context):
+    """Producer: tile i's record into its ring slot, then its barrier."""
+    f = gl.arange(0, RECORD, layout=RECORD_1)
+    rec = gl.where(f == 0, t, gl.where(f == 1, m_start, gl.where(f == 2, head, 0)))
+    rec = gl.where(f == 3, q_start, gl.where(f == 4, q_len, gl.where(f == 5, context, rec)))
+    tile_info.index(i % TILE_SLOTS).store(rec)
+    mbarrier.arrive(info_bars.index(i % TILE_SLOTS), count=1)
+
+
+@gluon.jit
+def _field(rec, f, k: gl.constexpr):
+    return gl.sum(gl.where(f == k, rec, 0), 0)  # within each thread's registers
+
+
+@gluon.jit
+def _read(tile_info, info_bars, i):
+    """Consumer: tile i's record (tile id, first token, query head, q_start, q_len, context)."""
+    mbarrier.wait(info_bars.index(i % TILE_SLOTS), (i // TILE_SLOTS) & 1)
+    rec = tile_info.index(i % TILE_SLOTS).load(RECORD_4)
+    f = gl.arange(0, RECORD, layout=RECORD_4)
+    return (_field(rec, f, 0), _field(rec, f, 1), _field(rec, f, 2), _field(rec, f, 3), _field(rec, f, 4),
+            _field(rec, f, 5))  # fmt: skip
+
+
+@gluon.jit
+def _load_kv(PAGED: gl.constexpr, j, it, descs, smem, bars, bt_row, page, oob, group, head, q_start, kv_end):
+    """Producer: key tile j of the tile into ring slot (it + j) % STAGES once both consumers
+    released it (prefill: one TMA box each for K and V; paged: one box per page through the
+    block table, pages past the last needed key from past the cache's end, which reads zeros)."""
+    k_desc, v_desc = descs[1], descs[2]
+    k_smem, v_smem = smem[1], smem[2]
+    k_bars, v_bars, empty_bars = bars[2], bars[3], bars[4]
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    n_tiles = gl.cdiv(context + gl.minimum(m_start + BLOCK_M, q_len), BLOCK_N)
-    for j in range(n_tiles):
-        slot = j % stages
-        # a fresh mbarrier counts as having completed the phase before 0: the first pass is free
-        mbarrier.wait(empty_bars.index(slot), ((j // stages) & 1) ^ 1)
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    BOX: gl.constexpr = k_desc.block_type.shape[0]  # keys per copy: BLOCK_N packed, min(page, BLOCK_N) paged
+    kv_col = (head // group) * HEAD_DIM
+    slot = (it + j) % stages
+    # a fresh mbarrier counts as having completed the phase before 0: the first pass is free
+    mbarrier.wait(empty_bars.index(slot), (((it + j) // stages) & 1) ^ 1)
+    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes * (BLOCK_N // BOX))
+    mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes * (BLOCK_N // BOX))
+    if PAGED:
+        for b in gl.static_range(BLOCK_N // BOX):
+            key = j * BLOCK_N + b * BOX
+            needed = key < kv_end
+            block = gl.load(bt_row + key // page, mask=needed, other=0)
+            row = gl.where(needed, block * page + key % page, oob)
+            tma_load(k_desc, [row, kv_col], k_bars.index(slot), k_smem.index(slot).slice(b * BOX, BOX))
+            tma_load(v_desc, [row, kv_col], v_bars.index(slot), v_smem.index(slot).slice(b * BOX, BOX))
+    else:
         row = q_start + j * BLOCK_N
-        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
         tma_load(k_desc, [row, kv_col], k_bars.index(slot), k_smem.index(slot))
-        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
         tma_load(v_desc, [row, kv_col], v_bars.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
-def _load_paged(descs, smem, bars, prog):
-    """Producer warp (paged): Q, then each key tile assembled page by page through the block
-    table (one TMA box per page, all on the slot's barrier); pages past the request's last
-    needed key come from past the cache's end (zeros)."""
-    _load_q(descs, smem, bars, prog)
-    q_desc, k_desc, v_desc = descs
-    q_smem, k_smem, v_smem = smem
-    q_bars, k_bars, v_bars, empty_bars, turn_bars = bars
-    q_start, q_len, context, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh, bt_row, page, oob = (
-        prog
-    )
-    stages: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    BOX: gl.constexpr = k_desc.block_type.shape[0]  # keys per copy: min(page, BLOCK_N)
-    kv_end = context + gl.minimum(m_start + BLOCK_M, q_len)
-    n_tiles = gl.cdiv(kv_end, BLOCK_N)
-    for j in range(n_tiles):
-        slot = j % stages
-        mbarrier.wait(empty_bars.index(slot), ((j // stages) & 1) ^ 1)
-        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes * (BLOCK_N // BOX))
-        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes * (BLOCK_N // BOX))
-        for i in gl.static_range(BLOCK_N // BOX):
-            key = j * BLOCK_N + i * BOX
-            needed = key < kv_end
-            block = gl.load(bt_row + key // page, mask=needed, other=0)
-            row = gl.where(needed, block * page + key % page, oob)
-            dst = k_smem.index(slot).slice(i * BOX, BOX)
-            tma_load(k_desc, [row, kv_col], k_bars.index(slot), dst)
-            dst = v_smem.index(slot).slice(i * BOX, BOX)
-            tma_load(v_desc, [row, kv_col], v_bars.index(slot), dst)
+def _load_q(w: gl.constexpr, i, descs, smem, bars, head, q_start, m_start):
+    """Producer: warpgroup w's half of the tile's Q, once that warpgroup is done with the last tile's."""
+    q_desc = descs[0]
+    q_smem = smem[0]
+    q_bars, q_free = bars[0], bars[1]
+    half: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    mbarrier.wait(q_free.index(w), (i & 1) ^ 1)
+    mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+    tma_load(q_desc, [q_start + m_start + w * half, head * HEAD_DIM], q_bars.index(w), q_smem.index(w))
 
 
 @gluon.jit
-def _consume(WG: gl.constexpr, smem, bars, prog):
-    """One consumer warpgroup: 64 query rows against every key tile, with the intra-warpgroup
-    overlap, releasing each K/V slot to the producer when its products are done."""
-    q_smem, k_smem, v_smem = smem
-    q_bars, k_bars, v_bars, empty_bars, turn_bars = bars
-    q_start, q_len, context, m_start, head, kv_col, qk_scale, O, stride_ot, stride_oh, bt_row, page, oob = (
-        prog
-    )
+def _produce(PAGED: gl.constexpr, descs, smem, bars, args):
+    """Producer warp: claims tiles until none is left; for each, hands its record to the
+    consumers and copies Q and every key tile's K and V. Warpgroup 0's Q and the first K/V tile
+    go first, so warpgroup 0 can start while warpgroup 1 (half a key tile behind, ping-pong)
+    still finishes the last tile; the next claim is made while the consumers drain the ring."""
+    tile_info = smem[3]
+    info_bars = bars[6]
+    block_table, stats, stride_bt, page, oob = args[3], args[4], args[9], args[10], args[11]
+    num_m_tiles, num_heads, num_reqs, group, record_stats = args[12], args[13], args[14], args[15], args[16]
+    k_smem = smem[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    total = num_m_tiles * num_heads * num_reqs
+    it = 0  # key tiles copied so far: the ring position
+    i = 0  # tiles taken so far
+    t, m_start, head, q_start, q_len, context = _claim(PAGED, args)
+    while t < total:
+        kv_end = context + gl.minimum(m_start + BLOCK_M, q_len)
+        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+        req = t // num_m_tiles // num_heads
+        if record_stats != 0:
+            # the kernel's own account, per tile: key tiles visible whole to its first row, and
+            # the rest up to the diagonal (masked); later tiles are never visited
+            n_full = (context + m_start + 1) // BLOCK_N
+            tile = (req * num_heads + head) * num_m_tiles + m_start // BLOCK_M
+            gl.store(stats + tile * 2, n_full)
+            gl.store(stats + tile * 2 + 1, n_tiles - n_full)
+        bt_row = block_table + req.to(gl.int64) * stride_bt
+        _publish(tile_info, info_bars, i, t, m_start, head, q_start, q_len, context)
+        _load_q(0, i, descs, smem, bars, head, q_start, m_start)
+        _load_kv(PAGED, 0, it, descs, smem, bars, bt_row, page, oob, group, head, q_start, kv_end)
+        _load_q(1, i, descs, smem, bars, head, q_start, m_start)
+        for j in range(1, n_tiles):
+            _load_kv(PAGED, j, it, descs, smem, bars, bt_row, page, oob, group, head, q_start, kv_end)
+        it += n_tiles
+        i += 1
+        t, m_start, head, q_start, q_len, context = _claim(PAGED, args)
+    _publish(tile_info, info_bars, i, total, 0, 0, 0, 0, 0)  # an id past the end stops the consumers
+
+
+@gluon.jit
+def _load_packed(descs, smem, bars, args):
+    _produce(False, descs, smem, bars, args)
+
+
+@gluon.jit
+def _load_paged(descs, smem, bars, args):
+    _produce(True, descs, smem, bars, args)
+
+
+@gluon.jit
+def _consume(WG: gl.constexpr, smem, bars, args):
+    """One consumer warpgroup: for each tile the producer hands over, its 64 query rows against
+    every key tile, with the intra-warpgroup overlap, releasing each K/V slot to the producer
+    when its products are done; the tile's output is stored while the producer already fills
+    the ring with the next tile's."""
+    q_smem, k_smem, v_smem, tile_info = smem
+    q_bars, q_free, k_bars, v_bars, empty_bars, turn_bars, info_bars = bars
+    O, qk_scale, stride_ot, stride_oh = args[0], args[6], args[7], args[8]
+    num_m_tiles, num_heads, num_reqs = args[12], args[13], args[14]
     half: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     stages: gl.constexpr = k_smem.type.shape[0]
@@ -200,117 +316,115 @@ def _consume(WG: gl.constexpr, smem, bars, prog):
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-    row0 = m_start + WG * half  # this warpgroup's first token (local to the request's new tokens)
-    n_full = (context + row0 + 1) // BLOCK_N  # key tiles every row of this warpgroup sees whole
-    n_tiles = gl.cdiv(context + gl.minimum(m_start + BLOCK_M, q_len), BLOCK_N)
-    q = q_smem.index(WG)
-    q_pos = context + row0 + gl.arange(0, half, layout=gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([half], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([half], gl.float32, gl.SliceLayout(1, s_layout))
+    q = q_smem.index(WG)
+    total = num_m_tiles * num_heads * num_reqs
 
-    mbarrier.wait(q_bars.index(WG), 0)
-    mbarrier.wait(k_bars.index(0), 0)
-    if PINGPONG:  # warpgroup 0 goes first: its turn barrier counts as already passed
-        mbarrier.wait(turn_bars.index(WG), 1 - WG)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, 0, n_full, qk_scale, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    for j in range(1, n_tiles):
-        slot = j % stages
-        prev = (j - 1) % stages
-        mbarrier.wait(k_bars.index(slot), (j // stages) & 1)
-        mbarrier.wait(v_bars.index(prev), ((j - 1) // stages) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+    it = 0  # key tiles consumed so far: the ring position, and the ping-pong turn
+    i = 0  # tiles taken so far
+    t, m_start, head, q_start, q_len, context = _read(tile_info, info_bars, i)
+    while t < total:
+        row0 = m_start + WG * half  # this warpgroup's first token (local to the request's new tokens)
+        n_full = (context + row0 + 1) // BLOCK_N  # key tiles every row of this warpgroup sees whole
+        n_tiles = gl.cdiv(context + gl.minimum(m_start + BLOCK_M, q_len), BLOCK_N)
+        q_pos = context + row0 + gl.arange(0, half, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([half], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([half], gl.float32, gl.SliceLayout(1, s_layout))
+
+        mbarrier.wait(q_bars.index(WG), i & 1)
+        mbarrier.wait(k_bars.index(it % stages), (it // stages) & 1)
+        if PINGPONG:  # warpgroup 0 goes first: its turn barrier counts as already passed
+            mbarrier.wait(turn_bars.index(WG), (it & 1) ^ (1 - WG))
+        k_t = k_smem.index(it % stages).permute((1, 0))
+        s_tok = warpgroup_mma(q, k_t, s_zero, use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
-        # wgmma groups retire in order: one outstanding means S_j is done, P V may still run
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, j, n_full, qk_scale, BLOCK_N, s_layout)
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        mbarrier.arrive(empty_bars.index(prev), count=1)  # K_{j-1}, V_{j-1} read: slot free
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, 0, n_full, qk_scale, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-    last = n_tiles - 1
-    mbarrier.wait(v_bars.index(last % stages), (last // stages) & 1)
-    o_tok = warpgroup_mma(p_op, v_smem.index(last % stages), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        for j in range(1, n_tiles):
+            g = it + j  # this key tile's place in the ring's sequence
+            slot = g % stages
+            prev = (g - 1) % stages
+            mbarrier.wait(k_bars.index(slot), (g // stages) & 1)
+            mbarrier.wait(v_bars.index(prev), ((g - 1) // stages) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn_bars.index(WG), (g & 1) ^ (1 - WG))
+            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+            # wgmma groups retire in order: one outstanding means S_j is done, P V may still run
+            s = warpgroup_mma_wait(1, deps=(s_tok,))
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, j, n_full, qk_scale, BLOCK_N, s_layout)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            mbarrier.arrive(empty_bars.index(prev), count=1)  # K_{j-1}, V_{j-1} read: slot free
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.arrive(q_free.index(WG), count=1)  # every Q K^T of the tile is done: Q's half is free
+        last = it + n_tiles - 1
+        mbarrier.wait(v_bars.index(last % stages), (last // stages) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last % stages), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        mbarrier.arrive(empty_bars.index(last % stages), count=1)
 
-    # Normalise and store this warpgroup's rows of one head; tokens past the request's end
-    # belong to the next request and are not written.
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    tok = row0 + gl.arange(0, half, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = O + (q_start + tok).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
-    gl.store(o_ptrs, acc.to(dtype), mask=(tok < q_len)[:, None])
+        # Normalise and store this warpgroup's rows of one head; tokens past the request's end
+        # belong to the next request and are not written.
+        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        tok = row0 + gl.arange(0, half, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = O + (q_start + tok).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+        gl.store(o_ptrs, acc.to(dtype), mask=(tok < q_len)[:, None])
+        it += n_tiles
+        i += 1
+        t, m_start, head, q_start, q_len, context = _read(tile_info, info_bars, i)
 
 
 @gluon.jit
-def _consume0(descs, smem, bars, prog):
-    _consume(0, smem, bars, prog)
+def _consume0(descs, smem, bars, args):
+    _consume(0, smem, bars, args)
 
 
 @gluon.jit
-def _consume1(descs, smem, bars, prog):
-    _consume(1, smem, bars, prog)
+def _consume1(descs, smem, bars, args):
+    _consume(1, smem, bars, args)
 
 
 # As for paged.py's kernel: per-step values and index arrays (views into the step's payload) are
 # not specialised on, or serving would compile a new variant whenever one changed divisibility
 # by 16 or alignment.
 @gluon.jit(
-    do_not_specialize=["stride_bt", "page", "oob_row"],
-    do_not_specialize_on_alignment=["cu_seqlens_q", "seq_lens", "block_table", "stats"],
+    do_not_specialize=["stride_bt", "page", "oob_row", "num_m_tiles", "num_heads", "num_reqs", "group"],
+    do_not_specialize_on_alignment=["cu_seqlens_q", "seq_lens", "block_table", "stats", "tile_counter"],
 )
 def _attention_kernel(
-    q_desc, k_desc, v_desc, O, cu_seqlens_q, seq_lens, block_table, stats,
-    qk_scale, stride_ot, stride_oh, stride_bt, page, oob_row,
-    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    PAGED: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, RECORD_STATS: gl.constexpr,
+    q_desc, k_desc, v_desc, O, cu_seqlens_q, seq_lens, block_table, stats, tile_counter,
+    qk_scale, stride_ot, stride_oh, stride_bt, page, oob_row, num_m_tiles, num_heads, num_reqs, group,
+    record_stats,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    PAGED: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
-    m_tile = gl.num_programs(0) - 1 - gl.program_id(0)  # longest-first
-    head = gl.program_id(1)
-    req = gl.program_id(2)
-    q_start = gl.load(cu_seqlens_q + req)
-    q_len = gl.load(cu_seqlens_q + req + 1) - q_start
-    m_start = m_tile * BLOCK_M
-    if m_start >= q_len:
-        return  # this request has no tokens in this query tile
-    if PAGED:
-        context = gl.load(seq_lens + req) - q_len
-        bt_row = block_table + req.to(gl.int64) * stride_bt
-    else:
-        context = 0
-        bt_row = block_table  # unread
-    if RECORD_STATS:
-        # The kernel's own account, per program: key tiles visible whole to the tile's first
-        # row, and the rest up to the diagonal (masked); later tiles are never visited.
-        n_tiles = gl.cdiv(context + gl.minimum(m_start + BLOCK_M, q_len), BLOCK_N)
-        n_full = (context + m_start + 1) // BLOCK_N
-        pid = (req * gl.num_programs(1) + head) * gl.num_programs(0) + m_tile
-        gl.store(stats + pid * 2, n_full)
-        gl.store(stats + pid * 2 + 1, n_tiles - n_full)
-
     dtype: gl.constexpr = q_desc.dtype
     half: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(dtype, [2, half, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    tile_info = gl.allocate_shared_memory(
+        gl.int32, [TILE_SLOTS, RECORD], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    )
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    info_bars = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=1)  # one consumer warpgroup each
+    for i in gl.static_range(TILE_SLOTS):
+        mbarrier.init(info_bars.index(i), count=1)
     for i in gl.static_range(2 if PINGPONG else 1):
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(STAGES):
@@ -321,34 +435,23 @@ def _attention_kernel(
     cta_barrier()
 
     descs = (q_desc, k_desc, v_desc)
-    smem = (q_smem, k_smem, v_smem)
-    bars = (q_bars, k_bars, v_bars, empty_bars, turn_bars)
-    kv_col = (head // GROUP) * HEAD_DIM
-    prog = (
-        q_start,
-        q_len,
-        context,
-        m_start,
-        head,
-        kv_col,
-        qk_scale,
-        O,
-        stride_ot,
-        stride_oh,
-        bt_row,
-        page,
-        oob_row,
-    )
+    smem = (q_smem, k_smem, v_smem, tile_info)
+    bars = (q_bars, q_free, k_bars, v_bars, empty_bars, turn_bars, info_bars)
+    args = (
+        O, cu_seqlens_q, seq_lens, block_table, stats, tile_counter,
+        qk_scale, stride_ot, stride_oh, stride_bt, page, oob_row,
+        num_m_tiles, num_heads, num_reqs, group, record_stats,
+    )  # fmt: skip
     if PAGED:
         gl.warp_specialize(
-            [(_consume0, (descs, smem, bars, prog)), (_consume1, (descs, smem, bars, prog)),
-             (_load_paged, (descs, smem, bars, prog))],
+            [(_consume0, (descs, smem, bars, args)), (_consume1, (descs, smem, bars, args)),
+             (_load_paged, (descs, smem, bars, args))],
             [4, 1], [CONSUMER_REGS, 24],
         )  # fmt: skip
     else:
         gl.warp_specialize(
-            [(_consume0, (descs, smem, bars, prog)), (_consume1, (descs, smem, bars, prog)),
-             (_load_packed, (descs, smem, bars, prog))],
+            [(_consume0, (descs, smem, bars, args)), (_consume1, (descs, smem, bars, args)),
+             (_load_packed, (descs, smem, bars, args))],
             [4, 1], [CONSUMER_REGS, 24],
         )  # fmt: skip
 
@@ -442,18 +545,24 @@ def _run(
     q_rows, k_rows, v_rows, box, o, cu_seqlens_q, seq_lens, block_table, stats, scale_log2, max_seqlen_q,
     group, block_n, stages, pingpong, *, paged,
 ):  # fmt: skip
-    """One launch: grid (query tiles, query heads, requests); `paged` = (block-table row stride,
+    """One persistent launch over the tiles (query tile, query head, request): a program per SM,
+    each claiming tiles from a counter until none is left, so the next tile's Q and K/V copies
+    overlap the last one's products and its output's store. `paged` = (block-table row stride,
     page size, the out-of-bounds row) or None for packed K/V; K/V boxes of `box` rows."""
     num_heads, head_dim = o.shape[1], o.shape[2]
-    grid = (cdiv(max(max_seqlen_q, 1), QUERY_TILE), num_heads, cu_seqlens_q.numel() - 1)
+    num_m_tiles, num_reqs = cdiv(max(max_seqlen_q, 1), QUERY_TILE), cu_seqlens_q.numel() - 1
+    total = num_m_tiles * num_heads * num_reqs
+    if total == 0:
+        return
+    tile_counter = torch.zeros(1, dtype=torch.int32, device=o.device)
     stride_bt, page, oob_row = paged if paged is not None else (0, 1, 0)
-    _attention_launch[grid](
+    _attention_launch[(min(total, num_sms(o.device.index)),)](
         _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),
         _descriptor(v_rows, box, head_dim), o, cu_seqlens_q, seq_lens, block_table,
-        stats if stats is not None else cu_seqlens_q, scale_log2, o.stride(0), o.stride(1), stride_bt, page,
-        oob_row, GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=paged is not None,
-        PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, RECORD_STATS=stats is not None, num_warps=4,
-        maxnreg=MAX_REGS,
+        stats if stats is not None else cu_seqlens_q, tile_counter, scale_log2, o.stride(0), o.stride(1),
+        stride_bt, page, oob_row, num_m_tiles, num_heads, num_reqs, group, int(stats is not None),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=paged is not None, PINGPONG=pingpong,
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
     )  # fmt: skip
 
 
@@ -491,16 +600,22 @@ def compile_for_sm90(
         seq_lens=torch.zeros(1, dtype=torch.int32),
         block_table=torch.zeros(1, 4, dtype=torch.int32),
         stats=torch.zeros(2, dtype=torch.int32),
+        tile_counter=torch.zeros(1, dtype=torch.int32),
         qk_scale=0.1,
         stride_ot=hq * head_dim,
         stride_oh=head_dim,
         stride_bt=4,
         page=page,
         oob_row=T,
+        num_m_tiles=4,
+        num_heads=hq,
+        num_reqs=1,
+        group=hq // hkv,
+        record_stats=int(record_stats),
     )
     consts = dict(
-        GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
-        PAGED=paged, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, RECORD_STATS=record_stats,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=paged, PINGPONG=pingpong,
+        CONSUMER_REGS=CONSUMER_REGS,
     )  # fmt: skip
     fn = _attention_kernel
     signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
