@@ -286,18 +286,18 @@ def bench_prefill(
     ms = _bench(lambda: tk.prefill_attention(q, k, v, cu, max(lens)))
     rows.append(Row(name, f"tilellm {str(dtype)[6:]}", ms, flops / ms / 1e9, None, floor))
     if sweep:
-        for bm, bn, w, st in PREFILL_SWEEP:
-            cfg = config.TileConfig(bm, bn, w, st)
+        sweep_cfgs = [
+            (f"bm{bm} bn{bn} w{w} s{st}", config.TileConfig(bm, bn, w, st)) for bm, bn, w, st in PREFILL_SWEEP
+        ]
+        if D == 128 and config.gluon_ok():  # hopper.py on any batch, long or short
+            sweep_cfgs.append(("hopper.py", config.TileConfig(128, 128, 8, 3, kernel="gluon")))
+        for label, cfg in sweep_cfgs:
             try:
                 with config.override(prefill=cfg):
                     ms_c = _bench(lambda: tk.prefill_attention(q, k, v, cu, max(lens)))
-                rows.append(
-                    Row(name, f"tilellm bm{bm} bn{bn} w{w} s{st}", ms_c, flops / ms_c / 1e9, None, floor)
-                )
+                rows.append(Row(name, f"tilellm {label}", ms_c, flops / ms_c / 1e9, None, floor))
             except Exception as e:  # a config that does not fit shared memory
-                rows.append(
-                    Row(name, f"tilellm bm{bm} bn{bn} w{w} s{st}", float("nan"), note=type(e).__name__)
-                )
+                rows.append(Row(name, f"tilellm {label}", float("nan"), note=type(e).__name__))
     if peers:
         # one call per request, K/V expanded to Hq heads outside the timed region
         per_req = []
