@@ -60,6 +60,7 @@ an earlier lockstep version (one CTA barrier per tile, no producer warp) reached
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -122,13 +123,59 @@ TILE_SLOTS = gl.constexpr(4)
 LANES_1: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
 
 
+# What the partitions share, by name (a partition takes tuples, not constexprs).
+class _Launch(NamedTuple):
+    """The launch's arguments that the partitions read."""
+
+    O: Any  # [T, Hq, D] output
+    cu_seqlens_q: Any  # [B + 1] int32
+    seq_lens: Any  # paged: [B] int32 keys per request, this step's included; packed: unread
+    block_table: Any  # paged: [B, max_blocks] int32
+    stats: Any  # int32 (full, masked) key tiles of each tile, written when record_stats
+    tile_counter: Any  # [1] int32, zero at launch: the next tile to claim
+    qk_scale: Any  # softmax scale times log2(e)
+    stride_ot: Any
+    stride_oh: Any
+    stride_bt: Any
+    page: Any  # keys per page (paged)
+    oob_row: Any  # a cache row past the end: TMA reads zeros (paged)
+    num_m_tiles: Any  # query tiles of the longest request
+    num_heads: Any  # query heads
+    num_reqs: Any
+    group: Any  # query heads per KV head
+    record_stats: Any
+
+
+class _Descs(NamedTuple):
+    q: Any  # TMA descriptors: boxes of [64, D] query rows
+    k: Any  # and of [min(page, BLOCK_N) or BLOCK_N, D] key / value rows
+    v: Any
+
+
+class _Smem(NamedTuple):
+    q: Any  # [2, 64, D]: each consumer warpgroup's half of the tile's Q
+    k: Any  # [STAGES, BLOCK_N, D]: the K/V ring
+    v: Any
+    tile_info: Any  # [TILE_SLOTS, RECORD] int32: the tile records
+
+
+class _Bars(NamedTuple):
+    q_ready: Any  # [2]: a warpgroup's Q half landed
+    q_free: Any  # [2]: a warpgroup is done with its Q half (every Q K^T of its tile issued and done)
+    k_ready: Any  # [STAGES]: a slot's K landed
+    v_ready: Any  # [STAGES]: its V landed
+    empty: Any  # [STAGES]: both warpgroups are done with a slot
+    turn: Any  # [2] with ping-pong ([1] without): whose turn it is to issue products
+    info: Any  # [TILE_SLOTS]: a tile record is written
+
+
 @gluon.jit
 def _tile_coords(PAGED: gl.constexpr, t, args):
     """Virtual tile t -> (first token, query head, q_start, q_len, context). Tiles of one (query
     head, request) are consecutive, longest first (the one ending nearest the diagonal's end);
     the heads of one request follow each other, so a GQA group's K/V tiles come from L2."""
-    cu_seqlens_q, seq_lens = args[1], args[2]
-    num_m_tiles, num_heads, num_reqs = args[12], args[13], args[14]
+    cu_seqlens_q, seq_lens = args.cu_seqlens_q, args.seq_lens
+    num_m_tiles, num_heads, num_reqs = args.num_m_tiles, args.num_heads, args.num_reqs
     m_tile = num_m_tiles - 1 - t % num_m_tiles
     rest = t // num_m_tiles
     head = rest % num_heads
@@ -159,8 +206,8 @@ def _claim(PAGED: gl.constexpr, args):
     when none is left. The SM that frees first takes the next longest tile, as the hardware
     hands out a grid. A claim landing in a (head, request)'s empty tiles (past a short request's
     end) moves the counter to that pair's first real tile, so other programs skip the run too."""
-    tile_counter = args[5]
-    num_m_tiles, num_heads, num_reqs = args[12], args[13], args[14]
+    tile_counter = args.tile_counter
+    num_m_tiles, num_heads, num_reqs = args.num_m_tiles, args.num_heads, args.num_reqs
     total = num_m_tiles * num_heads * num_reqs
     t = _lane0_atomic(tile_counter, 1, False)
     m_start, head, q_start, q_len, context = _tile_coords(PAGED, t, args)
@@ -201,9 +248,9 @@ def _load_kv(PAGED: gl.constexpr, j, it, descs, smem, bars, bt_row, page, oob, g
     """Producer: key tile j of the tile into ring slot (it + j) % STAGES once both consumers
     released it (prefill: one TMA box each for K and V; paged: one box per page through the
     block table, pages past the last needed key from past the cache's end, which reads zeros)."""
-    k_desc, v_desc = descs[1], descs[2]
-    k_smem, v_smem = smem[1], smem[2]
-    k_bars, v_bars, empty_bars = bars[2], bars[3], bars[4]
+    k_desc, v_desc = descs.k, descs.v
+    k_smem, v_smem = smem.k, smem.v
+    k_bars, v_bars, empty_bars = bars.k_ready, bars.v_ready, bars.empty
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -231,9 +278,9 @@ def _load_kv(PAGED: gl.constexpr, j, it, descs, smem, bars, bt_row, page, oob, g
 @gluon.jit
 def _load_q(w: gl.constexpr, i, descs, smem, bars, head, q_start, m_start):
     """Producer: warpgroup w's half of the tile's Q, once that warpgroup is done with the last tile's."""
-    q_desc = descs[0]
-    q_smem = smem[0]
-    q_bars, q_free = bars[0], bars[1]
+    q_desc = descs.q
+    q_smem = smem.q
+    q_bars, q_free = bars.q_ready, bars.q_free
     half: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     mbarrier.wait(q_free.index(w), (i & 1) ^ 1)
@@ -247,11 +294,17 @@ def _produce(PAGED: gl.constexpr, descs, smem, bars, args):
     consumers and copies Q and every key tile's K and V. Warpgroup 0's Q and the first K/V tile
     go first, so warpgroup 0 can start while warpgroup 1 (half a key tile behind, ping-pong)
     still finishes the last tile; the next claim is made while the consumers drain the ring."""
-    tile_info = smem[3]
-    info_bars = bars[6]
-    block_table, stats, stride_bt, page, oob = args[3], args[4], args[9], args[10], args[11]
-    num_m_tiles, num_heads, num_reqs, group, record_stats = args[12], args[13], args[14], args[15], args[16]
-    k_smem = smem[1]
+    tile_info, info_bars = smem.tile_info, bars.info
+    block_table, stats, stride_bt, page, oob = (
+        args.block_table,
+        args.stats,
+        args.stride_bt,
+        args.page,
+        args.oob_row,
+    )
+    num_m_tiles, num_heads, num_reqs, group = args.num_m_tiles, args.num_heads, args.num_reqs, args.group
+    record_stats = args.record_stats
+    k_smem = smem.k
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     total = num_m_tiles * num_heads * num_reqs
     it = 0  # key tiles copied so far: the ring position
@@ -299,8 +352,8 @@ def _consume(WG: gl.constexpr, smem, bars, args):
     the ring with the next tile's."""
     q_smem, k_smem, v_smem, tile_info = smem
     q_bars, q_free, k_bars, v_bars, empty_bars, turn_bars, info_bars = bars
-    O, qk_scale, stride_ot, stride_oh = args[0], args[6], args[7], args[8]
-    num_m_tiles, num_heads, num_reqs = args[12], args[13], args[14]
+    O, qk_scale, stride_ot, stride_oh = args.O, args.qk_scale, args.stride_ot, args.stride_oh
+    num_m_tiles, num_heads, num_reqs = args.num_m_tiles, args.num_heads, args.num_reqs
     half: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     stages: gl.constexpr = k_smem.type.shape[0]
@@ -434,10 +487,10 @@ def _attention_kernel(
     fence_async_shared()
     cta_barrier()
 
-    descs = (q_desc, k_desc, v_desc)
-    smem = (q_smem, k_smem, v_smem, tile_info)
-    bars = (q_bars, q_free, k_bars, v_bars, empty_bars, turn_bars, info_bars)
-    args = (
+    descs = _Descs(q_desc, k_desc, v_desc)
+    smem = _Smem(q_smem, k_smem, v_smem, tile_info)
+    bars = _Bars(q_bars, q_free, k_bars, v_bars, empty_bars, turn_bars, info_bars)
+    args = _Launch(
         O, cu_seqlens_q, seq_lens, block_table, stats, tile_counter,
         qk_scale, stride_ot, stride_oh, stride_bt, page, oob_row,
         num_m_tiles, num_heads, num_reqs, group, record_stats,
