@@ -122,6 +122,62 @@ def test_against_reference(case, dtype, pingpong):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("stages,block_n", [(3, 128), (2, 128), (3, 64)])
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+def test_few_programs_many_tiles(programs, stages, block_n, pingpong, paged, monkeypatch):
+    """One or three persistent programs take every tile, so the ring's, the records' and the
+    turns' barrier phases wrap many times; max_seqlen_q overstated 4x (most tiles empty) and a
+    last request with no tokens (the counter's skip lands on the tile count). Outputs and the
+    kernel's tile counts equal those of a launch with a program per SM, bit for bit."""
+    lengths, hq, hkv, d = [1, 0, 129, 700, 64, 0], 8, 2, 128
+    max_seqlen = 4 * max(lengths)
+    gen = torch.Generator().manual_seed(21)
+    scale_log2 = d**-0.5 * LOG2_E
+    if paged:
+        pairs = [(n, n + 300) for n in lengths]
+        b = make_paged_batch(pairs, hq, hkv, d, 16, torch.bfloat16, "cuda", seed=21)
+        q, expected = b.q, ref.paged_attention(*b.args())
+
+        def call(out, stats):
+            cache = (b.k_cache, b.v_cache, out, b.block_table, b.cu_seqlens_q, b.seq_lens)
+            hopper.launch_paged(rows_view(q), *cache, max_seqlen, hq // hkv, scale_log2, block_n=block_n,
+                                stages=stages, pingpong=pingpong, stats=stats)  # fmt: skip
+    else:
+        T = sum(lengths)
+        q, k, v = (randn((T, h, d), torch.bfloat16, "cuda", gen) for h in (hq, hkv, hkv))
+        cu = cu_seqlens(lengths, "cuda")
+        expected = ref.prefill_attention(q, k, v, cu, max(lengths))
+
+        def call(out, stats):
+            hopper.launch_prefill(rows_view(q), rows_view(k), rows_view(v), out, cu, max_seqlen, hq // hkv,
+                                  scale_log2, block_n=block_n, stages=stages, pingpong=pingpong,
+                                  stats=stats)  # fmt: skip
+
+    tiles = len(lengths) * hq * config.cdiv(max_seqlen, 128)
+    full_out, full_stats = poisoned(q), torch.zeros(tiles * 2, dtype=torch.int32, device="cuda")
+    call(full_out, full_stats)
+    monkeypatch.setattr(hopper, "num_sms", lambda *_: programs)
+    out, stats = poisoned(q), torch.zeros(tiles * 2, dtype=torch.int32, device="cuda")
+    call(out, stats)
+    assert torch.equal(out, full_out), f"{programs} programs differ from a program per SM"
+    assert torch.equal(stats, full_stats)
+    assert stats.sum() > 0
+    assert_close(out, expected, tolerance(torch.bfloat16, "cuda"), f"{programs} programs")
+
+
+def test_more_tiles_than_one_launch_numbers_is_refused():
+    """Tile ids are int32: a batch of 2^31 tiles or more is refused before anything launches."""
+    hq, d, requests = 128, 128, 8192
+    x = torch.empty(8, hq, d, dtype=torch.bfloat16)
+    cu = torch.zeros(requests + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="more tiles than one launch numbers"):
+        hopper.launch_prefill(x.view(8, -1), x.view(8, -1), x.view(8, -1), x, cu, 1 << 18, 1, 1.0)
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_repeated_calls_launch_through_fast_launch():
     """The Gluon kernel launches as every Triton kernel here does (`FastLaunch`): from the second
     call with the same specialisation on, without Triton's `JITFunction.run`, and with the same

@@ -117,8 +117,9 @@ def _softmax_tile(s, m_i, l_i, q_pos, tile, n_full, qk_scale, BLOCK_N: gl.conste
 RECORD = gl.constexpr(8)
 RECORD_1: gl.constexpr = gl.BlockedLayout([RECORD], [32], [1], [0])  # the producer warp
 RECORD_4: gl.constexpr = gl.BlockedLayout([RECORD], [32], [4], [0])  # a consumer warpgroup
-# Records in flight: a consumer lags the other by at most STAGES key tiles, so by at most three
-# tiles; four slots never overwrite a record one of them has yet to read.
+# Records in flight: before writing tile n's record the producer has waited for both consumers to
+# be done with tile n-2's Q (its Q copies for tile n-1), so both have read record n-2. Two slots
+# would do; four cost 64 bytes more.
 TILE_SLOTS = gl.constexpr(4)
 LANES_1: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
 
@@ -551,7 +552,7 @@ def launch_prefill(
 ) -> None:
     """Causal prefill over the 2-D row views ([T, heads * D], heads packed) that `prefill.py`
     prepares. o: [T, Hq, D]; `scale_log2` is the softmax scale times log2(e); `stats` (int32,
-    [B * Hq * query tiles * 2], zeros) receives each program's (full, masked) key-tile counts."""
+    [B * Hq * query tiles * 2], zeros) receives each tile's (full, masked) key-tile counts."""
     _check_pipeline(block_n, stages)
     # no cache: seq_lens and block_table are unread, K/V rows are found like Q's
     _run(
@@ -607,9 +608,15 @@ def _run(
     total = num_m_tiles * num_heads * num_reqs
     if total == 0:
         return
+    programs = min(total, num_sms(o.device.index))
+    if total + programs >= 2**31:  # tile ids and the counter (which ends at total + programs) are int32
+        raise ValueError(
+            f"hopper: {num_m_tiles} query tiles x {num_heads} heads x {num_reqs} requests is more tiles than one "
+            "launch numbers (2^31); split the batch, or pass the true max_seqlen_q"
+        )
     tile_counter = torch.zeros(1, dtype=torch.int32, device=o.device)
     stride_bt, page, oob_row = paged if paged is not None else (0, 1, 0)
-    _attention_launch[(min(total, num_sms(o.device.index)),)](
+    _attention_launch[(programs,)](
         _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),
         _descriptor(v_rows, box, head_dim), o, cu_seqlens_q, seq_lens, block_table,
         stats if stats is not None else cu_seqlens_q, tile_counter, scale_log2, o.stride(0), o.stride(1),
