@@ -16,6 +16,10 @@
 #   rope        rotary embedding and KV store in one launch (TILELLM_ROPE_STORE=fused, the default)
 #               against two launches: its tests on the GPU, small-batch decode with two launches, one,
 #               and one plus the in-kernel split-KV merge, then E1 with the defaults
+#   hopper      the Gluon prefill kernel (hopper.py): its GPU tests, then `bench kernels` on P1, P2, C1,
+#               P1P and P3 with the sweep's hopper.py row, then, when HOPPER_BASELINE names another
+#               hopper.py (e.g. `git show REV:tilellm/kernels/hopper.py > .gl/hopper_base.py`),
+#               benchmarks/hopper_ab.py against it
 #   fp8         benchmarks/fp8_gemm.py --no-sweep (Qwen3's layers, then DeepSeek-V3's merged q_a / kv_a),
 #               benchmarks/fused_quant.py (the activation quantization in RMSNorm's and SiLU-and-mul's
 #               launches) and benchmarks/decode_fp8.py,
@@ -24,7 +28,7 @@
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,fp8, run in that order (default:
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8, run in that order (default:
 #   the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
@@ -37,10 +41,10 @@
 # `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
 # engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
 # too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run
-# `kernels,throughput`, `pdl`, `merge`, `rope` and `fp8` as calls of their own, each with BUDGET_S=570.
+# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper` and `fp8` as calls of their own, each with BUDGET_S=570.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput pdl merge rope fp8)
+ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -163,6 +167,18 @@ if selected rope; then
       benchmarks/small_batch_decode.py --batches 1,8,32 --steps 128 --kernels 8 --json "$OUT/$name.json"
   done
   run_step rope_e1 150 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 --json "$OUT/rope_e1.json"
+fi
+if selected hopper; then
+  run_step hopper_tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu \
+    tests/kernels/test_hopper.py
+  run_step hopper_kernels 150 "$PYTHON" -m tilellm.cli bench kernels --workloads P1,P2,C1,P1P --no-peers \
+    --json "$OUT/hopper_kernels.json"
+  run_step hopper_p3 100 "$PYTHON" -m tilellm.cli bench kernels --workloads P3 --sweep --no-peers \
+    --json "$OUT/hopper_p3.json"
+  if [ -n "${HOPPER_BASELINE:-}" ]; then
+    run_step hopper_ab 150 "$PYTHON" benchmarks/hopper_ab.py --baseline "$HOPPER_BASELINE" \
+      --json "$OUT/hopper_ab.json"
+  fi
 fi
 if selected fp8; then
   # (the measurements first: the tests take what is left of a call's budget)
