@@ -41,7 +41,8 @@
 # `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
 # engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
 # too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run
-# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper` and `fp8` as calls of their own, each with BUDGET_S=570.
+# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper` and `fp8` as calls of their own, each with
+# BUDGET_S=570.
 set -uo pipefail
 
 ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8)
