@@ -295,19 +295,9 @@ def _produce(PAGED: gl.constexpr, descs, smem, bars, args):
     consumers and copies Q and every key tile's K and V. Warpgroup 0's Q and the first K/V tile
     go first, so warpgroup 0 can start while warpgroup 1 (half a key tile behind, ping-pong)
     still finishes the last tile; the next claim is made while the consumers drain the ring."""
-    tile_info, info_bars = smem.tile_info, bars.info
-    block_table, stats, stride_bt, page, oob = (
-        args.block_table,
-        args.stats,
-        args.stride_bt,
-        args.page,
-        args.oob_row,
-    )
-    num_m_tiles, num_heads, num_reqs, group = args.num_m_tiles, args.num_heads, args.num_reqs, args.group
-    record_stats = args.record_stats
-    k_smem = smem.k
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    total = num_m_tiles * num_heads * num_reqs
+    num_m_tiles, num_heads = args.num_m_tiles, args.num_heads
+    BLOCK_N: gl.constexpr = smem.k.type.shape[1]
+    total = num_m_tiles * num_heads * args.num_reqs
     it = 0  # key tiles copied so far: the ring position
     i = 0  # tiles taken so far
     t, m_start, head, q_start, q_len, context = _claim(PAGED, args)
@@ -315,24 +305,25 @@ def _produce(PAGED: gl.constexpr, descs, smem, bars, args):
         kv_end = context + gl.minimum(m_start + BLOCK_M, q_len)
         n_tiles = gl.cdiv(kv_end, BLOCK_N)
         req = t // num_m_tiles // num_heads
-        if record_stats != 0:
+        if args.record_stats != 0:
             # the kernel's own account, per tile: key tiles visible whole to its first row, and
             # the rest up to the diagonal (masked); later tiles are never visited
             n_full = (context + m_start + 1) // BLOCK_N
             tile = (req * num_heads + head) * num_m_tiles + m_start // BLOCK_M
-            gl.store(stats + tile * 2, n_full)
-            gl.store(stats + tile * 2 + 1, n_tiles - n_full)
-        bt_row = block_table + req.to(gl.int64) * stride_bt
-        _publish(tile_info, info_bars, i, t, m_start, head, q_start, q_len, context)
+            gl.store(args.stats + tile * 2, n_full)
+            gl.store(args.stats + tile * 2 + 1, n_tiles - n_full)
+        bt_row = args.block_table + req.to(gl.int64) * args.stride_bt
+        kv = (bt_row, args.page, args.oob_row, args.group, head, q_start, kv_end)
+        _publish(smem.tile_info, bars.info, i, t, m_start, head, q_start, q_len, context)
         _load_q(0, i, descs, smem, bars, head, q_start, m_start)
-        _load_kv(PAGED, 0, it, descs, smem, bars, bt_row, page, oob, group, head, q_start, kv_end)
+        _load_kv(PAGED, 0, it, descs, smem, bars, *kv)
         _load_q(1, i, descs, smem, bars, head, q_start, m_start)
         for j in range(1, n_tiles):
-            _load_kv(PAGED, j, it, descs, smem, bars, bt_row, page, oob, group, head, q_start, kv_end)
+            _load_kv(PAGED, j, it, descs, smem, bars, *kv)
         it += n_tiles
         i += 1
         t, m_start, head, q_start, q_len, context = _claim(PAGED, args)
-    _publish(tile_info, info_bars, i, total, 0, 0, 0, 0, 0)  # an id past the end stops the consumers
+    _publish(smem.tile_info, bars.info, i, total, 0, 0, 0, 0, 0)  # an id past the end stops the consumers
 
 
 @gluon.jit
