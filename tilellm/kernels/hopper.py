@@ -32,10 +32,11 @@ consumers through a ring of small records, loads warpgroup 0's Q and the first K
 as warpgroup 0 is done with the last tile's Q K^T, and claims the next tile while the consumers
 drain the ring: the next tile's copies overlap the last one's products and its output's store,
 which a fresh program per tile could not (one 224 KB program fills an SM's shared memory).
-Query token t of a request sits at position `context + t` (context = keys cached
-before this step: 0 for prefill) and sees keys 0..position. Key tiles wholly below every row's
-diagonal run unmasked; tiles crossing it build the mask in registers; future tiles are never
-visited. The two kernels differ only in where the producer finds K/V:
+
+Query token t of a request sits at position `context + t` (context = keys cached before this
+step: 0 for prefill) and sees keys 0..position. Key tiles wholly below every row's diagonal run
+unmasked; tiles crossing it build the mask in registers; future tiles are never visited. The two
+kernels differ only in where the producer finds K/V:
 
 - prefill: K/V rows are packed like Q ([T, Hkv * D]): one TMA box per tile.
 - paged: key p of a request lives in cache row `block_table[req, p // page] * page + p % page`
