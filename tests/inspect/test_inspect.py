@@ -292,3 +292,30 @@ def test_visible_fraction_closed_form():
         c1 = rng.randint(c0 + 1, ctx + q)
         seen = sum(min(max(ctx + r + 1 - c0, 0), c1 - c0) for r in range(r0, r1))
         assert visible_fraction(req, r0, r1, c0, c1) == pytest.approx(seen / ((r1 - r0) * (c1 - c0)))
+
+
+def test_hopper_chunks_read_as_persistent_tiles(monkeypatch):
+    """Chunk batches that hopper.py serves on Hopper: the report counts tiles of query heads,
+    run by one persistent program per SM, and says the counter skips tiles past a request's end
+    (the text and the page agree)."""
+    from tilellm.kernels import config
+
+    monkeypatch.setattr(config, "hopper", lambda *a: True)
+    monkeypatch.setattr(config, "interpreting", lambda: False)
+    insp = describe_batch(
+        "128:2000,128:2000,128:2000,128:2000,300:301", num_q_heads=32, num_kv_heads=8, head_dim=128
+    )
+    s = insp.schedule
+    assert s.kernel == "paged_attention (hopper.py)" and s.persistent
+    assert insp.schedule_head == "query head"
+    empty = sum(1 for p in s.programs if p.first_kv_tile < 0)
+    assert empty == 4 * 32 * 2  # the four 128-token chunks' second and third query tiles
+    text = render_text(insp)
+    assert f"tiles {s.grid} = {len(s.programs)}" in text
+    assert "claimed in this order by one persistent program per SM" in text
+    assert f"{empty} tiles lie past their request's end" in text and "moves the counter past the run" in text
+    page = html.unescape(render_html(insp))
+    assert f"{len(s.programs)} tiles, claimed in this order by one persistent program per SM" in page
+    assert f"{empty} tiles lie past their request's end" in page
+    plain = describe_batch("1:1328,5:18,129:463", num_q_heads=32, num_kv_heads=8, head_dim=128)
+    assert not plain.schedule.persistent and "launch grid" in render_text(plain)

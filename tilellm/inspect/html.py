@@ -180,8 +180,12 @@ def _summary(insp: Inspection, title: str) -> str:
         f"{insp.num_q_heads}/{insp.num_kv_heads} (q/kv) &middot; head_dim {insp.head_dim} &middot; "
         f"block_size {insp.block_size} &middot; {_e(insp.dtype)} &middot; source: {_e(insp.source)}</div>"
         f"<div>kernel <code>{_e(s.kernel)}</code>: grid <code>{_e(s.grid)}</code> = "
-        f"{len(s.programs)} programs, "
-        f"tile {s.block_m} rows &times; {s.block_n} keys"
+        + (
+            f"{len(s.programs)} tiles, claimed in this order by one persistent program per SM, "
+            if s.persistent
+            else f"{len(s.programs)} programs, "
+        )
+        + f"tile {s.block_m} rows &times; {s.block_n} keys"
         + (f", {s.block_q} tokens per query tile" if s.block_q is not None else "")
         + f" &middot; key tiles: <b>{s.num_full}</b> full, <b>{s.num_diagonal}</b> diagonal, "
         f"<b>{s.num_skipped}</b> skipped</div>{notes}</header>"

@@ -87,8 +87,10 @@ class Inspection:
 
     @property
     def schedule_head(self) -> str:
-        """What one program's `head` indexes: a query head (prefill) or a KV head (paged)."""
-        return "query head" if self.schedule.kernel == "prefill_attention" else "KV head"
+        """What one program's `head` indexes: a query head (prefill, and hopper.py's chunks) or a
+        KV head (paged.py, whose tiles pack a group's query heads)."""
+        kernel = self.schedule.kernel
+        return "query head" if kernel.startswith("prefill_attention") or "hopper.py" in kernel else "KV head"
 
     def tile_counts(self, request: int | None = None, head: int | None = None) -> dict[str, int]:
         progs = [

@@ -95,11 +95,17 @@ def _matrix(shown: tuple[RequestView, ...], more: int, width: int, max_rows: int
 
 def _grid(insp: Inspection) -> list[str]:
     s = insp.schedule
-    lines = [
-        f"launch grid {s.grid} = {len(s.programs)} programs, each one query tile of one request on "
-        f"one {insp.schedule_head}",
-        f"  {words.idle_programs(insp)}",
-    ]
+    if s.persistent:
+        first = (
+            f"tiles {s.grid} = {len(s.programs)}, each one query tile of one request on one "
+            f"{insp.schedule_head}, claimed in this order by one persistent program per SM"
+        )
+    else:
+        first = (
+            f"launch grid {s.grid} = {len(s.programs)} programs, each one query tile of one request on "
+            f"one {insp.schedule_head}"
+        )
+    lines = [first, f"  {words.idle_programs(insp)}"]
     if s.split_plan is not None:
         p = s.split_plan
         lines.append(f"  split-KV: {p.num_splits} segment(s) per query tile: {segment_text(p)}")

@@ -54,6 +54,9 @@ class TileSchedule:
     programs: list[ProgramTiles] = field(default_factory=list)
     split_plan: SplitPlan | None = None
     block_q: int | None = None  # paged: tokens per query tile (rows = tokens x group)
+    # hopper.py: one persistent program per SM claims these tiles in order (the grid numbers
+    # them), skipping those past a request's end; otherwise one program per tile
+    persistent: bool = False
 
     @property
     def num_full(self) -> int:
@@ -84,12 +87,16 @@ def prefill_schedule(
     v_head_dim: int | None = None,
 ) -> TileSchedule:
     """Tiles of `prefill_attention`: grid (query tiles, heads, requests), query tiles issued
-    longest-first. `v_head_dim`: the values' head dim where it differs (MLA's expanded heads)."""
+    longest-first (on Hopper, long batches run `hopper.py`: the same tiles, claimed in this order
+    by one persistent program per SM). `v_head_dim`: the values' head dim where it differs (MLA's
+    expanded heads)."""
     cu = as_list(cu_seqlens)
     cfg = prefill_config(head_dim, dtype, max_seqlen, v_head_dim=v_head_dim)
     bm, bn = cfg.block_m, cfg.block_n
     num_m = cdiv(max(max_seqlen, 1), bm)
-    sched = TileSchedule("prefill_attention", (num_m, num_heads, len(cu) - 1), bm, bn)
+    gluon = cfg.kernel == "gluon" and causal  # prefill_attention's dispatch: hopper.py
+    name = "prefill_attention (hopper.py)" if gluon else "prefill_attention"
+    sched = TileSchedule(name, (num_m, num_heads, len(cu) - 1), bm, bn, persistent=gluon)
     for req, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         for head in range(num_heads):
             for m_tile in range(num_m):
@@ -128,6 +135,7 @@ def gluon_paged_schedule(q_lens, lens, num_q_heads: int, num_sms: int | None = N
         bn,
         split_plan=hopper_plan(len(lens), num_q_heads, q_tiles, lens, num_sms),
         block_q=bm,
+        persistent=True,
     )
     for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
         for head in range(num_q_heads):

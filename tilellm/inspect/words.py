@@ -34,6 +34,13 @@ def idle_programs(insp: Inspection) -> str:
             past_keys += 1
     if past_rows + past_keys == 0:
         return "every program has key tiles to read"
+    if insp.schedule.persistent:
+        most = max(p.q_tile for p in insp.schedule.programs) + 1
+        return (
+            f"{past_rows} tiles lie past their request's end (the numbering has room for {most} query "
+            "tiles per request, as many as the longest request needs): a claim that lands on one moves "
+            "the counter past the run, and no program spends time on them"
+        )
     parts = []
     if past_rows:
         most = max(p.q_tile for p in insp.schedule.programs) + 1
