@@ -316,6 +316,7 @@ def test_hopper_chunks_read_as_persistent_tiles(monkeypatch):
     assert f"{empty} tiles lie past their request's end" in text and "moves the counter past the run" in text
     page = html.unescape(render_html(insp))
     assert f"{len(s.programs)} tiles, claimed in this order by one persistent program per SM" in page
+    assert f"{len(s.programs)} tiles, each one query tile of one request on one query head, claimed" in page
     assert f"{empty} tiles lie past their request's end" in page
     plain = describe_batch("1:1328,5:18,129:463", num_q_heads=32, num_kv_heads=8, head_dim=128)
     assert not plain.schedule.persistent and "launch grid" in render_text(plain)

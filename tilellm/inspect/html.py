@@ -391,10 +391,15 @@ def _legend() -> str:
 def _grid(insp: Inspection) -> str:
     s = insp.schedule
     plan = s.split_plan
+    tile = f"one query tile of one request on one {insp.schedule_head}"
     parts = [
         f'<section id="grid"><h2>Launch grid</h2><div>grid <code>{_e(s.grid)}</code>: '
-        f"{len(s.programs)} programs, each one query tile of one request on one {insp.schedule_head}. "
-        f'<span id="idle-programs">{_e(_sentence(words.idle_programs(insp)))}.</span></div>',
+        + (
+            f"{len(s.programs)} tiles, each {tile}, claimed in this order by one persistent program per SM. "
+            if s.persistent
+            else f"{len(s.programs)} programs, each {tile}. "
+        )
+        + f'<span id="idle-programs">{_e(_sentence(words.idle_programs(insp)))}.</span></div>',
     ]
     if plan is not None:
         parts.append(
