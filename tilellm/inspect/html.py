@@ -181,7 +181,7 @@ def _summary(insp: Inspection, title: str) -> str:
         f"block_size {insp.block_size} &middot; {_e(insp.dtype)} &middot; source: {_e(insp.source)}</div>"
         f"<div>kernel <code>{_e(s.kernel)}</code>: grid <code>{_e(s.grid)}</code> = "
         + (
-            f"{len(s.programs)} tiles, claimed in this order by one persistent program per SM, "
+            f"{len(s.programs)} tiles, {words.PERSISTENT_PROGRAMS}, "
             if s.persistent
             else f"{len(s.programs)} programs, "
         )
@@ -395,7 +395,7 @@ def _grid(insp: Inspection) -> str:
     parts = [
         f'<section id="grid"><h2>Launch grid</h2><div>grid <code>{_e(s.grid)}</code>: '
         + (
-            f"{len(s.programs)} tiles, each {tile}, claimed in this order by one persistent program per SM. "
+            f"{len(s.programs)} tiles, each {tile}, {words.PERSISTENT_PROGRAMS}. "
             if s.persistent
             else f"{len(s.programs)} programs, each {tile}. "
         )

@@ -98,7 +98,7 @@ def _grid(insp: Inspection) -> list[str]:
     if s.persistent:
         first = (
             f"tiles {s.grid} = {len(s.programs)}, each one query tile of one request on one "
-            f"{insp.schedule_head}, claimed in this order by one persistent program per SM"
+            f"{insp.schedule_head}, {words.PERSISTENT_PROGRAMS}"
         )
     else:
         first = (

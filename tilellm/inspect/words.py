@@ -20,6 +20,9 @@ from tilellm.kernels.schedule import (
     target_programs,
 )
 
+# how hopper.py runs its tiles (`TileSchedule.persistent`)
+PERSISTENT_PROGRAMS = "claimed in this order by one persistent program per SM"
+
 
 def idle_programs(insp: Inspection) -> str:
     """Why some programs of the grid do nothing: their query tile or key segment is past the end."""

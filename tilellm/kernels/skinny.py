@@ -32,7 +32,7 @@ import triton.language as tl
 from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
 from tilellm.kernels.fused import rms_norm, silu_and_mul
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.pdl import pdl_launch_dependents, pdl_launch_kwargs, pdl_wait
+from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import check_rms_norm
 
 SKINNY_MAX_ROWS = 16  # the linear layers of steps of up to this many tokens run here under PDL
@@ -98,11 +98,9 @@ def _skinny_linear_kernel(
         _prefetch_rows_l2(w_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
         if GATED:
             _prefetch_rows_l2(up_rows, col_ok, chunk_bytes, PREFETCH_CHUNKS)
-    pdl_wait(USE_PDL)  # x (and the residual) are the kernels before's output
-    # The next kernel may launch only now: triggered before the wait, every kernel of a step let
-    # the next one launch at once, and the whole chain sat on the SMs waiting (measured: 2.4 ms a
-    # step against 1.5; docs/benchmarks.md).
-    pdl_launch_dependents(USE_PDL)
+    # x (and the residual) are the kernels before's output: wait for them, then let the next
+    # kernel launch (in that order: see `pdl_start`; measured, docs/benchmarks.md)
+    pdl_start(USE_PDL)
     x_rows = X + rows64[:, None] * stride_xm
     r_rows = R + rows64[:, None] * stride_rm
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
