@@ -13,7 +13,9 @@ Timed eagerly, a call of a few microseconds measures the host's launch time inst
 non-zero inputs:
 
 - `bf16`: torch.matmul(x, W^T) with x, W in bf16;
-- `fp8`: `w8a8_block_fp8_matmul(x_q, W_q, x_s, W_s, [128, 128])` with x already quantized;
+- `fp8`: `w8a8_block_fp8_matmul(x_q, W_q, x_s, W_s, [128, 128])` with x already quantized (on
+  Hopper from 1024 tokens the Gluon kernel of `fp8_gemm_hopper.py`; `fp8_triton_us` in the JSON:
+  the Triton kernel at the same size);
 - `fp8+q`: the same with the activation quantization (`per_token_group_quant_fp8`) included;
 - `linear`: `w8a8_block_fp8_linear(x, W_q, W_s, [128, 128])`, the quantization inside the GEMM
   (what a layer runs for steps of up to 16 tokens);
@@ -127,6 +129,9 @@ def bench_case(
     row["fp8_error"] = max_rel_error(fp8(0), expected)
     row["bf16_us"] = time_us(lambda i: torch.matmul(x, w_copies[i].T), n_bf16)
     row["fp8_us"] = time_us(fp8, n_fp8)
+    # from GLUON_MIN_TOKENS on Hopper `fp8` runs the Gluon kernel; a config forces the Triton one
+    row["fp8_triton_error"] = max_rel_error(fp8(0, cfg), expected)
+    row["fp8_triton_us"] = time_us(lambda i: fp8(i, cfg), n_fp8)
     row["fp8_quant_us"] = time_us(fp8_with_quant, n_fp8)
     row["quant_us"] = time_us(lambda i: tk.per_token_group_quant_fp8(x, BLOCK[1]), n_fp8)
     row["linear_error"] = max_rel_error(tk.w8a8_block_fp8_linear(x, b, b_s, BLOCK), expected)
