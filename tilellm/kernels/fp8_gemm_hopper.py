@@ -49,11 +49,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilellm.kernels.config import cdiv, num_sms
+from tilellm.kernels.hopper import cta_barrier, tma_load  # Gluon's names, as this Triton spells them
 from tilellm.kernels.launch import FastLaunch
 
-# Gluon's names moved between Triton releases (see hopper.py).
-cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# A TMA copy shared -> global: `async_copy_shared_to_global` up to 3.8, `async_store` from 3.8 on.
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups of 64 rows (one warpgroup MMA's height)
