@@ -27,7 +27,9 @@ Every kernel over the KV cache also reads an FP8 (e4m3) cache, with `k_scale` / 
 On H100/H200 GPUs, long causal prefill batches and paged prompt chunks run `hopper.py` instead:
 the same tile walk in Gluon, with FlashAttention-3's producer warp, async warpgroup MMA and
 ping-pong consumers (`config.prefill_config`, `config.paged_uses_gluon` decide; everything else,
-and every other GPU and the CPU interpreter, runs the Triton kernels).
+and every other GPU and the CPU interpreter, runs the Triton kernels). There too, decode over an
+FP8 cache runs `decode_fp8.py` and `w8a8_block_fp8_matmul` of 1024 tokens or more
+`fp8_gemm_hopper.py`, both in Gluon.
 
 Every Triton kernel here launches through `launch.FastLaunch`: once a binary is compiled for a call's
 argument specialisation, a launch skips the rest of `JITFunction.run`'s host work (21 of the 31
