@@ -192,3 +192,28 @@ def run_outside_interpreter(script: str, timeout: float = 600) -> dict:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_COMPILE_FOR_SM90 = """
+import json, os, subprocess, tempfile, torch, triton
+import tilellm.kernels.{module} as module
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+out = {{}}
+for key, kwargs in {calls!r}:
+    k = module.compile_for_sm90(**{{n: getattr(torch, v[6:]) if str(v).startswith("torch.") else v
+                                  for n, v in kwargs.items()}})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    out[key] = dict(ptx=k.asm["ptx"], shared=k.metadata.shared, usage=usage)
+print(json.dumps(out))
+"""
+
+
+def compile_for_sm90(module: str, calls: dict[str, dict]) -> dict[str, dict]:
+    """`tilellm.kernels.<module>.compile_for_sm90(**kwargs)` for each key's kwargs (dtypes spelled
+    "torch.bfloat16"), in a child Python outside the interpreter (Triton ships its own ptxas: no
+    GPU needed): per key the PTX, the shared memory in bytes and cuobjdump's resource usage (its
+    LOCAL:0 says no register spilled)."""
+    return run_outside_interpreter(_COMPILE_FOR_SM90.format(module=module, calls=list(calls.items())))
