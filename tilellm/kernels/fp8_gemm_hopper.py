@@ -59,7 +59,7 @@ BLOCK_M = gl.constexpr(128)  # two consumer warpgroups of 64 rows (one warpgroup
 BLOCK_N = gl.constexpr(128)  # columns per tile: one row of b_s
 BLOCK_K = gl.constexpr(128)  # one k-block of the scales
 HALF = gl.constexpr(64)
-STAGES = 4  # 32 KiB a slot; with the two 16 KiB staging tiles 192 KiB of shared memory
+STAGES = 4  # 32 KiB a slot: with the two 16 KiB staging tiles 160 KiB of shared memory (5: 192)
 CONSUMER_REGS = 240  # registers a consumer thread gets once the producer gives its share back
 MAX_REGS = 168  # 2 x 128 consumer threads + 32 producer threads at launch (see hopper.py)
 
@@ -77,7 +77,7 @@ class _Args(NamedTuple):
 
 
 @gluon.jit
-def _tile_mn(t, num_m_tiles, num_n_tiles, GROUP_M: gl.constexpr):
+def _tile_mn(t, num_m_tiles, num_n_tiles, GROUP_M):
     """Tile t -> (row tile, column tile): GROUP_M row tiles walk all column tiles together."""
     per_group = GROUP_M * num_n_tiles
     first_m = (t // per_group) * GROUP_M
