@@ -23,7 +23,7 @@
 #   fp8         benchmarks/fp8_gemm.py --no-sweep (Qwen3's layers, then DeepSeek-V3's merged q_a / kv_a),
 #               benchmarks/fused_quant.py (the activation quantization in RMSNorm's and SiLU-and-mul's
 #               launches) and benchmarks/decode_fp8.py,
-#               then the FP8 tests on the GPU (KV cache, decode, GEMM, the cache stores (FP8 and MLA
+#               then the FP8 tests on the GPU (KV cache, decode, GEMM (Triton and Gluon), the cache stores (FP8 and MLA
 #               rows), MoE, checkpoints, the engine against transformers, the fused ops)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
@@ -190,6 +190,7 @@ if selected fp8; then
   run_step decode_fp8 120 "$PYTHON" benchmarks/decode_fp8.py --json "$OUT/decode_fp8.json"
   run_step fp8_tests "${FP8_TIMEOUT:-400}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
     tests/kernels/test_decode_fp8.py tests/kernels/test_kv_fp8.py tests/kernels/test_fp8_gemm.py \
+    tests/kernels/test_fp8_gemm_hopper.py \
     tests/kernels/test_store_kvcache.py \
     tests/kernels/test_moe_fp8.py tests/engine/test_kv_cache_fp8.py tests/models/test_fp8_checkpoint.py \
     tests/engine/test_fp8_greedy_vs_hf.py tests/models/test_fused_ops.py tests/models/test_layernorm.py
