@@ -23,8 +23,8 @@
 #   fp8         benchmarks/fp8_gemm.py --no-sweep (Qwen3's layers, then DeepSeek-V3's merged q_a / kv_a),
 #               benchmarks/fused_quant.py (the activation quantization in RMSNorm's and SiLU-and-mul's
 #               launches) and benchmarks/decode_fp8.py,
-#               then the FP8 tests on the GPU (KV cache, decode, GEMM (Triton and Gluon), the cache stores (FP8 and MLA
-#               rows), MoE, checkpoints, the engine against transformers, the fused ops)
+#               then the FP8 tests on the GPU (KV cache, decode, GEMM (Triton and Gluon), the cache
+#               stores (FP8 and MLA rows), MoE, checkpoints, the engine against transformers, the fused ops)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
