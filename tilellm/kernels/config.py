@@ -12,9 +12,10 @@ import functools
 import logging
 import operator
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -311,7 +312,7 @@ _gluon_module_disabled: dict[str, str] = {}
 
 def launch_gluon(launch: Callable[[ModuleType], bool | None], module: str = "hopper") -> bool:
     """Run `launch(kernels)`, a launch of one of the Gluon kernels of `tilellm.kernels.<module>`
-    (`hopper.py`, `decode_fp8.py`); False when `launch` returns False (it did not take the
+    (`hopper.py`, `decode_fp8.py`, `fp8_gemm_hopper.py`); False when `launch` returns False (it did not take the
     batch), or when the installed Triton cannot build it: the caller then runs the portable
     kernel. A `hopper.py` compile failure disables every Gluon kernel from then on
     (`disable_gluon`); another module's failure to import or build (its names moved between
@@ -345,6 +346,31 @@ def gluon_module_ok(module: str) -> bool:
     """Whether `tilellm.kernels.<module>`'s Gluon kernels can run here (an sm_90 GPU, a Triton
     that builds Gluon, and no failure of this module so far)."""
     return gluon_ok() and module not in _gluon_module_disabled
+
+
+def compile_gluon_for_sm90(
+    fn: Any,
+    args: dict[str, Any],
+    consts: dict[str, Any],
+    options: dict[str, int],
+    divisible_by_16: Iterable[str] = (),
+) -> Any:
+    """Compile the Gluon kernel `fn` for sm_90a without a GPU (Triton ships its own ptxas), to read
+    its PTX / SASS anywhere; the kernels' `compile_for_sm90` name their arguments here. `args`:
+    example values naming the signature (tensors, descriptors, numbers); `consts`: the
+    constexprs; `divisible_by_16`: the arguments compiled as 16-byte aligned / divisible by 16,
+    as the engine's launches specialise them. Run outside the Triton interpreter."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in names}
+    constexprs = {(names.index(n),): v for n, v in consts.items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible_by_16}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def gluon_ok(device_index: int | None = None) -> bool:

@@ -38,11 +38,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from tilellm.kernels.config import compile_gluon_for_sm90
 from tilellm.kernels.launch import FastLaunch
 
 # cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7 on
@@ -389,10 +389,6 @@ def compile_for_sm90(
 ):
     """Compile the kernel for sm_90a without a GPU (Triton ships its own ptxas), to read its
     PTX / SASS anywhere: `compile_for_sm90().asm["ptx"]`. Run outside the Triton interpreter."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     B, hkv = 4, 2
     hq = hkv * group
     cache = torch.empty(8, page, hkv, head_dim // 4, dtype=torch.int32)
@@ -410,15 +406,9 @@ def compile_for_sm90(
         K_LOAD=_k_load_layout(block_n, head_dim), V_LOAD=_v_load_layout(block_n, head_dim),
         STAGES=stages, RING=RING_LAYOUT,
     )  # fmt: skip
-    fn = _decode_fp8_kernel
     specialised = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch"}
-    signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
-    constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
     # the engine's pointers and strides are 16-byte aligned / divisible by 16
-    attrs = {
-        (fn.arg_names.index(n),): [["tt.divisibility", 16]]
-        for n in fn.arg_names
-        if n in specialised or isinstance(args.get(n), torch.Tensor)
-    }
-    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    aligned = [
+        n for n in _decode_fp8_kernel.arg_names if n in specialised or isinstance(args.get(n), torch.Tensor)
+    ]
+    return compile_gluon_for_sm90(_decode_fp8_kernel, args, consts, {"num_warps": 1}, aligned)

@@ -28,6 +28,7 @@ Static activations (per-tensor checkpoints with `activation_scheme: "static"`): 
 scale s (the layer's `input_scale`) stands for every x_s[m, j]. `scaled_fp8_quant(x, s)` writes
 x_q = e4m3(x / s), saturated at +-448, and the GEMM reads a_s as s broadcast (strides (0, 0));
 `w8a8_block_fp8_linear(..., input_scale=s)` quantizes x with s as it loads it (STATIC_A).
+
 3. `scaled_mm_block_fp8`: the same product through `torch.nn.functional.scaled_mm` (cuBLASLt's
    block-scaled GEMM, "BlockWise1x128" activations x "BlockWise128x128" weights; sm_90 only),
    which FP8 linear layers run from 256 tokens a step (`tilellm.models.quantization`), and
@@ -65,7 +66,7 @@ from tilellm.kernels.reference.fp8_gemm import (
 )
 
 # From this many tokens a step on Hopper runs the Gluon kernel of `fp8_gemm_hopper.py` (on an
-# H100 at 1024 and 4096 tokens 1.2-1.7x the Triton kernel's speed on every Qwen3-0.6B and 8B
+# H100 at 1024 and 4096 tokens 1.29-1.61x the Triton kernel's speed on every Qwen3-0.6B and 8B
 # layer; at 256 tokens the two were within each other's noise or the Triton kernel was faster).
 GLUON_MIN_TOKENS = 1024
 GLUON_MODULE = "fp8_gemm_hopper"
@@ -455,7 +456,7 @@ def _matmul(
         return torch.zeros((M, N), dtype=output_dtype, device=a.device)
     if not quant_a and config is None and M >= GLUON_MIN_TOKENS and gluon_module_ok(GLUON_MODULE):
         # Many tokens on Hopper: the Gluon kernel, whose tensor cores run while it scales
-        # (fp8_gemm_hopper.py); None where it does not take these operands.
+        # (fp8_gemm_hopper.py); the Triton kernel below where it does not take these operands.
         c = _empty((M, N), output_dtype, a.device)
         if launch_gluon(
             lambda gluon_gemm: _launch_gluon(gluon_gemm, a, b, a_s, b_s, (bn, bk), c), GLUON_MODULE

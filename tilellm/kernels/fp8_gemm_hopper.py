@@ -36,7 +36,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -48,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilellm.kernels.config import cdiv, num_sms
+from tilellm.kernels.config import cdiv, compile_gluon_for_sm90, num_sms
 from tilellm.kernels.hopper import cta_barrier, tma_load  # Gluon's names, as this Triton spells them
 from tilellm.kernels.launch import FastLaunch
 
@@ -322,10 +321,6 @@ def launch_block_fp8_gemm(
 def compile_for_sm90(stages: int = STAGES, output_dtype: torch.dtype = torch.bfloat16):
     """Compile the kernel for sm_90a without a GPU (Triton ships its own ptxas), to read its PTX /
     SASS anywhere: `compile_for_sm90().asm["ptx"]`. Run outside the Triton interpreter."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     M, N, K = 256, 512, 512  # shapes only name the signature: any will do
     a = torch.empty(M, K, dtype=torch.float8_e4m3fn)
     b = torch.empty(N, K, dtype=torch.float8_e4m3fn)
@@ -337,10 +332,4 @@ def compile_for_sm90(stages: int = STAGES, output_dtype: torch.dtype = torch.bfl
         stride_asm=1, stride_ask=M, stride_bsn=K // 128, stride_bsk=1,
     )  # fmt: skip
     consts = dict(STAGES=stages, GROUP_M=8, CONSUMER_REGS=CONSUMER_REGS)
-    fn = _block_fp8_gemm_kernel
-    signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
-    constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
-    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAX_REGS}
-    )
+    return compile_gluon_for_sm90(_block_fp8_gemm_kernel, args, consts, {"num_warps": 4, "maxnreg": MAX_REGS})

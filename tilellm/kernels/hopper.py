@@ -64,7 +64,6 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -76,7 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, cdiv, num_sms
+from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, cdiv, compile_gluon_for_sm90, num_sms
 from tilellm.kernels.launch import FastLaunch
 
 # Gluon's names moved between Triton releases; each alias takes what the installed one offers.
@@ -635,10 +634,6 @@ def compile_for_sm90(
     Run outside the Triton interpreter (TRITON_INTERPRET unset): the interpreter replaces the
     Gluon helpers with Python functions that cannot be compiled.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     T, hq, hkv = 512, 8, 2  # shapes only name the signature: any will do
     q = torch.empty(T, hq * head_dim, dtype=dtype)
     kv = torch.empty(T, hkv * head_dim, dtype=dtype)
@@ -669,10 +664,4 @@ def compile_for_sm90(
         HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=paged, PINGPONG=pingpong,
         CONSUMER_REGS=CONSUMER_REGS,
     )  # fmt: skip
-    fn = _attention_kernel
-    signature = {n: "constexpr" if n in consts else mangle_type(args[n]) for n in fn.arg_names}
-    constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
-    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAX_REGS}
-    )
+    return compile_gluon_for_sm90(_attention_kernel, args, consts, {"num_warps": 4, "maxnreg": MAX_REGS})
