@@ -51,7 +51,7 @@ def _python_only() -> None:
 
     global DEVICE
     DEVICE = "cpu"
-    importlib.import_module("tilellm.kernels.launch").FastLaunch.run = lambda self, grid, args, kwargs: None
+    importlib.import_module("tilellm.kernels.launch").FastLaunch.run = lambda self, grid, args, kwargs, key=None: None
     importlib.import_module("tilellm.kernels.validation").deep_checks_enabled = lambda t: False
 
 

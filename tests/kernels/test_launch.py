@@ -39,6 +39,23 @@ def _axpy(x: torch.Tensor, y: torch.Tensor, alpha: float, *, negate: bool = Fals
     return out
 
 
+def _axpy_keyed(
+    x: torch.Tensor, y: torch.Tensor, alpha: float, *, negate: bool = False, block: int = 64, key=None
+):
+    """`_axpy` launched by a key: the constexprs and dtypes, and the scalars' values (or `key`)."""
+    n = y.numel()
+    out = torch.empty_like(y)
+    scalars = (n, alpha, x.stride(0))
+    consts = (x.device, x.dtype, block, negate)
+    _axpy_launch.run(
+        (triton.cdiv(n, block),),
+        (x, y, out, *scalars),
+        lambda: dict(BLOCK=block, NEGATE=negate),
+        key=(consts, scalars) if key is None else key,
+    )
+    return out
+
+
 def _expected(x, y, alpha, negate=False):
     r = alpha * x + y
     return -r if negate else r
@@ -51,6 +68,48 @@ def test_fast_launch_matches_the_kernel():
         y = torch.randn(n, device=DEVICE)
         for negate in (False, True):
             torch.testing.assert_close(_axpy(x, y, 0.5, negate=negate), _expected(x, y, 0.5, negate))
+
+
+def test_keyed_launch_matches_the_kernel():
+    torch.manual_seed(0)
+    for n in (1, 16, 17, 100):
+        x = torch.randn(n, device=DEVICE)
+        y = torch.randn(n, device=DEVICE)
+        for negate in (False, True):
+            for _ in range(2):
+                torch.testing.assert_close(
+                    _axpy_keyed(x, y, 0.5, negate=negate), _expected(x, y, 0.5, negate)
+                )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the fast path runs compiled kernels only")
+def test_keyed_launch_takes_new_tensors_and_binds_what_it_cannot_take(monkeypatch):
+    monkeypatch.delenv("TILELLM_DEBUG", raising=False)
+    torch.manual_seed(0)
+    base = torch.randn(4096 + 64, device=DEVICE)
+    y = torch.randn(4096, device=DEVICE)
+    _axpy_keyed(base[:4096], y, 2.0)  # binds the key
+    before = _axpy_launch.fast_launches
+    for _ in range(3):  # new tensors each time (new addresses), the same key
+        x2, y2 = torch.randn(4096, device=DEVICE), torch.randn(4096, device=DEVICE)
+        torch.testing.assert_close(_axpy_keyed(x2, y2, 2.0), _expected(x2, y2, 2.0))
+    assert _axpy_launch.fast_launches == before + 3
+    # a misaligned tensor under the same key: Triton's specialisation for it, through the binder
+    torch.testing.assert_close(_axpy_keyed(base[1:4097], y, 2.0), _expected(base[1:4097], y, 2.0))
+    # and the key still launches aligned tensors afterwards
+    torch.testing.assert_close(_axpy_keyed(base[:4096], y, 2.0), _expected(base[:4096], y, 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the fast path runs compiled kernels only")
+def test_a_key_that_misses_a_constexpr_fails_under_debug(monkeypatch):
+    x = torch.randn(256, device=DEVICE)
+    y = torch.randn(256, device=DEVICE)
+    monkeypatch.setenv("TILELLM_DEBUG", "1")
+    torch.testing.assert_close(_axpy_keyed(x, y, 1.0, key="same"), _expected(x, y, 1.0))
+    with pytest.raises(RuntimeError, match="misses something"):
+        _axpy_keyed(x, y, 1.0, negate=True, key="same")
 
 
 @pytest.mark.gpu

@@ -367,15 +367,20 @@ def launch_decode_fp8(
         o_parts = lse_parts = o  # unread
     # the caches as 32-bit words of four e4m3 values (strides in words)
     k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
-    _decode_fp8_launch[(Hkv, B, num_splits)](
-        q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens,
-        qk_scale, B, Hq,
-        q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_table.stride(0),
-        k_words.stride(0), k_words.stride(1), k_words.stride(2),
-        num_splits, min_split_keys,
-        GROUP=Hq // Hkv, HEAD_DIM=D, PAGE=page, BLOCK_N=block_n, SPLIT=split,
-        K_LOAD=_k_load_layout(block_n, D), V_LOAD=_v_load_layout(block_n, D),
-        STAGES=stages, RING=RING_LAYOUT, num_warps=1,
+    scalars = (
+        qk_scale, B, Hq, q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_table.stride(0),
+        k_words.stride(0), k_words.stride(1), k_words.stride(2), num_splits, min_split_keys,
+    )  # fmt: skip
+    consts = (q.device, Hq // Hkv, D, page, block_n, split, stages)  # with the scalars, the launch key
+    _decode_fp8_launch.run(
+        (Hkv, B, num_splits),
+        (q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens, *scalars),
+        lambda: dict(
+            GROUP=Hq // Hkv, HEAD_DIM=D, PAGE=page, BLOCK_N=block_n, SPLIT=split,
+            K_LOAD=_k_load_layout(block_n, D), V_LOAD=_v_load_layout(block_n, D),
+            STAGES=stages, RING=RING_LAYOUT, num_warps=1,
+        ),
+        key=(consts, scalars),
     )  # fmt: skip
 
 

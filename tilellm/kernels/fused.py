@@ -117,12 +117,16 @@ def rms_norm(
         block_h = next_power_of_2(h)
         block_n = max(1, min(64, 4096 // block_h))
         grid = (cdiv(n, block_n),)
-        _rms_norm_launch[grid](
-            x, residual, weight, y, res_out,
-            x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0),
-            n, h, float(eps),
-            HAS_RESIDUAL=res_out is not y, BLOCK_N=block_n, BLOCK_H=block_h,
-            num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device),
+        scalars = (x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0), n, h, float(eps))
+        has_residual = res_out is not y
+        _rms_norm_launch.run(
+            grid,
+            (x, residual, weight, y, res_out, *scalars),
+            lambda: dict(
+                HAS_RESIDUAL=has_residual, BLOCK_N=block_n, BLOCK_H=block_h,
+                num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device),
+            ),
+            key=((x.device, has_residual), scalars),  # the blocks follow from h, the grid from n
         )  # fmt: skip
     return y if res_out is y else (y, res_out)
 
@@ -239,10 +243,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block_i = min(next_power_of_2(i), 2048)
         block_n = max(1, min(64, 4096 // block_i))
         grid = (cdiv(n, block_n), cdiv(i, block_i))
-        _silu_and_mul_launch[grid](
-            x, out, x.stride(0), out.stride(0), n, i, BLOCK_N=block_n, BLOCK_I=block_i,
-            **pdl_launch_kwargs(x.device),
-        )  # fmt: skip
+        scalars = (x.stride(0), out.stride(0), n, i)
+        _silu_and_mul_launch.run(
+            grid,
+            (x, out, *scalars),
+            lambda: dict(BLOCK_N=block_n, BLOCK_I=block_i, **pdl_launch_kwargs(x.device)),
+            key=(x.device, scalars),  # the blocks follow from i
+        )
     return out
 
 
@@ -487,13 +494,18 @@ def apply_rotary(
         block_r = max(1, min(256, 2048 // block_half))
         num_q_programs = cdiv(t * hq, block_r)
         grid = (num_q_programs + cdiv(t * hk, block_r),)
-        _rotary_launch[grid](
-            q, k, q_out, k_out, qw, kw, positions, cache, *store_args,
+        scalars = (
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0), *store_strides,
             t, hq, hk, num_q_programs, half, float(eps),
-            HAS_NORM=has_norm, INTERLEAVED=bool(interleaved), STORE=store, QUANTIZE=quantize, BLOCK_R=block_r,
-            BLOCK_HALF=block_half,
-            **pdl_launch_kwargs(q.device),
+        )  # fmt: skip
+        _rotary_launch.run(
+            grid,
+            (q, k, q_out, k_out, qw, kw, positions, cache, *store_args, *scalars),
+            lambda: dict(
+                HAS_NORM=has_norm, INTERLEAVED=bool(interleaved), STORE=store, QUANTIZE=quantize, BLOCK_R=block_r,
+                BLOCK_HALF=block_half, **pdl_launch_kwargs(q.device),
+            ),
+            key=((q.device, has_norm, bool(interleaved), store, quantize), scalars),  # the blocks follow from half
         )  # fmt: skip
     return q_out, k_out

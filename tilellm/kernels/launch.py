@@ -16,12 +16,24 @@ hooks installed (a profiler such as proton), in Triton's debug, instrumentation 
 modes, or on a Triton whose internals differ. One check of `JITFunction.run` is not repeated:
 that the module globals a kernel read when it was compiled still hold the same values (the
 kernels here read only constants).
+
+A call site that knows what its launches have in common passes a `key`, and skips the binder
+too. The key stands for everything of a launch but its tensors: the grid, the constexprs and
+launch options, the integers' and floats' values (or at least whether each is 1, a multiple of
+16, or needs 64 bits, as Triton specialises them) and the device. The first launch of a key
+binds as above and remembers the binary, its tensors' dtypes and the constexprs' values; a later
+one checks its tensors' dtypes and hands the launcher each tensor's address as an integer, which
+also spares the launcher a `data_ptr()` call and a driver query per pointer. Only
+16-byte-aligned tensors of the remembered dtypes, on the current device, take this path
+(Triton's specialisation of a pointer is its dtype and alignment); any other call binds. Under `TILELLM_DEBUG=1` every keyed launch is bound as well and checked to
+run the binary the binder picks, so a key that misses something fails loudly in tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import os
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
@@ -43,18 +55,32 @@ def _default_settings() -> bool:
     )
 
 
+class _Bound(NamedTuple):
+    """What a key's first launch fixed: the device, the grid, the compiled kernel, the positions
+    and dtypes of the tensor arguments and the values of the parameters after the positional ones."""
+
+    device: int
+    grid: tuple[int, ...]  # as the call site gives it
+    kernel: Any
+    tensor_positions: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    tail: tuple
+
+
 class FastLaunch:
     """`FastLaunch(jit_fn)[grid](*args, **kwargs)`: `jit_fn[grid](*args, **kwargs)` with less host work.
 
     `grid` is a tuple of one to three ints (no callables). The compiled kernels are keyed per
     device by Triton's own specialisation of the arguments plus the launch options, so every call
-    runs the binary that `jit_fn[grid]` would run.
+    runs the binary that `jit_fn[grid]` would run. `run(grid, args, kwargs, key=...)` launches
+    by a call site's key (the module docstring says what it must determine).
     """
 
     def __init__(self, fn: Any):
         self.fn = fn
         self._kernels: dict[tuple, Any] = {}
         self._binders: dict[int, Callable | None] = {}  # None: this kernel takes Triton's path
+        self._bound: dict[Hashable, _Bound] = {}  # by a call site's key
         self.fast_launches = 0  # calls that skipped JITFunction.run (tests read it)
         # Fixed when the kernel was decorated: under TRITON_INTERPRET=1 `triton.jit` returns an
         # interpreted function, with no compiled binaries to look up (Triton's path runs it).
@@ -66,7 +92,19 @@ class FastLaunch:
     def _slow(self, grid, args, kwargs):
         return self.fn[grid](*args, **kwargs)
 
-    def run(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+    def run(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        kwargs: dict | Callable[[], dict],
+        key: Hashable | None = None,
+    ) -> None:
+        """Launch `fn[grid](*args, **kwargs)`. `kwargs` may be a function that returns them:
+        a launch by a known `key` does not need them."""
+        if key is not None and self._launch_bound(key, grid, args):
+            return
+        if callable(kwargs):
+            kwargs = kwargs()
         if not self._compiled or getattr(self.fn, "pre_run_hooks", None) or not _default_settings():
             self._slow(grid, args, kwargs)
             return
@@ -78,20 +116,73 @@ class FastLaunch:
             self._slow(grid, args, kwargs)
             return
         bound_args, specialization, options = binder(*args, **kwargs)
-        key = (device, tuple(specialization), tuple(options.items()))
-        kernel = self._kernels.get(key)
+        spec_key = (device, tuple(specialization), tuple(options.items()))
+        kernel = self._kernels.get(spec_key)
         if kernel is None:
             kernel = self._slow(grid, args, kwargs)  # compiles, or finds Triton's cached binary
-            if kernel is not None:
-                self._kernels[key] = getattr(kernel, "result", lambda: kernel)()
+            if kernel is None:
+                return
+            kernel = self._kernels[spec_key] = getattr(kernel, "result", lambda: kernel)()
+        else:
+            g0, g1, g2 = _grid3(grid)
+            kernel.run(g0, g1, g2, _current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                       *bound_args.values())  # fmt: skip
+            self.fast_launches += 1
+        if key is not None:
+            self._bind(key, device, tuple(grid), kernel, args, tuple(bound_args.values())[len(args) :])
+
+    def _bind(self, key: Hashable, device: int, grid: tuple, kernel: Any, args: tuple, tail: tuple) -> None:
+        """Remember `key`'s binary for later launches, if its tensors allow the keyed path: all
+        on `device`, 16-byte aligned, only tensors and plain scalars among `args`, and nothing
+        but constexprs after them (the remembered tail is not passed again)."""
+        params = getattr(self.fn, "params", None)
+        if params is None or not all(p.is_constexpr for p in params[len(args) :]):
             return
-        stream = _current_stream(device)
-        g0 = grid[0]
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *bound_args.values())  # fmt: skip
+        tensor_positions = []
+        for i, a in enumerate(args):
+            if type(a) is torch.Tensor:
+                if a.device.type != "cuda" or a.device.index != device or a.data_ptr() & 15:
+                    return
+                tensor_positions.append(i)
+            elif not (a is None or type(a) in (int, float, bool)):
+                return  # a descriptor or another object the binder reads: every launch binds
+        dtypes = tuple(args[i].dtype for i in tensor_positions)
+        bound = _Bound(device, grid, kernel, tuple(tensor_positions), dtypes, tail)
+        earlier = self._bound.get(key)
+        # (tensors of other dtypes under the same key are another binary: each launch checks them)
+        if earlier is not None and _debug_launches():
+            if earlier._replace(grid=grid, kernel=kernel, tail=tail) == bound != earlier:
+                raise RuntimeError(
+                    f"FastLaunch({getattr(self.fn, '__name__', self.fn)}): the launch key {key!r} stands for "
+                    "two launches (another binary, grid or constexprs): the call site's key misses something"
+                )
+        if len(self._bound) >= _MAX_BOUND_KEYS:
+            self._bound.clear()
+        self._bound[key] = bound
+
+    def _launch_bound(self, key: Hashable, grid: tuple[int, ...], args: tuple) -> bool:
+        """Launch by `key`'s bound binary; False (nothing launched) when the call must bind."""
+        bound = self._bound.get(key)
+        if bound is None or _debug_launches() or not _default_settings():
+            return False
+        device = torch.cuda.current_device()
+        if device != bound.device or grid != bound.grid:
+            return False
+        values = list(args)
+        addresses = 0
+        for i, dtype in zip(bound.tensor_positions, bound.dtypes):
+            tensor = values[i]
+            if type(tensor) is not torch.Tensor or tensor.dtype is not dtype:
+                return False  # another binary
+            values[i] = address = tensor.data_ptr()
+            addresses |= address
+        if addresses & 15:
+            return False  # a misaligned tensor: Triton specialises it otherwise
+        kernel = bound.kernel
+        kernel.run(*_grid3(grid), _current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                   *values, *bound.tail)  # fmt: skip
         self.fast_launches += 1
+        return True
 
     def _find_binder(self, device: int) -> Callable | None:
         """Triton's argument binder for `device`, or None (the slow path for good) when this
@@ -106,6 +197,18 @@ class FastLaunch:
         if not isinstance(caches, tuple) or len(caches) != 5 or not callable(caches[4]):
             return None
         return caches[4]
+
+
+_MAX_BOUND_KEYS = 4096  # a call site's keys are shapes: past this many, start again
+
+
+def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+
+def _debug_launches() -> bool:
+    """TILELLM_DEBUG=1: every keyed launch binds, and its binary is checked against the key's."""
+    return os.environ.get("TILELLM_DEBUG") == "1"
 
 
 def _current_stream(device: int) -> int:

@@ -184,23 +184,22 @@ def merge_into(
         o_parts = o_parts.contiguous()
     if lse_parts.stride(2) != 1:
         lse_parts = lse_parts.contiguous()
-    _merge_launch[(T, H)](
-        o_parts,
-        lse_parts,
-        out,
-        lse_out if lse_out is not None else lse_parts,
-        S,
-        H,
-        o_parts.stride(0),
-        o_parts.stride(1),
-        o_parts.stride(2),
-        lse_parts.stride(0),
-        lse_parts.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=D,
-        SPLITS_PAD=_splits_pad(S),
-        WRITE_LSE=lse_out is not None,
-        num_warps=4 if D >= 128 else 2,
-        **pdl_launch_kwargs(out.device),
+    scalars = (
+        S, H, o_parts.stride(0), o_parts.stride(1), o_parts.stride(2), lse_parts.stride(0), lse_parts.stride(1),
+        out.stride(0), out.stride(1),
+    )  # fmt: skip
+    consts = (out.device, D, S, lse_out is not None)  # with the scalars, the launch key (`FastLaunch`)
+    _merge_launch.run(
+        (T, H),
+        (o_parts, lse_parts, out, lse_out if lse_out is not None else lse_parts, *scalars),
+        lambda: _merge_constexprs(*consts),
+        key=(consts, scalars),
     )
+
+
+def _merge_constexprs(device: torch.device, head_dim: int, splits: int, write_lse: bool) -> dict:
+    """The merge kernel's constexprs and launch options for a launch's shape."""
+    return dict(
+        HEAD_DIM=head_dim, SPLITS_PAD=_splits_pad(splits), WRITE_LSE=write_lse,
+        num_warps=4 if head_dim >= 128 else 2, **pdl_launch_kwargs(device),
+    )  # fmt: skip

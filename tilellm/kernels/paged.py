@@ -331,8 +331,10 @@ def paged_attention(
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
     )
-    validation.check_kv_scales("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
-    validation.check_split_hints("paged_attention", num_splits, max_seqlen_k, seq_lens)
+    if k_scale is not None or v_scale is not None:
+        validation.check_kv_scales("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
+    if num_splits is not None or max_seqlen_k is not None:
+        validation.check_split_hints("paged_attention", num_splits, max_seqlen_k, seq_lens)
     o = validation.output_like("paged_attention", q, out)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
             is_decode=False, kv_scales=(k_scale, v_scale))  # fmt: skip
@@ -355,8 +357,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] -> o [B, Hq, D]; the q_len = 1 case of paged attention."""
     validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
-    validation.check_kv_scales("decode_attention", q, k_cache, v_cache, k_scale, v_scale)
-    validation.check_split_hints("decode_attention", num_splits, max_seqlen_k, seq_lens)
+    if k_scale is not None or v_scale is not None:
+        validation.check_kv_scales("decode_attention", q, k_cache, v_cache, k_scale, v_scale)
+    if num_splits is not None or max_seqlen_k is not None:
+        validation.check_split_hints("decode_attention", num_splits, max_seqlen_k, seq_lens)
     o = validation.output_like("decode_attention", q, out)
     _launch(q, k_cache, v_cache, block_table, None, seq_lens, 1, o, scale, num_splits, max_seqlen_k,
             is_decode=True, kv_scales=(k_scale, v_scale))  # fmt: skip
@@ -480,27 +484,31 @@ def _launch(
     if 1 < splits <= MERGE_LAST_MAX_SPLITS and parts is None and split_merge_in_kernel():
         counters = split_counters(q.device, slots)
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
-    _paged_launch[grid](
-        q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
-        k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
-        block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
+    # The launch key (`FastLaunch`): everything of the launch but its tensors.
+    scalars = (
         validation.resolve_scale(scale, D) * LOG2_E, T, Hq,
         *q.stride()[:2], *o.stride()[:2], block_table.stride(0), *k_cache.stride()[:3],
-        splits, plan.min_keys_per_split,
-        kv_lo if kv_lo is not None else seq_lens,  # unread unless HAS_KV_LO
-        kv_hi if kv_hi is not None else seq_lens,  # unread unless HAS_KV_HI
-        part_base,
-        counters if counters is not None else seq_lens,  # unread unless MERGE_LAST
-        GROUP=group, HEAD_DIM=D, PAGE=page,
-        BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1 or parts is not None, IS_DECODE=is_decode,
-        HAS_KV_LO=kv_lo is not None, HAS_KV_HI=kv_hi is not None,
-        RECORD_STATS=record_stats, PRECISION=dot_precision(q.dtype), K_ROWS=cfg.k_rows,
-        TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
-        DOT_FP16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
-        PIPELINE_MASKED=not (kv_fp8 and (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS and kv_lo is None),
-        MERGE_LAST=counters is not None, MERGE_UNROLL=merge_unroll(cfg.block_m, D),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(q.device),
+        splits, plan.min_keys_per_split, part_base,
+    )  # fmt: skip
+    consts = (
+        q.device, q.dtype, kv_fp8, group, D, page, cfg, block_q, splits > 1 or parts is not None,
+        is_decode, kv_lo is not None, kv_hi is not None, record_stats, tiles_fastest,
+        1 if is_decode else max_seqlen_q, counters is not None,
+    )  # fmt: skip
+    _paged_launch.run(
+        grid,
+        (
+            q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
+            k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
+            block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
+            *scalars[:-1],
+            kv_lo if kv_lo is not None else seq_lens,  # unread unless HAS_KV_LO
+            kv_hi if kv_hi is not None else seq_lens,  # unread unless HAS_KV_HI
+            part_base,
+            counters if counters is not None else seq_lens,  # unread unless MERGE_LAST
+        ),
+        lambda: _paged_constexprs(*consts),
+        key=(consts, scalars),
     )  # fmt: skip
     if splits > 1 and parts is None and counters is None:
         merge_into(o_parts, lse_parts, o)
@@ -512,6 +520,24 @@ def _launch(
 
 
 _paged_launch = FastLaunch(_paged_kernel)
+
+
+def _paged_constexprs(
+    device, dtype, kv_fp8, group, head_dim, page, cfg, block_q, split, is_decode, has_kv_lo, has_kv_hi,
+    record_stats, tiles_fastest, tile_tokens, merge_last,
+) -> dict:  # fmt: skip
+    """The paged kernel's constexprs and launch options for a launch's shape."""
+    return dict(
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+        SPLIT=split, IS_DECODE=is_decode, HAS_KV_LO=has_kv_lo, HAS_KV_HI=has_kv_hi,
+        RECORD_STATS=record_stats, PRECISION=dot_precision(dtype), K_ROWS=cfg.k_rows,
+        TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
+        DOT_FP16=kv_fp8 and dtype in (torch.float16, torch.bfloat16),
+        PIPELINE_MASKED=not (kv_fp8 and tile_tokens <= SHORT_TILE_TOKENS and not has_kv_lo),
+        MERGE_LAST=merge_last, MERGE_UNROLL=merge_unroll(cfg.block_m, head_dim),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(device),
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)

