@@ -472,8 +472,8 @@ def apply_rotary(
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     has_norm = q_norm_weight is not None
-    qw = q_norm_weight.contiguous() if has_norm else cache  # unused when not has_norm
-    kw = k_norm_weight.contiguous() if has_norm else cache
+    qw = q_norm_weight.contiguous() if has_norm else None  # (None: unread)
+    kw = k_norm_weight.contiguous() if has_norm else None
     t, hq, d = q.shape
     hk = k.shape[1]
     quantize = store and is_fp8(k_cache)
@@ -481,12 +481,12 @@ def apply_rotary(
         one = unit_scale(k.device) if quantize and (k_scale is None or v_scale is None) else None
         store_args = (
             v, k_cache, v_cache, slot_mapping,
-            (k_scale if k_scale is not None else one) if quantize else cache,  # unread unless QUANTIZE
-            (v_scale if v_scale is not None else one) if quantize else cache,
+            (k_scale if k_scale is not None else one) if quantize else None,  # unread unless QUANTIZE
+            (v_scale if v_scale is not None else one) if quantize else None,
         )  # fmt: skip
         store_strides = (v.stride(0), v.stride(1), k_cache.stride(1))
     else:
-        store_args, store_strides = (k, k, k, positions, cache, cache), (0, 0, 0)  # unused
+        store_args, store_strides = (None,) * 6, (0, 0, 0)  # unread
     if t > 0:
         half = d // 2
         block_half = next_power_of_2(half)

@@ -478,7 +478,7 @@ def _launch(
     elif splits > 1:
         o_parts, lse_parts = _split_parts(splits, T, Hq, D, q.device)
     else:
-        o_parts = lse_parts = o  # unused
+        o_parts = lse_parts = None  # unread
     counters = None
     slots = batch * Hkv * q_tiles
     if 1 < splits <= MERGE_LAST_MAX_SPLITS and parts is None and split_merge_in_kernel():
@@ -498,14 +498,12 @@ def _launch(
     _paged_launch.run(
         grid,
         (
-            q, k_cache, v_cache, o, o_parts, lse_parts, stats if stats is not None else seq_lens,
-            k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread unless KV_FP8
-            block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
-            *scalars[:-1],
-            kv_lo if kv_lo is not None else seq_lens,  # unread unless HAS_KV_LO
-            kv_hi if kv_hi is not None else seq_lens,  # unread unless HAS_KV_HI
-            part_base,
-            counters if counters is not None else seq_lens,  # unread unless MERGE_LAST
+            # None where the constexprs leave a pointer unread (no argument for the binder or the
+            # launcher to convert)
+            q, k_cache, v_cache, o, o_parts, lse_parts, stats,
+            k_scale if kv_fp8 else None, v_scale if kv_fp8 else None,
+            block_table, None if is_decode else cu_seqlens_q, seq_lens,
+            *scalars[:-1], kv_lo, kv_hi, part_base, counters,
         ),
         lambda: _paged_constexprs(*consts),
         key=(consts, scalars),

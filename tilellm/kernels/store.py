@@ -97,9 +97,9 @@ def store_kvcache(
     _store_launch.run(
         (T,),
         (
-            k, v if has_v else k, k_cache, v_cache if has_v else k_cache, slot_mapping,
-            k_scale if k_scale is not None else (one if quantize else k),  # unread unless QUANTIZE
-            v_scale if v_scale is not None else (one if quantize else k),
+            k, v, k_cache, v_cache, slot_mapping,  # (v, v_cache: None without HAS_V)
+            (k_scale if k_scale is not None else one) if quantize else None,  # unread unless QUANTIZE
+            (v_scale if v_scale is not None else one) if quantize else None,
             *scalars,
         ),
         lambda: dict(
