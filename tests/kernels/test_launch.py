@@ -95,10 +95,17 @@ def test_keyed_launch_takes_new_tensors_and_binds_what_it_cannot_take(monkeypatc
         x2, y2 = torch.randn(4096, device=DEVICE), torch.randn(4096, device=DEVICE)
         torch.testing.assert_close(_axpy_keyed(x2, y2, 2.0), _expected(x2, y2, 2.0))
     assert _axpy_launch.fast_launches == before + 3
-    # a misaligned tensor under the same key: Triton's specialisation for it, through the binder
+    # a misaligned tensor under the same key: Triton's specialisation for it, through the binder,
+    # then by the key again (bound to that alignment)
+    for _ in range(2):
+        torch.testing.assert_close(_axpy_keyed(base[1:4097], y, 2.0), _expected(base[1:4097], y, 2.0))
+    before = _axpy_launch.fast_launches
     torch.testing.assert_close(_axpy_keyed(base[1:4097], y, 2.0), _expected(base[1:4097], y, 2.0))
-    # and the key still launches aligned tensors afterwards
+    assert _axpy_launch.fast_launches == before + 1
+    # and aligned tensors again, and another dtype: each its own binary
     torch.testing.assert_close(_axpy_keyed(base[:4096], y, 2.0), _expected(base[:4096], y, 2.0))
+    xd, yd = base[:4096].double(), y.double()
+    torch.testing.assert_close(_axpy_keyed(xd, yd, 2.0), _expected(xd, yd, 2.0))
 
 
 @pytest.mark.gpu

@@ -371,7 +371,7 @@ def launch_decode_fp8(
         qk_scale, B, Hq, q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_table.stride(0),
         k_words.stride(0), k_words.stride(1), k_words.stride(2), num_splits, min_split_keys,
     )  # fmt: skip
-    consts = (q.device, Hq // Hkv, D, page, block_n, split, stages)  # with the scalars, the launch key
+    consts = (q.device, Hq // Hkv, D, page, block_n, split, stages)
     _decode_fp8_launch.run(
         (Hkv, B, num_splits),
         (q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens, *scalars),
@@ -380,7 +380,7 @@ def launch_decode_fp8(
             K_LOAD=_k_load_layout(block_n, D), V_LOAD=_v_load_layout(block_n, D),
             STAGES=stages, RING=RING_LAYOUT, num_warps=1,
         ),
-        key=(consts, scalars),
+        key=(consts, scalars[2:7], scalars[8:11]),  # the launch key: Hq and the strides but block_table's
     )  # fmt: skip
 
 

@@ -126,7 +126,7 @@ def rms_norm(
                 HAS_RESIDUAL=has_residual, BLOCK_N=block_n, BLOCK_H=block_h,
                 num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device),
             ),
-            key=((x.device, has_residual), scalars),  # the blocks follow from h, the grid from n
+            key=(x.device, has_residual, scalars[:4], h),  # all but n; the blocks follow from h
         )  # fmt: skip
     return y if res_out is y else (y, res_out)
 
@@ -248,7 +248,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             grid,
             (x, out, *scalars),
             lambda: dict(BLOCK_N=block_n, BLOCK_I=block_i, **pdl_launch_kwargs(x.device)),
-            key=(x.device, scalars),  # the blocks follow from i
+            key=(x.device, scalars[:2], i),  # all but n; the blocks follow from i
         )
     return out
 
@@ -393,7 +393,9 @@ def _store_rows(
     tl.store(v_cache_ptr + dst + half, v2, mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
+@triton.jit(
+    do_not_specialize=["num_tokens", "num_q_programs"], do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"]
+)
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr,
     v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
@@ -506,6 +508,7 @@ def apply_rotary(
                 HAS_NORM=has_norm, INTERLEAVED=bool(interleaved), STORE=store, QUANTIZE=quantize, BLOCK_R=block_r,
                 BLOCK_HALF=block_half, **pdl_launch_kwargs(q.device),
             ),
-            key=((q.device, has_norm, bool(interleaved), store, quantize), scalars),  # the blocks follow from half
+            # all but the token counts; the blocks follow from half
+            key=(q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half),
         )  # fmt: skip
     return q_out, k_out

@@ -18,14 +18,15 @@ that the module globals a kernel read when it was compiled still hold the same v
 kernels here read only constants).
 
 A call site that knows what its launches have in common passes a `key`, and skips the binder
-too. The key stands for everything of a launch but its tensors: the grid, the constexprs and
-launch options, the integers' and floats' values (or at least whether each is 1, a multiple of
-16, or needs 64 bits, as Triton specialises them) and the device. The first launch of a key
-binds as above and remembers the binary, its tensors' dtypes and the constexprs' values; a later
-one checks its tensors' dtypes and hands the launcher each tensor's address as an integer, which
-also spares the launcher a `data_ptr()` call and a driver query per pointer. Only
-16-byte-aligned tensors of the remembered dtypes, on the current device, take this path
-(Triton's specialisation of a pointer is its dtype and alignment); any other call binds. Under `TILELLM_DEBUG=1` every keyed launch is bound as well and checked to
+too. The key stands for what selects the binary, tensors aside: the constexprs and launch
+options, the device, and the values of the integers the kernel specialises on (Triton asks of
+each whether it is 1, a multiple of 16, or needs 64 bits; a kernel's `do_not_specialize`
+integers, such as a step's token count, stay out of it, and so does the grid). The first launch of a key
+binds as above and remembers the binary, its tensors' dtypes and 16-byte alignments (Triton's
+specialisation of a pointer) and the constexprs' values; a later one checks its tensors' dtypes
+and alignments and hands the launcher each tensor's address as an integer, which also spares
+the launcher a `data_ptr()` call and a driver query per pointer. A call whose tensors differ in
+either binds again. Under `TILELLM_DEBUG=1` every keyed launch is bound as well and checked to
 run the binary the binder picks, so a key that misses something fails loudly in tests.
 """
 
@@ -56,14 +57,16 @@ def _default_settings() -> bool:
 
 
 class _Bound(NamedTuple):
-    """What a key's first launch fixed: the device, the grid, the compiled kernel, the positions
-    and dtypes of the tensor arguments and the values of the parameters after the positional ones."""
+    """What a key's launch fixed: the device, the compiled kernel, the tensor arguments'
+    positions, dtypes and alignments, and the values of the parameters after the positional ones."""
 
     device: int
-    grid: tuple[int, ...]  # as the call site gives it
     kernel: Any
     tensor_positions: tuple[int, ...]
     dtypes: tuple[torch.dtype, ...]
+    # per tensor, its bit of `misaligned` where Triton specialises its alignment, else 0
+    alignment_bits: tuple[int, ...]
+    misaligned: int  # the bits of the tensors not 16-byte aligned
     tail: tuple
 
 
@@ -129,32 +132,40 @@ class FastLaunch:
                        *bound_args.values())  # fmt: skip
             self.fast_launches += 1
         if key is not None:
-            self._bind(key, device, tuple(grid), kernel, args, tuple(bound_args.values())[len(args) :])
+            self._bind(key, device, kernel, args, tuple(bound_args.values())[len(args) :])
 
-    def _bind(self, key: Hashable, device: int, grid: tuple, kernel: Any, args: tuple, tail: tuple) -> None:
-        """Remember `key`'s binary for later launches, if its tensors allow the keyed path: all
-        on `device`, 16-byte aligned, only tensors and plain scalars among `args`, and nothing
-        but constexprs after them (the remembered tail is not passed again)."""
+    def _bind(self, key: Hashable, device: int, kernel: Any, args: tuple, tail: tuple) -> None:
+        """Remember `key`'s binary for later launches, if its arguments allow the keyed path:
+        tensors on `device` and plain scalars, and nothing but constexprs after them (the
+        remembered tail is not passed again)."""
         params = getattr(self.fn, "params", None)
         if params is None or not all(p.is_constexpr for p in params[len(args) :]):
             return
-        tensor_positions = []
+        tensor_positions, alignment_bits, misaligned = [], [], 0
         for i, a in enumerate(args):
             if type(a) is torch.Tensor:
-                if a.device.type != "cuda" or a.device.index != device or a.data_ptr() & 15:
+                if a.device.type != "cuda" or a.device.index != device:
                     return
+                p = params[i]
+                specialised = not (p.do_not_specialize or getattr(p, "do_not_specialize_on_alignment", False))
+                bit = 1 << len(tensor_positions) if specialised else 0
                 tensor_positions.append(i)
+                alignment_bits.append(bit)
+                if a.data_ptr() & 15:
+                    misaligned |= bit
             elif not (a is None or type(a) in (int, float, bool)):
                 return  # a descriptor or another object the binder reads: every launch binds
         dtypes = tuple(args[i].dtype for i in tensor_positions)
-        bound = _Bound(device, grid, kernel, tuple(tensor_positions), dtypes, tail)
+        bound = _Bound(
+            device, kernel, tuple(tensor_positions), dtypes, tuple(alignment_bits), misaligned, tail
+        )
         earlier = self._bound.get(key)
         # (tensors of other dtypes under the same key are another binary: each launch checks them)
         if earlier is not None and _debug_launches():
-            if earlier._replace(grid=grid, kernel=kernel, tail=tail) == bound != earlier:
+            if earlier._replace(kernel=kernel, tail=tail) == bound != earlier:
                 raise RuntimeError(
                     f"FastLaunch({getattr(self.fn, '__name__', self.fn)}): the launch key {key!r} stands for "
-                    "two launches (another binary, grid or constexprs): the call site's key misses something"
+                    "two binaries (or constexprs): the call site's key misses something"
                 )
         if len(self._bound) >= _MAX_BOUND_KEYS:
             self._bound.clear()
@@ -166,18 +177,19 @@ class FastLaunch:
         if bound is None or _debug_launches() or not _default_settings():
             return False
         device = torch.cuda.current_device()
-        if device != bound.device or grid != bound.grid:
+        if device != bound.device:
             return False
         values = list(args)
-        addresses = 0
-        for i, dtype in zip(bound.tensor_positions, bound.dtypes):
+        misaligned = 0
+        for i, dtype, bit in zip(bound.tensor_positions, bound.dtypes, bound.alignment_bits):
             tensor = values[i]
             if type(tensor) is not torch.Tensor or tensor.dtype is not dtype:
                 return False  # another binary
             values[i] = address = tensor.data_ptr()
-            addresses |= address
-        if addresses & 15:
-            return False  # a misaligned tensor: Triton specialises it otherwise
+            if address & 15:
+                misaligned |= bit
+        if misaligned != bound.misaligned:
+            return False  # another alignment: another binary
         kernel = bound.kernel
         kernel.run(*_grid3(grid), _current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
                    *values, *bound.tail)  # fmt: skip

@@ -188,12 +188,13 @@ def merge_into(
         S, H, o_parts.stride(0), o_parts.stride(1), o_parts.stride(2), lse_parts.stride(0), lse_parts.stride(1),
         out.stride(0), out.stride(1),
     )  # fmt: skip
-    consts = (out.device, D, S, lse_out is not None)  # with the scalars, the launch key (`FastLaunch`)
+    consts = (out.device, D, S, lse_out is not None)
     _merge_launch.run(
         (T, H),
         (o_parts, lse_parts, out, lse_out if lse_out is not None else lse_parts, *scalars),
         lambda: _merge_constexprs(*consts),
-        key=(consts, scalars),
+        # the launch key (`FastLaunch`): the specialised scalars, H and the head strides of o_parts and out
+        key=(consts, scalars[1], scalars[4], scalars[-2:]),
     )
 
 

@@ -484,7 +484,8 @@ def _launch(
     if 1 < splits <= MERGE_LAST_MAX_SPLITS and parts is None and split_merge_in_kernel():
         counters = split_counters(q.device, slots)
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
-    # The launch key (`FastLaunch`): everything of the launch but its tensors.
+    # The launch key (`FastLaunch`): the constexprs' inputs and the scalars the kernel specialises
+    # on (not the token count, split counts, block_table's stride or the softmax scale).
     scalars = (
         validation.resolve_scale(scale, D) * LOG2_E, T, Hq,
         *q.stride()[:2], *o.stride()[:2], block_table.stride(0), *k_cache.stride()[:3],
@@ -493,7 +494,7 @@ def _launch(
     consts = (
         q.device, q.dtype, kv_fp8, group, D, page, cfg, block_q, splits > 1 or parts is not None,
         is_decode, kv_lo is not None, kv_hi is not None, record_stats, tiles_fastest,
-        1 if is_decode else max_seqlen_q, counters is not None,
+        (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS, counters is not None,
     )  # fmt: skip
     _paged_launch.run(
         grid,
@@ -506,7 +507,7 @@ def _launch(
             *scalars[:-1], kv_lo, kv_hi, part_base, counters,
         ),
         lambda: _paged_constexprs(*consts),
-        key=(consts, scalars),
+        key=(consts, scalars[2:7] + scalars[8:11]),  # Hq and the strides but block_table's
     )  # fmt: skip
     if splits > 1 and parts is None and counters is None:
         merge_into(o_parts, lse_parts, o)
@@ -522,7 +523,7 @@ _paged_launch = FastLaunch(_paged_kernel)
 
 def _paged_constexprs(
     device, dtype, kv_fp8, group, head_dim, page, cfg, block_q, split, is_decode, has_kv_lo, has_kv_hi,
-    record_stats, tiles_fastest, tile_tokens, merge_last,
+    record_stats, tiles_fastest, short_tiles, merge_last,
 ) -> dict:  # fmt: skip
     """The paged kernel's constexprs and launch options for a launch's shape."""
     return dict(
@@ -532,7 +533,7 @@ def _paged_constexprs(
         RECORD_STATS=record_stats, PRECISION=dot_precision(dtype), K_ROWS=cfg.k_rows,
         TILES_FASTEST=tiles_fastest, KV_FP8=kv_fp8,
         DOT_FP16=kv_fp8 and dtype in (torch.float16, torch.bfloat16),
-        PIPELINE_MASKED=not (kv_fp8 and tile_tokens <= SHORT_TILE_TOKENS and not has_kv_lo),
+        PIPELINE_MASKED=not (kv_fp8 and short_tiles and not has_kv_lo),
         MERGE_LAST=merge_last, MERGE_UNROLL=merge_unroll(cfg.block_m, head_dim),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(device),
     )  # fmt: skip
