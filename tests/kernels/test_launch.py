@@ -95,6 +95,10 @@ def test_keyed_launch_takes_new_tensors_and_binds_what_it_cannot_take(monkeypatc
         x2, y2 = torch.randn(4096, device=DEVICE), torch.randn(4096, device=DEVICE)
         torch.testing.assert_close(_axpy_keyed(x2, y2, 2.0), _expected(x2, y2, 2.0))
     assert _axpy_launch.fast_launches == before + 3
+    # a Parameter (a layer's weight) is a tensor to the keyed path too
+    w = torch.nn.Parameter(torch.randn(4096, device=DEVICE), requires_grad=False)
+    torch.testing.assert_close(_axpy_keyed(w, y, 2.0), _expected(w, y, 2.0))
+    assert _axpy_launch.fast_launches == before + 4
     # a misaligned tensor under the same key: Triton's specialisation for it, through the binder,
     # then by the key again (bound to that alignment)
     for _ in range(2):

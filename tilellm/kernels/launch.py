@@ -132,19 +132,22 @@ class FastLaunch:
                        *bound_args.values())  # fmt: skip
             self.fast_launches += 1
         if key is not None:
-            self._bind(key, device, kernel, args, tuple(bound_args.values())[len(args) :])
+            if self._bound.get(key) is not _UNBOUND:
+                self._bind(key, device, kernel, args, tuple(bound_args.values())[len(args) :])
 
     def _bind(self, key: Hashable, device: int, kernel: Any, args: tuple, tail: tuple) -> None:
         """Remember `key`'s binary for later launches, if its arguments allow the keyed path:
         tensors on `device` and plain scalars, and nothing but constexprs after them (the
-        remembered tail is not passed again)."""
+        remembered tail is not passed again). Otherwise every launch of the key binds (`_UNBOUND`)."""
         params = getattr(self.fn, "params", None)
         if params is None or not all(p.is_constexpr for p in params[len(args) :]):
+            self._bound[key] = _UNBOUND
             return
         tensor_positions, alignment_bits, misaligned = [], [], 0
         for i, a in enumerate(args):
-            if type(a) is torch.Tensor:
+            if type(a) in _TENSOR_TYPES:
                 if a.device.type != "cuda" or a.device.index != device:
+                    self._bound[key] = _UNBOUND
                     return
                 p = params[i]
                 specialised = not (p.do_not_specialize or getattr(p, "do_not_specialize_on_alignment", False))
@@ -154,14 +157,15 @@ class FastLaunch:
                 if a.data_ptr() & 15:
                     misaligned |= bit
             elif not (a is None or type(a) in (int, float, bool)):
-                return  # a descriptor or another object the binder reads: every launch binds
+                self._bound[key] = _UNBOUND  # a descriptor or another object the binder reads
+                return
         dtypes = tuple(args[i].dtype for i in tensor_positions)
         bound = _Bound(
             device, kernel, tuple(tensor_positions), dtypes, tuple(alignment_bits), misaligned, tail
         )
         earlier = self._bound.get(key)
         # (tensors of other dtypes under the same key are another binary: each launch checks them)
-        if earlier is not None and _debug_launches():
+        if earlier is not None and earlier is not _UNBOUND and _debug_launches():
             if earlier._replace(kernel=kernel, tail=tail) == bound != earlier:
                 raise RuntimeError(
                     f"FastLaunch({getattr(self.fn, '__name__', self.fn)}): the launch key {key!r} stands for "
@@ -174,7 +178,7 @@ class FastLaunch:
     def _launch_bound(self, key: Hashable, grid: tuple[int, ...], args: tuple) -> bool:
         """Launch by `key`'s bound binary; False (nothing launched) when the call must bind."""
         bound = self._bound.get(key)
-        if bound is None or _debug_launches() or not _default_settings():
+        if bound is None or bound is _UNBOUND or _debug_launches() or not _default_settings():
             return False
         device = torch.cuda.current_device()
         if device != bound.device:
@@ -183,7 +187,7 @@ class FastLaunch:
         misaligned = 0
         for i, dtype, bit in zip(bound.tensor_positions, bound.dtypes, bound.alignment_bits):
             tensor = values[i]
-            if type(tensor) is not torch.Tensor or tensor.dtype is not dtype:
+            if type(tensor) not in _TENSOR_TYPES or tensor.dtype is not dtype:
                 return False  # another binary
             values[i] = address = tensor.data_ptr()
             if address & 15:
@@ -212,6 +216,10 @@ class FastLaunch:
 
 
 _MAX_BOUND_KEYS = 4096  # a call site's keys are shapes: past this many, start again
+_UNBOUND: Any = object()  # a key whose launches always bind
+# Tensors whose `data_ptr()` is their device address (a layer's weights are Parameters); other
+# subclasses bind on every launch.
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
