@@ -51,7 +51,8 @@ def _python_only() -> None:
 
     global DEVICE
     DEVICE = "cpu"
-    importlib.import_module("tilellm.kernels.launch").FastLaunch.run = lambda self, grid, args, kwargs, key=None: None
+    launch = importlib.import_module("tilellm.kernels.launch")
+    launch.FastLaunch.run = lambda self, grid, args, kwargs, key=None: None
     importlib.import_module("tilellm.kernels.validation").deep_checks_enabled = lambda t: False
 
 

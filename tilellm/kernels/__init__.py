@@ -33,7 +33,8 @@ FP8 cache runs `decode_fp8.py` and `w8a8_block_fp8_matmul` of 1024 tokens or mor
 
 Every Triton kernel here launches through `launch.FastLaunch`: once a binary is compiled for a call's
 argument specialisation, a launch skips the rest of `JITFunction.run`'s host work (21 of the 31
-us a launch of a 34-argument kernel cost on an H200's host).
+us a launch of a 34-argument kernel cost on an H200's host); a call site that passes a launch key
+(the attention, store, merge and element-wise wrappers) skips Triton's argument binder as well.
 
 `tilellm.kernels.schedule` reports, for a batch, the launch grid, the tiles each program visits
 (full / diagonal / skipped) and the split-KV plan, for whichever of the two kernels would run.
