@@ -21,13 +21,13 @@ A call site that knows what its launches have in common passes a `key`, and skip
 too. The key stands for what selects the binary, tensors aside: the constexprs and launch
 options, the device, and the values of the integers the kernel specialises on (Triton asks of
 each whether it is 1, a multiple of 16, or needs 64 bits; a kernel's `do_not_specialize`
-integers, such as a step's token count, stay out of it, and so does the grid). The first launch of a key
-binds as above and remembers the binary, its tensors' dtypes and 16-byte alignments (Triton's
-specialisation of a pointer) and the constexprs' values; a later one checks its tensors' dtypes
-and alignments and hands the launcher each tensor's address as an integer, which also spares
-the launcher a `data_ptr()` call and a driver query per pointer. A call whose tensors differ in
-either binds again. Under `TILELLM_DEBUG=1` every keyed launch is bound as well and checked to
-run the binary the binder picks, so a key that misses something fails loudly in tests.
+integers, such as a step's token count, stay out of it, and so does the grid). The first launch
+of a key binds as above and remembers the binary, its tensors' dtypes and 16-byte alignments
+(Triton's specialisation of a pointer) and the constexprs' values; a later one checks its
+tensors' dtypes and alignments and hands the launcher each tensor's address as an integer,
+which also spares the launcher a `data_ptr()` call and a driver query per pointer. A call whose
+tensors differ in either binds again. Under `TILELLM_DEBUG=1` every keyed launch binds, and one
+key that stands for two binaries raises, so a key that misses something fails in tests.
 """
 
 from __future__ import annotations

@@ -424,7 +424,7 @@ _MAX_PASSED_LAYOUTS = 4096
 
 def _layout_key(name: str, *tensors) -> tuple | None:
     """(name, then type, shape, strides, dtype and device of each tensor, or None for a None), one
-    flat tuple (a third cheaper to build and compare than one of tuples); None if an argument is
+    flat tuple (cheaper to build and to compare than a tuple of tuples); None if an argument is
     neither a tensor nor None."""
     key = [name]
     try:
