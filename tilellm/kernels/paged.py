@@ -331,10 +331,8 @@ def paged_attention(
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
     )
-    if k_scale is not None or v_scale is not None:
-        validation.check_kv_scales("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
-    if num_splits is not None or max_seqlen_k is not None:
-        validation.check_split_hints("paged_attention", num_splits, max_seqlen_k, seq_lens)
+    validation.check_kv_scales("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
+    validation.check_split_hints("paged_attention", num_splits, max_seqlen_k, seq_lens)
     o = validation.output_like("paged_attention", q, out)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
             is_decode=False, kv_scales=(k_scale, v_scale))  # fmt: skip
@@ -357,10 +355,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] -> o [B, Hq, D]; the q_len = 1 case of paged attention."""
     validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
-    if k_scale is not None or v_scale is not None:
-        validation.check_kv_scales("decode_attention", q, k_cache, v_cache, k_scale, v_scale)
-    if num_splits is not None or max_seqlen_k is not None:
-        validation.check_split_hints("decode_attention", num_splits, max_seqlen_k, seq_lens)
+    validation.check_kv_scales("decode_attention", q, k_cache, v_cache, k_scale, v_scale)
+    validation.check_split_hints("decode_attention", num_splits, max_seqlen_k, seq_lens)
     o = validation.output_like("decode_attention", q, out)
     _launch(q, k_cache, v_cache, block_table, None, seq_lens, 1, o, scale, num_splits, max_seqlen_k,
             is_decode=True, kv_scales=(k_scale, v_scale))  # fmt: skip

@@ -382,6 +382,8 @@ def check_split_hints(name, num_splits, max_seqlen_k, seq_lens) -> None:
 
     `num_splits` may also be a `tilellm.kernels.schedule.SplitPlan` (planned on the host).
     """
+    if num_splits is None and max_seqlen_k is None:
+        return  # (the usual call: nothing to check)
     num_splits = getattr(num_splits, "num_splits", num_splits)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
@@ -501,6 +503,8 @@ def check_cache_dtype(name, ref_arg, ref, caches: dict, scales: dict) -> None:
 def check_kv_scales(name, q, k_cache, v_cache, k_scale, v_scale) -> None:
     """The optional dequantization scales of an attention call's K and V caches (whose dtypes
     `check_paged` / `check_decode` / `check_sparse` have checked)."""
+    if k_scale is None and v_scale is None:
+        return  # (the usual call: nothing to check)
     _check_scales(name, {"k_scale": k_scale, "v_scale": v_scale}, k_cache.device)
 
 
