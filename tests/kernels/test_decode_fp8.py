@@ -179,9 +179,9 @@ def hopper_with_gluon(monkeypatch):
 
     monkeypatch.setattr(config, "gluon_ok", lambda device_index=None: True)
     monkeypatch.setattr(config, "_gluon_module_disabled", {})
-    paged._plan_for_shape.cache_clear()
+    paged.clear_plans()
     yield
-    paged._plan_for_shape.cache_clear()
+    paged.clear_plans()
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,7 @@ def in_kernel(monkeypatch):
     def no_separate_merge(*args, **kwargs):
         raise AssertionError("the separate merge kernel was launched")
 
-    monkeypatch.setattr(paged, "merge_into", no_separate_merge)
+    monkeypatch.setattr(paged, "run_merge", no_separate_merge)
     yield
     split_merge_in_kernel.cache_clear()
 
@@ -84,8 +84,8 @@ def test_more_splits_than_it_serves_take_the_separate_merge(monkeypatch, device)
     """Beyond MERGE_LAST_MAX_SPLITS segments the call merges in a second launch, as by default."""
     _set_mode(monkeypatch, "kernel")
     launched = []
-    real = paged.merge_into
-    monkeypatch.setattr(paged, "merge_into", lambda *a, **k: launched.append(1) or real(*a, **k))
+    real = paged.run_merge
+    monkeypatch.setattr(paged, "run_merge", lambda *a, **k: launched.append(1) or real(*a, **k))
     splits = merge.MERGE_LAST_MAX_SPLITS + 1
     b = make_paged_batch([(1, 16 * splits + 5), (1, 40)], 4, 2, 32, 16, torch.float32, device, seed=2)
     args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
@@ -104,7 +104,7 @@ def test_same_result_as_the_separate_merge(monkeypatch, device):
     _set_mode(monkeypatch, None)
     separate = tk.paged_attention(*b.args(), num_splits=6)
     _set_mode(monkeypatch, "kernel")
-    monkeypatch.setattr(paged, "merge_into", lambda *a, **k: pytest.fail("the separate merge ran"))
+    monkeypatch.setattr(paged, "run_merge", lambda *a, **k: pytest.fail("the separate merge ran"))
     fused = tk.paged_attention(*b.args(), num_splits=6)
     split_merge_in_kernel.cache_clear()
     assert_close(fused, separate, 1e-6, "in-kernel vs separate merge")

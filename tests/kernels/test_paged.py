@@ -244,3 +244,70 @@ def test_forced_decode_tile_keeps_its_rows(device):
     with config.override(paged=config.TileConfig(64, 16, 4, 1)):
         assert config.paged_config(32, torch.float16, 2, 1)[0].block_m == 64
         run_and_check(b, device, "64-row decode tile")
+
+
+# -- eager calls remember their launch per layout --
+
+
+@pytest.fixture
+def remembered_launches(monkeypatch):
+    """Counts the calls that plan their launch (`paged._launch`); the value checks off, as on a
+    GPU without TILELLM_DEBUG=1 (a CPU call always runs them, and so never takes the remembered
+    launch)."""
+    from tilellm.kernels import paged, validation
+
+    monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
+    paged.clear_plans()
+    planned = []
+    real = paged._launch
+    monkeypatch.setattr(paged, "_launch", lambda *a, **k: planned.append(1) or real(*a, **k))
+    yield planned
+    paged.clear_plans()
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_a_layout_seen_before_runs_its_remembered_launch(num_splits, remembered_launches, device):
+    """A second call with new tensors of the same layout (shapes, strides, dtypes, device) and
+    the same scalar arguments skips the planning and gives the twin's answer; another layout
+    plans again."""
+    kw = dict(num_splits=num_splits, max_seqlen_k=41)  # (on the CPU, no max_seqlen_k plans from seq_lens)
+    for seed in (1, 2):
+        b = make_paged_batch(MIXED, 8, 2, 32, 16, torch.float32, device, seed=seed)
+        run_and_check(b, device, f"seed {seed}", **kw)
+    assert remembered_launches == [1]
+    b = make_paged_batch(MIXED, 8, 2, 32, 16, torch.float32, device, seed=3)
+    run_and_check(b, device, "a strided q", **kw)  # the same layout again
+    q = torch.empty(b.q.shape[0], b.q.shape[1] + 3, b.q.shape[2], device=device)[:, 2:-1]
+    q.copy_(b.q)
+    b.q = q
+    run_and_check(b, device, "a strided q", **kw)
+    run_and_check(b, device, "another scale", scale=0.3, **kw)
+    assert remembered_launches == [1, 1, 1]
+
+
+def test_a_remembered_layout_still_rejects_bad_arguments(remembered_launches, device):
+    """The remembered launch is found by the arguments' layout and their scalars' types and
+    values too: a call that differs in any of them is checked again."""
+    b = make_paged_batch([(1, 30), (2, 17)], 4, 2, 32, 16, torch.float32, device, seed=4)
+    tk.paged_attention(*b.args(), num_splits=1, max_seqlen_k=30)
+    with pytest.raises(ValueError, match="num_splits must be an int"):
+        tk.paged_attention(*b.args(), num_splits=True, max_seqlen_k=30)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        tk.paged_attention(*b.args(), num_splits=1, max_seqlen_k=30, scale=float("nan"))
+    with pytest.raises(ValueError, match="block_table"):
+        tk.paged_attention(
+            *b.args()[:3], b.block_table.to(torch.int64), *b.args()[4:], num_splits=1, max_seqlen_k=30
+        )
+
+
+def test_remembered_decode_calls(remembered_launches, device):
+    """`decode_attention` remembers its launches too: split (with the merge of its partials) and not."""
+    for num_splits in (1, 2):
+        for seed in (5, 6):
+            b = make_paged_batch([(1, 40), (1, 9), (1, 33)], 8, 2, 32, 16, torch.float32, device, seed=seed)
+            args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+            out = tk.decode_attention(*args, num_splits=num_splits, max_seqlen_k=40)
+            assert_close(
+                out, ref.decode_attention(*args), tolerance(b.q.dtype, device), f"{num_splits} splits"
+            )
+    assert remembered_launches == [1, 1]

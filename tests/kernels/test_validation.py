@@ -732,7 +732,7 @@ def test_invalid_input_raises(mod, kernel, mutate, message):
     ("kernel", "mutate", "message"), [pytest.param(k, m, msg, id=f"{k}-{i}") for k, i, m, msg in CASES]
 )
 def test_invalid_input_raises_after_its_valid_call(kernel, mutate, message):
-    """The checks remember the layouts that passed (`validation._layout_key`): a broken input
+    """The checks remember the layouts that passed (`validation.layout_key`): a broken input
     must still be rejected right after its valid starting point passed."""
     make, call = KERNELS[kernel]
     call(tk, make())

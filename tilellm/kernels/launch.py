@@ -32,12 +32,13 @@ key that stands for two binaries raises, so a key that misses something fails in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
+
+from tilellm.kernels.config import debug_enabled
 
 
 def _default_settings() -> bool:
@@ -226,9 +227,8 @@ def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
     return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
 
-def _debug_launches() -> bool:
-    """TILELLM_DEBUG=1: every keyed launch binds, and its binary is checked against the key's."""
-    return os.environ.get("TILELLM_DEBUG") == "1"
+# TILELLM_DEBUG=1: every keyed launch binds, and its binary is checked against the key's.
+_debug_launches = debug_enabled
 
 
 def _current_stream(device: int) -> int:

@@ -14,6 +14,8 @@ finish merges (one launch instead of two).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -184,17 +186,50 @@ def merge_into(
         o_parts = o_parts.contiguous()
     if lse_parts.stride(2) != 1:
         lse_parts = lse_parts.contiguous()
-    scalars = (
-        S, H, o_parts.stride(0), o_parts.stride(1), o_parts.stride(2), lse_parts.stride(0), lse_parts.stride(1),
-        out.stride(0), out.stride(1),
-    )  # fmt: skip
-    consts = (out.device, D, S, lse_out is not None)
+    launch = plan_merge(
+        o_parts.shape, o_parts.stride(), lse_parts.stride(), out.stride(), out.device, lse_out is not None
+    )
+    run_merge(launch, o_parts, lse_parts, out, lse_out)
+
+
+class MergeLaunch(NamedTuple):
+    """The merge kernel's launch for a layout of partials and output (`plan_merge`)."""
+
+    grid: tuple[int, int]
+    scalars: tuple  # S, H, o_parts' strides (3), lse_parts' strides (2), out's strides (2)
+    consts: tuple  # `_merge_constexprs`' arguments
+    key: tuple  # `FastLaunch`'s key: the constexprs, H, and the head strides of o_parts and out
+
+
+def plan_merge(
+    parts_shape: tuple[int, ...],
+    parts_stride: tuple[int, ...],
+    lse_stride: tuple[int, ...],
+    out_stride: tuple[int, ...],
+    device: torch.device,
+    write_lse: bool = False,
+) -> MergeLaunch:
+    """The launch that merges o_parts [S, T, H, D] (`parts_stride`; last dim contiguous) and
+    lse_parts [S, T, H] (`lse_stride`) into out [T, H, D] (`out_stride`)."""
+    S, T, H, D = parts_shape
+    scalars = (S, H, *parts_stride[:3], *lse_stride[:2], *out_stride[:2])
+    consts = (device, D, S, write_lse)
+    return MergeLaunch((T, H), scalars, consts, (consts, scalars[1], scalars[4], scalars[-2:]))
+
+
+def run_merge(
+    launch: MergeLaunch,
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None = None,
+) -> None:
+    """Launch `launch` (from `plan_merge` for these tensors' layouts)."""
     _merge_launch.run(
-        (T, H),
-        (o_parts, lse_parts, out, lse_out if lse_out is not None else lse_parts, *scalars),
-        lambda: _merge_constexprs(*consts),
-        # the launch key (`FastLaunch`): the specialised scalars, H and the head strides of o_parts and out
-        key=(consts, scalars[1], scalars[4], scalars[-2:]),
+        launch.grid,
+        (o_parts, lse_parts, out, lse_out if lse_out is not None else lse_parts, *launch.scalars),
+        lambda: _merge_constexprs(*launch.consts),
+        key=launch.key,
     )
 
 

@@ -23,8 +23,10 @@ buffer (`split_counters`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,7 +48,15 @@ from tilellm.kernels.config import (
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.merge import MERGE_LAST_MAX_SPLITS, merge_if_last, merge_into, merge_unroll
+from tilellm.kernels.merge import (
+    MERGE_LAST_MAX_SPLITS,
+    MergeLaunch,
+    merge_if_last,
+    merge_into,
+    merge_unroll,
+    plan_merge,
+    run_merge,
+)
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
@@ -328,6 +338,16 @@ def paged_attention(
     Returns:
         o: [T, Hq, D] in q.dtype.
     """
+    call = _call_key(
+        "paged_attention", (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, k_scale, v_scale),
+        (max_seqlen_q, scale, num_splits, max_seqlen_k),
+    )  # fmt: skip
+    launch = _remembered(call)
+    if launch is not None and not validation.deep_checks_enabled(q):
+        # a layout that passed the checks before: its remembered launch (no value checks here)
+        o = torch.empty_like(q) if out is None else out
+        _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale))
+        return o
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
     )
@@ -335,7 +355,7 @@ def paged_attention(
     validation.check_split_hints("paged_attention", num_splits, max_seqlen_k, seq_lens)
     o = validation.output_like("paged_attention", q, out)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
-            is_decode=False, kv_scales=(k_scale, v_scale))  # fmt: skip
+            is_decode=False, kv_scales=(k_scale, v_scale), remember=call)  # fmt: skip
     return o
 
 
@@ -354,12 +374,22 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] -> o [B, Hq, D]; the q_len = 1 case of paged attention."""
+    call = _call_key(
+        "decode_attention", (q, k_cache, v_cache, block_table, seq_lens, out, k_scale, v_scale),
+        (scale, num_splits, max_seqlen_k),
+    )  # fmt: skip
+    launch = _remembered(call)
+    if launch is not None and not validation.deep_checks_enabled(q):
+        # a layout that passed the checks before: its remembered launch (no value checks here)
+        o = torch.empty_like(q) if out is None else out
+        _run_triton(launch, q, k_cache, v_cache, block_table, None, seq_lens, o, (k_scale, v_scale))
+        return o
     validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
     validation.check_kv_scales("decode_attention", q, k_cache, v_cache, k_scale, v_scale)
     validation.check_split_hints("decode_attention", num_splits, max_seqlen_k, seq_lens)
     o = validation.output_like("decode_attention", q, out)
     _launch(q, k_cache, v_cache, block_table, None, seq_lens, 1, o, scale, num_splits, max_seqlen_k,
-            is_decode=True, kv_scales=(k_scale, v_scale))  # fmt: skip
+            is_decode=True, kv_scales=(k_scale, v_scale), remember=call)  # fmt: skip
     return o
 
 
@@ -393,12 +423,13 @@ def paged_tile_stats(
 def _launch(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, o, scale, num_splits, max_seqlen_k,
     *, is_decode, record_stats=False, kv_lo=None, kv_hi=None, parts=None, tiles_fastest=None,
-    kv_scales=(None, None),
+    kv_scales=(None, None), remember=None,
 ):  # fmt: skip
     """Launch the paged kernel. `parts=(o_parts, lse_parts, part_base)` makes every program write
     its partial (o, lse) at part index part_base + split instead of `o` (the caller merges).
     `tiles_fastest` forces the launch order (None: query tiles fastest when there are several;
-    benchmarks compare both)."""
+    benchmarks compare both). `remember`: the call's `_call_key`, under which a launch of the
+    Triton kernel planned from the shapes alone is remembered."""
     T, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     batch = seq_lens.numel()
@@ -411,6 +442,8 @@ def _launch(
         max_seqlen_k = block_table.shape[1] * page
     if isinstance(num_splits, PagedPlan) and num_splits.kernel == "gluon" and kv_fp8:
         num_splits = None  # the Gluon kernel reads 16-bit pages only: plan for the Triton one
+    # (a plan made from seq_lens' values holds only for this call's values)
+    planned_from_shapes = max_seqlen_k is not None or isinstance(num_splits, (PagedPlan, SplitPlan))
     if isinstance(num_splits, PagedPlan):
         paged_plan = num_splits  # planned on the host by the caller (no sync, CUDA-graph safe)
     elif isinstance(num_splits, SplitPlan):
@@ -456,62 +489,162 @@ def _launch(
         # stats asked for, a layout it does not take, or a Triton that cannot build it
         paged_plan = PagedPlan("triton", paged_plan.split)
     plan = paged_plan.split
+    launch_of = functools.partial(
+        _triton_launch, q, k_cache, block_table, o, scale, plan,
+        paged_plan.tiles_first if tiles_fastest is None else tiles_fastest, is_decode=is_decode,
+        max_seqlen_q=max_seqlen_q, batch=batch, kv_fp8=kv_fp8, has_kv_lo=kv_lo is not None,
+        has_kv_hi=kv_hi is not None, record_stats=record_stats, partials=parts is not None,
+    )  # fmt: skip
+    merge_last = 1 < plan.num_splits <= MERGE_LAST_MAX_SPLITS and parts is None and split_merge_in_kernel()
+    launch = launch_of(merge_last=merge_last)
+    counters = split_counters(q.device, launch.slots) if merge_last else None
+    if merge_last and counters is None:  # (a capture that would have to allocate them)
+        merge_last = False
+        launch = launch_of(merge_last=False)
+    stats = None
+    if record_stats:
+        stats = torch.zeros(launch.slots * launch.splits * 2, dtype=torch.int32, device=q.device)
+    if T == 0 or batch == 0:
+        return (stats, plan) if record_stats else None
+    if remember is not None and not internal and not record_stats and not merge_last and planned_from_shapes:
+        with contextlib.suppress(TypeError):  # (an unhashable scalar argument)
+            _remember(remember, launch)
+    _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales,
+                stats=stats, kv_lo=kv_lo, kv_hi=kv_hi, parts=parts, counters=counters)  # fmt: skip
+    if counters is not None and validation.deep_checks_enabled(q):
+        _check_counters(counters, launch.slots)
+    if record_stats:
+        return stats.view(batch, Hkv, launch.slots // (batch * Hkv) * launch.splits, 2), plan
+    return None
+
+
+class _TritonLaunch(NamedTuple):
+    """The paged kernel's launch for one layout of a call: what the tensors' shapes, strides,
+    dtypes and the call's scalar arguments decide (`_triton_launch`). `_run_triton` launches it
+    with a call's tensors; `decode_attention` and `paged_attention` remember it per layout, so
+    that a later eager call of that layout skips the planning (FlashInfer's plan / run)."""
+
+    grid: tuple[int, ...]
+    scalars: tuple  # qk_scale (base 2), T, Hq, the q / o / block_table / cache strides, splits, min keys
+    consts: tuple  # `_paged_constexprs`' arguments
+    key: tuple  # `FastLaunch`'s key
+    splits: int
+    slots: int  # tiles of programs: B x Hkv x query tiles
+    is_decode: bool
+    kv_fp8: bool
+    merge: MergeLaunch | None  # the separate merge of this call's own partials
+
+
+def _triton_launch(
+    q, k_cache, block_table, o, scale, plan, tiles_fastest, *, is_decode, max_seqlen_q, batch, kv_fp8, has_kv_lo,
+    has_kv_hi, record_stats, partials, merge_last,
+) -> _TritonLaunch:  # fmt: skip
+    """Plan the Triton kernel's launch (`plan`: the split plan; `partials`: the caller passes
+    the partial buffers and merges)."""
+    T, Hq, D = q.shape
+    _, page, Hkv, _ = k_cache.shape
+    group = Hq // Hkv
     splits = plan.num_splits
-    if tiles_fastest is None:
-        tiles_fastest = paged_plan.tiles_first
     tiles = _tiles if not overridden() else _tiles.__wrapped__
     cfg, block_q, q_tiles, grid, tiles_fastest = tiles(
         D, q.dtype, group, 1 if is_decode else max_seqlen_q, kv_fp8, Hkv, batch, splits, tiles_fastest
     )
-    stats = None
-    if record_stats:
-        stats = torch.zeros(batch * Hkv * q_tiles * splits * 2, dtype=torch.int32, device=q.device)
-    if T == 0 or batch == 0:
-        return (stats, plan) if record_stats else None
-    part_base = 0
-    if parts is not None:
-        o_parts, lse_parts, part_base = parts
-    elif splits > 1:
-        o_parts, lse_parts = _split_parts(splits, T, Hq, D, q.device)
-    else:
-        o_parts = lse_parts = None  # unread
-    counters = None
-    slots = batch * Hkv * q_tiles
-    if 1 < splits <= MERGE_LAST_MAX_SPLITS and parts is None and split_merge_in_kernel():
-        counters = split_counters(q.device, slots)
-    k_scale, v_scale = _fp8_scales(kv_scales, q.device) if kv_fp8 else kv_scales
     # The launch key (`FastLaunch`): the constexprs' inputs and the scalars the kernel specialises
     # on (not the token count, split counts, block_table's stride or the softmax scale).
     scalars = (
         validation.resolve_scale(scale, D) * LOG2_E, T, Hq,
         *q.stride()[:2], *o.stride()[:2], block_table.stride(0), *k_cache.stride()[:3],
-        splits, plan.min_keys_per_split, part_base,
+        splits, plan.min_keys_per_split,
     )  # fmt: skip
     consts = (
-        q.device, q.dtype, kv_fp8, group, D, page, cfg, block_q, splits > 1 or parts is not None,
-        is_decode, kv_lo is not None, kv_hi is not None, record_stats, tiles_fastest,
-        (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS, counters is not None,
+        q.device, q.dtype, kv_fp8, group, D, page, cfg, block_q, splits > 1 or partials, is_decode, has_kv_lo,
+        has_kv_hi, record_stats, tiles_fastest, (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS, merge_last,
     )  # fmt: skip
+    merge = None
+    if splits > 1 and not partials and not merge_last:
+        parts_shape = (splits, T, Hq, D)
+        merge = plan_merge(
+            parts_shape, _contiguous_strides(parts_shape), (T * Hq, Hq, 1), o.stride(), o.device
+        )
+    key = (consts, scalars[2:7] + scalars[8:11])  # Hq and the strides but block_table's
+    return _TritonLaunch(grid, scalars, consts, key, splits, batch * Hkv * q_tiles, is_decode, kv_fp8, merge)
+
+
+def _run_triton(
+    launch: _TritonLaunch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales, *, stats=None,
+    kv_lo=None, kv_hi=None, parts=None, counters=None,
+) -> None:  # fmt: skip
+    """Launch `launch` with a call's tensors (and the merge of its partials)."""
+    part_base = 0
+    if parts is not None:
+        o_parts, lse_parts, part_base = parts
+    elif launch.splits > 1:
+        o_parts, lse_parts = _split_parts(launch.splits, *q.shape, q.device)
+    else:
+        o_parts = lse_parts = None  # unread
+    k_scale, v_scale = _fp8_scales(kv_scales, q.device) if launch.kv_fp8 else (None, None)
     _paged_launch.run(
-        grid,
+        launch.grid,
         (
             # None where the constexprs leave a pointer unread (no argument for the binder or the
             # launcher to convert)
-            q, k_cache, v_cache, o, o_parts, lse_parts, stats,
-            k_scale if kv_fp8 else None, v_scale if kv_fp8 else None,
-            block_table, None if is_decode else cu_seqlens_q, seq_lens,
-            *scalars[:-1], kv_lo, kv_hi, part_base, counters,
+            q, k_cache, v_cache, o, o_parts, lse_parts, stats, k_scale, v_scale,
+            block_table, None if launch.is_decode else cu_seqlens_q, seq_lens,
+            *launch.scalars, kv_lo, kv_hi, part_base, counters,
         ),
-        lambda: _paged_constexprs(*consts),
-        key=(consts, scalars[2:7] + scalars[8:11]),  # Hq and the strides but block_table's
+        lambda: _paged_constexprs(*launch.consts),
+        key=launch.key,
     )  # fmt: skip
-    if splits > 1 and parts is None and counters is None:
-        merge_into(o_parts, lse_parts, o)
-    if counters is not None and validation.deep_checks_enabled(q):
-        _check_counters(counters, slots)
-    if record_stats:
-        return stats.view(batch, Hkv, q_tiles * splits, 2), plan
-    return None
+    if launch.merge is not None:
+        run_merge(launch.merge, o_parts, lse_parts, o)
+
+
+# The launches of eager `decode_attention` / `paged_attention` calls, by the call's layout
+# (`_call_key`): a call whose tensors match a remembered one in type, shape, strides, dtype and
+# device, with the same scalar arguments, passed the same checks and gets the same plan.
+_REMEMBERED: dict[tuple, _TritonLaunch] = {}
+_MAX_REMEMBERED = 4096
+
+
+def _call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
+    """The key of an eager call by its layout, or None when it cannot be remembered (an argument
+    that is not a tensor, a tile config overridden, the in-kernel merge mode)."""
+    key = validation.layout_key(name, *tensors)
+    if key is None or overridden() or split_merge_in_kernel():
+        return None
+    return key + scalars + tuple(map(type, scalars))  # (True == 1, but num_splits=True is an error)
+
+
+def _remembered(key: tuple | None) -> _TritonLaunch | None:
+    """The launch remembered under a `_call_key`, if any."""
+    if key is None:
+        return None
+    try:
+        return _REMEMBERED.get(key)
+    except TypeError:  # an unhashable scalar argument (the checks say what is wrong)
+        return None
+
+
+def _remember(key: tuple, launch: _TritonLaunch) -> None:
+    if len(_REMEMBERED) >= _MAX_REMEMBERED:
+        _REMEMBERED.clear()
+    _REMEMBERED[key] = launch
+
+
+def clear_plans() -> None:
+    """Forget every plan made per shape and every remembered call (after patching the planner's
+    inputs, as tests do)."""
+    _plan_for_shape.cache_clear()
+    _tiles.cache_clear()
+    _REMEMBERED.clear()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 _paged_launch = FastLaunch(_paged_kernel)

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
+from tilellm.kernels.config import debug_enabled
 from tilellm.kernels.fp8 import FP8_DTYPE  # an FP8 KV cache
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -42,7 +42,7 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
 
 def deep_checks_enabled(t: torch.Tensor) -> bool:
     """Value checks run on CPU tensors always, on device tensors only when TILELLM_DEBUG=1."""
-    return t.device.type == "cpu" or os.environ.get("TILELLM_DEBUG") == "1"
+    return t.device.type == "cpu" or debug_enabled()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,7 +424,7 @@ _PASSED_LAYOUTS: set[tuple] = set()
 _MAX_PASSED_LAYOUTS = 4096
 
 
-def _layout_key(name: str, *tensors) -> tuple | None:
+def layout_key(name: str, *tensors) -> tuple | None:
     """(name, then type, shape, strides, dtype and device of each tensor, or None for a None), one
     flat tuple (cheaper to build and to compare than a tuple of tuples); None if an argument is
     neither a tensor nor None."""
@@ -441,8 +441,8 @@ def _layout_key(name: str, *tensors) -> tuple | None:
 
 
 def _check_layout_once(check, name: str, *tensors) -> None:
-    """`check(name, *tensors)` unless these layouts passed it before (`_layout_key`)."""
-    key = _layout_key(name, *tensors)
+    """`check(name, *tensors)` unless these layouts passed it before (`layout_key`)."""
+    key = layout_key(name, *tensors)
     if key in _PASSED_LAYOUTS:
         return
     check(name, *tensors)
