@@ -267,6 +267,27 @@ def test_paged_py_calls_the_kernel_and_merges_its_segments(hopper_with_gluon, mo
     assert len(twin.calls) == 1 and (splits is None or twin.calls == [splits])
 
 
+def test_a_layout_seen_before_runs_its_remembered_launch(hopper_with_gluon, monkeypatch, device):
+    """An eager call whose layout was planned before launches the kernel (and merges its segments)
+    without planning again, with new tensors (the value checks off, as on a GPU without
+    TILELLM_DEBUG=1)."""
+    from tilellm.kernels import paged, validation
+
+    twin = _KernelTwin()
+    monkeypatch.setattr(paged, "launch_gluon", lambda launch, module="hopper": launch(twin))
+    monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
+    planned = []
+    real = paged._launch
+    monkeypatch.setattr(paged, "_launch", lambda *a, **k: planned.append(1) or real(*a, **k))
+    for seed in (3, 4):
+        b, ks, vs = _fp8_batch([(1, n) for n in CONTEXTS], 8, 2, 64, 16, torch.float16, device, seed=seed)
+        args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+        got = tk.decode_attention(*args, num_splits=3, max_seqlen_k=1500, k_scale=ks, v_scale=vs)
+        want = ref.decode_attention(*args, k_scale=ks, v_scale=vs)
+        assert_close(got, want, tolerance(torch.float16, device), f"seed {seed}")
+    assert planned == [1] and twin.calls == [3, 3]
+
+
 def test_a_declined_batch_runs_the_portable_kernel_and_disables_nothing(monkeypatch):
     monkeypatch.setattr(config, "_gluon_module_disabled", {})
     assert config.gluon_unavailable() is None  # Gluon imports here (its kernels compile on any machine)

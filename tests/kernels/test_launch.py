@@ -11,9 +11,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tests.conftest import DEVICE, HAS_CUDA
-from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.launch import FastLaunch, tma_descriptor
 
 
 @triton.jit
@@ -101,6 +102,66 @@ def test_keyed_launch_takes_new_tensors_and_binds_what_it_cannot_take(monkeypatc
     torch.testing.assert_close(_axpy_keyed(base[:4096], y, 2.0), _expected(base[:4096], y, 2.0))
     xd, yd = base[:4096].double(), y.double()
     torch.testing.assert_close(_axpy_keyed(xd, yd, 2.0), _expected(xd, yd, 2.0))
+
+
+@triton.jit
+def _copy_rows_kernel(desc, out_ptr, BLOCK: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tile = desc.load([tl.program_id(0) * BLOCK, 0])
+    tl.store(out_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :], tile)
+
+
+_copy_rows_launch = FastLaunch(_copy_rows_kernel)
+
+
+def _copy_rows(x: torch.Tensor, block: int, key=None) -> torch.Tensor:
+    """x [R, C] copied through a TMA descriptor of [block, C] boxes, launched by a key."""
+    out = torch.empty_like(x)
+    desc = tma_descriptor(TensorDescriptor, x, [block, x.shape[1]])
+    _copy_rows_launch.run(
+        (x.shape[0] // block,),
+        (desc, out),
+        lambda: dict(BLOCK=block, COLS=x.shape[1]),
+        key=(x.device, x.dtype, block, x.shape[1]) if key is None else key,
+    )
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="TMA descriptors need an sm_90 GPU"
+)
+def test_keyed_launch_passes_tma_descriptors(monkeypatch):
+    """A kernel that takes a TMA descriptor launches by its key too (the launcher builds the
+    descriptor's tensor map), with new tensors each time; under TILELLM_DEBUG=1 a key that
+    misses the block shape raises."""
+    monkeypatch.delenv("TILELLM_DEBUG", raising=False)
+    x = torch.randn(256, 64, device=DEVICE)
+    torch.testing.assert_close(_copy_rows(x, 32), x)  # binds the key
+    before = _copy_rows_launch.fast_launches
+    for _ in range(3):
+        x = torch.randn(256, 64, device=DEVICE)
+        torch.testing.assert_close(_copy_rows(x, 32), x)
+    assert _copy_rows_launch.fast_launches == before + 3
+    monkeypatch.setenv("TILELLM_DEBUG", "1")
+    torch.testing.assert_close(_copy_rows(x, 32, key="same"), x)
+    with pytest.raises(RuntimeError, match="misses something"):
+        _copy_rows(x, 64, key="same")
+
+
+def test_descriptors_of_a_checked_layout_skip_the_checks():
+    """`tma_descriptor` builds a descriptor equal to `from_tensor`'s; once a layout passed the
+    dataclass's checks, its next descriptors are built without them, but a misaligned base still
+    goes through them (and fails as `from_tensor` does)."""
+    base = torch.zeros(4 * 64 + 4)
+    x = base[:256].view(4, 64)
+    first = tma_descriptor(TensorDescriptor, x, [2, 64])
+    assert vars(first) == vars(TensorDescriptor.from_tensor(x, [2, 64]))
+    y = torch.ones(4, 64)
+    again = tma_descriptor(TensorDescriptor, y, [2, 64])
+    assert again.base is y and vars(again) == vars(TensorDescriptor.from_tensor(y, [2, 64]))
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        tma_descriptor(TensorDescriptor, base[1:257].view(4, 64), [2, 64])
 
 
 @pytest.mark.gpu

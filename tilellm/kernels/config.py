@@ -41,27 +41,36 @@ class TileConfig:
 
 
 # `os.environ.get` costs about 1 us (it encodes the name and decodes the value), and an eager
-# kernel call asks for TILELLM_DEBUG two or three times. CPython's `os.environ` keeps its entries
-# in a dict of encoded names and values (`_data`); every write through `os.environ` (pytest's
-# `monkeypatch.setenv` too) lands there, so reading it directly sees the same values.
+# kernel call asks for TILELLM_DEBUG and TRITON_INTERPRET several times. CPython's `os.environ`
+# keeps its entries in a dict of encoded names and values (`_data`); every write through
+# `os.environ` (pytest's `monkeypatch.setenv` too) lands there, so reading it directly sees the
+# same values.
 _ENV_DATA: dict | None = getattr(os.environ, "_data", None)
-try:
-    _DEBUG_NAME, _DEBUG_ON = os.environ.encodekey("TILELLM_DEBUG"), os.environ.encodevalue("1")  # type: ignore[attr-defined]
-except AttributeError:  # another Python's os.environ
-    _ENV_DATA = None
+_ENCODE = getattr(os.environ, "encodekey", None), getattr(os.environ, "encodevalue", None)
+
+
+@functools.cache
+def _encoded(name: str, value: str) -> tuple:
+    return _ENCODE[0](name), _ENCODE[1](value)
+
+
+def _env_is(name: str, value: str) -> bool:
+    """`os.environ.get(name) == value`, read on every call (tests switch these variables)."""
+    if _ENV_DATA is None or None in _ENCODE:  # another Python's os.environ
+        return os.environ.get(name) == value
+    key, want = _encoded(name, value)
+    return _ENV_DATA.get(key) == want
 
 
 def debug_enabled() -> bool:
     """TILELLM_DEBUG=1: the kernels' value checks run on device tensors too, and keyed launches
-    are checked against their keys (read on every call: tests switch it)."""
-    if _ENV_DATA is not None:
-        return _ENV_DATA.get(_DEBUG_NAME) == _DEBUG_ON
-    return os.environ.get("TILELLM_DEBUG") == "1"
+    are checked against their keys."""
+    return _env_is("TILELLM_DEBUG", "1")
 
 
 def interpreting() -> bool:
     """True when Triton runs under its CPU interpreter (small tiles keep it fast)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _env_is("TRITON_INTERPRET", "1")
 
 
 # Launch arithmetic on the host, in plain Python: `triton.cdiv` and `triton.next_power_of_2` are

@@ -65,6 +65,10 @@ class _Bound(NamedTuple):
     kernel: Any
     tensor_positions: tuple[int, ...]
     dtypes: tuple[torch.dtype, ...]
+    # TMA descriptors, passed to the launcher as they are (it builds each one's tensor map): their
+    # positions and types; the key fixes their element type, block shape and layout
+    descriptor_positions: tuple[int, ...]
+    descriptor_types: tuple[type, ...]
     # per tensor, its bit of `misaligned` where Triton specialises its alignment, else 0
     alignment_bits: tuple[int, ...]
     misaligned: int  # the bits of the tensors not 16-byte aligned
@@ -129,7 +133,7 @@ class FastLaunch:
             kernel = self._kernels[spec_key] = getattr(kernel, "result", lambda: kernel)()
         else:
             g0, g1, g2 = _grid3(grid)
-            kernel.run(g0, g1, g2, _current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+            kernel.run(g0, g1, g2, current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
                        *bound_args.values())  # fmt: skip
             self.fast_launches += 1
         if key is not None:
@@ -144,7 +148,7 @@ class FastLaunch:
         if params is None or not all(p.is_constexpr for p in params[len(args) :]):
             self._bound[key] = _UNBOUND
             return
-        tensor_positions, alignment_bits, misaligned = [], [], 0
+        tensor_positions, alignment_bits, misaligned, descriptor_positions = [], [], 0, []
         for i, a in enumerate(args):
             if type(a) in _TENSOR_TYPES:
                 if a.device.type != "cuda" or a.device.index != device:
@@ -157,13 +161,16 @@ class FastLaunch:
                 alignment_bits.append(bit)
                 if a.data_ptr() & 15:
                     misaligned |= bit
+            elif _is_descriptor(a):
+                descriptor_positions.append(i)
             elif not (a is None or type(a) in (int, float, bool)):
-                self._bound[key] = _UNBOUND  # a descriptor or another object the binder reads
+                self._bound[key] = _UNBOUND  # another object the binder reads
                 return
         dtypes = tuple(args[i].dtype for i in tensor_positions)
         bound = _Bound(
-            device, kernel, tuple(tensor_positions), dtypes, tuple(alignment_bits), misaligned, tail
-        )
+            device, kernel, tuple(tensor_positions), dtypes, tuple(descriptor_positions),
+            tuple(type(args[i]) for i in descriptor_positions), tuple(alignment_bits), misaligned, tail,
+        )  # fmt: skip
         earlier = self._bound.get(key)
         # (tensors of other dtypes under the same key are another binary: each launch checks them)
         if earlier is not None and earlier is not _UNBOUND and _debug_launches():
@@ -195,8 +202,11 @@ class FastLaunch:
                 misaligned |= bit
         if misaligned != bound.misaligned:
             return False  # another alignment: another binary
+        for i, kind in zip(bound.descriptor_positions, bound.descriptor_types):
+            if type(values[i]) is not kind:
+                return False
         kernel = bound.kernel
-        kernel.run(*_grid3(grid), _current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+        kernel.run(*_grid3(grid), current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
                    *values, *bound.tail)  # fmt: skip
         self.fast_launches += 1
         return True
@@ -223,6 +233,40 @@ _UNBOUND: Any = object()  # a key whose launches always bind
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def tma_descriptor(cls: type, base: torch.Tensor, block_shape: list[int], layout: Any = None) -> Any:
+    """`cls.from_tensor(base, block_shape[, layout])`: a host-side TMA descriptor (Triton's
+    `TensorDescriptor`, or Gluon's with its shared-memory layout) over `base`.
+
+    The descriptor dataclasses check their fields when built (rank, alignment of the address and
+    strides, block shape: about 5 us of host time). A base whose shape, strides and dtype passed
+    those checks before with the same block and layout passes them again, provided its address is
+    16-byte aligned: its descriptor is built from the remembered fields without them."""
+    checked = (cls, base.shape, base.stride(), base.dtype, tuple(block_shape), layout)
+    fields = _DESCRIPTOR_FIELDS.get(checked)
+    if fields is None or base.data_ptr() % 16:
+        desc = (
+            cls.from_tensor(base, block_shape)
+            if layout is None
+            else cls.from_tensor(base, block_shape, layout)
+        )
+        if len(_DESCRIPTOR_FIELDS) >= _MAX_BOUND_KEYS:
+            _DESCRIPTOR_FIELDS.clear()
+        _DESCRIPTOR_FIELDS[checked] = {name: value for name, value in vars(desc).items() if name != "base"}
+        return desc
+    desc = object.__new__(cls)
+    vars(desc).update(fields, base=base)
+    return desc
+
+
+# the fields (all but the base tensor, which they must not keep alive) of checked descriptors
+_DESCRIPTOR_FIELDS: dict[tuple, dict] = {}
+
+
+def _is_descriptor(a: Any) -> bool:
+    """A host-side TMA descriptor (Triton's `TensorDescriptor` or Gluon's)."""
+    return type(a).__name__ == "TensorDescriptor" and hasattr(a, "block_shape") and hasattr(a, "base")
+
+
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
     return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
@@ -231,7 +275,8 @@ def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
 _debug_launches = debug_enabled
 
 
-def _current_stream(device: int) -> int:
+def current_stream(device: int) -> int:
+    """The raw handle of `device`'s current stream."""
     return torch.cuda.current_stream(device).cuda_stream if _raw_stream is None else _raw_stream(device)
 
 

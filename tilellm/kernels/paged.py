@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -346,7 +347,7 @@ def paged_attention(
     if launch is not None and not validation.deep_checks_enabled(q):
         # a layout that passed the checks before: its remembered launch (no value checks here)
         o = torch.empty_like(q) if out is None else out
-        _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale))
+        launch.run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale))
         return o
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
@@ -382,7 +383,7 @@ def decode_attention(
     if launch is not None and not validation.deep_checks_enabled(q):
         # a layout that passed the checks before: its remembered launch (no value checks here)
         o = torch.empty_like(q) if out is None else out
-        _run_triton(launch, q, k_cache, v_cache, block_table, None, seq_lens, o, (k_scale, v_scale))
+        launch.run(q, k_cache, v_cache, block_table, None, seq_lens, o, (k_scale, v_scale))
         return o
     validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
     validation.check_kv_scales("decode_attention", q, k_cache, v_cache, k_scale, v_scale)
@@ -428,8 +429,8 @@ def _launch(
     """Launch the paged kernel. `parts=(o_parts, lse_parts, part_base)` makes every program write
     its partial (o, lse) at part index part_base + split instead of `o` (the caller merges).
     `tiles_fastest` forces the launch order (None: query tiles fastest when there are several;
-    benchmarks compare both). `remember`: the call's `_call_key`, under which a launch of the
-    Triton kernel planned from the shapes alone is remembered."""
+    benchmarks compare both). `remember`: the call's `_call_key`, under which a launch planned
+    from the shapes alone (the Triton kernel's, or `decode_fp8.py`'s) is remembered."""
     T, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     batch = seq_lens.numel()
@@ -481,10 +482,13 @@ def _launch(
         # Decode over an FP8 cache on Hopper: each thread widens the bytes its tensor-core
         # operands hold, in registers (decode_fp8.py). Same split plan, partials and merge.
         if is_decode and not internal and not record_stats and T > 0 and batch > 0:
-            k_scale, v_scale = _fp8_scales(kv_scales, q.device)
+            launched = []
             if launch_gluon(lambda decode_fp8: _launch_decode_fp8(
-                decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, k_scale, v_scale, paged_plan.split,
+                decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, kv_scales, paged_plan.split, launched,
             ), module="decode_fp8"):  # fmt: skip
+                if remember is not None and planned_from_shapes:
+                    with contextlib.suppress(TypeError):  # (an unhashable scalar argument)
+                        _remember(remember, launched[0])
                 return None
         # stats asked for, a layout it does not take, or a Triton that cannot build it
         paged_plan = PagedPlan("triton", paged_plan.split)
@@ -533,6 +537,9 @@ class _TritonLaunch(NamedTuple):
     is_decode: bool
     kv_fp8: bool
     merge: MergeLaunch | None  # the separate merge of this call's own partials
+
+    def run(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales) -> None:
+        _run_triton(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales)
 
 
 def _triton_launch(
@@ -602,7 +609,7 @@ def _run_triton(
 # The launches of eager `decode_attention` / `paged_attention` calls, by the call's layout
 # (`_call_key`): a call whose tensors match a remembered one in type, shape, strides, dtype and
 # device, with the same scalar arguments, passed the same checks and gets the same plan.
-_REMEMBERED: dict[tuple, _TritonLaunch] = {}
+_REMEMBERED: dict[tuple, _TritonLaunch | _DecodeFp8Launch] = {}
 _MAX_REMEMBERED = 4096
 
 
@@ -615,7 +622,7 @@ def _call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
     return key + scalars + tuple(map(type, scalars))  # (True == 1, but num_splits=True is an error)
 
 
-def _remembered(key: tuple | None) -> _TritonLaunch | None:
+def _remembered(key: tuple | None) -> _TritonLaunch | _DecodeFp8Launch | None:
     """The launch remembered under a `_call_key`, if any."""
     if key is None:
         return None
@@ -625,7 +632,7 @@ def _remembered(key: tuple | None) -> _TritonLaunch | None:
         return None
 
 
-def _remember(key: tuple, launch: _TritonLaunch) -> None:
+def _remember(key: tuple, launch: _TritonLaunch | _DecodeFp8Launch) -> None:
     if len(_REMEMBERED) >= _MAX_REMEMBERED:
         _REMEMBERED.clear()
     _REMEMBERED[key] = launch
@@ -759,23 +766,56 @@ def _fp8_scales(kv_scales, device) -> tuple[torch.Tensor, torch.Tensor]:
     return k_scale, v_scale
 
 
+class _DecodeFp8Launch(NamedTuple):
+    """`decode_fp8.py`'s launch for one layout of a `decode_attention` call (remembered as
+    `_TritonLaunch` is)."""
+
+    decode_fp8: ModuleType  # tilellm.kernels.decode_fp8 (imported where Gluon builds)
+    qk_scale: float  # the softmax scale times log2(e)
+    splits: int
+    min_keys_per_split: int
+    merge: MergeLaunch | None
+
+    def run(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales) -> None:
+        _run_decode_fp8(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales)
+
+
 def _launch_decode_fp8(
-    decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, k_scale, v_scale, plan
-):
+    decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, kv_scales, plan, launched: list
+):  # fmt: skip
     """`decode_fp8.py`'s kernel over the batch, its split-KV partials merged into `o`; False
-    (nothing launched) for a layout it does not take."""
+    (nothing launched) for a layout it does not take. Appends its launch to `launched`."""
     if not decode_fp8.supports(q, k_cache, v_cache) or o.stride(-1) != 1:
         return False
     B, Hq, D = q.shape
     splits = plan.num_splits
-    o_parts, lse_parts = _split_parts(splits, B, Hq, D, q.device) if splits > 1 else (None, None)
-    decode_fp8.launch_decode_fp8(
-        q, k_cache, v_cache, o, block_table, seq_lens, validation.resolve_scale(scale, D) * LOG2_E,
-        k_scale, v_scale, splits, plan.min_keys_per_split, o_parts, lse_parts,
-    )  # fmt: skip
+    merge = None
     if splits > 1:
-        merge_into(o_parts, lse_parts, o)
+        parts_shape = (splits, B, Hq, D)
+        merge = plan_merge(
+            parts_shape, _contiguous_strides(parts_shape), (B * Hq, Hq, 1), o.stride(), o.device
+        )
+    qk_scale = validation.resolve_scale(scale, D) * LOG2_E
+    launch = _DecodeFp8Launch(decode_fp8, qk_scale, splits, plan.min_keys_per_split, merge)
+    _run_decode_fp8(launch, q, k_cache, v_cache, block_table, None, seq_lens, o, kv_scales)
+    launched.append(launch)
     return True
+
+
+def _run_decode_fp8(
+    launch: _DecodeFp8Launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales
+) -> None:  # fmt: skip
+    """Launch `launch` with a call's tensors (and the merge of its partials)."""
+    k_scale, v_scale = _fp8_scales(kv_scales, q.device)
+    o_parts, lse_parts = (
+        _split_parts(launch.splits, *q.shape, q.device) if launch.splits > 1 else (None, None)
+    )
+    launch.decode_fp8.launch_decode_fp8(
+        q, k_cache, v_cache, o, block_table, seq_lens, launch.qk_scale, k_scale, v_scale, launch.splits,
+        launch.min_keys_per_split, o_parts, lse_parts,
+    )  # fmt: skip
+    if launch.merge is not None:
+        run_merge(launch.merge, o_parts, lse_parts, o)
 
 
 @functools.lru_cache(maxsize=1024)

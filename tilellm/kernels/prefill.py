@@ -39,7 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E, cdiv, dot_precision, launch_gluon, next_power_of_2, prefill_config
-from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.launch import FastLaunch, tma_descriptor
 
 
 @triton.jit
@@ -253,18 +253,39 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
         )  # this Triton cannot build it: the portable kernel
     qk_main, qk_tail = head_dim_blocks(D)
     v_block = max(16, next_power_of_2(Dv))
-    q_rows, k_rows = rows_view(q), rows_view(k)
-    q_desc = TensorDescriptor.from_tensor(q_rows, [cfg.block_m, qk_main])
-    k_desc = TensorDescriptor.from_tensor(k_rows, [cfg.block_n, qk_main])
+    q_rows, k_rows, v_rows = rows_view(q), rows_view(k), rows_view(v)
+    q_desc = tma_descriptor(TensorDescriptor, q_rows, [cfg.block_m, qk_main])
+    k_desc = tma_descriptor(TensorDescriptor, k_rows, [cfg.block_n, qk_main])
     # without a tail the kernel never reads these: the main descriptors stand in
-    q_tail_desc = TensorDescriptor.from_tensor(q_rows, [cfg.block_m, qk_tail]) if qk_tail else q_desc
-    k_tail_desc = TensorDescriptor.from_tensor(k_rows, [cfg.block_n, qk_tail]) if qk_tail else k_desc
-    v_desc = TensorDescriptor.from_tensor(rows_view(v), [cfg.block_n, v_block])
+    q_tail_desc = tma_descriptor(TensorDescriptor, q_rows, [cfg.block_m, qk_tail]) if qk_tail else q_desc
+    k_tail_desc = tma_descriptor(TensorDescriptor, k_rows, [cfg.block_n, qk_tail]) if qk_tail else k_desc
+    v_desc = tma_descriptor(TensorDescriptor, v_rows, [cfg.block_n, v_block])
     grid = (cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
-    _prefill_launch[grid](
-        q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, o, cu_seqlens,
-        stats if stats is not None else cu_seqlens, scale * LOG2_E, o.stride(0), o.stride(1),
-        GROUP=Hq // k.shape[1], QK_DIM=D, QK_MAIN=qk_main, QK_TAIL=qk_tail, V_DIM=Dv, V_BLOCK=v_block,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, RECORD_STATS=stats is not None,
-        PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    consts = (
+        q.device,
+        Hq // k.shape[1],
+        D,
+        qk_main,
+        qk_tail,
+        Dv,
+        v_block,
+        cfg,
+        causal,
+        stats is not None,
+        q.dtype,
+    )
+    _prefill_launch.run(
+        grid,
+        (
+            q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, o, cu_seqlens,
+            stats if stats is not None else cu_seqlens, scale * LOG2_E, o.stride(0), o.stride(1),
+        ),
+        lambda: dict(
+            GROUP=Hq // k.shape[1], QK_DIM=D, QK_MAIN=qk_main, QK_TAIL=qk_tail, V_DIM=Dv, V_BLOCK=v_block,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, RECORD_STATS=stats is not None,
+            PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ),
+        # the launch key: the constexprs (the descriptors' blocks among them), the element types
+        # and the strides the kernel specialises on
+        key=(consts, k.dtype, v.dtype, o.stride(0), o.stride(1)),
     )  # fmt: skip
