@@ -26,7 +26,8 @@ of a key binds as above and remembers the binary, its tensors' dtypes and 16-byt
 (Triton's specialisation of a pointer) and the constexprs' values; a later one checks its
 tensors' dtypes and alignments and hands the launcher each tensor's address as an integer,
 which also spares the launcher a `data_ptr()` call and a driver query per pointer. A call whose
-tensors differ in either binds again. Under `TILELLM_DEBUG=1` every keyed launch binds, and one
+tensors differ in either binds again. TMA descriptor arguments are handed to the launcher as they
+are (it builds their tensor maps); the key must fix their element type, block shape and layout. Under `TILELLM_DEBUG=1` every keyed launch binds, and one
 key that stands for two binaries raises, so a key that misses something fails in tests.
 """
 
