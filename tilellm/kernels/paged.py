@@ -339,15 +339,11 @@ def paged_attention(
     Returns:
         o: [T, Hq, D] in q.dtype.
     """
-    call = _call_key(
-        "paged_attention", (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, k_scale, v_scale),
+    call, o = _run_remembered(
+        "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, k_scale, v_scale,
         (max_seqlen_q, scale, num_splits, max_seqlen_k),
     )  # fmt: skip
-    launch = _remembered(call)
-    if launch is not None and not validation.deep_checks_enabled(q):
-        # a layout that passed the checks before: its remembered launch (no value checks here)
-        o = torch.empty_like(q) if out is None else out
-        launch.run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale))
+    if o is not None:
         return o
     validation.check_paged(
         "paged_attention", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q
@@ -375,15 +371,11 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] -> o [B, Hq, D]; the q_len = 1 case of paged attention."""
-    call = _call_key(
-        "decode_attention", (q, k_cache, v_cache, block_table, seq_lens, out, k_scale, v_scale),
+    call, o = _run_remembered(
+        "decode_attention", q, k_cache, v_cache, block_table, None, seq_lens, out, k_scale, v_scale,
         (scale, num_splits, max_seqlen_k),
     )  # fmt: skip
-    launch = _remembered(call)
-    if launch is not None and not validation.deep_checks_enabled(q):
-        # a layout that passed the checks before: its remembered launch (no value checks here)
-        o = torch.empty_like(q) if out is None else out
-        launch.run(q, k_cache, v_cache, block_table, None, seq_lens, o, (k_scale, v_scale))
+    if o is not None:
         return o
     validation.check_decode("decode_attention", q, k_cache, v_cache, block_table, seq_lens)
     validation.check_kv_scales("decode_attention", q, k_cache, v_cache, k_scale, v_scale)
@@ -611,6 +603,22 @@ def _run_triton(
 # device, with the same scalar arguments, passed the same checks and gets the same plan.
 _REMEMBERED: dict[tuple, _TritonLaunch | _DecodeFp8Launch] = {}
 _MAX_REMEMBERED = 4096
+
+
+def _run_remembered(
+    name, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, k_scale, v_scale, scalars
+) -> tuple[tuple | None, torch.Tensor | None]:  # fmt: skip
+    """A public call's `_call_key`, and its output if a launch remembered under that key ran it:
+    the layout passed the checks before, so no check runs here (nor where value checks are on:
+    CPU tensors, TILELLM_DEBUG=1, which take the checked path)."""
+    tensors = (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, k_scale, v_scale)
+    call = _call_key(name, tensors, scalars)
+    launch = _remembered(call)
+    if launch is None or validation.deep_checks_enabled(q):
+        return call, None
+    o = torch.empty_like(q) if out is None else out
+    launch.run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale))
+    return call, o
 
 
 def _call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
