@@ -76,7 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilellm.kernels.config import GLUON_KEY_TILE, GLUON_QUERY_TILE, cdiv, compile_gluon_for_sm90, num_sms
-from tilellm.kernels.launch import FastLaunch, current_stream, tma_descriptor
+from tilellm.kernels.launch import FastLaunch
 
 # Gluon's names moved between Triton releases; each alias takes what the installed one offers.
 # A CTA-wide barrier: `gl.thread_barrier()` in Triton 3.6, `gl.barrier()` from 3.7 on.
@@ -513,8 +513,8 @@ def _check_pipeline(block_n: int, stages: int) -> None:
 
 def _descriptor(rows: torch.Tensor, block_rows: int, head_dim: int) -> TensorDescriptor:
     """TMA descriptor over a 2-D row view, boxes of [block_rows, head_dim], 128-byte swizzle."""
-    return tma_descriptor(
-        TensorDescriptor, rows, [block_rows, head_dim], _box_layout(block_rows, head_dim, rows.dtype)
+    return TensorDescriptor.from_tensor(
+        rows, [block_rows, head_dim], _box_layout(block_rows, head_dim, rows.dtype)
     )
 
 
@@ -605,54 +605,16 @@ def _run(
             f"hopper: {num_m_tiles} query tiles x {num_heads} heads x {num_reqs} requests is more tiles than one "
             "launch numbers (2^31); split the batch, or pass the true max_seqlen_q"
         )
+    tile_counter = torch.zeros(1, dtype=torch.int32, device=o.device)
     stride_bt, page, oob_row = paged if paged is not None else (0, 1, 0)
-    consts = (head_dim, block_n, stages, paged is not None, pingpong)
-    _attention_launch.run(
-        (programs,),
-        (
-            _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),
-            _descriptor(v_rows, box, head_dim), o, cu_seqlens_q, seq_lens, block_table,
-            stats if stats is not None else cu_seqlens_q, tile_counter(o.device), scale_log2, o.stride(0),
-            o.stride(1), stride_bt, page, oob_row, num_m_tiles, num_heads, num_reqs, group, int(stats is not None),
-        ),
-        lambda: dict(
-            HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=paged is not None, PINGPONG=pingpong,
-            CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
-        ),
-        # the launch key: the constexprs, the descriptors' element types and boxes (their layouts
-        # follow), and the scalars the kernel specialises on
-        key=(o.device, consts, q_rows.dtype, k_rows.dtype, v_rows.dtype, box, o.stride(0), o.stride(1),
-             stats is not None),
+    _attention_launch[(programs,)](
+        _descriptor(q_rows, QUERY_TILE // 2, head_dim), _descriptor(k_rows, box, head_dim),
+        _descriptor(v_rows, box, head_dim), o, cu_seqlens_q, seq_lens, block_table,
+        stats if stats is not None else cu_seqlens_q, tile_counter, scale_log2, o.stride(0), o.stride(1),
+        stride_bt, page, oob_row, num_m_tiles, num_heads, num_reqs, group, int(stats is not None),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, PAGED=paged is not None, PINGPONG=pingpong,
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
     )  # fmt: skip
-
-
-# Each launch claims its tiles from a zeroed int32 counter. Zeroing one per launch (`torch.zeros`)
-# is an allocation and a fill kernel: about 5 us of host time and one more launch. Instead each
-# (device, stream) keeps a buffer of zeroed counters and hands out the next one; when all have
-# been used, the buffer is zeroed again on that stream, after the launches that used them. A CUDA
-# graph being captured gets a counter zeroed inside the capture (each replay zeroes it again).
-_COUNTERS_PER_BUFFER = 1024
-_counter_buffers: dict[tuple[int, int], list] = {}  # (device, stream) -> [buffer, next index]
-
-
-def tile_counter(device: torch.device) -> torch.Tensor:
-    """A zeroed [1] int32 counter for one launch on the current stream of `device`."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = current_stream(index)
-    entry = _counter_buffers.get((index, stream))
-    if entry is None:
-        entry = _counter_buffers[(index, stream)] = [
-            torch.zeros(_COUNTERS_PER_BUFFER, dtype=torch.int32, device=device),
-            0,
-        ]
-    elif entry[1] == _COUNTERS_PER_BUFFER:
-        entry[0].zero_()
-        entry[1] = 0
-    buffer, i = entry
-    entry[1] = i + 1
-    return buffer[i : i + 1]
 
 
 def compile_for_sm90(
