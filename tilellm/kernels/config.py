@@ -46,17 +46,18 @@ class TileConfig:
 # `os.environ` (pytest's `monkeypatch.setenv` too) lands there, so reading it directly sees the
 # same values.
 _ENV_DATA: dict | None = getattr(os.environ, "_data", None)
-_ENCODE = getattr(os.environ, "encodekey", None), getattr(os.environ, "encodevalue", None)
+if not (hasattr(os.environ, "encodekey") and hasattr(os.environ, "encodevalue")):
+    _ENV_DATA = None  # another Python's os.environ: read it the usual way
 
 
 @functools.cache
 def _encoded(name: str, value: str) -> tuple:
-    return _ENCODE[0](name), _ENCODE[1](value)
+    return os.environ.encodekey(name), os.environ.encodevalue(value)  # type: ignore[attr-defined]
 
 
 def _env_is(name: str, value: str) -> bool:
     """`os.environ.get(name) == value`, read on every call (tests switch these variables)."""
-    if _ENV_DATA is None or None in _ENCODE:  # another Python's os.environ
+    if _ENV_DATA is None:
         return os.environ.get(name) == value
     key, want = _encoded(name, value)
     return _ENV_DATA.get(key) == want

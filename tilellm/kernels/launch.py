@@ -27,8 +27,9 @@ of a key binds as above and remembers the binary, its tensors' dtypes and 16-byt
 tensors' dtypes and alignments and hands the launcher each tensor's address as an integer,
 which also spares the launcher a `data_ptr()` call and a driver query per pointer. A call whose
 tensors differ in either binds again. TMA descriptor arguments are handed to the launcher as they
-are (it builds their tensor maps); the key must fix their element type, block shape and layout. Under `TILELLM_DEBUG=1` every keyed launch binds, and one
-key that stands for two binaries raises, so a key that misses something fails in tests.
+are (it builds their tensor maps); the key must fix their element type, block shape and layout.
+Under `TILELLM_DEBUG=1` every keyed launch binds, and one key that stands for two binaries
+raises, so a key that misses something fails in tests.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class FastLaunch:
         )  # fmt: skip
         earlier = self._bound.get(key)
         # (tensors of other dtypes under the same key are another binary: each launch checks them)
-        if earlier is not None and earlier is not _UNBOUND and _debug_launches():
+        if earlier is not None and earlier is not _UNBOUND and debug_enabled():
             if earlier._replace(kernel=kernel, tail=tail) == bound != earlier:
                 raise RuntimeError(
                     f"FastLaunch({getattr(self.fn, '__name__', self.fn)}): the launch key {key!r} stands for "
@@ -187,7 +188,7 @@ class FastLaunch:
     def _launch_bound(self, key: Hashable, grid: tuple[int, ...], args: tuple) -> bool:
         """Launch by `key`'s bound binary; False (nothing launched) when the call must bind."""
         bound = self._bound.get(key)
-        if bound is None or bound is _UNBOUND or _debug_launches() or not _default_settings():
+        if bound is None or bound is _UNBOUND or debug_enabled() or not _default_settings():
             return False
         device = torch.cuda.current_device()
         if device != bound.device:
@@ -270,10 +271,6 @@ def _is_descriptor(a: Any) -> bool:
 
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
     return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-
-
-# TILELLM_DEBUG=1: every keyed launch binds, and its binary is checked against the key's.
-_debug_launches = debug_enabled
 
 
 def _current_stream(device: int) -> int:

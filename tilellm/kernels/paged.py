@@ -23,7 +23,6 @@ buffer (`split_counters`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from types import ModuleType
@@ -479,8 +478,7 @@ def _launch(
                 decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, kv_scales, paged_plan.split, launched,
             ), module="decode_fp8"):  # fmt: skip
                 if remember is not None and planned_from_shapes:
-                    with contextlib.suppress(TypeError):  # (an unhashable scalar argument)
-                        _remember(remember, launched[0])
+                    _remember(remember, launched[0])
                 return None
         # stats asked for, a layout it does not take, or a Triton that cannot build it
         paged_plan = PagedPlan("triton", paged_plan.split)
@@ -503,8 +501,7 @@ def _launch(
     if T == 0 or batch == 0:
         return (stats, plan) if record_stats else None
     if remember is not None and not internal and not record_stats and not merge_last and planned_from_shapes:
-        with contextlib.suppress(TypeError):  # (an unhashable scalar argument)
-            _remember(remember, launch)
+        _remember(remember, launch)
     _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales,
                 stats=stats, kv_lo=kv_lo, kv_hi=kv_hi, parts=parts, counters=counters)  # fmt: skip
     if counters is not None and validation.deep_checks_enabled(q):
@@ -613,7 +610,10 @@ def _run_remembered(
     CPU tensors, TILELLM_DEBUG=1, which take the checked path)."""
     tensors = (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, k_scale, v_scale)
     call = _call_key(name, tensors, scalars)
-    launch = _remembered(call)
+    try:
+        launch = _REMEMBERED.get(call) if call is not None else None
+    except TypeError:  # an unhashable scalar argument (the checks say what is wrong): not remembered
+        return None, None
     if launch is None or validation.deep_checks_enabled(q):
         return call, None
     o = torch.empty_like(q) if out is None else out
@@ -628,16 +628,6 @@ def _call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
     if key is None or overridden() or split_merge_in_kernel():
         return None
     return key + scalars + tuple(map(type, scalars))  # (True == 1, but num_splits=True is an error)
-
-
-def _remembered(key: tuple | None) -> _TritonLaunch | _DecodeFp8Launch | None:
-    """The launch remembered under a `_call_key`, if any."""
-    if key is None:
-        return None
-    try:
-        return _REMEMBERED.get(key)
-    except TypeError:  # an unhashable scalar argument (the checks say what is wrong)
-        return None
 
 
 def _remember(key: tuple, launch: _TritonLaunch | _DecodeFp8Launch) -> None:

@@ -261,19 +261,8 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     k_tail_desc = tma_descriptor(TensorDescriptor, k_rows, [cfg.block_n, qk_tail]) if qk_tail else k_desc
     v_desc = tma_descriptor(TensorDescriptor, v_rows, [cfg.block_n, v_block])
     grid = (cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
-    consts = (
-        q.device,
-        Hq // k.shape[1],
-        D,
-        qk_main,
-        qk_tail,
-        Dv,
-        v_block,
-        cfg,
-        causal,
-        stats is not None,
-        q.dtype,
-    )
+    group = Hq // k.shape[1]
+    consts = (q.device, group, D, qk_main, qk_tail, Dv, v_block, cfg, causal, stats is not None, q.dtype)
     _prefill_launch.run(
         grid,
         (
@@ -281,7 +270,7 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
             stats if stats is not None else cu_seqlens, scale * LOG2_E, o.stride(0), o.stride(1),
         ),
         lambda: dict(
-            GROUP=Hq // k.shape[1], QK_DIM=D, QK_MAIN=qk_main, QK_TAIL=qk_tail, V_DIM=Dv, V_BLOCK=v_block,
+            GROUP=group, QK_DIM=D, QK_MAIN=qk_main, QK_TAIL=qk_tail, V_DIM=Dv, V_BLOCK=v_block,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, RECORD_STATS=stats is not None,
             PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
