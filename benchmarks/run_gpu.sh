@@ -9,10 +9,10 @@
 #   throughput  tilellm bench throughput --workloads E1,E2 (random Qwen3-0.6B weights, bf16)
 #   pdl         programmatic dependent launch (TILELLM_PDL=1) against none: its GPU tests, then
 #               benchmarks/small_batch_decode.py and E1 without and with it
-#   merge       split-KV calls merged in the paged kernel (TILELLM_SPLIT_MERGE=kernel) against the
-#               separate merge launch: its tests, the decode, graph-capture and engine GPU tests with it, then
-#               D1-D4 and V1 (eager and in graphs), the host time of eager calls and small-batch
-#               decode, each in both modes
+#   merge       where split-KV calls merge their partials (TILELLM_SPLIT_MERGE): its tests, the decode,
+#               graph-capture and engine GPU tests by default (auto: eager calls in the kernel,
+#               captured ones in a second launch), then D1-D4 and V1 (eager and in graphs), the host
+#               time of eager calls and small-batch decode under separate, auto and kernel
 #   rope        rotary embedding and KV store in one launch (TILELLM_ROPE_STORE=fused, the default)
 #               against two launches: its tests on the GPU, small-batch decode with two launches, one,
 #               and one plus the in-kernel split-KV merge, then E1 with the defaults
@@ -146,10 +146,10 @@ if selected pdl; then
 fi
 if selected merge; then
   # (limits sum to under 10 minutes: one device call)
-  run_step merge_tests 140 env TILELLM_SPLIT_MERGE=kernel "$PYTHON" -m pytest -q -p no:cacheprovider \
+  run_step merge_tests 140 "$PYTHON" -m pytest -q -p no:cacheprovider \
     -o addopts=-ra tests/kernels/test_merge_in_kernel.py tests/kernels/test_decode.py \
     tests/kernels/test_graph_capture.py tests/engine/test_gpu.py
-  for mode in separate kernel; do
+  for mode in separate auto kernel; do
     run_step "merge_kernels_$mode" 100 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" -m tilellm.cli bench kernels \
       --workloads D1,D2,D3,D4,V1 --graph --no-peers --json "$OUT/merge_kernels_$mode.json"
     run_step "merge_host_time_$mode" 40 env TILELLM_SPLIT_MERGE=$mode "$PYTHON" benchmarks/kernel_host_time.py \

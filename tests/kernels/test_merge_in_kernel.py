@@ -1,4 +1,5 @@
-"""Split-KV calls that merge in the paged kernel itself (`TILELLM_SPLIT_MERGE=kernel`).
+"""Split-KV calls that merge in the paged kernel itself (eager calls by default; every call with
+`TILELLM_SPLIT_MERGE=kernel`).
 
 The last program of each tile to finish combines the tile's partials (`merge.merge_if_last`):
 one launch per call. Checked against the PyTorch twins with the separate merge made to fail (so
@@ -20,7 +21,7 @@ import tilellm.kernels as tk
 from tests.kernels.helpers import assert_close, make_paged_batch, poisoned, run_outside_interpreter, tolerance
 from tilellm.kernels import merge, paged
 from tilellm.kernels import reference as ref
-from tilellm.kernels.config import split_merge_in_kernel
+from tilellm.kernels.config import split_merge_mode
 from tilellm.kernels.schedule import plan_split_kv
 
 
@@ -29,7 +30,7 @@ def _set_mode(monkeypatch, mode: str | None) -> None:
         monkeypatch.delenv("TILELLM_SPLIT_MERGE", raising=False)
     else:
         monkeypatch.setenv("TILELLM_SPLIT_MERGE", mode)
-    split_merge_in_kernel.cache_clear()
+    split_merge_mode.cache_clear()
 
 
 @pytest.fixture
@@ -42,12 +43,12 @@ def in_kernel(monkeypatch):
 
     monkeypatch.setattr(paged, "run_merge", no_separate_merge)
     yield
-    split_merge_in_kernel.cache_clear()
+    split_merge_mode.cache_clear()
 
 
 def _counters_zero(like: torch.Tensor) -> None:
     """The arrival counters of `like`'s device are all zero."""
-    counters = paged._counters_by_device.get(like.device)
+    counters = paged._workspace(like.device).counters
     assert counters is not None, "no arrival counters were allocated"
     assert int(counters.count_nonzero()) == 0, "arrival counters left non-zero after the call"
 
@@ -95,7 +96,7 @@ def test_more_splits_than_it_serves_take_the_separate_merge(monkeypatch, device)
     launched.clear()
     tk.decode_attention(*args, num_splits=merge.MERGE_LAST_MAX_SPLITS)
     assert launched == []
-    split_merge_in_kernel.cache_clear()
+    split_merge_mode.cache_clear()
 
 
 def test_same_result_as_the_separate_merge(monkeypatch, device):
@@ -106,7 +107,7 @@ def test_same_result_as_the_separate_merge(monkeypatch, device):
     _set_mode(monkeypatch, "kernel")
     monkeypatch.setattr(paged, "run_merge", lambda *a, **k: pytest.fail("the separate merge ran"))
     fused = tk.paged_attention(*b.args(), num_splits=6)
-    split_merge_in_kernel.cache_clear()
+    split_merge_mode.cache_clear()
     assert_close(fused, separate, 1e-6, "in-kernel vs separate merge")
 
 
@@ -114,7 +115,7 @@ def test_counters_grow_and_keep_the_old_buffer(in_kernel, device):
     """More tiles than the buffer holds: a larger buffer; the old one stays alive (a captured
     graph may still point at it)."""
     dev = torch.device(device)
-    paged._counters_by_device.pop(dev, None)
+    paged._workspace(dev).counters = None
     small = paged.split_counters(dev, 10)
     assert small.numel() == paged.SPLIT_COUNTERS_MIN and small.dtype == torch.int32
     assert paged.split_counters(dev, paged.SPLIT_COUNTERS_MIN) is small
@@ -130,28 +131,89 @@ def test_a_counter_left_off_zero_is_reported_and_reset(in_kernel, device):
     b = make_paged_batch([(1, 200), (1, 90)], 4, 2, 32, 16, torch.float32, device, seed=4)
     args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
     tk.decode_attention(*args, num_splits=3)
-    paged._counters_by_device[b.q.device][0] = 1
+    paged._workspace(b.q.device).counters[0] = 1
     with pytest.raises(RuntimeError, match="left non-zero.*TILELLM_SPLIT_MERGE=separate"):
         tk.decode_attention(*args, num_splits=3)
     _counters_zero(b.q)
     out = tk.decode_attention(*args, num_splits=3)
     assert_close(out, ref.decode_attention(*args), tolerance(torch.float32, device), "after the reset")
-    paged._counters_by_device[b.q.device][5] = 2
+    paged._workspace(b.q.device).counters[5] = 2
     paged.reset_split_counters()
     _counters_zero(b.q)
 
 
 def test_unknown_mode_is_refused(monkeypatch):
     _set_mode(monkeypatch, "fused")
-    with pytest.raises(ValueError, match="TILELLM_SPLIT_MERGE='fused'.*'separate'.*'kernel'"):
-        split_merge_in_kernel()
-    split_merge_in_kernel.cache_clear()
+    with pytest.raises(ValueError, match="TILELLM_SPLIT_MERGE='fused'.*'auto'.*'kernel'.*'separate'"):
+        split_merge_mode()
+    split_merge_mode.cache_clear()
 
 
-def test_default_is_the_separate_merge(monkeypatch):
+def test_default_mode_is_auto(monkeypatch):
     _set_mode(monkeypatch, None)
-    assert split_merge_in_kernel() is False
-    split_merge_in_kernel.cache_clear()
+    assert split_merge_mode() == "auto"
+    split_merge_mode.cache_clear()
+
+
+@pytest.fixture
+def merges(monkeypatch):
+    """Counts the separate merge's launches (`paged.run_merge`), which still run."""
+    launched = []
+    real = paged.run_merge
+    monkeypatch.setattr(paged, "run_merge", lambda *a, **k: launched.append(1) or real(*a, **k))
+    return launched
+
+
+@pytest.mark.parametrize("value_checks", [True, False], ids=["checked", "remembered"])
+def test_eager_split_calls_merge_in_the_kernel_by_default(monkeypatch, merges, value_checks, device):
+    """By default an eager split call is one launch: no separate merge, partials and counters
+    from the stream's workspace, reused by the next call (new inputs, the same layout: with the
+    value checks off, as on a GPU, the remembered launch) and left at zero."""
+    from tilellm.kernels import validation
+
+    _set_mode(monkeypatch, None)
+    if not value_checks:
+        monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
+    paged.clear_plans()
+    workspace = paged._workspace(torch.device(device))
+    workspace.o_parts = workspace.lse_parts = None
+    buffers = None
+    for seed in (1, 2, 3):
+        b = make_paged_batch([(1, 300), (1, 1), (1, 95)], 8, 2, 32, 16, torch.float32, device, seed=seed)
+        args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+        out = tk.decode_attention(*args, num_splits=4, max_seqlen_k=300)
+        assert_close(out, ref.decode_attention(*args), tolerance(torch.float32, device), f"seed {seed}")
+        _counters_zero(b.q)
+        now = (workspace.o_parts.data_ptr(), workspace.lse_parts.data_ptr())
+        assert buffers in (None, now), "the partials were not reused"
+        buffers = now
+    assert merges == []
+    paged.clear_plans()
+    split_merge_mode.cache_clear()
+
+
+def test_separate_mode_merges_in_a_second_launch(monkeypatch, merges, device):
+    _set_mode(monkeypatch, "separate")
+    b = make_paged_batch([(1, 300), (1, 95)], 8, 2, 32, 16, torch.float32, device, seed=8)
+    args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    for _ in range(2):
+        out = tk.decode_attention(*args, num_splits=4, max_seqlen_k=300)
+        assert_close(out, ref.decode_attention(*args), tolerance(torch.float32, device), "separate")
+    assert merges == [1, 1]
+    split_merge_mode.cache_clear()
+
+
+def test_large_partials_are_not_kept(monkeypatch, device):
+    """Partials past `WORKSPACE_MAX_PARTIALS` (a long prompt chunk's) are the call's own."""
+    _set_mode(monkeypatch, None)
+    monkeypatch.setattr(paged, "WORKSPACE_MAX_PARTIALS", 1024)
+    workspace = paged._workspace(torch.device(device))
+    workspace.o_parts = workspace.lse_parts = None
+    b = make_paged_batch([(40, 150), (4, 37)], 8, 2, 32, 16, torch.float32, device, seed=9)
+    out = tk.paged_attention(*b.args(), num_splits=3)
+    assert_close(out, ref.paged_attention(*b.args()), tolerance(torch.float32, device), "own partials")
+    assert workspace.o_parts is None
+    split_merge_mode.cache_clear()
 
 
 # -- the memory order in the machine code (sm_90a, compiled without a GPU) --
@@ -283,3 +345,60 @@ def test_gpu_graph_replays(in_kernel, device):
         assert_close(out, expected, tolerance(torch.bfloat16, device), f"replay {seed}")
     torch.cuda.synchronize()
     _counters_zero(b.q)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_mode_captures_the_separate_merge(monkeypatch, merges, device):
+    """By default a captured split call merges in a second launch (no workspace in the graph),
+    and eager calls of the same layout, before and after, still merge in the kernel."""
+    _set_mode(monkeypatch, None)
+    b = make_paged_batch([(1, 5000), (1, 300), (1, 2000)], 16, 8, 128, 16, torch.bfloat16, device, seed=6)
+    args = (b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+    q = b.q.clone()
+    tk.decode_attention(q, *args, num_splits=8)
+    torch.cuda.synchronize()
+    assert merges == []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk.decode_attention(q, *args, num_splits=8)
+    assert merges == [1]
+    for seed in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q))
+        graph.replay()
+        expected = ref.decode_attention(q, *args)
+        assert_close(out, expected, tolerance(torch.bfloat16, device), f"replay {seed}")
+        eager = tk.decode_attention(q, *args, num_splits=8)
+        assert_close(eager, expected, tolerance(torch.bfloat16, device), f"eager {seed}")
+    assert merges == [1]
+    split_merge_mode.cache_clear()
+
+
+@pytest.mark.gpu
+def test_gpu_two_streams_have_their_own_workspaces(monkeypatch, device):
+    """Split calls issued at once on two streams: each stream's own counters and partials, each
+    result the twin's."""
+    _set_mode(monkeypatch, None)
+    pairs = [(1, 6000), (1, 3000)]
+    batches = [make_paged_batch(pairs, 16, 8, 128, 16, torch.bfloat16, device, seed=s) for s in (1, 2)]
+    streams = [torch.cuda.Stream() for _ in batches]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for _ in range(5):
+        for i, (stream, b) in enumerate(zip(streams, batches)):
+            with torch.cuda.stream(stream):
+                args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+                outs[i].append(tk.decode_attention(*args, num_splits=16))
+    torch.cuda.synchronize()
+    workspaces = []
+    for i, (stream, b) in enumerate(zip(streams, batches)):
+        expected = ref.decode_attention(b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
+        for out in outs[i]:
+            assert_close(out, expected, tolerance(torch.bfloat16, device), f"stream {i}")
+        with torch.cuda.stream(stream):
+            workspace = paged._workspace(b.q.device)
+        assert int(workspace.counters.count_nonzero()) == 0
+        workspaces.append(workspace)
+    assert workspaces[0] is not workspaces[1]
+    assert workspaces[0].o_parts.data_ptr() != workspaces[1].o_parts.data_ptr()
+    split_merge_mode.cache_clear()

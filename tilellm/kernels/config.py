@@ -88,15 +88,23 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+SPLIT_MERGE_MODES = ("auto", "kernel", "separate")
+
+
 @functools.cache
-def split_merge_in_kernel() -> bool:
-    """Whether `paged.py`'s split-KV calls merge their partials in the kernel itself (the last
-    program of a tile to finish, `merge.merge_if_last`: `TILELLM_SPLIT_MERGE=kernel`) rather than
-    in a second launch (`merge.merge_into`: the default, or `TILELLM_SPLIT_MERGE=separate`)."""
-    mode = os.environ.get("TILELLM_SPLIT_MERGE", "separate")
-    if mode not in ("separate", "kernel"):
-        raise ValueError(f"TILELLM_SPLIT_MERGE={mode!r}: choose 'separate' (the default) or 'kernel'")
-    return mode == "kernel"
+def split_merge_mode() -> str:
+    """How `paged.py`'s split-KV calls merge their partials (`TILELLM_SPLIT_MERGE`).
+
+    "auto" (the default): an eager call merges in the kernel itself (the last program of a tile
+    to finish, `merge.merge_if_last`: one launch, which is what an eager call's host time is made
+    of), with counters and partials of its stream's own; a call captured into a CUDA graph merges
+    in a second launch (`merge.run_merge`), so that a graph holds no buffer shared with anything
+    else. "kernel": in the kernel, captured calls too (their graphs share the capturing stream's
+    counters). "separate": always in a second launch."""
+    mode = os.environ.get("TILELLM_SPLIT_MERGE", "auto")
+    if mode not in SPLIT_MERGE_MODES:
+        raise ValueError(f"TILELLM_SPLIT_MERGE={mode!r}: choose 'auto' (the default), 'kernel' or 'separate'")
+    return mode
 
 
 @functools.cache

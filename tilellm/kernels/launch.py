@@ -135,7 +135,7 @@ class FastLaunch:
             kernel = self._kernels[spec_key] = getattr(kernel, "result", lambda: kernel)()
         else:
             g0, g1, g2 = _grid3(grid)
-            kernel.run(g0, g1, g2, _current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+            kernel.run(g0, g1, g2, current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
                        *bound_args.values())  # fmt: skip
             self.fast_launches += 1
         if key is not None:
@@ -208,7 +208,7 @@ class FastLaunch:
             if type(values[i]) is not kind:
                 return False
         kernel = bound.kernel
-        kernel.run(*_grid3(grid), _current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+        kernel.run(*_grid3(grid), current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
                    *values, *bound.tail)  # fmt: skip
         self.fast_launches += 1
         return True
@@ -273,7 +273,8 @@ def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
     return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
 
-def _current_stream(device: int) -> int:
+def current_stream(device: int) -> int:
+    """The raw handle of `device`'s current CUDA stream (what the launcher takes)."""
     return torch.cuda.current_stream(device).cuda_stream if _raw_stream is None else _raw_stream(device)
 
 

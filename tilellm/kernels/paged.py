@@ -15,16 +15,18 @@ visible to every row of the tile run unmasked; only the tiles that cross the til
 
 Split-KV: when (requests x KV heads x query tiles) cannot fill the GPU and contexts are long, each
 program covers one of `num_splits` key segments, writes its normalised partial output and its
-log-sum-exp, and `merge_attention_states`' kernel combines them; with `TILELLM_SPLIT_MERGE=kernel`
-the last program of each tile to finish combines them instead (`merge.merge_if_last`: one launch
-per call, not two; for up to `MERGE_LAST_MAX_SPLITS` segments), counting arrivals in a per-device
-buffer (`split_counters`).
+log-sum-exp, and they are combined. An eager call combines them in the same launch: the last
+program of each tile to finish merges (`merge.merge_if_last`, for up to `MERGE_LAST_MAX_SPLITS`
+segments), counting arrivals in counters of the call's stream (`split_counters`); a call captured
+into a CUDA graph merges in a second launch (`merge.run_merge`). `TILELLM_SPLIT_MERGE` overrides
+the choice (`config.split_merge_mode`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from types import ModuleType
 from typing import NamedTuple
 
@@ -44,10 +46,10 @@ from tilellm.kernels.config import (
     num_sms,
     overridden,
     paged_config,
-    split_merge_in_kernel,
+    split_merge_mode,
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
-from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.launch import FastLaunch, current_stream
 from tilellm.kernels.merge import (
     MERGE_LAST_MAX_SPLITS,
     MergeLaunch,
@@ -489,7 +491,10 @@ def _launch(
         max_seqlen_q=max_seqlen_q, batch=batch, kv_fp8=kv_fp8, has_kv_lo=kv_lo is not None,
         has_kv_hi=kv_hi is not None, record_stats=record_stats, partials=parts is not None,
     )  # fmt: skip
-    merge_last = 1 < plan.num_splits <= MERGE_LAST_MAX_SPLITS and parts is None and split_merge_in_kernel()
+    capturing = _capturing(q.device)
+    merge_last = (
+        1 < plan.num_splits <= MERGE_LAST_MAX_SPLITS and parts is None and _merge_in_kernel(capturing)
+    )
     launch = launch_of(merge_last=merge_last)
     counters = split_counters(q.device, launch.slots) if merge_last else None
     if merge_last and counters is None:  # (a capture that would have to allocate them)
@@ -500,7 +505,7 @@ def _launch(
         stats = torch.zeros(launch.slots * launch.splits * 2, dtype=torch.int32, device=q.device)
     if T == 0 or batch == 0:
         return (stats, plan) if record_stats else None
-    if remember is not None and not internal and not record_stats and not merge_last and planned_from_shapes:
+    if remember is not None and not internal and not record_stats and not capturing and planned_from_shapes:
         _remember(remember, launch)
     _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales,
                 stats=stats, kv_lo=kv_lo, kv_hi=kv_hi, parts=parts, counters=counters)  # fmt: skip
@@ -526,6 +531,7 @@ class _TritonLaunch(NamedTuple):
     is_decode: bool
     kv_fp8: bool
     merge: MergeLaunch | None  # the separate merge of this call's own partials
+    merge_last: bool  # the tile's last program merges (its stream's `split_counters`)
 
     def run(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales) -> None:
         _run_triton(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales)
@@ -563,7 +569,9 @@ def _triton_launch(
             parts_shape, _contiguous_strides(parts_shape), (T * Hq, Hq, 1), o.stride(), o.device
         )
     key = (consts, scalars[2:7] + scalars[8:11])  # Hq and the strides but block_table's
-    return _TritonLaunch(grid, scalars, consts, key, splits, batch * Hkv * q_tiles, is_decode, kv_fp8, merge)
+    return _TritonLaunch(
+        grid, scalars, consts, key, splits, batch * Hkv * q_tiles, is_decode, kv_fp8, merge, merge_last
+    )
 
 
 def _run_triton(
@@ -575,7 +583,9 @@ def _run_triton(
     if parts is not None:
         o_parts, lse_parts, part_base = parts
     elif launch.splits > 1:
-        o_parts, lse_parts = _split_parts(launch.splits, *q.shape, q.device)
+        counter_slots = launch.slots if launch.merge_last and counters is None else 0
+        o_parts, lse_parts, own_counters = _split_parts(launch.splits, *q.shape, q.device, counter_slots)
+        counters = own_counters if counter_slots else counters
     else:
         o_parts = lse_parts = None  # unread
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if launch.kv_fp8 else (None, None)
@@ -616,6 +626,8 @@ def _run_remembered(
         return None, None
     if launch is None or validation.deep_checks_enabled(q):
         return call, None
+    if launch.merge_last and _capturing(q.device):  # a capture merges apart (or finds no counters)
+        return call, None
     o = torch.empty_like(q) if out is None else out
     launch.run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale))
     return call, o
@@ -623,11 +635,12 @@ def _run_remembered(
 
 def _call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
     """The key of an eager call by its layout, or None when it cannot be remembered (an argument
-    that is not a tensor, a tile config overridden, the in-kernel merge mode)."""
+    that is not a tensor, a tile config overridden)."""
     key = validation.layout_key(name, *tensors)
-    if key is None or overridden() or split_merge_in_kernel():
+    if key is None or overridden():
         return None
-    return key + scalars + tuple(map(type, scalars))  # (True == 1, but num_splits=True is an error)
+    # (True == 1, but num_splits=True is an error)
+    return key + scalars + tuple(map(type, scalars)) + (split_merge_mode(),)
 
 
 def _remember(key: tuple, launch: _TritonLaunch | _DecodeFp8Launch) -> None:
@@ -686,72 +699,147 @@ def _plan_for_shape(
     )  # fmt: skip
 
 
-def _split_parts(splits: int, T: int, Hq: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV partials: o_parts [splits, T, Hq, D] and lse_parts [splits, T, Hq], float32."""
-    o_parts = torch.empty((splits, T, Hq, D), dtype=torch.float32, device=device)
-    return o_parts, torch.empty((splits, T, Hq), dtype=torch.float32, device=device)
+# -- split-KV scratch, per stream --
+#
+# An eager split call takes its partials and arrival counters from its stream's workspace rather
+# than allocating them: calls on one stream run in order, so each finds the buffers free (and the
+# counters at zero: every launch that merges in the kernel leaves its counters at zero), and calls
+# on two streams never share them. A call captured into a CUDA graph allocates its partials in the
+# graph's pool; with TILELLM_SPLIT_MERGE=kernel its graph keeps the capturing stream's counters,
+# so two such graphs must not be replayed at once. TILELLM_DEBUG=1 checks the counters after every
+# eager call that used them.
 
 
-# Arrival counters of `merge_if_last`, one buffer per device, shared by every call on it: each
-# launch leaves its counters at zero, so calls in stream order (and the graphs that captured
-# them) reuse it. Split calls running at once on two streams of one device would share counters,
-# and a counter left off zero stays off and spoils every later call that uses it (until
-# `reset_split_counters`); the separate merge (the default) is the mode for such a program.
-# TILELLM_DEBUG=1 checks the counters after every eager call that used them.
+class _StreamWorkspace:
+    """One stream's split-KV scratch: `counters` int32 arrivals per tile (zero between launches),
+    `o_parts` / `lse_parts` flat float32 partials, each grown to the largest call seen."""
+
+    __slots__ = ("counters", "o_parts", "lse_parts")
+
+    def __init__(self) -> None:
+        self.counters: torch.Tensor | None = None
+        self.o_parts: torch.Tensor | None = None
+        self.lse_parts: torch.Tensor | None = None
+
+
 SPLIT_COUNTERS_MIN = 4096
-_counters_by_device: dict[torch.device, torch.Tensor] = {}
+# Partials past this many float32 (a prompt chunk's, 32 MiB) are allocated per call, not kept.
+WORKSPACE_MAX_PARTIALS = 1 << 23
+_workspaces: dict[tuple, _StreamWorkspace] = {}
 _retired_counters: list[torch.Tensor] = []  # outgrown buffers, still read by captured graphs
 
 
-def split_counters(device: torch.device, slots: int) -> torch.Tensor | None:
-    """At least `slots` zeroed int32 arrival counters on `device`, or None inside a CUDA-graph
-    capture that would have to allocate them (the call then merges in a separate launch; running
-    it once outside the capture first allocates them)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = _counters_by_device.get(device)
+def _workspace(device: torch.device) -> _StreamWorkspace:
+    """The workspace of `device`'s current stream."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, current_stream(index))
+    else:
+        key = device.type
+    workspace = _workspaces.get(key)
+    if workspace is None:
+        workspace = _workspaces[key] = _StreamWorkspace()
+    return workspace
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether `device`'s current stream is capturing a CUDA graph."""
+    return device.type == "cuda" and _stream_capturing()
+
+
+_stream_capturing = getattr(
+    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+)
+
+
+def _merge_in_kernel(capturing: bool) -> bool:
+    """Whether a split call merges in the kernel (`config.split_merge_mode`)."""
+    mode = split_merge_mode()
+    return mode == "kernel" or (mode == "auto" and not capturing)
+
+
+def _split_parts(
+    splits: int, T: int, Hq: int, D: int, device: torch.device, counter_slots: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A split call's scratch: partials in `merge_into`'s layout from element 0, flat float32,
+    o_parts [>= splits * T * Hq * D] and lse_parts [>= splits * T * Hq], and `counter_slots`
+    arrival counters (None for 0). Outside a capture, from the stream's workspace (counters
+    included); inside one, the partials are the graph's own and the caller brings the counters."""
+    lse_size = splits * T * Hq
+    o_size = lse_size * D
+    if _capturing(device):
+        return (
+            torch.empty(o_size, dtype=torch.float32, device=device),
+            torch.empty(lse_size, dtype=torch.float32, device=device),
+            None,
+        )
+    workspace = _workspace(device)
+    counters = split_counters(device, counter_slots, workspace) if counter_slots else None
+    if o_size > WORKSPACE_MAX_PARTIALS:
+        return (
+            torch.empty(o_size, dtype=torch.float32, device=device),
+            torch.empty(lse_size, dtype=torch.float32, device=device),
+            counters,
+        )
+    # (a buffer given up stays with the stream: the caching allocator hands it out again only to
+    # work queued after the calls that used it)
+    if workspace.o_parts is None or workspace.o_parts.numel() < o_size:
+        workspace.o_parts = torch.empty(next_power_of_2(o_size), dtype=torch.float32, device=device)
+    if workspace.lse_parts is None or workspace.lse_parts.numel() < lse_size:
+        workspace.lse_parts = torch.empty(next_power_of_2(lse_size), dtype=torch.float32, device=device)
+    return workspace.o_parts, workspace.lse_parts, counters
+
+
+def split_counters(
+    device: torch.device, slots: int, workspace: _StreamWorkspace | None = None
+) -> torch.Tensor | None:
+    """At least `slots` zeroed int32 arrival counters of `device`'s current stream (`workspace`,
+    when the caller has it), or None inside a CUDA-graph capture that would have to allocate them
+    (the call then merges in a separate launch; running it once on the capturing stream outside
+    the capture allocates them)."""
+    if workspace is None:
+        workspace = _workspace(device)
+    buf = workspace.counters
     if buf is not None and buf.numel() >= slots:
         return buf
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            capturing = torch.cuda.is_current_stream_capturing()
-        if capturing:
-            _log_capture_fallback_once(slots)
-            return None
+    if _capturing(device):
+        _log_capture_fallback_once(slots)
+        return None
     if buf is not None:
         _retired_counters.append(buf)
     buf = torch.zeros(max(SPLIT_COUNTERS_MIN, next_power_of_2(slots)), dtype=torch.int32, device=device)
-    _counters_by_device[device] = buf
+    workspace.counters = buf
     return buf
 
 
 def reset_split_counters() -> None:
-    """Set every arrival counter back to zero (after split calls overlapped on two streams)."""
-    for buf in _counters_by_device.values():
-        buf.zero_()
+    """Set every stream's arrival counters back to zero (after a fault left one off zero)."""
+    for workspace in _workspaces.values():
+        if workspace.counters is not None:
+            workspace.counters.zero_()
 
 
 @functools.cache
 def _log_capture_fallback_once(slots: int) -> None:
     logger.warning(
-        "TILELLM_SPLIT_MERGE=kernel: a CUDA-graph capture needs %d split counters, more than were "
-        "allocated before it; this graph merges in a separate launch (run the call once outside "
-        "the capture first)",
+        "TILELLM_SPLIT_MERGE=kernel: a CUDA-graph capture needs %d split counters, more than its "
+        "stream holds; this graph merges in a separate launch (run the call once on the capturing "
+        "stream outside the capture first)",
         slots,
     )
 
 
 def _check_counters(counters: torch.Tensor, slots: int) -> None:
     """TILELLM_DEBUG: the counters the call used are back at zero (reads the device)."""
-    if counters.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(counters.device):
         return
     left = int(counters[:slots].count_nonzero())
     if left:
         counters[:slots].zero_()
         raise RuntimeError(
-            f"split-KV merge: {left} arrival counters were left non-zero after the call (split calls "
-            "overlapping on two streams of one device?); they are reset now. Use "
-            "TILELLM_SPLIT_MERGE=separate for programs that launch attention on several streams."
+            f"split-KV merge: {left} arrival counters were left non-zero after the call (a kernel "
+            "fault, or graphs captured with TILELLM_SPLIT_MERGE=kernel replayed at once on two "
+            "streams?); they are reset now. TILELLM_SPLIT_MERGE=separate merges in a second launch."
         )
 
 
@@ -773,6 +861,7 @@ class _DecodeFp8Launch(NamedTuple):
     splits: int
     min_keys_per_split: int
     merge: MergeLaunch | None
+    merge_last = False  # (a class attribute, as `_TritonLaunch.merge_last`: it merges apart)
 
     def run(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales) -> None:
         _run_decode_fp8(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales)
@@ -805,9 +894,12 @@ def _run_decode_fp8(
 ) -> None:  # fmt: skip
     """Launch `launch` with a call's tensors (and the merge of its partials)."""
     k_scale, v_scale = _fp8_scales(kv_scales, q.device)
-    o_parts, lse_parts = (
-        _split_parts(launch.splits, *q.shape, q.device) if launch.splits > 1 else (None, None)
-    )
+    o_parts = lse_parts = None
+    if launch.splits > 1:  # (shaped as `launch_decode_fp8` documents them)
+        shape = (launch.splits, *q.shape)
+        o_parts, lse_parts, _ = _split_parts(*shape, q.device)
+        o_parts = o_parts[: math.prod(shape)].view(shape)
+        lse_parts = lse_parts[: math.prod(shape[:3])].view(shape[:3])
     launch.decode_fp8.launch_decode_fp8(
         q, k_cache, v_cache, o, block_table, seq_lens, launch.qk_scale, k_scale, v_scale, launch.splits,
         launch.min_keys_per_split, o_parts, lse_parts,
@@ -883,7 +975,8 @@ def cascade_decode_attention(
         # variant. X1 in a CUDA graph on an H200: 16 segments 205 us, 7: 136 us, 4: 126 us.
         prefix_splits = max(1, min(7, cdiv(target_programs(cfg.block_m, num_sms()), Hkv * q_tiles)))
     suffix_splits = 1
-    o_parts, lse_parts = _split_parts(prefix_splits + suffix_splits, B, Hq, D, q.device)
+    o_parts = torch.empty((prefix_splits + suffix_splits, B, Hq, D), dtype=torch.float32, device=q.device)
+    lse_parts = torch.empty(o_parts.shape[:3], dtype=torch.float32, device=q.device)
     # -- pass 1: all B queries as one pseudo-request over the shared prefix (keys < prefix_len) --
     cu_all = torch.arange(0, 2 * B, B, dtype=torch.int32, device=q.device)  # [0, B]
     pseudo_len = prefix_len + (B - 1)  # query j at position prefix_len - 1 + j sees the whole prefix
