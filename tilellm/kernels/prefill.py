@@ -256,9 +256,9 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
     q_rows, k_rows, v_rows = rows_view(q), rows_view(k), rows_view(v)
     q_desc = tma_descriptor(TensorDescriptor, q_rows, [cfg.block_m, qk_main])
     k_desc = tma_descriptor(TensorDescriptor, k_rows, [cfg.block_n, qk_main])
-    # without a tail the kernel never reads these: the main descriptors stand in
-    q_tail_desc = tma_descriptor(TensorDescriptor, q_rows, [cfg.block_m, qk_tail]) if qk_tail else q_desc
-    k_tail_desc = tma_descriptor(TensorDescriptor, k_rows, [cfg.block_n, qk_tail]) if qk_tail else k_desc
+    # without a tail the kernel never reads these: None (no tensor map for the launcher to build)
+    q_tail_desc = tma_descriptor(TensorDescriptor, q_rows, [cfg.block_m, qk_tail]) if qk_tail else None
+    k_tail_desc = tma_descriptor(TensorDescriptor, k_rows, [cfg.block_n, qk_tail]) if qk_tail else None
     v_desc = tma_descriptor(TensorDescriptor, v_rows, [cfg.block_n, v_block])
     grid = (cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
     group = Hq // k.shape[1]
