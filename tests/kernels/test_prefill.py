@@ -282,3 +282,49 @@ def test_gpu_unequal_head_dims(dims, heads, dtype, device):
     args = make_dims(lengths, heads, dims, dtype, device, seed=dims[0])
     for causal in (True, False):
         check_dims(args, device, f"gpu dims={dims} causal={causal}", causal=causal)
+
+
+# -- eager calls remember their launch per layout --
+
+
+@pytest.fixture
+def remembered_launches(monkeypatch):
+    """Counts the calls that plan their launch (`prefill._launch`); the value checks off, as on
+    a GPU without TILELLM_DEBUG=1 (a CPU call always runs them, and so never takes the
+    remembered launch)."""
+    from tilellm.kernels import prefill, validation
+
+    monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
+    prefill._REMEMBERED.clear()
+    planned = []
+    real = prefill._launch
+    monkeypatch.setattr(prefill, "_launch", lambda *a, **k: planned.append(1) or real(*a, **k))
+    yield planned
+    prefill._REMEMBERED.clear()
+
+
+@pytest.mark.parametrize("dims", [(32, 32), (48, 32)], ids=["no tail", "tail"])
+def test_a_layout_seen_before_runs_its_remembered_launch(dims, remembered_launches, device):
+    """A second call with new tensors of the same layout and scalar arguments skips the planning
+    and gives the twin's answer (with and without the head dim's tail block); another layout or
+    another scalar plans again."""
+    for seed in (1, 2):
+        args = make_dims([5, 20, 1], (8, 2), dims, torch.float32, device, seed=seed)
+        check_dims(args, device, f"seed {seed}")
+    assert remembered_launches == [1]
+    args = make_dims([5, 20, 1], (8, 2), dims, torch.float32, device, seed=3)
+    check_dims(args, device, "another scale", scale=0.2)
+    check_dims(args, device, "non-causal", causal=False)
+    check_dims(make_dims([7, 9], (8, 2), dims, torch.float32, device, seed=4), device, "another shape")
+    assert remembered_launches == [1, 1, 1, 1]
+
+
+def test_a_remembered_layout_still_rejects_bad_arguments(remembered_launches, device):
+    """The remembered launch is found by the arguments' layout and their scalars' types and
+    values: a call that differs in any of them is checked again."""
+    q, k, v, cu, max_seqlen = make([3, 9], (4, 2), 16, torch.float32, device, seed=6)
+    tk.prefill_attention(q, k, v, cu, max_seqlen)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        tk.prefill_attention(q, k, v, cu, float(max_seqlen))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        tk.prefill_attention(q, k, v, cu.to(torch.int64), max_seqlen)

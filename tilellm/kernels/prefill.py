@@ -32,13 +32,23 @@ programs running at any moment then read the K/V of one or a few heads, which st
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilellm.kernels import validation
-from tilellm.kernels.config import LOG2_E, cdiv, dot_precision, launch_gluon, next_power_of_2, prefill_config
+from tilellm.kernels.config import (
+    LOG2_E,
+    cdiv,
+    dot_precision,
+    launch_gluon,
+    next_power_of_2,
+    overridden,
+    prefill_config,
+)
 from tilellm.kernels.launch import FastLaunch, tma_descriptor
 
 
@@ -186,10 +196,64 @@ def prefill_attention(
     Returns:
         o: [T, Hq, Dv] in q.dtype.
     """
+    call = validation.layout_key("prefill_attention", q, k, v, cu_seqlens, out)
+    if call is not None:
+        call += (max_seqlen, causal, scale, type(max_seqlen), type(causal), type(scale))
+        try:
+            launch = _REMEMBERED.get(call)
+        except TypeError:  # an unhashable scalar argument (the checks say what is wrong)
+            launch = call = None
+        if launch is not None and not validation.deep_checks_enabled(q):
+            o = q.new_empty((*q.shape[:2], v.shape[2])) if out is None else out
+            launch.run(q, k, v, o, cu_seqlens)
+            return o
     validation.check_prefill("prefill_attention", q, k, v, cu_seqlens, max_seqlen)
     o = validation.prefill_output("prefill_attention", q, v, out)
-    _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(scale, q.shape[-1]))
+    launch = _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(scale, q.shape[-1]))
+    if call is not None and launch is not None and not overridden():
+        if len(_REMEMBERED) >= _MAX_REMEMBERED:
+            _REMEMBERED.clear()
+        _REMEMBERED[call] = launch
     return o
+
+
+class _PrefillLaunch(NamedTuple):
+    """`prefill.py`'s launch for one layout of a call (what `_launch` plans from the shapes,
+    dtypes and scalar arguments): `prefill_attention` remembers it per layout, so that a later
+    eager call of that layout launches without planning or checks (as `paged.py` does)."""
+
+    grid: tuple[int, int, int]
+    blocks: tuple[
+        list[int], list[int] | None, list[int], list[int] | None, list[int]
+    ]  # q, q tail, k, k tail, v
+    scalars: tuple  # qk_scale (base 2), o's token and head strides
+    consts: dict  # the constexprs and launch options
+    key: tuple  # `FastLaunch`'s key
+
+    def run(self, q, k, v, o, cu_seqlens, stats=None) -> None:
+        q_rows, k_rows, v_rows = rows_view(q), rows_view(k), rows_view(v)
+        q_block, q_tail_block, k_block, k_tail_block, v_block = self.blocks
+        descriptors = (
+            tma_descriptor(TensorDescriptor, q_rows, q_block),
+            # without a tail the kernel never reads these: None (no tensor map to build)
+            None if q_tail_block is None else tma_descriptor(TensorDescriptor, q_rows, q_tail_block),
+            tma_descriptor(TensorDescriptor, k_rows, k_block),
+            None if k_tail_block is None else tma_descriptor(TensorDescriptor, k_rows, k_tail_block),
+            tma_descriptor(TensorDescriptor, v_rows, v_block),
+        )
+        _prefill_launch.run(
+            self.grid,
+            (*descriptors, o, cu_seqlens, stats if stats is not None else cu_seqlens, *self.scalars),
+            self.consts,
+            key=self.key,
+        )
+
+
+# The launches of eager `prefill_attention` calls by the call's layout (`validation.layout_key`
+# of its tensors, and its scalar arguments): a call that matches a remembered one passed the
+# same checks and gets the same launch. Calls that run `hopper.py` are not remembered.
+_REMEMBERED: dict[tuple, _PrefillLaunch] = {}
+_MAX_REMEMBERED = 4096
 
 
 def prefill_tile_stats(
@@ -230,12 +294,14 @@ def head_dim_blocks(head_dim: int) -> tuple[int, int]:
     return main, 0 if rest == 0 else max(16, 1 << (rest - 1).bit_length())
 
 
-def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> None:
+def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> _PrefillLaunch | None:
+    """Launch the prefill over the batch: `hopper.py`'s kernel where it serves the call (None
+    returned), else this file's, whose launch is returned (for `prefill_attention` to remember)."""
     T, Hq, D = q.shape
     Dv = v.shape[-1]
     batch = cu_seqlens.numel() - 1
     if T == 0 or batch == 0:
-        return
+        return None
     cfg = prefill_config(D, q.dtype, max_seqlen, v_head_dim=Dv)
     # hopper.py serves one power-of-two head dim for q, k and v: other shapes never reach it,
     # even under a forced `config.override(prefill=...)`
@@ -247,29 +313,22 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
             q_rows, k_rows, v_rows, o, cu_seqlens, max_seqlen, Hq // k.shape[1], scale * LOG2_E,
             block_n=cfg.block_n, stages=cfg.num_stages, stats=stats,
         )):  # fmt: skip
-            return
+            return None
         cfg = prefill_config(
             D, q.dtype, max_seqlen, v_head_dim=Dv
         )  # this Triton cannot build it: the portable kernel
     qk_main, qk_tail = head_dim_blocks(D)
     v_block = max(16, next_power_of_2(Dv))
-    q_rows, k_rows, v_rows = rows_view(q), rows_view(k), rows_view(v)
-    q_desc = tma_descriptor(TensorDescriptor, q_rows, [cfg.block_m, qk_main])
-    k_desc = tma_descriptor(TensorDescriptor, k_rows, [cfg.block_n, qk_main])
-    # without a tail the kernel never reads these: None (no tensor map for the launcher to build)
-    q_tail_desc = tma_descriptor(TensorDescriptor, q_rows, [cfg.block_m, qk_tail]) if qk_tail else None
-    k_tail_desc = tma_descriptor(TensorDescriptor, k_rows, [cfg.block_n, qk_tail]) if qk_tail else None
-    v_desc = tma_descriptor(TensorDescriptor, v_rows, [cfg.block_n, v_block])
-    grid = (cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch)
     group = Hq // k.shape[1]
     consts = (q.device, group, D, qk_main, qk_tail, Dv, v_block, cfg, causal, stats is not None, q.dtype)
-    _prefill_launch.run(
-        grid,
-        (
-            q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, o, cu_seqlens,
-            stats if stats is not None else cu_seqlens, scale * LOG2_E, o.stride(0), o.stride(1),
+    launch = _PrefillLaunch(
+        grid=(cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch),
+        blocks=(
+            [cfg.block_m, qk_main], [cfg.block_m, qk_tail] if qk_tail else None,
+            [cfg.block_n, qk_main], [cfg.block_n, qk_tail] if qk_tail else None, [cfg.block_n, v_block],
         ),
-        lambda: dict(
+        scalars=(scale * LOG2_E, o.stride(0), o.stride(1)),
+        consts=dict(
             GROUP=group, QK_DIM=D, QK_MAIN=qk_main, QK_TAIL=qk_tail, V_DIM=Dv, V_BLOCK=v_block,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, RECORD_STATS=stats is not None,
             PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -278,3 +337,5 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> No
         # and the strides the kernel specialises on
         key=(consts, k.dtype, v.dtype, o.stride(0), o.stride(1)),
     )  # fmt: skip
+    launch.run(q, k, v, o, cu_seqlens, stats)
+    return launch
