@@ -98,9 +98,9 @@ def split_merge_mode() -> str:
     "auto" (the default): an eager call merges in the kernel itself (the last program of a tile
     to finish, `merge.merge_if_last`: one launch, which is what an eager call's host time is made
     of), with counters and partials of its stream's own; a call captured into a CUDA graph merges
-    in a second launch (`merge.run_merge`), so that a graph holds no buffer shared with anything
-    else. "kernel": in the kernel, captured calls too (their graphs share the capturing stream's
-    counters). "separate": always in a second launch."""
+    in a second launch (`merge.run_merge`). "kernel": in the kernel, captured calls too (with
+    counters of the graph's own, zeroed at every replay: a memset more per call). "separate":
+    always in a second launch."""
     mode = os.environ.get("TILELLM_SPLIT_MERGE", "auto")
     if mode not in SPLIT_MERGE_MODES:
         raise ValueError(f"TILELLM_SPLIT_MERGE={mode!r}: choose 'auto' (the default), 'kernel' or 'separate'")

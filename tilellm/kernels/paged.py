@@ -25,8 +25,6 @@ the choice (`config.split_merge_mode`).
 from __future__ import annotations
 
 import functools
-import logging
-import math
 from types import ModuleType
 from typing import NamedTuple
 
@@ -70,7 +68,6 @@ from tilellm.kernels.schedule import (
     target_programs,
 )
 
-logger = logging.getLogger(__name__)
 LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
 # Decode and verification (at most this many new tokens per request) over an FP8 cache run
 # their masked key tiles (a request's last, partial tile, or two) without software pipelining:
@@ -496,10 +493,6 @@ def _launch(
         1 < plan.num_splits <= MERGE_LAST_MAX_SPLITS and parts is None and _merge_in_kernel(capturing)
     )
     launch = launch_of(merge_last=merge_last)
-    counters = split_counters(q.device, launch.slots) if merge_last else None
-    if merge_last and counters is None:  # (a capture that would have to allocate them)
-        merge_last = False
-        launch = launch_of(merge_last=False)
     stats = None
     if record_stats:
         stats = torch.zeros(launch.slots * launch.splits * 2, dtype=torch.int32, device=q.device)
@@ -507,8 +500,8 @@ def _launch(
         return (stats, plan) if record_stats else None
     if remember is not None and not internal and not record_stats and not capturing and planned_from_shapes:
         _remember(remember, launch)
-    _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales,
-                stats=stats, kv_lo=kv_lo, kv_hi=kv_hi, parts=parts, counters=counters)  # fmt: skip
+    counters = _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales,
+                           stats=stats, kv_lo=kv_lo, kv_hi=kv_hi, parts=parts)  # fmt: skip
     if counters is not None and validation.deep_checks_enabled(q):
         _check_counters(counters, launch.slots)
     if record_stats:
@@ -576,16 +569,16 @@ def _triton_launch(
 
 def _run_triton(
     launch: _TritonLaunch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales, *, stats=None,
-    kv_lo=None, kv_hi=None, parts=None, counters=None,
-) -> None:  # fmt: skip
-    """Launch `launch` with a call's tensors (and the merge of its partials)."""
-    part_base = 0
+    kv_lo=None, kv_hi=None, parts=None,
+) -> torch.Tensor | None:  # fmt: skip
+    """Launch `launch` with a call's tensors (and the merge of its partials); the arrival
+    counters it used, if it merges in the kernel."""
+    part_base, counters = 0, None
     if parts is not None:
         o_parts, lse_parts, part_base = parts
     elif launch.splits > 1:
-        counter_slots = launch.slots if launch.merge_last and counters is None else 0
-        o_parts, lse_parts, own_counters = _split_parts(launch.splits, *q.shape, q.device, counter_slots)
-        counters = own_counters if counter_slots else counters
+        counter_slots = launch.slots if launch.merge_last else 0
+        o_parts, lse_parts, counters = _split_parts(launch.splits, *q.shape, q.device, counter_slots)
     else:
         o_parts = lse_parts = None  # unread
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if launch.kv_fp8 else (None, None)
@@ -603,6 +596,7 @@ def _run_triton(
     )  # fmt: skip
     if launch.merge is not None:
         run_merge(launch.merge, o_parts, lse_parts, o)
+    return counters
 
 
 # The launches of eager `decode_attention` / `paged_attention` calls, by the call's layout
@@ -626,8 +620,8 @@ def _run_remembered(
         return None, None
     if launch is None or validation.deep_checks_enabled(q):
         return call, None
-    if launch.merge_last and _capturing(q.device):  # a capture merges apart (or finds no counters)
-        return call, None
+    if launch.merge_last and _capturing(q.device) and split_merge_mode() == "auto":
+        return call, None  # (a capture merges in a second launch)
     o = torch.empty_like(q) if out is None else out
     launch.run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale))
     return call, o
@@ -704,10 +698,9 @@ def _plan_for_shape(
 # An eager split call takes its partials and arrival counters from its stream's workspace rather
 # than allocating them: calls on one stream run in order, so each finds the buffers free (and the
 # counters at zero: every launch that merges in the kernel leaves its counters at zero), and calls
-# on two streams never share them. A call captured into a CUDA graph allocates its partials in the
-# graph's pool; with TILELLM_SPLIT_MERGE=kernel its graph keeps the capturing stream's counters,
-# so two such graphs must not be replayed at once. TILELLM_DEBUG=1 checks the counters after every
-# eager call that used them.
+# on two streams never share them. A call captured into a CUDA graph allocates its own in the
+# graph's pool (counters zeroed at each replay), so that no graph shares a buffer with anything
+# else. TILELLM_DEBUG=1 checks the counters after every eager call that used them.
 
 
 class _StreamWorkspace:
@@ -726,7 +719,6 @@ SPLIT_COUNTERS_MIN = 4096
 # Partials past this many float32 (a prompt chunk's, 32 MiB) are allocated per call, not kept.
 WORKSPACE_MAX_PARTIALS = 1 << 23
 _workspaces: dict[tuple, _StreamWorkspace] = {}
-_retired_counters: list[torch.Tensor] = []  # outgrown buffers, still read by captured graphs
 
 
 def _workspace(device: torch.device) -> _StreamWorkspace:
@@ -763,52 +755,42 @@ def _split_parts(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A split call's scratch: partials in `merge_into`'s layout from element 0, flat float32,
     o_parts [>= splits * T * Hq * D] and lse_parts [>= splits * T * Hq], and `counter_slots`
-    arrival counters (None for 0). Outside a capture, from the stream's workspace (counters
-    included); inside one, the partials are the graph's own and the caller brings the counters."""
+    arrival counters (None for 0): the stream's workspace outside a capture, the graph's own
+    inside one."""
     lse_size = splits * T * Hq
     o_size = lse_size * D
-    if _capturing(device):
+    capturing = _capturing(device)
+    if capturing or o_size > WORKSPACE_MAX_PARTIALS:
         return (
             torch.empty(o_size, dtype=torch.float32, device=device),
             torch.empty(lse_size, dtype=torch.float32, device=device),
-            None,
+            split_counters(device, counter_slots) if counter_slots else None,
         )
     workspace = _workspace(device)
-    counters = split_counters(device, counter_slots, workspace) if counter_slots else None
-    if o_size > WORKSPACE_MAX_PARTIALS:
-        return (
-            torch.empty(o_size, dtype=torch.float32, device=device),
-            torch.empty(lse_size, dtype=torch.float32, device=device),
-            counters,
-        )
     # (a buffer given up stays with the stream: the caching allocator hands it out again only to
     # work queued after the calls that used it)
     if workspace.o_parts is None or workspace.o_parts.numel() < o_size:
         workspace.o_parts = torch.empty(next_power_of_2(o_size), dtype=torch.float32, device=device)
     if workspace.lse_parts is None or workspace.lse_parts.numel() < lse_size:
         workspace.lse_parts = torch.empty(next_power_of_2(lse_size), dtype=torch.float32, device=device)
+    counters = split_counters(device, counter_slots, workspace) if counter_slots else None
     return workspace.o_parts, workspace.lse_parts, counters
 
 
 def split_counters(
     device: torch.device, slots: int, workspace: _StreamWorkspace | None = None
-) -> torch.Tensor | None:
-    """At least `slots` zeroed int32 arrival counters of `device`'s current stream (`workspace`,
-    when the caller has it), or None inside a CUDA-graph capture that would have to allocate them
-    (the call then merges in a separate launch; running it once on the capturing stream outside
-    the capture allocates them)."""
+) -> torch.Tensor:
+    """At least `slots` int32 arrival counters, zero: those of `device`'s current stream
+    (`workspace`, when the caller has it), or, inside a CUDA-graph capture, the graph's own
+    (allocated in its pool and zeroed at every replay)."""
+    if _capturing(device):
+        return torch.zeros(slots, dtype=torch.int32, device=device)
     if workspace is None:
         workspace = _workspace(device)
     buf = workspace.counters
-    if buf is not None and buf.numel() >= slots:
-        return buf
-    if _capturing(device):
-        _log_capture_fallback_once(slots)
-        return None
-    if buf is not None:
-        _retired_counters.append(buf)
-    buf = torch.zeros(max(SPLIT_COUNTERS_MIN, next_power_of_2(slots)), dtype=torch.int32, device=device)
-    workspace.counters = buf
+    if buf is None or buf.numel() < slots:
+        buf = torch.zeros(max(SPLIT_COUNTERS_MIN, next_power_of_2(slots)), dtype=torch.int32, device=device)
+        workspace.counters = buf
     return buf
 
 
@@ -817,16 +799,6 @@ def reset_split_counters() -> None:
     for workspace in _workspaces.values():
         if workspace.counters is not None:
             workspace.counters.zero_()
-
-
-@functools.cache
-def _log_capture_fallback_once(slots: int) -> None:
-    logger.warning(
-        "TILELLM_SPLIT_MERGE=kernel: a CUDA-graph capture needs %d split counters, more than its "
-        "stream holds; this graph merges in a separate launch (run the call once on the capturing "
-        "stream outside the capture first)",
-        slots,
-    )
 
 
 def _check_counters(counters: torch.Tensor, slots: int) -> None:
@@ -838,8 +810,7 @@ def _check_counters(counters: torch.Tensor, slots: int) -> None:
         counters[:slots].zero_()
         raise RuntimeError(
             f"split-KV merge: {left} arrival counters were left non-zero after the call (a kernel "
-            "fault, or graphs captured with TILELLM_SPLIT_MERGE=kernel replayed at once on two "
-            "streams?); they are reset now. TILELLM_SPLIT_MERGE=separate merges in a second launch."
+            "fault?); they are reset now. TILELLM_SPLIT_MERGE=separate merges in a second launch."
         )
 
 
@@ -895,11 +866,9 @@ def _run_decode_fp8(
     """Launch `launch` with a call's tensors (and the merge of its partials)."""
     k_scale, v_scale = _fp8_scales(kv_scales, q.device)
     o_parts = lse_parts = None
-    if launch.splits > 1:  # (shaped as `launch_decode_fp8` documents them)
-        shape = (launch.splits, *q.shape)
-        o_parts, lse_parts, _ = _split_parts(*shape, q.device)
-        o_parts = o_parts[: math.prod(shape)].view(shape)
-        lse_parts = lse_parts[: math.prod(shape[:3])].view(shape[:3])
+    if launch.splits > 1:
+        o_parts = torch.empty((launch.splits, *q.shape), dtype=torch.float32, device=q.device)
+        lse_parts = torch.empty(o_parts.shape[:3], dtype=torch.float32, device=q.device)
     launch.decode_fp8.launch_decode_fp8(
         q, k_cache, v_cache, o, block_table, seq_lens, launch.qk_scale, k_scale, v_scale, launch.splits,
         launch.min_keys_per_split, o_parts, lse_parts,
