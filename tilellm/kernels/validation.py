@@ -43,7 +43,9 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
 def deep_checks_enabled(t: torch.Tensor) -> bool:
     """Value checks run on CPU tensors always, on device tensors only when TILELLM_DEBUG=1 and
     not inside a CUDA-graph capture (they read the values on the host, which a capture forbids)."""
-    return t.device.type == "cpu" or (debug_enabled() and not torch.cuda.is_current_stream_capturing())
+    if t.device.type == "cpu":
+        return True
+    return debug_enabled() and not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 # ----------------------------------------------------------------------------------------------
