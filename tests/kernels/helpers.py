@@ -217,3 +217,18 @@ def compile_for_sm90(module: str, calls: dict[str, dict]) -> dict[str, dict]:
     GPU needed): per key the PTX, the shared memory in bytes and cuobjdump's resource usage (its
     LOCAL:0 says no register spilled)."""
     return run_outside_interpreter(_COMPILE_FOR_SM90.format(module=module, calls=list(calls.items())))
+
+
+def count_planned_launches(monkeypatch, module) -> list:
+    """A list that grows by one at each call of `module._launch` (the calls that plan their
+    launch rather than run a remembered one), with the value checks off, as on a GPU without
+    TILELLM_DEBUG=1 (a CPU call always runs them, and so never takes a remembered launch); the
+    module's remembered launches forgotten first (`module.clear_plans`)."""
+    from tilellm.kernels import validation
+
+    monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
+    module.clear_plans()
+    planned = []
+    real = module._launch
+    monkeypatch.setattr(module, "_launch", lambda *a, **k: planned.append(1) or real(*a, **k))
+    return planned

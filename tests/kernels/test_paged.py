@@ -16,7 +16,15 @@ import pytest
 import torch
 
 import tilellm.kernels as tk
-from tests.kernels.helpers import DTYPES, PagedBatch, assert_close, make_paged_batch, poisoned, tolerance
+from tests.kernels.helpers import (
+    DTYPES,
+    PagedBatch,
+    assert_close,
+    count_planned_launches,
+    make_paged_batch,
+    poisoned,
+    tolerance,
+)
 from tilellm.kernels import reference as ref
 from tilellm.kernels import schedule
 from tilellm.kernels.schedule import plan_split_kv
@@ -251,17 +259,10 @@ def test_forced_decode_tile_keeps_its_rows(device):
 
 @pytest.fixture
 def remembered_launches(monkeypatch):
-    """Counts the calls that plan their launch (`paged._launch`); the value checks off, as on a
-    GPU without TILELLM_DEBUG=1 (a CPU call always runs them, and so never takes the remembered
-    launch)."""
-    from tilellm.kernels import paged, validation
+    """Counts the calls that plan their launch (`paged._launch`; `helpers.count_planned_launches`)."""
+    from tilellm.kernels import paged
 
-    monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
-    paged.clear_plans()
-    planned = []
-    real = paged._launch
-    monkeypatch.setattr(paged, "_launch", lambda *a, **k: planned.append(1) or real(*a, **k))
-    yield planned
+    yield count_planned_launches(monkeypatch, paged)
     paged.clear_plans()
 
 

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 import tilellm.kernels as tk
-from tests.kernels.helpers import DTYPES, assert_close, cu_seqlens, poisoned, randn, tolerance
+from tests.kernels.helpers import (
+    DTYPES,
+    assert_close,
+    count_planned_launches,
+    cu_seqlens,
+    poisoned,
+    randn,
+    tolerance,
+)
 from tilellm.kernels import reference as ref
 
 GQA = [(4, 4), (8, 4), (8, 2), (5, 1), (10, 2)]
@@ -289,18 +297,11 @@ def test_gpu_unequal_head_dims(dims, heads, dtype, device):
 
 @pytest.fixture
 def remembered_launches(monkeypatch):
-    """Counts the calls that plan their launch (`prefill._launch`); the value checks off, as on
-    a GPU without TILELLM_DEBUG=1 (a CPU call always runs them, and so never takes the
-    remembered launch)."""
-    from tilellm.kernels import prefill, validation
+    """Counts the calls that plan their launch (`prefill._launch`; `helpers.count_planned_launches`)."""
+    from tilellm.kernels import prefill
 
-    monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
-    prefill._REMEMBERED.clear()
-    planned = []
-    real = prefill._launch
-    monkeypatch.setattr(prefill, "_launch", lambda *a, **k: planned.append(1) or real(*a, **k))
-    yield planned
-    prefill._REMEMBERED.clear()
+    yield count_planned_launches(monkeypatch, prefill)
+    prefill.clear_plans()
 
 
 @pytest.mark.parametrize("dims", [(32, 32), (48, 32)], ids=["no tail", "tail"])

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilellm.kernels import validation
+from tilellm.kernels import prefill, validation
 from tilellm.kernels.config import (
     GLUON_QUERY_TILE,
     LN_2,
@@ -649,6 +649,7 @@ def clear_plans() -> None:
     _plan_for_shape.cache_clear()
     _tiles.cache_clear()
     _REMEMBERED.clear()
+    prefill.clear_plans()
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
