@@ -630,11 +630,10 @@ def _run_remembered(
 def _call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
     """The key of an eager call by its layout, or None when it cannot be remembered (an argument
     that is not a tensor, a tile config overridden)."""
-    key = validation.layout_key(name, *tensors)
+    key = validation.call_key(name, tensors, scalars)
     if key is None or overridden():
         return None
-    # (True == 1, but num_splits=True is an error)
-    return key + scalars + tuple(map(type, scalars)) + (split_merge_mode(),)
+    return key + (split_merge_mode(),)
 
 
 def _remember(key: tuple, launch: _TritonLaunch | _DecodeFp8Launch) -> None:
@@ -760,39 +759,44 @@ def _split_parts(
     inside one."""
     lse_size = splits * T * Hq
     o_size = lse_size * D
-    capturing = _capturing(device)
-    if capturing or o_size > WORKSPACE_MAX_PARTIALS:
-        return (
-            torch.empty(o_size, dtype=torch.float32, device=device),
-            torch.empty(lse_size, dtype=torch.float32, device=device),
-            split_counters(device, counter_slots) if counter_slots else None,
-        )
+    if _capturing(device):
+        counters = torch.zeros(counter_slots, dtype=torch.int32, device=device) if counter_slots else None
+        return _own_parts(o_size, lse_size, device) + (counters,)
     workspace = _workspace(device)
+    counters = _stream_counters(workspace, counter_slots, device) if counter_slots else None
+    if o_size > WORKSPACE_MAX_PARTIALS:
+        return _own_parts(o_size, lse_size, device) + (counters,)
     # (a buffer given up stays with the stream: the caching allocator hands it out again only to
     # work queued after the calls that used it)
     if workspace.o_parts is None or workspace.o_parts.numel() < o_size:
         workspace.o_parts = torch.empty(next_power_of_2(o_size), dtype=torch.float32, device=device)
     if workspace.lse_parts is None or workspace.lse_parts.numel() < lse_size:
         workspace.lse_parts = torch.empty(next_power_of_2(lse_size), dtype=torch.float32, device=device)
-    counters = split_counters(device, counter_slots, workspace) if counter_slots else None
     return workspace.o_parts, workspace.lse_parts, counters
 
 
-def split_counters(
-    device: torch.device, slots: int, workspace: _StreamWorkspace | None = None
-) -> torch.Tensor:
-    """At least `slots` int32 arrival counters, zero: those of `device`'s current stream
-    (`workspace`, when the caller has it), or, inside a CUDA-graph capture, the graph's own
-    (allocated in its pool and zeroed at every replay)."""
+def _own_parts(o_size: int, lse_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty(o_size, dtype=torch.float32, device=device),
+        torch.empty(lse_size, dtype=torch.float32, device=device),
+    )
+
+
+def split_counters(device: torch.device, slots: int) -> torch.Tensor:
+    """At least `slots` int32 arrival counters, zero: those of `device`'s current stream, or,
+    inside a CUDA-graph capture, the graph's own (allocated in its pool and zeroed at every
+    replay)."""
     if _capturing(device):
         return torch.zeros(slots, dtype=torch.int32, device=device)
-    if workspace is None:
-        workspace = _workspace(device)
-    buf = workspace.counters
-    if buf is None or buf.numel() < slots:
-        buf = torch.zeros(max(SPLIT_COUNTERS_MIN, next_power_of_2(slots)), dtype=torch.int32, device=device)
-        workspace.counters = buf
-    return buf
+    return _stream_counters(_workspace(device), slots, device)
+
+
+def _stream_counters(workspace: _StreamWorkspace, slots: int, device: torch.device) -> torch.Tensor:
+    """The stream's counters, grown (zeroed) to at least `slots`."""
+    if workspace.counters is None or workspace.counters.numel() < slots:
+        size = max(SPLIT_COUNTERS_MIN, next_power_of_2(slots))
+        workspace.counters = torch.zeros(size, dtype=torch.int32, device=device)
+    return workspace.counters
 
 
 def reset_split_counters() -> None:

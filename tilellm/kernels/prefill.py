@@ -196,9 +196,13 @@ def prefill_attention(
     Returns:
         o: [T, Hq, Dv] in q.dtype.
     """
-    call = None if overridden() else validation.layout_key("prefill_attention", q, k, v, cu_seqlens, out)
+    scalars = (max_seqlen, causal, scale)
+    call = (
+        None
+        if overridden()
+        else validation.call_key("prefill_attention", (q, k, v, cu_seqlens, out), scalars)
+    )
     if call is not None:
-        call += (max_seqlen, causal, scale, type(max_seqlen), type(causal), type(scale))
         try:
             launch = _REMEMBERED.get(call)
         except TypeError:  # an unhashable scalar argument (the checks say what is wrong)

@@ -443,6 +443,14 @@ def layout_key(name: str, *tensors) -> tuple | None:
     return tuple(key)
 
 
+def call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
+    """The key of an eager kernel call by its layout: `layout_key` of its tensors, then its
+    scalar arguments' values and types (True == 1, but num_splits=True is an error); None if an
+    argument meant as a tensor is not one. A scalar may be unhashable: the key's lookup says so."""
+    key = layout_key(name, *tensors)
+    return None if key is None else key + scalars + tuple(map(type, scalars))
+
+
 def _check_layout_once(check, name: str, *tensors) -> None:
     """`check(name, *tensors)` unless these layouts passed it before (`layout_key`)."""
     key = layout_key(name, *tensors)
