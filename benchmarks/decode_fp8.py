@@ -9,12 +9,19 @@ Workloads (docs/workloads.md): D1-D4 (32 query heads, 8 KV heads, D 128, page 16
 decode step: 256 requests, 16 query heads over 8 KV heads), both launch orders. GB/s counts the
 FP8 bytes of K and V read.
 
-    python benchmarks/decode_fp8.py [--workloads D1,D2,D3,D4,E1D] [--json out.json]
+Verification (`paged_attention` of a few new tokens a request, causal among themselves): V1 (32
+requests x 8192 cached + 6 new tokens, 32 query heads over 8: 24 query rows a request) and V1-G2
+(the same with Qwen3-0.6B's heads, 16 over 8, and 4 new tokens: 8 rows), timed as paged.py's FP8
+tiles, `paged_attention` as called (the Gluon kernel where the plan gives it the batch), and the
+Gluon kernel with 8 and 16 MMA columns a program at the planned segment count, half and twice it.
+
+    python benchmarks/decode_fp8.py [--workloads D1,D2,D3,D4,E1D,V1,V1-G2] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 
@@ -34,12 +41,15 @@ def fp8_cache(kc, vc):
     return quantize_fp8(kc, k_scale), quantize_fp8(vc, v_scale), k_scale, v_scale
 
 
-def run_gluon(q, kc8, vc8, bt, seq, k_scale, v_scale, splits, min_keys, out, block_n=16, stages=0):
-    B, Hq, D = q.shape
+def run_gluon(
+    q, kc8, vc8, bt, seq, k_scale, v_scale, splits, min_keys, out, block_n=16, stages=0, cu_q=None, max_q=1,
+    cols=None,
+):  # fmt: skip
+    T, Hq, D = q.shape
     parts = lse = None
     if splits > 1:
-        parts = torch.empty(splits, B, Hq, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(splits, B, Hq, dtype=torch.float32, device=q.device)
+        parts = torch.empty(splits, T, Hq, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, T, Hq, dtype=torch.float32, device=q.device)
     decode_fp8.launch_decode_fp8(
         q,
         kc8,
@@ -56,6 +66,9 @@ def run_gluon(q, kc8, vc8, bt, seq, k_scale, v_scale, splits, min_keys, out, blo
         lse,
         block_n,
         stages,
+        cu_seqlens_q=cu_q,
+        max_seqlen_q=max_q,
+        cols=cols,
     )
     if splits > 1:
         merge_into(parts, lse, out)
@@ -154,9 +167,50 @@ def bench_workload(name: str, hq: int, kv: list[int], variants, report: dict) ->
         report["rows"].append(dict(workload=name, kernel=label, ms=ms, gbps=byts / ms / 1e6))
 
 
+def bench_verify(name: str, hq: int, q_len: int, num_requests: int, context: int, report: dict) -> None:
+    """A verification workload: `paged_attention` (paged.py's FP8 tiles forced, and as called)
+    and the Gluon kernel with 8 and 16 columns a program at the planned segment count, half and
+    twice it; every output checked against paged.py's."""
+    bk.HQ = hq
+    q_lens, kv = [q_len] * num_requests, [context + q_len] * num_requests
+    q, kc, vc, bt, cu_q, seq = bk._paged_inputs(q_lens, kv, torch.bfloat16)
+    kc8, vc8, ks, vs = fp8_cache(kc, vc)
+    del kc, vc
+    max_k, group = max(kv), hq // 8
+    plan = plan_paged(
+        num_requests, hq, 8, 128, q.dtype, 16, q_len, num_tokens=q.shape[0], max_seqlen_k=max_k, kv_fp8=True
+    )
+    out = torch.empty_like(q)
+    args = (q, kc8, vc8, bt, cu_q, seq, q_len)
+
+    def triton_fn():  # paged.py: its FP8 tiles forced (so the plan never takes the Gluon kernel)
+        with config.override(paged=config.paged_config(128, q.dtype, group, q_len, kv_fp8=True)[0]):
+            return tk.paged_attention(*args, max_seqlen_k=max_k, k_scale=ks, v_scale=vs)
+
+    def public_fn():
+        return tk.paged_attention(*args, max_seqlen_k=max_k, k_scale=ks, v_scale=vs)
+
+    ref_out = triton_fn().float()
+    byts = sum(kv) * 8 * 128 * 2  # e4m3 K and V
+    planned = plan.split.num_splits
+    rows = [("paged.py fp8 tiles", triton_fn), (f"paged_attention as called ({plan.kernel})", public_fn)]
+    for cols, s in itertools.product((8, 16), sorted({planned, max(1, planned // 2), planned * 2})):
+        fn = functools.partial(
+            run_gluon, q, kc8, vc8, bt, seq, ks, vs, s, plan.split.min_keys_per_split, out,
+            decode_fp8.BLOCK_N, decode_fp8.STAGES, cu_q, q_len, cols,
+        )  # fmt: skip
+        err = ((fn().float() - ref_out).abs().max() / ref_out.abs().max()).item()
+        assert err < 1e-2, (name, cols, s, err)
+        rows.append((f"gluon cols{cols} splits={s}" + (" (planned)" if s == planned else ""), fn))
+    for label, fn in rows:
+        ms = bk._bench_graph(fn)
+        print(f"{name:<20}{label:<38}{ms:>9.4f}{byts / ms / 1e6:>8.0f}")
+        report["rows"].append(dict(workload=name, kernel=label, ms=ms, gbps=byts / ms / 1e6))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default="D1,D2,D3,D4,E1D,E1D-longest-first")
+    p.add_argument("--workloads", default="D1,D2,D3,D4,E1D,E1D-longest-first,V1,V1-G2")
     p.add_argument(
         "--variants",
         default=f"{decode_fp8.BLOCK_N}:{decode_fp8.STAGES}",
@@ -180,9 +234,13 @@ def main() -> None:
         "E1D": (16, e1d),
         "E1D-longest-first": (16, sorted(e1d, reverse=True)),
     }
+    verify = {"V1": (32, 6, 32, 8192), "V1-G2": (16, 4, 32, 8192)}  # heads, new tokens, requests, cached
     print(f"{'workload':<20}{'kernel':<38}{'ms':>9}{'GB/s':>8}")
     for name in args.workloads.split(","):
-        bench_workload(name, *workloads[name], variants, report)
+        if name in verify:
+            bench_verify(name, *verify[name], report)
+        else:
+            bench_workload(name, *workloads[name], variants, report)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

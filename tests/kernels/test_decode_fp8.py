@@ -25,21 +25,32 @@ from tests.kernels.helpers import assert_close, compile_for_sm90, make_paged_bat
 from tilellm.kernels import config
 from tilellm.kernels import reference as ref
 from tilellm.kernels.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
-from tilellm.kernels.schedule import plan_paged
+from tilellm.kernels.schedule import fp8_query_columns, plan_paged
 
-COMPILED = [(d, split) for d in (64, 128) for split in (False, True)]
+# (head dim, split, verification's MMA columns or 0 for decode)
+COMPILED = [(d, split, 0) for d in (64, 128) for split in (False, True)] + [(128, True, 8), (128, False, 16)]
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    return compile_for_sm90("decode_fp8", {repr(v): dict(head_dim=v[0], split=v[1]) for v in COMPILED})
+    return compile_for_sm90(
+        "decode_fp8",
+        {
+            repr(v): dict(head_dim=v[0], split=v[1], verify=v[2] > 0, cols=v[2] or 8, group=4)
+            for v in COMPILED
+        },  # fmt: skip
+    )
 
 
-@pytest.mark.parametrize("variant", COMPILED, ids=lambda v: f"d{v[0]}-{'split' if v[1] else 'whole'}")
+@pytest.mark.parametrize(
+    "variant",
+    COMPILED,
+    ids=lambda v: f"d{v[0]}-{'split' if v[1] else 'whole'}" + (f"-cols{v[2]}" if v[2] else ""),
+)
 def test_compiles_for_sm90_without_spills(compiled, variant):
     from tilellm.kernels import decode_fp8
 
-    head_dim, _ = variant
+    head_dim = variant[0]
     k = compiled[repr(variant)]
     assert "cp.async.cg.shared.global" in k["ptx"], "K/V bytes must arrive by cp.async"
     assert "mma.sync.aligned.m16n8k16" in k["ptx"] and "cvt.rn.f16x2.e4m3x2" in k["ptx"], (
@@ -112,6 +123,85 @@ def test_decode_matches_the_twin(head_dim, group, page, dtype, launches):
         got = tk.decode_attention(*args, num_splits=splits, k_scale=ks, v_scale=vs)
         assert_close(got, want, tol, f"splits {splits}")
     assert launches[0] == 4
+
+
+def _expected_verify(b, k_scale, v_scale, max_q):
+    kd, vd = (
+        dequantize_fp8(b.k_cache, k_scale, torch.float32),
+        dequantize_fp8(b.v_cache, v_scale, torch.float32),
+    )
+    o = ref.paged_attention(b.q.float(), kd, vd, b.block_table, b.cu_seqlens_q, b.seq_lens, max_q)
+    return o.to(b.q.dtype)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group, max_q", [(1, 5), (2, 4), (4, 6), (8, 8), (3, 7)])
+@pytest.mark.parametrize("page", [8, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_verification_matches_the_twin(head_dim, group, max_q, page, dtype, launches):
+    """New tokens of 1..max_q a request, causal among themselves, over contexts from a few keys
+    to many tiles: every query row (token x head) in programs of 8 or 16 columns."""
+    lens = [(1, 1), (max_q, max_q), (max_q, 40), (2, 33), (max_q, 700), (max_q - 1, 1500), (max_q, 64)]
+    b, ks, vs = _fp8_batch(lens, 2 * group, 2, head_dim, page, dtype, "cuda", seed=group + max_q)
+    args = (b.q, b.k_cache, b.v_cache, b.block_table, b.cu_seqlens_q, b.seq_lens, max_q)
+    plan = plan_paged(
+        len(lens), 2 * group, 2, head_dim, dtype, page, max_q, num_tokens=b.q.shape[0], max_seqlen_k=1500,
+        kv_fp8=True,
+    )  # fmt: skip
+    assert plan.kernel == "gluon-decode-fp8"
+    want = _expected_verify(b, ks, vs, max_q)
+    tol = tolerance(dtype, "cuda")
+    for splits in (None, 1, 3, 8):  # planned; whole; some segments past a token's last key
+        got = tk.paged_attention(*args, num_splits=splits, k_scale=ks, v_scale=vs)
+        assert_close(got, want, tol, f"splits {splits}")
+    assert launches[0] == 4
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("cols", [8, 16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_verification_columns_forced(cols, splits):
+    """Both column widths give the same rows, whole and split (the caller's merge)."""
+    from tilellm.kernels import decode_fp8
+    from tilellm.kernels.merge import merge_into
+
+    b, ks, vs = _fp8_batch(VERIFY_LENS, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=13)
+    T, Hq, D = b.q.shape
+    o = torch.empty_like(b.q)
+    parts = lse = None
+    if splits > 1:
+        parts = torch.empty(splits, T, Hq, D, dtype=torch.float32, device="cuda")
+        lse = torch.empty(splits, T, Hq, dtype=torch.float32, device="cuda")
+    decode_fp8.launch_decode_fp8(
+        b.q, b.k_cache, b.v_cache, o, b.block_table, b.seq_lens, D**-0.5 * math.log2(math.e), ks, vs,
+        splits, 64, parts, lse, cu_seqlens_q=b.cu_seqlens_q, max_seqlen_q=6, cols=cols,
+    )  # fmt: skip
+    if splits > 1:
+        merge_into(parts, lse, o)
+    assert_close(o, _expected_verify(b, ks, vs, 6), tolerance(torch.bfloat16, "cuda"), f"cols {cols}")
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_verification_captured_in_a_cuda_graph(launches):
+    b, ks, vs = _fp8_batch(VERIFY_LENS, 16, 4, 128, 16, torch.bfloat16, "cuda", seed=17)
+    out = torch.empty_like(b.q)
+
+    def call():
+        tk.paged_attention(b.q, b.k_cache, b.v_cache, b.block_table, b.cu_seqlens_q, b.seq_lens, 6,
+                           max_seqlen_k=1500, out=out, k_scale=ks, v_scale=vs)  # fmt: skip
+
+    call()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    b.q.copy_(torch.randn_like(b.q))
+    graph.replay()
+    assert_close(out, _expected_verify(b, ks, vs, 6), tolerance(torch.bfloat16, "cuda"), "replay")
+    assert launches[0] == 2
 
 
 @pytest.mark.gpu
@@ -207,6 +297,29 @@ def test_plan_gives_decode_over_fp8_to_the_kernel(
     assert plan.kernel == kernel
 
 
+@pytest.mark.parametrize(
+    "dtype, group, max_q, fp8, kernel",
+    [
+        (torch.bfloat16, 4, 6, True, "gluon-decode-fp8"),  # V1: 24 query rows a request
+        (torch.float16, 2, 4, True, "gluon-decode-fp8"),  # 8 rows: one program of 8 columns
+        (torch.bfloat16, 8, 8, True, "gluon-decode-fp8"),  # 64 rows: four programs of 16
+        (torch.bfloat16, 4, 17, True, "triton"),  # 68 rows
+        (torch.bfloat16, 1, 128, True, "triton"),  # a prompt chunk
+        (torch.bfloat16, 4, 6, False, "triton"),  # a 16-bit cache
+    ],
+)
+def test_plan_gives_verification_over_fp8_to_the_kernel(hopper_with_gluon, dtype, group, max_q, fp8, kernel):
+    plan = plan_paged(
+        32, 8 * group, 8, 128, dtype, 16, max_q, num_tokens=32 * max_q, max_seqlen_k=8192, kv_fp8=fp8,
+        num_sms=132,
+    )  # fmt: skip
+    assert plan.kernel == kernel
+    if kernel == "gluon-decode-fp8":
+        cols, col_groups = fp8_query_columns(max_q, group)
+        assert cols * col_groups >= max_q * group > cols * (col_groups - 1)
+        assert plan.split.base_programs == 32 * 8 * col_groups
+
+
 def test_forced_tiles_keep_paged_py(hopper_with_gluon):
     with config.override(paged=config.TileConfig(16, 32, 1, 6)):
         plan = plan_paged(8, 16, 8, 128, torch.bfloat16, 16, 1, max_seqlen_k=512, is_decode=True, kv_fp8=True)
@@ -215,41 +328,50 @@ def test_forced_tiles_keep_paged_py(hopper_with_gluon):
 
 class _KernelTwin:
     """Stands in for `decode_fp8` in `launch_gluon`: its launch computes, in PyTorch, what the
-    kernel writes (each segment's normalised output and natural-log lse, or the whole output)."""
+    kernel writes (each segment's normalised output and natural-log lse, or the whole output),
+    for decode (one token a request) and verification (`cu_seqlens_q`: causal new tokens)."""
 
     BLOCK_N = 32
 
     def __init__(self):
         self.calls = []
 
-    def supports(self, q, k_cache, v_cache):
+    def supports(self, q, k_cache, v_cache, max_seqlen_q=1):
         return True
 
     def launch_decode_fp8(self, q, k_cache, v_cache, o, block_table, seq_lens, qk_scale, k_scale, v_scale,
-                          num_splits, min_split_keys, o_parts=None, lse_parts=None):  # fmt: skip
-        self.calls.append(num_splits)
-        B, Hq, D = q.shape
+                          num_splits, min_split_keys, o_parts=None, lse_parts=None, cu_seqlens_q=None,
+                          max_seqlen_q=1):  # fmt: skip
+        self.calls.append(num_splits if cu_seqlens_q is None else (num_splits, max_seqlen_q))
+        Hq, D = q.shape[1:]
         page, hkv = k_cache.shape[1], k_cache.shape[2]
+        B = seq_lens.shape[0]
+        cu = list(range(B + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
         for b in range(B):
             n = int(seq_lens[b])
             rows = block_table[b, : -(-n // page)].long()
             k = (k_cache[rows].reshape(-1, hkv, D)[:n].float() * k_scale).repeat_interleave(Hq // hkv, 1)
             v = (v_cache[rows].reshape(-1, hkv, D)[:n].float() * v_scale).repeat_interleave(Hq // hkv, 1)
-            scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * qk_scale  # base 2
-            if num_splits == 1:
-                o[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores * math.log(2), -1), v).to(o.dtype)
-                continue
-            bn = self.BLOCK_N
-            seg = max(math.ceil(math.ceil(n / num_splits) / bn) * bn, math.ceil(min_split_keys / bn) * bn)
-            for s in range(num_splits):
-                lo, hi = s * seg, min(s * seg + seg, n)
-                if lo >= hi:
-                    o_parts[s, b] = 0.0
-                    lse_parts[s, b] = float("-inf")
+            q_len = cu[b + 1] - cu[b]
+            for t, row in enumerate(range(cu[b], cu[b + 1])):
+                end = n - q_len + 1 + t  # causal: the keys this token sees
+                scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * qk_scale  # base 2
+                scores[:, end:] = float("-inf")
+                if num_splits == 1:
+                    p = torch.softmax(scores * math.log(2), -1)
+                    o[row] = torch.einsum("hn,nhd->hd", p, v).to(o.dtype)
                     continue
-                part = scores[:, lo:hi] * math.log(2)
-                o_parts[s, b] = torch.einsum("hn,nhd->hd", torch.softmax(part, -1), v[lo:hi])
-                lse_parts[s, b] = torch.logsumexp(part, -1)
+                bn = self.BLOCK_N
+                seg = max(math.ceil(math.ceil(n / num_splits) / bn) * bn, math.ceil(min_split_keys / bn) * bn)
+                for s in range(num_splits):
+                    lo, hi = s * seg, min(s * seg + seg, end)
+                    if lo >= hi:
+                        o_parts[s, row] = 0.0
+                        lse_parts[s, row] = float("-inf")
+                        continue
+                    part = scores[:, lo:hi] * math.log(2)
+                    o_parts[s, row] = torch.einsum("hn,nhd->hd", torch.softmax(part, -1), v[lo:hi])
+                    lse_parts[s, row] = torch.logsumexp(part, -1)
         return True
 
 
@@ -265,6 +387,24 @@ def test_paged_py_calls_the_kernel_and_merges_its_segments(hopper_with_gluon, mo
     want = ref.decode_attention(*args, k_scale=ks, v_scale=vs, scale=0.3)
     assert_close(got, want, tolerance(torch.float16, device), f"splits {splits}")
     assert len(twin.calls) == 1 and (splits is None or twin.calls == [splits])
+
+
+VERIFY_LENS = [(1, 1), (3, 3), (6, 40), (2, 33), (6, 700), (5, 1500), (6, 64)]  # (new tokens, keys)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3, 8])
+def test_paged_py_gives_verification_to_the_kernel(hopper_with_gluon, monkeypatch, splits, device):
+    from tilellm.kernels import paged
+
+    twin = _KernelTwin()
+    monkeypatch.setattr(paged, "launch_gluon", lambda launch, module="hopper": launch(twin))
+    b, ks, vs = _fp8_batch(VERIFY_LENS, 16, 4, 64, 16, torch.float16, device, seed=11)
+    args = (b.q, b.k_cache, b.v_cache, b.block_table, b.cu_seqlens_q, b.seq_lens, 6)
+    got = tk.paged_attention(*args, num_splits=splits, max_seqlen_k=1500, k_scale=ks, v_scale=vs, scale=0.3)
+    want = ref.paged_attention(*args, k_scale=ks, v_scale=vs, scale=0.3)
+    assert_close(got, want, tolerance(torch.float16, device), f"splits {splits}")
+    assert len(twin.calls) == 1 and twin.calls[0][1] == 6
+    assert splits is None or twin.calls[0][0] == splits
 
 
 def test_a_layout_seen_before_runs_its_remembered_launch(hopper_with_gluon, monkeypatch, device):

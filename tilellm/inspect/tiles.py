@@ -24,6 +24,7 @@ from tilellm.kernels.schedule import (
     SplitPlan,
     as_list,
     cdiv,
+    fp8_query_columns,
     hopper_plan,
     paged_grid,
     plan_paged,
@@ -165,17 +166,20 @@ def paged_schedule(
     `skipped` (future tiles of the request) is reported on each query tile's last segment.
     `kv_fp8`: an FP8 cache (its own tiles and split rule, never `hopper.py`); a decode batch over
     it on Hopper runs `decode_fp8.py` (kernel "decode_fp8"): the same programs, segments and
-    32-key tiles, the group's query heads in 8 MMA columns instead of 16 rows.
+    32-key tiles, the group's query heads in 8 MMA columns instead of 16 rows; so does a
+    verification batch of a few tokens, its (token, head) rows in programs of 8 or 16 columns
+    (`block_m`), each walking its request's keys (grid: KV heads, requests, column groups x splits).
     """
     cu = as_list(cu_seqlens_q)
     lens = as_list(seq_lens)
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     max_q = max(q_lens, default=1)
     group = num_q_heads // num_kv_heads
+    is_decode = bool(q_lens) and max_q == 1 and min(q_lens) == 1
     kernel_plan = plan_paged(
         len(lens), num_q_heads, num_kv_heads, head_dim, dtype, block_size, max_q,
         num_tokens=sum(q_lens), seq_lens=lens, num_splits=num_splits, num_sms=num_sms, kv_fp8=kv_fp8,
-        is_decode=bool(q_lens) and max_q == 1 and min(q_lens) == 1,
+        is_decode=is_decode,
     )  # fmt: skip
     if kernel_plan.kernel == "gluon":
         return gluon_paged_schedule(q_lens, lens, num_q_heads, num_sms)
@@ -185,14 +189,24 @@ def paged_schedule(
     plan = kernel_plan.split
     splits = plan.num_splits
     decode_fp8 = kernel_plan.kernel == "gluon-decode-fp8"
+    block_m, tiles_first = cfg.block_m, query_tiles_first(q_tiles)
+    # each query tile's new tokens [t0, t1) of a request of q_len tokens
+    token_range = lambda q_tile, q_len: (q_tile * block_q, min(q_tile * block_q + block_q, q_len))  # noqa: E731
     if decode_fp8:
-        from tilellm.kernels.decode_fp8 import BLOCK_N, MAX_GROUP
+        from tilellm.kernels.decode_fp8 import BLOCK_N
 
-        bn = BLOCK_N
+        bn, tiles_first = BLOCK_N, False
+        block_m, q_tiles = fp8_query_columns(1 if is_decode else max_q, group)
+        block_q = None if is_decode else block_m // group or None
+        # a program's MMA columns are (token, head) pairs, block_m of them: tokens t0..t1 - 1
+        token_range = lambda q_tile, q_len: (  # noqa: E731
+            q_tile * block_m // group,
+            min(q_len, ((q_tile + 1) * block_m - 1) // group + 1),
+        )
     sched = TileSchedule(
         "decode_fp8" if decode_fp8 else "paged_attention",
-        paged_grid(num_kv_heads, len(lens), q_tiles, splits, query_tiles_first(q_tiles)),
-        MAX_GROUP if decode_fp8 else cfg.block_m,
+        paged_grid(num_kv_heads, len(lens), q_tiles, splits, tiles_first),
+        block_m,
         bn,
         split_plan=plan,
         block_q=block_q,
@@ -202,12 +216,13 @@ def paged_schedule(
         total = cdiv(seq_len, bn)
         for kv_head in range(num_kv_heads):
             for q_tile in range(q_tiles):
-                t0 = q_tile * block_q
+                t0, t1 = token_range(q_tile, q_len)
                 for split in range(splits):
                     if t0 >= q_len:
                         sched.programs.append(ProgramTiles(req, kv_head, q_tile, split, 0, 0, 0, -1, -1))
                         continue
-                    kv_end = context + min(t0 + block_q, q_len)
+                    # (decode_fp8.py's programs walk the request's keys, masking each column's own)
+                    kv_end = seq_len if decode_fp8 else context + t1
                     full_end = (context + t0 + 1) // bn * bn
                     if splits > 1:
                         seg = split_segment(kv_end, splits, bn, plan.min_keys_per_split)

@@ -181,17 +181,23 @@ def gluon_page_ok(page: int) -> bool:
     return page % 16 == 0 and (128 % page == 0 or page % 128 == 0)
 
 
-def decode_fp8_uses_gluon(head_dim: int, dtype: torch.dtype, group: int) -> bool:
-    """Whether decode batches over an FP8 cache run the Gluon kernel of `decode_fp8.py` (no
-    shared-memory round trip of widened tiles; on an H200 E1's decode step 3529 vs 3129 GB/s of
-    FP8 bytes, D4 3485 vs 3154: docs/benchmarks.md): an H100/H200, half-precision queries, head
-    dim 64 or 128, at most 8 query heads per KV head (the MMA's 8 columns), no forced tiles."""
+DECODE_FP8_MAX_ROWS = 64  # query rows (new tokens x a group's heads) a request, for decode_fp8.py
+
+
+def decode_fp8_uses_gluon(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: int = 1) -> bool:
+    """Whether decode batches, and verification batches of a few new tokens, over an FP8 cache
+    run the Gluon kernel of `decode_fp8.py` (no shared-memory round trip of widened tiles; on an
+    H200 E1's decode step 3529 vs 3129 GB/s of FP8 bytes, D4 3485 vs 3154: docs/benchmarks.md):
+    an H100/H200, half-precision queries, head dim 64 or 128, at most 8 query heads per KV head,
+    at most DECODE_FP8_MAX_ROWS query rows a request (its new tokens x the group's heads, in
+    programs of 8 or 16 MMA columns), no forced tiles."""
     return (
         "paged" not in _overrides
         and gluon_module_ok("decode_fp8")
         and dtype in (torch.bfloat16, torch.float16)
         and head_dim in (64, 128)
         and group <= 8
+        and max(max_seqlen_q, 1) * group <= DECODE_FP8_MAX_ROWS
     )
 
 

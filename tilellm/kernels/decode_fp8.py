@@ -42,8 +42,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from tilellm.kernels.config import compile_gluon_for_sm90
+from tilellm.kernels.config import DECODE_FP8_MAX_ROWS, compile_gluon_for_sm90
 from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.schedule import fp8_query_columns
 
 # cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7 on
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -166,10 +167,13 @@ def _copy_tile(
 
 @gluon.jit
 def _attend(
-    k_raw, v_raw, q_t, acc, m_i, l_i, n, hi, scale, offs_s,
-    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, S_ZERO_LAYOUT: gl.constexpr,
+    k_raw, v_raw, q_t, acc, m_i, l_i, n, hi, col_hi, scale, offs_s,
+    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.constexpr, VERIFY: gl.constexpr,
+    A_OP: gl.constexpr, B_OP: gl.constexpr, S_ZERO_LAYOUT: gl.constexpr,
 ):  # fmt: skip
-    """One key tile [n, n + BLOCK_N) of the online softmax, from its words in registers."""
+    """One key tile [n, n + BLOCK_N) of the online softmax, from its words in registers. A
+    decode program's keys end at `hi` for every column; a verification program's column sees
+    keys before its own `col_hi` (causal), so a column may have none yet (its max is -inf)."""
     # K [keys, D] -> A operand, head dims relabelled (d = _k_index_to_d(k)): registers only
     k = gl.reshape(
         _widen(k_raw, BLOCK_N, HEAD_DIM), [BLOCK_N, HEAD_DIM // 64, 4, 4, 2, 2]
@@ -183,38 +187,52 @@ def _attend(
     v = gl.reshape(gl.permute(v, [2, 1, 0]), [HEAD_DIM, BLOCK_N])
     v = gl.convert_layout(v, A_OP, assert_trivial=True)
 
-    s = mma_v2(k, q_t, gl.zeros([BLOCK_N, 8], gl.float32, S_ZERO_LAYOUT))  # S^T [keys, heads]
-    s = gl.where(gl.expand_dims(n + offs_s < hi, 1), s * scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: a tile holds at least one key
-    # Lazy rescaling: the running max moves only when some head's max grows past 2^8 of it;
-    # acc and l share the stale max, so the result is unchanged.
-    if gl.max(m_new - m_i, 0) > 8.0:
-        alpha = gl.exp2(m_i - m_new)
-        acc = acc * gl.expand_dims(alpha, 0)
-        l_i = l_i * alpha
-        m_i = m_new
-    p = gl.exp2(s - gl.expand_dims(m_i, 0))
+    s = mma_v2(k, q_t, gl.zeros([BLOCK_N, COLS], gl.float32, S_ZERO_LAYOUT))  # S^T [keys, query rows]
+    if VERIFY:
+        s = gl.where(gl.expand_dims(n + offs_s, 1) < gl.expand_dims(col_hi, 0), s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))  # -inf for a column that has seen no key yet
+        # a column's first keys always move its max (from -inf); one with none yet stays
+        grown = gl.where(m_new == float("-inf"), 0.0, m_new - m_i)
+        if gl.max(grown, 0) > 8.0:
+            alpha = gl.where(m_new == float("-inf"), 1.0, gl.exp2(m_i - m_new))
+            acc = acc * gl.expand_dims(alpha, 0)
+            l_i = l_i * alpha
+            m_i = m_new
+        p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 0))
+    else:
+        s = gl.where(gl.expand_dims(n + offs_s < hi, 1), s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: a tile holds at least one key
+        # Lazy rescaling: the running max moves only when some head's max grows past 2^8 of it;
+        # acc and l share the stale max, so the result is unchanged.
+        if gl.max(m_new - m_i, 0) > 8.0:
+            alpha = gl.exp2(m_i - m_new)
+            acc = acc * gl.expand_dims(alpha, 0)
+            l_i = l_i * alpha
+            m_i = m_new
+        p = gl.exp2(s - gl.expand_dims(m_i, 0))
     l_i = l_i + gl.sum(p, 0)
     acc = mma_v2(v, gl.convert_layout(p.to(gl.float16), B_OP), acc)
     return acc, m_i, l_i
 
 
-@gluon.jit(do_not_specialize=["num_tokens", "stride_bt", "num_splits", "min_split_keys"])
+@gluon.jit(do_not_specialize=["num_tokens", "stride_bt", "num_splits", "min_split_keys", "col_groups"])
 def _decode_fp8_kernel(
     Q, K_cache, V_cache, O, O_parts, LSE_parts,  # tensors
     k_scale, v_scale,  # [1] float32 dequantization scales
-    block_table, seq_lens,  # batch description
+    block_table, seq_lens, cu_seqlens_q,  # batch description (cu_seqlens_q: VERIFY only)
     qk_scale, num_tokens, num_q_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-    num_splits, min_split_keys,
+    num_splits, min_split_keys, col_groups,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr, RING: gl.constexpr,
+    COLS: gl.constexpr = 8, VERIFY: gl.constexpr = False,
 ):  # fmt: skip
     kv_head = gl.program_id(0)
     req = gl.program_id(1)
-    split = gl.program_id(2)
+    split = gl.program_id(2) // col_groups
+    col_group = gl.program_id(2) % col_groups
 
-    # -- layouts: one warp; keys (or head dims) in the MMA's rows, query heads in its 8 columns --
+    # -- layouts: one warp; keys (or head dims) in the MMA's rows, query rows in its COLS columns --
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -231,19 +249,37 @@ def _decode_fp8_kernel(
         lo = 0
         hi = seq_len
 
-    # -- Q^T [D, 8]: the group's query heads as columns, head dims in the keys' relabelled order --
+    # -- the program's query rows, as columns: (new token t, head h of the group) at column
+    # t * GROUP + h of the request's rows, COLS of them per column group. Decode: one token.
+    if VERIFY:
+        q_start = gl.load(cu_seqlens_q + req)
+        q_len = gl.load(cu_seqlens_q + req + 1) - q_start
+    else:
+        q_start = req
+        q_len = 1
+    # -- Q^T [D, COLS], head dims in the keys' relabelled order --
     k_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, q_load))
-    q_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, q_load))
-    q_ptrs = Q + req.to(gl.int64) * stride_qt + gl.expand_dims(_k_index_to_d(k_idx), 1)
-    q_ptrs = q_ptrs + gl.expand_dims((kv_head * GROUP + q_cols) * stride_qh, 0)
-    q = gl.load(q_ptrs, mask=gl.expand_dims(q_cols < GROUP, 0), other=0.0)
+    q_cols = col_group * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, q_load))
+    q_rows = (q_start + q_cols // GROUP).to(gl.int64) * stride_qt + (
+        kv_head * GROUP + q_cols % GROUP
+    ) * stride_qh
+    q_ptrs = Q + gl.expand_dims(q_rows, 0) + gl.expand_dims(_k_index_to_d(k_idx), 1)
+    q = gl.load(q_ptrs, mask=gl.expand_dims(q_cols < q_len * GROUP, 0), other=0.0)
     # fp16 dots: e4m3 -> fp16 is one instruction per two values (-> bf16 goes through fp32);
     # every e4m3 value is exact in fp16
     q_t = gl.convert_layout(q.to(gl.float16), b_op)
 
-    m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_i = gl.zeros([8], gl.float32, gl.SliceLayout(0, mma))
-    acc = gl.zeros([HEAD_DIM, 8], gl.float32, mma)  # O^T, rows in the values' relabelled order
+    cols = col_group * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, mma))
+    col_ok = cols < q_len * GROUP
+    if VERIFY:
+        # causal: token t sees the keys before seq_len - q_len + 1 + t (its own among them);
+        # padding columns see the segment's keys, as a decode column does
+        col_hi = gl.where(col_ok, gl.minimum(seq_len - q_len + 1 + cols // GROUP, hi), hi)
+    else:
+        col_hi = hi
+    m_i = gl.full([COLS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_i = gl.zeros([COLS], gl.float32, gl.SliceLayout(0, mma))
+    acc = gl.zeros([HEAD_DIM, COLS], gl.float32, mma)  # O^T, rows in the values' relabelled order
     scale = qk_scale * gl.load(k_scale)  # scores of stored keys times k_scale, in base 2
 
     bt_row = block_table + req.to(gl.int64) * stride_bt
@@ -266,8 +302,9 @@ def _decode_fp8_kernel(
                 stride_cb, stride_cs, PAGE,
             )  # fmt: skip
             acc, m_i, l_i = _attend(
-                k_cur, v_cur, q_t, acc, m_i, l_i, n, hi, scale, offs_s, BLOCK_N, HEAD_DIM, a_op, b_op, mma
-            )
+                k_cur, v_cur, q_t, acc, m_i, l_i, n, hi, col_hi, scale, offs_s, BLOCK_N, HEAD_DIM, COLS, VERIFY,
+                a_op, b_op, mma,
+            )  # fmt: skip
     else:
         # a ring of STAGES tiles in shared memory, filled by cp.async: each thread reads back
         # the words it copied itself (the same layout), so only its own copies' completion is
@@ -290,38 +327,39 @@ def _decode_fp8_kernel(
                 offs_vd, n + (STAGES - 1) * BLOCK_N, hi, head_off, stride_cb, stride_cs, PAGE,
             )  # fmt: skip
             acc, m_i, l_i = _attend(
-                k_cur, v_cur, q_t, acc, m_i, l_i, n, hi, scale, offs_s, BLOCK_N, HEAD_DIM, a_op, b_op, mma
-            )
+                k_cur, v_cur, q_t, acc, m_i, l_i, n, hi, col_hi, scale, offs_s, BLOCK_N, HEAD_DIM, COLS, VERIFY,
+                a_op, b_op, mma,
+            )  # fmt: skip
             slot = (slot + 1) % STAGES
         async_copy.wait_group(0)
     acc = acc * gl.load(v_scale)
 
     m_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, mma))
-    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     d = gl.expand_dims(_v_index_to_d(m_idx, HEAD_DIM), 1)
-    head = kv_head * GROUP + cols
-    col_ok = gl.expand_dims(cols < GROUP, 0)
+    token = q_start + cols // GROUP
+    head = kv_head * GROUP + cols % GROUP
     if SPLIT:
         # this segment's normalised output and natural-log lse (-inf if it holds no key)
         empty = l_i == 0.0
         o = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), 0)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN_2)
-        part_row = split.to(gl.int64) * num_tokens + req
+        part_row = split.to(gl.int64) * num_tokens + token
         o_ptrs = O_parts + gl.expand_dims((part_row * num_q_heads + head) * HEAD_DIM, 0) + d
-        gl.store(o_ptrs, o, mask=col_ok)
-        gl.store(LSE_parts + part_row * num_q_heads + head, lse, mask=cols < GROUP)
+        gl.store(o_ptrs, o, mask=gl.expand_dims(col_ok, 0))
+        gl.store(LSE_parts + part_row * num_q_heads + head, lse, mask=col_ok)
     else:
         o = acc / gl.expand_dims(l_i, 0)
-        o_ptrs = O + req.to(gl.int64) * stride_ot + gl.expand_dims(head * stride_oh, 0) + d
-        gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=col_ok)
+        o_ptrs = O + gl.expand_dims(token.to(gl.int64) * stride_ot + head * stride_oh, 0) + d
+        gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=gl.expand_dims(col_ok, 0))
 
 
 _decode_fp8_launch = FastLaunch(_decode_fp8_kernel)
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether this kernel takes the decode batch: 16-bit queries over an e4m3 cache, head dim
-    64 or 128, at most 8 query heads per KV head, rows of contiguous head dims."""
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_seqlen_q: int = 1) -> bool:
+    """Whether this kernel takes the batch: 16-bit queries over an e4m3 cache, head dim 64 or
+    128, at most 8 query heads per KV head, rows of contiguous head dims, and at most
+    `config.DECODE_FP8_MAX_ROWS` query rows (new tokens x the group's heads) a request."""
     head_dim = q.shape[-1]
     group = q.shape[1] // k_cache.shape[2]
     return (
@@ -330,6 +368,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
         and v_cache.dtype == torch.float8_e4m3fn
         and head_dim in HEAD_DIMS
         and group <= MAX_GROUP
+        and max(max_seqlen_q, 1) * group <= DECODE_FP8_MAX_ROWS
         and q.stride(-1) == 1
         and k_cache.stride(-1) == 1
         and v_cache.stride() == k_cache.stride()
@@ -352,33 +391,50 @@ def launch_decode_fp8(
     lse_parts: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
     stages: int = STAGES,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int = 1,
+    cols: int | None = None,
 ) -> None:
-    """Launch over q [B, Hq, D], caches [num_blocks, page, Hkv, D] e4m3, o [B, Hq, D].
+    """Launch over q [T, Hq, D], caches [num_blocks, page, Hkv, D] e4m3, o [T, Hq, D].
 
-    `qk_scale` is the softmax scale times log2(e); with `num_splits` > 1 the programs write
-    `o_parts` [splits, B, Hq, D] and `lse_parts` [splits, B, Hq] (float32) for the caller's merge.
+    Decode (`cu_seqlens_q` None): T = B, one new token a request. Verification: `cu_seqlens_q`
+    [B + 1] int32 bounds each request's new tokens in q (at most `max_seqlen_q`), each seeing the
+    request's keys up to its own position (causal); `seq_lens` counts them. `qk_scale` is the
+    softmax scale times log2(e); with `num_splits` > 1 the programs write `o_parts` [splits, T,
+    Hq, D] and `lse_parts` [splits, T, Hq] (float32) for the caller's merge. `cols` forces the
+    MMA columns a program (8 or 16; default `schedule.fp8_query_columns`).
     """
     if block_n not in (16, 32) or stages == 1 or stages < 0:
         raise ValueError(f"block_n must be 16 or 32 and stages 0 or at least 2, got {block_n} and {stages}")
-    B, Hq, D = q.shape
+    T, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
+    B = seq_lens.shape[0]
+    group = Hq // Hkv
+    verify = cu_seqlens_q is not None
+    rows = (max(max_seqlen_q, 1) if verify else 1) * group
+    if cols is None:
+        cols = fp8_query_columns(max_seqlen_q if verify else 1, group)[0]
+    elif cols not in (8, 16):
+        raise ValueError(f"cols must be 8 or 16, got {cols}")
+    col_groups = -(-rows // cols)
     split = num_splits > 1
     if not split:
         o_parts = lse_parts = o  # unread
     # the caches as 32-bit words of four e4m3 values (strides in words)
     k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)
     scalars = (
-        qk_scale, B, Hq, q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_table.stride(0),
-        k_words.stride(0), k_words.stride(1), k_words.stride(2), num_splits, min_split_keys,
+        qk_scale, T, Hq, q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_table.stride(0),
+        k_words.stride(0), k_words.stride(1), k_words.stride(2), num_splits, min_split_keys, col_groups,
     )  # fmt: skip
-    consts = (q.device, Hq // Hkv, D, page, block_n, split, stages)
+    consts = (q.device, group, D, page, block_n, split, stages, cols, verify)
     _decode_fp8_launch.run(
-        (Hkv, B, num_splits),
-        (q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens, *scalars),
+        (Hkv, B, num_splits * col_groups),
+        (q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens,
+         cu_seqlens_q if verify else seq_lens, *scalars),
         lambda: dict(
-            GROUP=Hq // Hkv, HEAD_DIM=D, PAGE=page, BLOCK_N=block_n, SPLIT=split,
+            GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_N=block_n, SPLIT=split,
             K_LOAD=_k_load_layout(block_n, D), V_LOAD=_v_load_layout(block_n, D),
-            STAGES=stages, RING=RING_LAYOUT, num_warps=1,
+            STAGES=stages, RING=RING_LAYOUT, COLS=cols, VERIFY=verify, num_warps=1,
         ),
         key=(consts, scalars[2:7], scalars[8:11]),  # the launch key: Hq and the strides but block_table's
     )  # fmt: skip
@@ -391,6 +447,8 @@ def compile_for_sm90(
     block_n: int = BLOCK_N,
     split: bool = False,
     stages: int = STAGES,
+    cols: int = 8,
+    verify: bool = False,
 ):
     """Compile the kernel for sm_90a without a GPU (Triton ships its own ptxas), to read its
     PTX / SASS anywhere: `compile_for_sm90().asm["ptx"]`. Run outside the Triton interpreter."""
@@ -402,14 +460,14 @@ def compile_for_sm90(
         Q=q, K_cache=cache, V_cache=cache, O=q, O_parts=torch.empty(1, dtype=torch.float32),
         LSE_parts=torch.empty(1, dtype=torch.float32), k_scale=torch.ones(1), v_scale=torch.ones(1),
         block_table=torch.zeros(B, 2, dtype=torch.int32), seq_lens=torch.zeros(B, dtype=torch.int32),
-        qk_scale=0.1, num_tokens=B, num_q_heads=hq, stride_qt=hq * head_dim, stride_qh=head_dim,
+        cu_seqlens_q=torch.zeros(B + 1, dtype=torch.int32), qk_scale=0.1, num_tokens=B, num_q_heads=hq, stride_qt=hq * head_dim, stride_qh=head_dim,
         stride_ot=hq * head_dim, stride_oh=head_dim, stride_bt=2, stride_cb=page * hkv * head_dim // 4,
-        stride_cs=hkv * head_dim // 4, stride_ch=head_dim // 4, num_splits=2, min_split_keys=64,
+        stride_cs=hkv * head_dim // 4, stride_ch=head_dim // 4, num_splits=2, min_split_keys=64, col_groups=1,
     )  # fmt: skip
     consts = dict(
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, SPLIT=split,
         K_LOAD=_k_load_layout(block_n, head_dim), V_LOAD=_v_load_layout(block_n, head_dim),
-        STAGES=stages, RING=RING_LAYOUT,
+        STAGES=stages, RING=RING_LAYOUT, COLS=cols, VERIFY=verify,
     )  # fmt: skip
     specialised = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs", "stride_ch"}
     # the engine's pointers and strides are 16-byte aligned / divisible by 16

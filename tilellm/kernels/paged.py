@@ -469,12 +469,14 @@ def _launch(
             max_seqlen_k=max_seqlen_k, is_decode=is_decode, allow_gluon=False,
         )  # fmt: skip
     if paged_plan.kernel == "gluon-decode-fp8":
-        # Decode over an FP8 cache on Hopper: each thread widens the bytes its tensor-core
-        # operands hold, in registers (decode_fp8.py). Same split plan, partials and merge.
-        if is_decode and not internal and not record_stats and T > 0 and batch > 0:
+        # Decode (or verification of a few tokens) over an FP8 cache on Hopper: each thread
+        # widens the bytes its tensor-core operands hold, in registers (decode_fp8.py). Same
+        # split plan, partials and merge.
+        if not internal and not record_stats and T > 0 and batch > 0:
             launched = []
             if launch_gluon(lambda decode_fp8: _launch_decode_fp8(
-                decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, kv_scales, paged_plan.split, launched,
+                decode_fp8, q, k_cache, v_cache, o, block_table, None if is_decode else cu_seqlens_q, seq_lens,
+                max_seqlen_q, scale, kv_scales, paged_plan.split, launched,
             ), module="decode_fp8"):  # fmt: skip
                 if remember is not None and planned_from_shapes:
                     _remember(remember, launched[0])
@@ -829,14 +831,16 @@ def _fp8_scales(kv_scales, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _DecodeFp8Launch(NamedTuple):
-    """`decode_fp8.py`'s launch for one layout of a `decode_attention` call (remembered as
-    `_TritonLaunch` is)."""
+    """`decode_fp8.py`'s launch for one layout of a `decode_attention` call, or of a
+    `paged_attention` verification call (remembered as `_TritonLaunch` is)."""
 
     decode_fp8: ModuleType  # tilellm.kernels.decode_fp8 (imported where Gluon builds)
     qk_scale: float  # the softmax scale times log2(e)
     splits: int
     min_keys_per_split: int
     merge: MergeLaunch | None
+    verify: bool  # new tokens bounded by cu_seqlens_q, causal (paged_attention), not one a request
+    max_seqlen_q: int
     merge_last = False  # (a class attribute, as `_TritonLaunch.merge_last`: it merges apart)
 
     def run(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales) -> None:
@@ -844,23 +848,28 @@ class _DecodeFp8Launch(NamedTuple):
 
 
 def _launch_decode_fp8(
-    decode_fp8, q, k_cache, v_cache, o, block_table, seq_lens, scale, kv_scales, plan, launched: list
+    decode_fp8, q, k_cache, v_cache, o, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, scale, kv_scales, plan,
+    launched: list,
 ):  # fmt: skip
-    """`decode_fp8.py`'s kernel over the batch, its split-KV partials merged into `o`; False
-    (nothing launched) for a layout it does not take. Appends its launch to `launched`."""
-    if not decode_fp8.supports(q, k_cache, v_cache) or o.stride(-1) != 1:
+    """`decode_fp8.py`'s kernel over the batch (decode when `cu_seqlens_q` is None, else
+    verification of at most `max_seqlen_q` tokens a request), its split-KV partials merged into
+    `o`; False (nothing launched) for a layout it does not take. Appends its launch to `launched`."""
+    verify = cu_seqlens_q is not None
+    if not decode_fp8.supports(q, k_cache, v_cache, max_seqlen_q if verify else 1) or o.stride(-1) != 1:
         return False
-    B, Hq, D = q.shape
+    T, Hq, D = q.shape
     splits = plan.num_splits
     merge = None
     if splits > 1:
-        parts_shape = (splits, B, Hq, D)
+        parts_shape = (splits, T, Hq, D)
         merge = plan_merge(
-            parts_shape, _contiguous_strides(parts_shape), (B * Hq, Hq, 1), o.stride(), o.device
+            parts_shape, _contiguous_strides(parts_shape), (T * Hq, Hq, 1), o.stride(), o.device
         )
     qk_scale = validation.resolve_scale(scale, D) * LOG2_E
-    launch = _DecodeFp8Launch(decode_fp8, qk_scale, splits, plan.min_keys_per_split, merge)
-    _run_decode_fp8(launch, q, k_cache, v_cache, block_table, None, seq_lens, o, kv_scales)
+    launch = _DecodeFp8Launch(
+        decode_fp8, qk_scale, splits, plan.min_keys_per_split, merge, verify, max_seqlen_q if verify else 1
+    )
+    _run_decode_fp8(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales)
     launched.append(launch)
     return True
 
@@ -876,7 +885,8 @@ def _run_decode_fp8(
         lse_parts = torch.empty(o_parts.shape[:3], dtype=torch.float32, device=q.device)
     launch.decode_fp8.launch_decode_fp8(
         q, k_cache, v_cache, o, block_table, seq_lens, launch.qk_scale, k_scale, v_scale, launch.splits,
-        launch.min_keys_per_split, o_parts, lse_parts,
+        launch.min_keys_per_split, o_parts, lse_parts, cu_seqlens_q=cu_seqlens_q if launch.verify else None,
+        max_seqlen_q=launch.max_seqlen_q,
     )  # fmt: skip
     if launch.merge is not None:
         run_merge(launch.merge, o_parts, lse_parts, o)

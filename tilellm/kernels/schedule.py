@@ -292,10 +292,11 @@ class PagedPlan:
     """How `paged_attention` / `decode_attention` run one batch: the kernel and its split plan.
 
     kernel: "triton" (`paged.py`, every GPU and the interpreter), "gluon" (`hopper.py`, prompt
-    chunks on an H100/H200) or "gluon-decode-fp8" (`decode_fp8.py`, `decode_attention` over an
-    FP8 cache on an H100/H200). Made on the host from what the host knows (no device read when
-    `max_seqlen_k` is given), once per step by the engine's attention backend and reused by every
-    layer and by CUDA-graph capture; the kernels make the same plan themselves when given none.
+    chunks on an H100/H200) or "gluon-decode-fp8" (`decode_fp8.py`, over an FP8 cache on an
+    H100/H200: decode, and verification of a few new tokens a request). Made on the host from
+    what the host knows (no device read when `max_seqlen_k` is given), once per step by the
+    engine's attention backend and reused by every layer and by CUDA-graph capture; the kernels
+    make the same plan themselves when given none.
     """
 
     kernel: str
@@ -335,7 +336,9 @@ def plan_paged(
     `paged.py` with `choose_num_splits`'s plan for its tiles (`kv_fp8`: the cache holds FP8
     pages, which take their own tiles and split rule and never `hopper.py`). Decode batches over
     an FP8 cache run `decode_fp8.py` where `config.decode_fp8_uses_gluon` takes them (when
-    `allow_gluon`), with the same split plan: its key tiles are as wide as `paged.py`'s.
+    `allow_gluon`), with the same split plan: its key tiles are as wide as `paged.py`'s; so do
+    verification batches over an FP8 cache of at most `config.DECODE_FP8_MAX_ROWS` query rows a
+    request, split by the FP8 rule over its programs (`fp8_query_columns`).
     """
     max_q = max(max_seqlen_q, 1)
     if (
@@ -349,6 +352,15 @@ def plan_paged(
         gluon_tiles = cdiv(max_q, GLUON_QUERY_TILE)
         return PagedPlan("gluon", hopper_plan(num_requests, num_q_heads, gluon_tiles, [longest], num_sms))
     group = num_q_heads // num_kv_heads
+    if allow_gluon and kv_fp8 and not is_decode and decode_fp8_uses_gluon(head_dim, dtype, group, max_q):
+        # Verification of a few tokens over an FP8 cache: decode_fp8.py's programs, each of
+        # up to 16 query rows (new tokens x the group's heads), split by the FP8 decode rule.
+        split = choose_num_splits(
+            num_requests, num_kv_heads, fp8_query_columns(max_q, group)[1], seq_lens,
+            num_splits=num_splits, max_seqlen_k=max_seqlen_k, num_sms=num_sms, rows_per_program=DECODE_ROWS,
+            kv_fp8=True,
+        )  # fmt: skip
+        return PagedPlan("gluon-decode-fp8", split)
     cfg, block_q = paged_config(head_dim, dtype, group, 1 if is_decode else max_q, kv_fp8=kv_fp8)
     split = choose_num_splits(
         num_requests,
@@ -364,6 +376,14 @@ def plan_paged(
     if allow_gluon and kv_fp8 and is_decode and decode_fp8_uses_gluon(head_dim, dtype, group):
         return PagedPlan("gluon-decode-fp8", split)
     return PagedPlan("triton", split)
+
+
+def fp8_query_columns(max_seqlen_q: int, group: int) -> tuple[int, int]:
+    """`decode_fp8.py`'s programs for a request's max_seqlen_q x group query rows: (COLS, column
+    groups), COLS = 8 MMA columns a program, or 16 for more than 8 rows."""
+    rows = max(max_seqlen_q, 1) * group
+    cols = 8 if rows <= 8 else 16
+    return cols, cdiv(rows, cols)
 
 
 def gluon_serves(
