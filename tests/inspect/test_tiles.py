@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -391,5 +392,16 @@ def test_fp8_decode_on_hopper_shows_the_gluon_kernel(monkeypatch):
     assert split.kernel == "decode_fp8" and split.split_plan.kv_fp8
     chunk = paged_schedule([0, 1, 2, 3, 4, 40], lens, 16, 8, 128, 16, num_sms=132, kv_fp8=True)
     assert chunk.kernel == "paged_attention"
+    # verification of up to 6 tokens x 4 heads (24 rows): two programs of 16 columns a request,
+    # each walking the request's keys (the second's 8 rows are tokens 4 and 5)
+    q_lens, verify_lens = [6, 3, 6, 1, 6], [40, 300, 700, 33, 6]
+    cu = [0, *np.cumsum(q_lens).tolist()]
+    verify = paged_schedule(cu, verify_lens, 32, 8, 128, 16, num_sms=132, kv_fp8=True, num_splits=1)
+    assert (verify.kernel, verify.block_m, verify.block_n, verify.grid) == ("decode_fp8", 16, 32, (8, 5, 2))
+    for p in verify.programs:
+        if p.q_tile == 1 and q_lens[p.request] <= 4:  # no token in the second column group
+            assert p.full + p.diagonal == 0
+        else:
+            assert p.full + p.diagonal == -(-verify_lens[p.request] // 32)
     assert paged_schedule(list(range(6)), lens, 16, 8, 128, 16, num_sms=132).kernel == "paged_attention"
     _plan_for_shape.cache_clear()

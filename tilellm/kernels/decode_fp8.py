@@ -1,5 +1,5 @@
-"""Paged decode over an FP8 (e4m3) KV cache, written in Gluon for sm_90: the decode case of
-`paged.py` with no shared memory in its loop.
+"""Paged decode (and verification of a few tokens) over an FP8 (e4m3) KV cache, written in
+Gluon for sm_90: the decode case of `paged.py` with no shared memory in its loop.
 
 Why a second kernel. An FP8 cache halves the bytes a decode step reads, so the kernel must do
 its work per key in half the time to stay at the copy rate. In `paged.py` Triton copies an e4m3
@@ -24,7 +24,13 @@ columns (groups of up to 8 heads): S^T = K Q^T [BLOCK_N, 8], then O^T += V^T P^T
 decode group has 1-8 heads, so 16-row tiles of heads (as `paged.py` packs them) would be mostly
 padding; in this orientation the accumulator is [D, 8], 32 fp32 registers a thread.
 
-One program = (KV head, request, key segment), one warp. The next tile's bytes are loaded into
+Verification (a few new tokens a request, `paged_attention` with `cu_seqlens_q`) uses the same
+products with more columns: a request's query rows are its new tokens x the group's heads, row
+t * GROUP + h in column order, COLS = 8 or 16 of them a program (more rows: more programs, each
+reading the same keys, mostly from L2). Each column sees the keys before its own token's end
+(causal), so a column may have none in a tile, or in a whole segment (its lse is then -inf).
+
+One program = (KV head, request, key segment x column group), one warp. The next tile's bytes are loaded into
 registers before this tile is computed (its latency hides behind this tile's products and
 softmax, and behind the other programs on the SM). The running maximum moves only when a
 head's maximum grows past 2^8 of it (FlashAttention-4's lazy rescaling: probabilities stay
