@@ -2,6 +2,7 @@
 without n-gram drafts at several batch sizes, acceptance, tokens per step, and bf16 identity.
 
     python benchmarks/spec_decode.py --json spec_decode.json        # on a GPU
+    python benchmarks/spec_decode.py --kv-cache-dtype fp8             # over an FP8 KV cache
 
 Batch B: B * ROUNDS held-out problems, at most B running at once (max_num_seqs=B), greedy, the
 answer's length plus EOS as the limit. Each configuration runs once to warm up (compiles, graphs,
@@ -21,11 +22,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 ROUNDS = 8
 
 
-def run(batch: int, spec: dict | None, problems_warm, problems) -> dict:
+def run(batch: int, spec: dict | None, problems_warm, problems, kv_cache_dtype: str = "auto") -> dict:
     from tilellm import LLM, SamplingParams
     from tilellm.assets import copy_model_path
 
-    kwargs = {"max_num_seqs": batch, "gpu_memory_utilization": 0.3}  # one engine alive at a time
+    # (one engine alive at a time)
+    kwargs = {"max_num_seqs": batch, "gpu_memory_utilization": 0.3, "kv_cache_dtype": kv_cache_dtype}
     if spec is not None:
         kwargs["speculative_config"] = spec
     llm = LLM(str(copy_model_path()), **kwargs)
@@ -73,6 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from tilellm.demo import copy_task
@@ -90,8 +93,8 @@ def main() -> None:
         n = batch * ROUNDS
         problems = copy_task.problems_for_model(meta, 2 * n, seed=batch)
         warm, timed = problems[n:], problems[:n]
-        off = run(batch, None, warm[: max(batch, 4)], timed)
-        on = run(batch, spec, warm[: max(batch, 4)], timed)
+        off = run(batch, None, warm[: max(batch, 4)], timed, args.kv_cache_dtype)
+        on = run(batch, spec, warm[: max(batch, 4)], timed, args.kv_cache_dtype)
         on["same_text_as_off"] = sum(a == b for a, b in zip(off["texts"], on["texts"])) / n
         on["speedup"] = on["output_tok_s"] / off["output_tok_s"]
         for r in (off, on):
@@ -107,7 +110,8 @@ def main() -> None:
         print(f"       speedup x{on['speedup']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"k": args.k, "rounds": ROUNDS, "rows": rows}, f, indent=1)
+            report = {"k": args.k, "rounds": ROUNDS, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
