@@ -43,7 +43,7 @@ def fp8_cache(kc, vc):
 
 def run_gluon(
     q, kc8, vc8, bt, seq, k_scale, v_scale, splits, min_keys, out, block_n=16, stages=0, cu_q=None, max_q=1,
-    cols=None,
+    cols=None, maxnreg=None,
 ):  # fmt: skip
     T, Hq, D = q.shape
     parts = lse = None
@@ -69,6 +69,7 @@ def run_gluon(
         cu_seqlens_q=cu_q,
         max_seqlen_q=max_q,
         cols=cols,
+        maxnreg=maxnreg,
     )
     if splits > 1:
         merge_into(parts, lse, out)
@@ -84,7 +85,7 @@ def check_edge_cases(variants) -> list[dict]:
     results = []
     g = torch.Generator(device="cuda").manual_seed(0)
     kv, hkv = [1, 15, 16, 17, 33, 200, 700], 2
-    for (block_n, stages), D, group, page, dtype, splits in itertools.product(
+    for (block_n, stages, *_), D, group, page, dtype, splits in itertools.product(
         variants, (128, 64), (1, 2, 8), (16, 8), (torch.bfloat16, torch.float16), (1, 3)
     ):
         pages = [-(-x // page) for x in kv]
@@ -145,22 +146,24 @@ def bench_workload(name: str, hq: int, kv: list[int], variants, report: dict) ->
     def public_fn():  # what decode_attention runs as called
         return tk.decode_attention(q, kc8, vc8, bt, seq, max_seqlen_k=max_k, k_scale=ks, v_scale=vs)
 
-    def gluon_fn(splits, block_n, stages):
-        return lambda: run_gluon(
-            q, kc8, vc8, bt, seq, ks, vs, splits, plan.min_keys_per_split, out, block_n, stages
-        )
+    def gluon_fn(splits, block_n, stages, maxnreg=None):
+        min_keys = plan.min_keys_per_split
+        args = (q, kc8, vc8, bt, seq, ks, vs, splits, min_keys, out, block_n, stages)
+        return lambda: run_gluon(*args, maxnreg=maxnreg)
 
     ref_out = triton_fn().float()
     byts = sum(kv) * 8 * 128 * 2  # e4m3 K and V
     planned = plan.num_splits
     rows = [(f"paged.py fp8 (planned {planned})", triton_fn), ("decode_attention as called", public_fn)]
-    for (bn, st), s in itertools.product(variants, sorted({planned, max(1, planned // 2), planned * 2})):
+    counts = sorted({planned, max(1, planned // 2), planned * 2})
+    for (bn, st, *regs), s in itertools.product(variants, counts):
         if s > max(1, max_k // 64):
             continue
-        fn = gluon_fn(s, bn, st)
+        fn = gluon_fn(s, bn, st, regs[0] if regs else None)
         err = ((fn().float() - ref_out).abs().max() / ref_out.abs().max()).item()
         assert err < 1e-2, (name, bn, st, s, err)
-        rows.append((f"gluon bn{bn} st{st} splits={s}" + (" (planned)" if s == planned else ""), fn))
+        label = f"gluon bn{bn} st{st}" + (f" regs{regs[0]}" if regs else "") + f" splits={s}"
+        rows.append((label + (" (planned)" if s == planned else ""), fn))
     for label, fn in rows:
         ms = bk._bench_graph(fn)
         print(f"{name:<20}{label:<38}{ms:>9.4f}{byts / ms / 1e6:>8.0f}")
@@ -214,7 +217,8 @@ def main() -> None:
     p.add_argument(
         "--variants",
         default=f"{decode_fp8.BLOCK_N}:{decode_fp8.STAGES}",
-        help="block_n:stages of the Gluon kernel, comma-separated (stages 0: register prefetch)",
+        help="block_n:stages[:maxnreg] of the Gluon kernel, comma-separated (stages 0: register prefetch; "
+        "maxnreg: a cap on the registers a thread)",
     )
     p.add_argument("--no-check", action="store_true", help="skip the edge-case checks")
     p.add_argument("--json")

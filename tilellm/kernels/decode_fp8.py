@@ -400,6 +400,7 @@ def launch_decode_fp8(
     cu_seqlens_q: torch.Tensor | None = None,
     max_seqlen_q: int = 1,
     cols: int | None = None,
+    maxnreg: int | None = None,
 ) -> None:
     """Launch over q [T, Hq, D], caches [num_blocks, page, Hkv, D] e4m3, o [T, Hq, D].
 
@@ -408,7 +409,8 @@ def launch_decode_fp8(
     request's keys up to its own position (causal); `seq_lens` counts them. `qk_scale` is the
     softmax scale times log2(e); with `num_splits` > 1 the programs write `o_parts` [splits, T,
     Hq, D] and `lse_parts` [splits, T, Hq] (float32) for the caller's merge. `cols` forces the
-    MMA columns a program (8 or 16; default `schedule.fp8_query_columns`).
+    MMA columns a program (8 or 16; default `schedule.fp8_query_columns`); `maxnreg` caps the
+    registers a thread (benchmarks; default: as many as the compiler takes).
     """
     if block_n not in (16, 32) or stages == 1 or stages < 0:
         raise ValueError(f"block_n must be 16 or 32 and stages 0 or at least 2, got {block_n} and {stages}")
@@ -432,7 +434,8 @@ def launch_decode_fp8(
         qk_scale, T, Hq, q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_table.stride(0),
         k_words.stride(0), k_words.stride(1), k_words.stride(2), num_splits, min_split_keys, col_groups,
     )  # fmt: skip
-    consts = (q.device, group, D, page, block_n, split, stages, cols, verify)
+    consts = (q.device, group, D, page, block_n, split, stages, cols, verify, maxnreg)
+    regs = {} if maxnreg is None else {"maxnreg": maxnreg}
     _decode_fp8_launch.run(
         (Hkv, B, num_splits * col_groups),
         (q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens,
@@ -440,7 +443,7 @@ def launch_decode_fp8(
         lambda: dict(
             GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_N=block_n, SPLIT=split,
             K_LOAD=_k_load_layout(block_n, D), V_LOAD=_v_load_layout(block_n, D),
-            STAGES=stages, RING=RING_LAYOUT, COLS=cols, VERIFY=verify, num_warps=1,
+            STAGES=stages, RING=RING_LAYOUT, COLS=cols, VERIFY=verify, num_warps=1, **regs,
         ),
         key=(consts, scalars[2:7], scalars[8:11]),  # the launch key: Hq and the strides but block_table's
     )  # fmt: skip
