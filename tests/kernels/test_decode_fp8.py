@@ -184,6 +184,15 @@ def test_verification_columns_forced(cols, splits):
     assert_close(o, _expected_verify(b, ks, vs, 6), tolerance(torch.bfloat16, "cuda"), f"cols {cols}")
 
 
+def _captured(call) -> torch.cuda.CUDAGraph:
+    """`call` run once (it compiles outside the capture), then captured in a CUDA graph."""
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 @pytest.mark.gpu
 @hopper_only
 def test_verification_captured_in_a_cuda_graph(launches):
@@ -194,10 +203,7 @@ def test_verification_captured_in_a_cuda_graph(launches):
         tk.paged_attention(b.q, b.k_cache, b.v_cache, b.block_table, b.cu_seqlens_q, b.seq_lens, 6,
                            max_seqlen_k=1500, out=out, k_scale=ks, v_scale=vs)  # fmt: skip
 
-    call()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = _captured(call)
     b.q.copy_(torch.randn_like(b.q))
     graph.replay()
     assert_close(out, _expected_verify(b, ks, vs, 6), tolerance(torch.bfloat16, "cuda"), "replay")
@@ -228,10 +234,7 @@ def test_captured_in_a_cuda_graph(splits, launches):
         tk.decode_attention(b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens, num_splits=splits,
                             max_seqlen_k=1500, out=out, k_scale=ks, v_scale=vs)  # fmt: skip
 
-    call()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = _captured(call)
     b.q.copy_(torch.randn_like(b.q))
     b.seq_lens.copy_(torch.tensor(CONTEXTS[::-1], dtype=torch.int32, device="cuda").clamp(max=b.seq_lens))
     graph.replay()
