@@ -12,8 +12,9 @@ FP8 bytes of K and V read.
 Verification (`paged_attention` of a few new tokens a request, causal among themselves): V1 (32
 requests x 8192 cached + 6 new tokens, 32 query heads over 8: 24 query rows a request) and V1-G2
 (the same with Qwen3-0.6B's heads, 16 over 8, and 4 new tokens: 8 rows), timed as paged.py's FP8
-tiles, `paged_attention` as called (the Gluon kernel where the plan gives it the batch), and the
-Gluon kernel with 8 and 16 MMA columns a program at the planned segment count, half and twice it.
+tiles, `paged_attention` as called (the Gluon kernel where the plan gives it the batch: with
+`TILELLM_FP8_VERIFY=gluon`), and the Gluon kernel with 8 and 16 MMA columns a program at the
+planned segment count (the Gluon plan's), half and twice it.
 
     python benchmarks/decode_fp8.py [--workloads D1,D2,D3,D4,E1D,V1,V1-G2] [--json out.json]
 """
@@ -24,6 +25,8 @@ import argparse
 import functools
 import itertools
 import json
+import os
+from unittest import mock
 
 import torch
 
@@ -180,9 +183,10 @@ def bench_verify(name: str, hq: int, q_len: int, num_requests: int, context: int
     kc8, vc8, ks, vs = fp8_cache(kc, vc)
     del kc, vc
     max_k, group = max(kv), hq // 8
-    plan = plan_paged(
-        num_requests, hq, 8, 128, q.dtype, 16, q_len, num_tokens=q.shape[0], max_seqlen_k=max_k, kv_fp8=True
-    )
+    shape = (num_requests, hq, 8, 128, q.dtype, 16, q_len)
+    plan = plan_paged(*shape, num_tokens=q.shape[0], max_seqlen_k=max_k, kv_fp8=True)
+    with mock.patch.dict(os.environ, {"TILELLM_FP8_VERIFY": "gluon"}):  # the Gluon kernel's segments
+        gluon_plan = plan_paged(*shape, num_tokens=q.shape[0], max_seqlen_k=max_k, kv_fp8=True)
     out = torch.empty_like(q)
     args = (q, kc8, vc8, bt, cu_q, seq, q_len)
 
@@ -195,11 +199,11 @@ def bench_verify(name: str, hq: int, q_len: int, num_requests: int, context: int
 
     ref_out = triton_fn().float()
     byts = sum(kv) * 8 * 128 * 2  # e4m3 K and V
-    planned = plan.split.num_splits
+    planned = gluon_plan.split.num_splits
     rows = [("paged.py fp8 tiles", triton_fn), (f"paged_attention as called ({plan.kernel})", public_fn)]
     for cols, s in itertools.product((8, 16), sorted({planned, max(1, planned // 2), planned * 2})):
         fn = functools.partial(
-            run_gluon, q, kc8, vc8, bt, seq, ks, vs, s, plan.split.min_keys_per_split, out,
+            run_gluon, q, kc8, vc8, bt, seq, ks, vs, s, gluon_plan.split.min_keys_per_split, out,
             decode_fp8.BLOCK_N, decode_fp8.STAGES, cu_q, q_len, cols,
         )  # fmt: skip
         err = ((fn().float() - ref_out).abs().max() / ref_out.abs().max()).item()

@@ -392,10 +392,14 @@ def test_fp8_decode_on_hopper_shows_the_gluon_kernel(monkeypatch):
     assert split.kernel == "decode_fp8" and split.split_plan.kv_fp8
     chunk = paged_schedule([0, 1, 2, 3, 4, 40], lens, 16, 8, 128, 16, num_sms=132, kv_fp8=True)
     assert chunk.kernel == "paged_attention"
-    # verification of up to 6 tokens x 4 heads (24 rows): two programs of 16 columns a request,
-    # each walking the request's keys (the second's 8 rows are tokens 4 and 5)
+    # verification of up to 6 tokens x 4 heads (24 rows), where opted in: two programs of 16
+    # columns a request, each walking the request's keys (the second's 8 rows are tokens 4 and 5)
     q_lens, verify_lens = [6, 3, 6, 1, 6], [40, 300, 700, 33, 6]
     cu = [0, *np.cumsum(q_lens).tolist()]
+    default = paged_schedule(cu, verify_lens, 32, 8, 128, 16, num_sms=132, kv_fp8=True, num_splits=1)
+    assert default.kernel == "paged_attention"
+    monkeypatch.setenv("TILELLM_FP8_VERIFY", "gluon")
+    _plan_for_shape.cache_clear()
     verify = paged_schedule(cu, verify_lens, 32, 8, 128, 16, num_sms=132, kv_fp8=True, num_splits=1)
     assert (verify.kernel, verify.block_m, verify.block_n, verify.grid) == ("decode_fp8", 16, 32, (8, 5, 2))
     for p in verify.programs:

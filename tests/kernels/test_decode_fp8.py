@@ -140,7 +140,7 @@ def _expected_verify(b, k_scale, v_scale, max_q):
 @pytest.mark.parametrize("group, max_q", [(1, 5), (2, 4), (4, 6), (8, 8), (3, 7)])
 @pytest.mark.parametrize("page", [8, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_verification_matches_the_twin(head_dim, group, max_q, page, dtype, launches):
+def test_verification_matches_the_twin(head_dim, group, max_q, page, dtype, launches, gluon_verify):
     """New tokens of 1..max_q a request, causal among themselves, over contexts from a few keys
     to many tiles: every query row (token x head) in programs of 8 or 16 columns."""
     lens = [(1, 1), (max_q, max_q), (max_q, 40), (2, 33), (max_q, 700), (max_q - 1, 1500), (max_q, 64)]
@@ -195,7 +195,7 @@ def _captured(call) -> torch.cuda.CUDAGraph:
 
 @pytest.mark.gpu
 @hopper_only
-def test_verification_captured_in_a_cuda_graph(launches):
+def test_verification_captured_in_a_cuda_graph(launches, gluon_verify):
     b, ks, vs = _fp8_batch(VERIFY_LENS, 16, 4, 128, 16, torch.bfloat16, "cuda", seed=17)
     out = torch.empty_like(b.q)
 
@@ -265,6 +265,17 @@ def test_repeated_calls_launch_through_fast_launch():
 
 
 @pytest.fixture
+def gluon_verify(monkeypatch):
+    """Verification over an FP8 cache in decode_fp8.py (`TILELLM_FP8_VERIFY=gluon`, opt-in)."""
+    from tilellm.kernels import paged
+
+    monkeypatch.setenv("TILELLM_FP8_VERIFY", "gluon")
+    paged.clear_plans()
+    yield
+    paged.clear_plans()
+
+
+@pytest.fixture
 def hopper_with_gluon(monkeypatch):
     """The plan as an H100/H200 with a Triton that builds Gluon makes it (per-shape plans
     cached before or during the test are dropped)."""
@@ -311,7 +322,9 @@ def test_plan_gives_decode_over_fp8_to_the_kernel(
         (torch.bfloat16, 4, 6, False, "triton"),  # a 16-bit cache
     ],
 )
-def test_plan_gives_verification_over_fp8_to_the_kernel(hopper_with_gluon, dtype, group, max_q, fp8, kernel):
+def test_plan_gives_verification_over_fp8_to_the_kernel(
+    hopper_with_gluon, gluon_verify, dtype, group, max_q, fp8, kernel
+):
     plan = plan_paged(
         32, 8 * group, 8, 128, dtype, 16, max_q, num_tokens=32 * max_q, max_seqlen_k=8192, kv_fp8=fp8,
         num_sms=132,
@@ -321,6 +334,15 @@ def test_plan_gives_verification_over_fp8_to_the_kernel(hopper_with_gluon, dtype
         cols, col_groups = fp8_query_columns(max_q, group)
         assert cols * col_groups >= max_q * group > cols * (col_groups - 1)
         assert plan.split.base_programs == 32 * 8 * col_groups
+
+
+def test_verification_over_fp8_stays_on_paged_py_by_default(hopper_with_gluon, monkeypatch):
+    monkeypatch.delenv("TILELLM_FP8_VERIFY", raising=False)
+    plan = plan_paged(32, 32, 8, 128, torch.bfloat16, 16, 6, num_tokens=192, max_seqlen_k=8192, kv_fp8=True)
+    assert plan.kernel == "triton"
+    monkeypatch.setenv("TILELLM_FP8_VERIFY", "gluons")
+    with pytest.raises(ValueError, match="TILELLM_FP8_VERIFY='gluons': choose 'paged'"):
+        plan_paged(32, 32, 8, 128, torch.bfloat16, 16, 6, num_tokens=192, max_seqlen_k=8192, kv_fp8=True)
 
 
 def test_forced_tiles_keep_paged_py(hopper_with_gluon):
@@ -396,7 +418,9 @@ VERIFY_LENS = [(1, 1), (3, 3), (6, 40), (2, 33), (6, 700), (5, 1500), (6, 64)]  
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3, 8])
-def test_paged_py_gives_verification_to_the_kernel(hopper_with_gluon, monkeypatch, splits, device):
+def test_paged_py_gives_verification_to_the_kernel(
+    hopper_with_gluon, gluon_verify, monkeypatch, splits, device
+):
     from tilellm.kernels import paged
 
     twin = _KernelTwin()

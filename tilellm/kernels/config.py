@@ -107,6 +107,17 @@ def split_merge_mode() -> str:
     return mode
 
 
+def fp8_verify_kernel() -> str:
+    """Which kernel verifies a few new tokens a request over an FP8 cache on an H100/H200
+    (`TILELLM_FP8_VERIFY`): "paged" (the default: `paged.py`'s FP8 tiles) or "gluon"
+    (`decode_fp8.py`'s programs of 8 or 16 (token, head) columns). The Gluon form is opt-in until
+    its GPU tests and timings have run (tests/kernels/test_decode_fp8.py, benchmarks/decode_fp8.py)."""
+    kernel = os.environ.get("TILELLM_FP8_VERIFY", "paged")
+    if kernel not in ("paged", "gluon"):
+        raise ValueError(f"TILELLM_FP8_VERIFY={kernel!r}: choose 'paged' (the default) or 'gluon'")
+    return kernel
+
+
 @functools.cache
 def rope_store_fused() -> bool:
     """Whether an attention layer with its rotary embedding rotates q and k and stores K/V into

@@ -22,6 +22,7 @@ from tilellm.kernels.config import (
     GLUON_QUERY_TILE,
     cdiv,
     decode_fp8_uses_gluon,
+    fp8_verify_kernel,
     paged_config,
     paged_uses_gluon,
 )
@@ -338,7 +339,8 @@ def plan_paged(
     an FP8 cache run `decode_fp8.py` where `config.decode_fp8_uses_gluon` takes them (when
     `allow_gluon`), with the same split plan: its key tiles are as wide as `paged.py`'s; so do
     verification batches over an FP8 cache of at most `config.DECODE_FP8_MAX_ROWS` query rows a
-    request, split by the FP8 rule over its programs (`fp8_query_columns`).
+    request where `config.fp8_verify_kernel` says "gluon" (opt-in), split by the FP8 rule over
+    its programs (`fp8_query_columns`).
     """
     max_q = max(max_seqlen_q, 1)
     if (
@@ -352,9 +354,15 @@ def plan_paged(
         gluon_tiles = cdiv(max_q, GLUON_QUERY_TILE)
         return PagedPlan("gluon", hopper_plan(num_requests, num_q_heads, gluon_tiles, [longest], num_sms))
     group = num_q_heads // num_kv_heads
-    if allow_gluon and kv_fp8 and not is_decode and decode_fp8_uses_gluon(head_dim, dtype, group, max_q):
-        # Verification of a few tokens over an FP8 cache: decode_fp8.py's programs, each of
-        # up to 16 query rows (new tokens x the group's heads), split by the FP8 decode rule.
+    if (
+        allow_gluon
+        and kv_fp8
+        and not is_decode
+        and fp8_verify_kernel() == "gluon"
+        and decode_fp8_uses_gluon(head_dim, dtype, group, max_q)
+    ):
+        # Verification of a few tokens over an FP8 cache (opt-in): decode_fp8.py's programs, each
+        # of up to 16 query rows (new tokens x the group's heads), split by the FP8 decode rule.
         split = choose_num_splits(
             num_requests, num_kv_heads, fp8_query_columns(max_q, group)[1], seq_lens,
             num_splits=num_splits, max_seqlen_k=max_seqlen_k, num_sms=num_sms, rows_per_program=DECODE_ROWS,
