@@ -25,10 +25,14 @@
 #               launches) and benchmarks/decode_fp8.py,
 #               then the FP8 tests on the GPU (KV cache, decode, GEMM (Triton and Gluon), the cache
 #               stores (FP8 and MLA rows), MoE, checkpoints, the engine against transformers, the fused ops)
+#   verify      verification over an FP8 cache in decode_fp8.py (TILELLM_FP8_VERIFY=gluon, opt-in): its GPU
+#               tests (and the decode ones), benchmarks/decode_fp8.py on V1 and V1-G2 (paged.py's FP8 tiles
+#               and the Gluon kernel with 8 and 16 columns a program), then E4 over an FP8 cache with paged.py
+#               and with the Gluon kernel (benchmarks/spec_decode.py --kv-cache-dtype fp8)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8, run in that order (default:
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify, run in that order (default:
 #   the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
@@ -41,11 +45,11 @@
 # `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
 # engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
 # too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run
-# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper` and `fp8` as calls of their own, each with
+# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8` and `verify` as calls of their own, each with
 # BUDGET_S=570.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8)
+ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -194,6 +198,16 @@ if selected fp8; then
     tests/kernels/test_store_kvcache.py \
     tests/kernels/test_moe_fp8.py tests/engine/test_kv_cache_fp8.py tests/models/test_fp8_checkpoint.py \
     tests/engine/test_fp8_greedy_vs_hf.py tests/models/test_fused_ops.py tests/models/test_layernorm.py
+fi
+
+if selected verify; then
+  run_step verify_tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
+    tests/kernels/test_decode_fp8.py tests/inspect/test_tiles.py
+  run_step verify_fp8 120 "$PYTHON" benchmarks/decode_fp8.py --workloads V1,V1-G2,E1D-longest-first \
+    --variants 32:3,32:3:128 --no-check --json "$OUT/verify_fp8.json"
+  run_step e4_fp8_paged 100 "$PYTHON" benchmarks/spec_decode.py --kv-cache-dtype fp8 --json "$OUT/e4_fp8_paged.json"
+  run_step e4_fp8_gluon 100 env TILELLM_FP8_VERIFY=gluon "$PYTHON" benchmarks/spec_decode.py --kv-cache-dtype fp8 \
+    --json "$OUT/e4_fp8_gluon.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
