@@ -294,7 +294,7 @@ class PagedPlan:
 
     kernel: "triton" (`paged.py`, every GPU and the interpreter), "gluon" (`hopper.py`, prompt
     chunks on an H100/H200) or "gluon-decode-fp8" (`decode_fp8.py`, over an FP8 cache on an
-    H100/H200: decode, and verification of a few new tokens a request). Made on the host from
+    H100/H200: decode, and, opted in, verification of a few new tokens a request). Made on the host from
     what the host knows (no device read when `max_seqlen_k` is given), once per step by the
     engine's attention backend and reused by every layer and by CUDA-graph capture; the kernels
     make the same plan themselves when given none.
