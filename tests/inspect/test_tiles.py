@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.kernels.helpers import cu_seqlens, make_paged_batch, randn
-from tilellm.inspect.tiles import paged_schedule, prefill_schedule
+from tilellm.inspect.tiles import column_tokens, paged_schedule, prefill_schedule
 from tilellm.kernels import schedule
 from tilellm.kernels.paged import paged_tile_stats
 from tilellm.kernels.prefill import prefill_tile_stats
@@ -407,5 +407,7 @@ def test_fp8_decode_on_hopper_shows_the_gluon_kernel(monkeypatch):
             assert p.full + p.diagonal == 0
         else:
             assert p.full + p.diagonal == -(-verify_lens[p.request] // 32)
+    # (token, head) columns t * 3 + h, 16 a program: tokens 0-5 (5's head 0), then 5 and 6
+    assert column_tokens(0, 16, 3, 7) == (0, 6) and column_tokens(1, 16, 3, 7) == (5, 7)
     assert paged_schedule(list(range(6)), lens, 16, 8, 128, 16, num_sms=132).kernel == "paged_attention"
     _plan_for_shape.cache_clear()

@@ -125,13 +125,13 @@ def test_decode_matches_the_twin(head_dim, group, page, dtype, launches):
     assert launches[0] == 4
 
 
-def _expected_verify(b, k_scale, v_scale, max_q):
+def _expected_verify(b, k_scale, v_scale, max_q, scale=None):
     kd, vd = (
         dequantize_fp8(b.k_cache, k_scale, torch.float32),
         dequantize_fp8(b.v_cache, v_scale, torch.float32),
     )
-    o = ref.paged_attention(b.q.float(), kd, vd, b.block_table, b.cu_seqlens_q, b.seq_lens, max_q)
-    return o.to(b.q.dtype)
+    batch = (b.block_table, b.cu_seqlens_q, b.seq_lens, max_q)
+    return ref.paged_attention(b.q.float(), kd, vd, *batch, scale=scale).to(b.q.dtype)
 
 
 @pytest.mark.gpu
@@ -156,19 +156,26 @@ def test_verification_matches_the_twin(head_dim, group, max_q, page, dtype, laun
     for splits in (None, 1, 3, 8):  # planned; whole; some segments past a token's last key
         got = tk.paged_attention(*args, num_splits=splits, k_scale=ks, v_scale=vs)
         assert_close(got, want, tol, f"splits {splits}")
-    assert launches[0] == 4
+    # scores about 11x larger: a column's running max grows past 2^8 of itself after its first
+    # tile (the lazy rescale), beside columns that see no key of a segment at all (split)
+    for splits in (1, 3):
+        got = tk.paged_attention(*args, num_splits=splits, k_scale=ks, v_scale=vs, scale=1.0)
+        assert_close(got, _expected_verify(b, ks, vs, max_q, scale=1.0), tol, f"scale 1, splits {splits}")
+    assert launches[0] == 6
 
 
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("cols", [8, 16])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_verification_columns_forced(cols, splits):
-    """Both column widths give the same rows, whole and split (the caller's merge)."""
+@pytest.mark.parametrize("group, stages", [(4, 3), (3, 3), (3, 0)])
+def test_verification_columns_forced(cols, splits, group, stages):
+    """Both column widths give the same rows, whole and split (the caller's merge), with a
+    group that divides them and one that does not, and with the register-prefetch loop."""
     from tilellm.kernels import decode_fp8
     from tilellm.kernels.merge import merge_into
 
-    b, ks, vs = _fp8_batch(VERIFY_LENS, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=13)
+    b, ks, vs = _fp8_batch(VERIFY_LENS, 2 * group, 2, 128, 16, torch.bfloat16, "cuda", seed=13)
     T, Hq, D = b.q.shape
     o = torch.empty_like(b.q)
     parts = lse = None
@@ -177,7 +184,7 @@ def test_verification_columns_forced(cols, splits):
         lse = torch.empty(splits, T, Hq, dtype=torch.float32, device="cuda")
     decode_fp8.launch_decode_fp8(
         b.q, b.k_cache, b.v_cache, o, b.block_table, b.seq_lens, D**-0.5 * math.log2(math.e), ks, vs,
-        splits, 64, parts, lse, cu_seqlens_q=b.cu_seqlens_q, max_seqlen_q=6, cols=cols,
+        splits, 64, parts, lse, stages=stages, cu_seqlens_q=b.cu_seqlens_q, max_seqlen_q=6, cols=cols,
     )  # fmt: skip
     if splits > 1:
         merge_into(parts, lse, o)

@@ -49,10 +49,9 @@ class TileRun:
 
 
 def query_rows(insp: Inspection, req: RequestView, q_tile: int) -> tuple[int, int]:
-    """Query rows of a query tile: block_m tokens (prefill) or block_q tokens (paged)."""
-    sched = insp.schedule
-    per_tile = sched.block_q if sched.block_q is not None else sched.block_m
-    return q_tile * per_tile, min((q_tile + 1) * per_tile, req.q_len)
+    """Query rows (new tokens) of a query tile: block_m tokens (prefill), block_q tokens
+    (paged), or a verification program's (token, head) columns (`TileSchedule.query_tokens`)."""
+    return insp.schedule.query_tokens(q_tile, req.q_len)
 
 
 def tile_runs(insp: Inspection, req: RequestView, head: int = 0) -> list[TileRun]:

@@ -55,9 +55,20 @@ class TileSchedule:
     programs: list[ProgramTiles] = field(default_factory=list)
     split_plan: SplitPlan | None = None
     block_q: int | None = None  # paged: tokens per query tile (rows = tokens x group)
+    # decode_fp8.py's verification: (COLS, GROUP), a program's MMA columns are (token, head)
+    # pairs t * GROUP + h, COLS of them (`column_tokens`)
+    columns: tuple[int, int] | None = None
     # hopper.py: one persistent program per SM claims these tiles in order (the grid numbers
     # them), skipping those past a request's end; otherwise one program per tile
     persistent: bool = False
+
+    def query_tokens(self, q_tile: int, q_len: int) -> tuple[int, int]:
+        """The new tokens [t0, t1) of a request of q_len that query tile (or column group)
+        `q_tile` holds rows of."""
+        if self.columns is not None:
+            return column_tokens(q_tile, *self.columns, q_len)
+        per_tile = self.block_q if self.block_q is not None else self.block_m
+        return q_tile * per_tile, min((q_tile + 1) * per_tile, q_len)
 
     @property
     def num_full(self) -> int:
@@ -189,20 +200,13 @@ def paged_schedule(
     plan = kernel_plan.split
     splits = plan.num_splits
     decode_fp8 = kernel_plan.kernel == "gluon-decode-fp8"
-    block_m, tiles_first = cfg.block_m, query_tiles_first(q_tiles)
-    # each query tile's new tokens [t0, t1) of a request of q_len tokens
-    token_range = lambda q_tile, q_len: (q_tile * block_q, min(q_tile * block_q + block_q, q_len))  # noqa: E731
+    block_m, tiles_first, columns = cfg.block_m, query_tiles_first(q_tiles), None
     if decode_fp8:
         from tilellm.kernels.decode_fp8 import BLOCK_N
 
-        bn, tiles_first = BLOCK_N, False
+        bn, tiles_first, block_q = BLOCK_N, False, None
         block_m, q_tiles = fp8_query_columns(1 if is_decode else max_q, group)
-        block_q = None if is_decode else block_m // group or None
-        # a program's MMA columns are (token, head) pairs, block_m of them: tokens t0..t1 - 1
-        token_range = lambda q_tile, q_len: (  # noqa: E731
-            q_tile * block_m // group,
-            min(q_len, ((q_tile + 1) * block_m - 1) // group + 1),
-        )
+        columns = None if is_decode else (block_m, group)
     sched = TileSchedule(
         "decode_fp8" if decode_fp8 else "paged_attention",
         paged_grid(num_kv_heads, len(lens), q_tiles, splits, tiles_first),
@@ -210,13 +214,14 @@ def paged_schedule(
         bn,
         split_plan=plan,
         block_q=block_q,
+        columns=columns,
     )
     for req, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
         context = seq_len - q_len
         total = cdiv(seq_len, bn)
         for kv_head in range(num_kv_heads):
             for q_tile in range(q_tiles):
-                t0, t1 = token_range(q_tile, q_len)
+                t0, t1 = sched.query_tokens(q_tile, q_len)
                 for split in range(splits):
                     if t0 >= q_len:
                         sched.programs.append(ProgramTiles(req, kv_head, q_tile, split, 0, 0, 0, -1, -1))
@@ -236,6 +241,12 @@ def paged_schedule(
                         )
                     )
     return sched
+
+
+def column_tokens(col_group: int, cols: int, group: int, q_len: int) -> tuple[int, int]:
+    """The new tokens [t0, t1) whose rows a `decode_fp8.py` verification program holds: columns
+    [col_group * cols, (col_group + 1) * cols) of the (token, head) pairs t * group + h."""
+    return col_group * cols // group, min(q_len, ((col_group + 1) * cols - 1) // group + 1)
 
 
 def _segment_tiles(

@@ -221,7 +221,11 @@ def _attend(
     return acc, m_i, l_i
 
 
-@gluon.jit(do_not_specialize=["num_tokens", "stride_bt", "num_splits", "min_split_keys", "col_groups"])
+@gluon.jit(
+    do_not_specialize=["num_tokens", "stride_bt", "num_splits", "min_split_keys", "col_groups"],
+    # a mixed step's verification half starts its batch tensors at any request (one binary for all)
+    do_not_specialize_on_alignment=["block_table", "seq_lens", "cu_seqlens_q", "k_scale", "v_scale"],
+)
 def _decode_fp8_kernel(
     Q, K_cache, V_cache, O, O_parts, LSE_parts,  # tensors
     k_scale, v_scale,  # [1] float32 dequantization scales
@@ -260,6 +264,8 @@ def _decode_fp8_kernel(
     if VERIFY:
         q_start = gl.load(cu_seqlens_q + req)
         q_len = gl.load(cu_seqlens_q + req + 1) - q_start
+        if col_group * COLS >= q_len * GROUP:
+            return  # a request of fewer new tokens than the batch's most: no row here
     else:
         q_start = req
         q_len = 1
