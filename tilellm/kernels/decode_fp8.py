@@ -196,26 +196,28 @@ def _attend(
     s = mma_v2(k, q_t, gl.zeros([BLOCK_N, COLS], gl.float32, S_ZERO_LAYOUT))  # S^T [keys, query rows]
     if VERIFY:
         s = gl.where(gl.expand_dims(n + offs_s, 1) < gl.expand_dims(col_hi, 0), s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))  # -inf for a column that has seen no key yet
-        # a column's first keys always move its max (from -inf); one with none yet stays
-        grown = gl.where(m_new == float("-inf"), 0.0, m_new - m_i)
-        if gl.max(grown, 0) > 8.0:
-            alpha = gl.where(m_new == float("-inf"), 1.0, gl.exp2(m_i - m_new))
-            acc = acc * gl.expand_dims(alpha, 0)
-            l_i = l_i * alpha
-            m_i = m_new
-        p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 0))
     else:
         s = gl.where(gl.expand_dims(n + offs_s < hi, 1), s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))  # finite: a tile holds at least one key
-        # Lazy rescaling: the running max moves only when some head's max grows past 2^8 of it;
-        # acc and l share the stale max, so the result is unchanged.
-        if gl.max(m_new - m_i, 0) > 8.0:
-            alpha = gl.exp2(m_i - m_new)
-            acc = acc * gl.expand_dims(alpha, 0)
-            l_i = l_i * alpha
-            m_i = m_new
-        p = gl.exp2(s - gl.expand_dims(m_i, 0))
+    # decode: finite (a tile holds at least one key); verification: -inf for a column that has
+    # seen no key yet
+    m_new = gl.maximum(m_i, gl.max(s, 0))
+    # Lazy rescaling: the running max moves only when some column's max grows past 2^8 of it;
+    # acc and l share the stale max, so the result is unchanged. A column's first keys always
+    # move its max (from -inf); one with none yet stays at -inf, neither rescaled nor counted.
+    grown = m_new - m_i
+    if VERIFY:
+        grown = gl.where(m_new == float("-inf"), 0.0, grown)
+    if gl.max(grown, 0) > 8.0:
+        alpha = gl.exp2(m_i - m_new)
+        if VERIFY:
+            alpha = gl.where(m_new == float("-inf"), 1.0, alpha)
+        acc = acc * gl.expand_dims(alpha, 0)
+        l_i = l_i * alpha
+        m_i = m_new
+    m_ref = m_i
+    if VERIFY:
+        m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+    p = gl.exp2(s - gl.expand_dims(m_ref, 0))
     l_i = l_i + gl.sum(p, 0)
     acc = mma_v2(v, gl.convert_layout(p.to(gl.float16), B_OP), acc)
     return acc, m_i, l_i
