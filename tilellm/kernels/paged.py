@@ -503,7 +503,7 @@ def _launch(
     if remember is not None and not internal and not record_stats and not capturing and planned_from_shapes:
         _remember(remember, launch)
     counters = _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales,
-                           stats=stats, kv_lo=kv_lo, kv_hi=kv_hi, parts=parts)  # fmt: skip
+                           stats=stats, kv_lo=kv_lo, kv_hi=kv_hi, parts=parts, capturing=capturing)  # fmt: skip
     if counters is not None and validation.deep_checks_enabled(q):
         _check_counters(counters, launch.slots)
     if record_stats:
@@ -571,16 +571,19 @@ def _triton_launch(
 
 def _run_triton(
     launch: _TritonLaunch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales, *, stats=None,
-    kv_lo=None, kv_hi=None, parts=None,
+    kv_lo=None, kv_hi=None, parts=None, capturing: bool | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """Launch `launch` with a call's tensors (and the merge of its partials); the arrival
-    counters it used, if it merges in the kernel."""
+    counters it used, if it merges in the kernel. `capturing`: whether the stream is capturing,
+    if the caller knows (else asked where needed)."""
     part_base, counters = 0, None
     if parts is not None:
         o_parts, lse_parts, part_base = parts
     elif launch.splits > 1:
         counter_slots = launch.slots if launch.merge_last else 0
-        o_parts, lse_parts, counters = _split_parts(launch.splits, *q.shape, q.device, counter_slots)
+        o_parts, lse_parts, counters = _split_parts(
+            launch.splits, *q.shape, q.device, counter_slots, capturing
+        )
     else:
         o_parts = lse_parts = None  # unread
     k_scale, v_scale = _fp8_scales(kv_scales, q.device) if launch.kv_fp8 else (None, None)
@@ -753,15 +756,21 @@ def _merge_in_kernel(capturing: bool) -> bool:
 
 
 def _split_parts(
-    splits: int, T: int, Hq: int, D: int, device: torch.device, counter_slots: int = 0
+    splits: int,
+    T: int,
+    Hq: int,
+    D: int,
+    device: torch.device,
+    counter_slots: int = 0,
+    capturing: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A split call's scratch: partials in `merge_into`'s layout from element 0, flat float32,
     o_parts [>= splits * T * Hq * D] and lse_parts [>= splits * T * Hq], and `counter_slots`
     arrival counters (None for 0): the stream's workspace outside a capture, the graph's own
-    inside one."""
+    inside one (`capturing`, when the caller has asked)."""
     lse_size = splits * T * Hq
     o_size = lse_size * D
-    if _capturing(device):
+    if _capturing(device) if capturing is None else capturing:
         counters = torch.zeros(counter_slots, dtype=torch.int32, device=device) if counter_slots else None
         return _own_parts(o_size, lse_size, device) + (counters,)
     workspace = _workspace(device)
