@@ -379,6 +379,10 @@ class _KernelTwin:
         page, hkv = k_cache.shape[1], k_cache.shape[2]
         B = seq_lens.shape[0]
         cu = list(range(B + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
+        if num_splits > 1:  # the kernel writes partials contiguously from element 0 of each buffer
+            T = q.shape[0]
+            o_parts = o_parts[: num_splits * T * Hq * D].view(num_splits, T, Hq, D)
+            lse_parts = lse_parts[: num_splits * T * Hq].view(num_splits, T, Hq)
         for b in range(B):
             n = int(seq_lens[b])
             rows = block_table[b, : -(-n // page)].long()

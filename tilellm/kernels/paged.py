@@ -886,12 +886,12 @@ def _launch_decode_fp8(
 def _run_decode_fp8(
     launch: _DecodeFp8Launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales
 ) -> None:  # fmt: skip
-    """Launch `launch` with a call's tensors (and the merge of its partials)."""
+    """Launch `launch` with a call's tensors (and the merge of its partials, which come from
+    the stream's split-KV workspace as the Triton kernel's do)."""
     k_scale, v_scale = _fp8_scales(kv_scales, q.device)
     o_parts = lse_parts = None
     if launch.splits > 1:
-        o_parts = torch.empty((launch.splits, *q.shape), dtype=torch.float32, device=q.device)
-        lse_parts = torch.empty(o_parts.shape[:3], dtype=torch.float32, device=q.device)
+        o_parts, lse_parts, _ = _split_parts(launch.splits, *q.shape, q.device)
     launch.decode_fp8.launch_decode_fp8(
         q, k_cache, v_cache, o, block_table, seq_lens, launch.qk_scale, k_scale, v_scale, launch.splits,
         launch.min_keys_per_split, o_parts, lse_parts, cu_seqlens_q=cu_seqlens_q if launch.verify else None,
