@@ -528,8 +528,12 @@ class _TritonLaunch(NamedTuple):
     merge: MergeLaunch | None  # the separate merge of this call's own partials
     merge_last: bool  # the tile's last program merges (its stream's `split_counters`)
 
-    def run(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales) -> None:
-        _run_triton(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales)
+    def run(
+        self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales, capturing=None
+    ) -> None:
+        _run_triton(
+            self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales, capturing=capturing
+        )
 
 
 def _triton_launch(
@@ -625,10 +629,11 @@ def _run_remembered(
         return None, None
     if launch is None or validation.deep_checks_enabled(q):
         return call, None
-    if launch.merge_last and _capturing(q.device) and split_merge_mode() == "auto":
+    capturing = launch.splits > 1 and _capturing(q.device)  # (unsplit launches take no scratch)
+    if launch.merge_last and capturing and split_merge_mode() == "auto":
         return call, None  # (a capture merges in a second launch)
     o = torch.empty_like(q) if out is None else out
-    launch.run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale))
+    launch.run(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, (k_scale, v_scale), capturing)
     return call, o
 
 
@@ -852,8 +857,12 @@ class _DecodeFp8Launch(NamedTuple):
     max_seqlen_q: int
     merge_last = False  # (a class attribute, as `_TritonLaunch.merge_last`: it merges apart)
 
-    def run(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales) -> None:
-        _run_decode_fp8(self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales)
+    def run(
+        self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales, capturing=None
+    ) -> None:
+        _run_decode_fp8(
+            self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales, capturing
+        )
 
 
 def _launch_decode_fp8(
@@ -884,14 +893,15 @@ def _launch_decode_fp8(
 
 
 def _run_decode_fp8(
-    launch: _DecodeFp8Launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales
+    launch: _DecodeFp8Launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales,
+    capturing: bool | None = None,
 ) -> None:  # fmt: skip
     """Launch `launch` with a call's tensors (and the merge of its partials, which come from
-    the stream's split-KV workspace as the Triton kernel's do)."""
+    the stream's split-KV workspace as the Triton kernel's do; `capturing` as `_run_triton`'s)."""
     k_scale, v_scale = _fp8_scales(kv_scales, q.device)
     o_parts = lse_parts = None
     if launch.splits > 1:
-        o_parts, lse_parts, _ = _split_parts(launch.splits, *q.shape, q.device)
+        o_parts, lse_parts, _ = _split_parts(launch.splits, *q.shape, q.device, capturing=capturing)
     launch.decode_fp8.launch_decode_fp8(
         q, k_cache, v_cache, o, block_table, seq_lens, launch.qk_scale, k_scale, v_scale, launch.splits,
         launch.min_keys_per_split, o_parts, lse_parts, cu_seqlens_q=cu_seqlens_q if launch.verify else None,
