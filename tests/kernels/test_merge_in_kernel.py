@@ -19,7 +19,7 @@ import torch
 
 import tilellm.kernels as tk
 from tests.kernels.helpers import assert_close, make_paged_batch, poisoned, run_outside_interpreter, tolerance
-from tilellm.kernels import merge, paged
+from tilellm.kernels import merge, paged, split_scratch
 from tilellm.kernels import reference as ref
 from tilellm.kernels.config import split_merge_mode
 from tilellm.kernels.schedule import plan_split_kv
@@ -48,7 +48,7 @@ def in_kernel(monkeypatch):
 
 def _counters_zero(like: torch.Tensor) -> None:
     """The arrival counters of `like`'s device are all zero."""
-    counters = paged._workspace(like.device).counters
+    counters = split_scratch.stream_workspace(like.device).counters
     assert counters is not None, "no arrival counters were allocated"
     assert int(counters.count_nonzero()) == 0, "arrival counters left non-zero after the call"
 
@@ -111,18 +111,6 @@ def test_same_result_as_the_separate_merge(monkeypatch, device):
     assert_close(fused, separate, 1e-6, "in-kernel vs separate merge")
 
 
-def test_counters_grow(in_kernel, device):
-    """More tiles than the stream's buffer holds: a larger buffer, zero."""
-    dev = torch.device(device)
-    paged._workspace(dev).counters = None
-    small = paged.split_counters(dev, 10)
-    assert small.numel() == paged.SPLIT_COUNTERS_MIN and small.dtype == torch.int32
-    assert paged.split_counters(dev, paged.SPLIT_COUNTERS_MIN) is small
-    large = paged.split_counters(dev, paged.SPLIT_COUNTERS_MIN + 1)
-    assert large.numel() == 2 * paged.SPLIT_COUNTERS_MIN and int(large.count_nonzero()) == 0
-    assert paged._workspace(dev).counters is large
-
-
 def test_a_counter_left_off_zero_is_reported_and_reset(in_kernel, monkeypatch, device):
     """A counter left off zero (as a kernel fault would leave it) spoils the next call that uses
     it: the value checks (always on for CPU tensors, TILELLM_DEBUG=1 on a GPU) report it and set
@@ -133,14 +121,14 @@ def test_a_counter_left_off_zero_is_reported_and_reset(in_kernel, monkeypatch, d
     b = make_paged_batch([(1, 200), (1, 90)], 4, 2, 32, 16, torch.float32, device, seed=4)
     args = (b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens)
     tk.decode_attention(*args, num_splits=3)
-    paged._workspace(b.q.device).counters[0] = 100
+    split_scratch.stream_workspace(b.q.device).counters[0] = 100
     with pytest.raises(RuntimeError, match="left non-zero.*TILELLM_SPLIT_MERGE=separate"):
         tk.decode_attention(*args, num_splits=3)
     _counters_zero(b.q)
     out = tk.decode_attention(*args, num_splits=3)
     assert_close(out, ref.decode_attention(*args), tolerance(torch.float32, device), "after the reset")
-    paged._workspace(b.q.device).counters[5] = 2
-    paged.reset_split_counters()
+    split_scratch.stream_workspace(b.q.device).counters[5] = 2
+    split_scratch.reset_split_counters()
     _counters_zero(b.q)
 
 
@@ -177,7 +165,7 @@ def test_eager_split_calls_merge_in_the_kernel_by_default(monkeypatch, merges, v
     if not value_checks:
         monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
     paged.clear_plans()
-    workspace = paged._workspace(torch.device(device))
+    workspace = split_scratch.stream_workspace(torch.device(device))
     workspace.o_parts = workspace.lse_parts = None
     buffers = None
     for seed in (1, 2, 3):
@@ -208,8 +196,8 @@ def test_separate_mode_merges_in_a_second_launch(monkeypatch, merges, device):
 def test_large_partials_are_not_kept(monkeypatch, device):
     """Partials past `WORKSPACE_MAX_PARTIALS` (a long prompt chunk's) are the call's own."""
     _set_mode(monkeypatch, None)
-    monkeypatch.setattr(paged, "WORKSPACE_MAX_PARTIALS", 1024)
-    workspace = paged._workspace(torch.device(device))
+    monkeypatch.setattr(split_scratch, "WORKSPACE_MAX_PARTIALS", 1024)
+    workspace = split_scratch.stream_workspace(torch.device(device))
     workspace.o_parts = workspace.lse_parts = None
     b = make_paged_batch([(40, 150), (4, 37)], 8, 2, 32, 16, torch.float32, device, seed=9)
     out = tk.paged_attention(*b.args(), num_splits=3)
@@ -225,7 +213,7 @@ import json, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from tilellm.kernels import merge, paged
+from tilellm.kernels import merge, paged, split_scratch
 from tilellm.kernels.config import paged_config
 
 cfg, block_q = paged_config(128, torch.bfloat16, 4, 1)
@@ -398,7 +386,7 @@ def test_gpu_two_streams_have_their_own_workspaces(monkeypatch, device):
         for out in outs[i]:
             assert_close(out, expected, tolerance(torch.bfloat16, device), f"stream {i}")
         with torch.cuda.stream(stream):
-            workspace = paged._workspace(b.q.device)
+            workspace = split_scratch.stream_workspace(b.q.device)
         assert int(workspace.counters.count_nonzero()) == 0
         workspaces.append(workspace)
     assert workspaces[0] is not workspaces[1]

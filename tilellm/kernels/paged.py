@@ -17,7 +17,7 @@ Split-KV: when (requests x KV heads x query tiles) cannot fill the GPU and conte
 program covers one of `num_splits` key segments, writes its normalised partial output and its
 log-sum-exp, and they are combined. An eager call combines them in the same launch: the last
 program of each tile to finish merges (`merge.merge_if_last`, for up to `MERGE_LAST_MAX_SPLITS`
-segments), counting arrivals in counters of the call's stream (`split_counters`); a call captured
+segments), counting arrivals in counters of the call's stream (`split_scratch`); a call captured
 into a CUDA graph merges in a second launch (`merge.run_merge`). `TILELLM_SPLIT_MERGE` overrides
 the choice (`config.split_merge_mode`).
 """
@@ -40,14 +40,13 @@ from tilellm.kernels.config import (
     cdiv,
     dot_precision,
     launch_gluon,
-    next_power_of_2,
     num_sms,
     overridden,
     paged_config,
     split_merge_mode,
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
-from tilellm.kernels.launch import FastLaunch, current_stream
+from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.merge import (
     MERGE_LAST_MAX_SPLITS,
     MergeLaunch,
@@ -67,6 +66,7 @@ from tilellm.kernels.schedule import (
     query_tiles_first,
     target_programs,
 )
+from tilellm.kernels.split_scratch import check_counters, split_parts, stream_capturing
 
 LN_2_C = tl.constexpr(LN_2)  # converts the base-2 log-sum-exp to natural log
 # Decode and verification (at most this many new tokens per request) over an FP8 cache run
@@ -490,7 +490,7 @@ def _launch(
         max_seqlen_q=max_seqlen_q, batch=batch, kv_fp8=kv_fp8, has_kv_lo=kv_lo is not None,
         has_kv_hi=kv_hi is not None, record_stats=record_stats, partials=parts is not None,
     )  # fmt: skip
-    capturing = _capturing(q.device)
+    capturing = stream_capturing(q.device)
     merge_last = (
         1 < plan.num_splits <= MERGE_LAST_MAX_SPLITS and parts is None and _merge_in_kernel(capturing)
     )
@@ -505,7 +505,7 @@ def _launch(
     counters = _run_triton(launch, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, o, kv_scales,
                            stats=stats, kv_lo=kv_lo, kv_hi=kv_hi, parts=parts, capturing=capturing)  # fmt: skip
     if counters is not None and validation.deep_checks_enabled(q):
-        _check_counters(counters, launch.slots)
+        check_counters(counters, launch.slots)
     if record_stats:
         return stats.view(batch, Hkv, launch.slots // (batch * Hkv) * launch.splits, 2), plan
     return None
@@ -585,7 +585,7 @@ def _run_triton(
         o_parts, lse_parts, part_base = parts
     elif launch.splits > 1:
         counter_slots = launch.slots if launch.merge_last else 0
-        o_parts, lse_parts, counters = _split_parts(
+        o_parts, lse_parts, counters = split_parts(
             launch.splits, *q.shape, q.device, counter_slots, capturing
         )
     else:
@@ -629,7 +629,7 @@ def _run_remembered(
         return None, None
     if launch is None or validation.deep_checks_enabled(q):
         return call, None
-    capturing = launch.splits > 1 and _capturing(q.device)  # (unsplit launches take no scratch)
+    capturing = launch.splits > 1 and stream_capturing(q.device)  # (unsplit launches take no scratch)
     if launch.merge_last and capturing and split_merge_mode() == "auto":
         return call, None  # (a capture merges in a second launch)
     o = torch.empty_like(q) if out is None else out
@@ -703,136 +703,10 @@ def _plan_for_shape(
     )  # fmt: skip
 
 
-# -- split-KV scratch, per stream --
-#
-# An eager split call takes its partials and arrival counters from its stream's workspace rather
-# than allocating them: calls on one stream run in order, so each finds the buffers free (and the
-# counters at zero: every launch that merges in the kernel leaves its counters at zero), and calls
-# on two streams never share them. A call captured into a CUDA graph allocates its own in the
-# graph's pool (counters zeroed at each replay), so that no graph shares a buffer with anything
-# else. TILELLM_DEBUG=1 checks the counters after every eager call that used them.
-
-
-class _StreamWorkspace:
-    """One stream's split-KV scratch: `counters` int32 arrivals per tile (zero between launches),
-    `o_parts` / `lse_parts` flat float32 partials, each grown to the largest call seen."""
-
-    __slots__ = ("counters", "o_parts", "lse_parts")
-
-    def __init__(self) -> None:
-        self.counters: torch.Tensor | None = None
-        self.o_parts: torch.Tensor | None = None
-        self.lse_parts: torch.Tensor | None = None
-
-
-SPLIT_COUNTERS_MIN = 4096
-# Partials past this many float32 (a prompt chunk's, 32 MiB) are allocated per call, not kept.
-WORKSPACE_MAX_PARTIALS = 1 << 23
-_workspaces: dict[tuple, _StreamWorkspace] = {}
-
-
-def _workspace(device: torch.device) -> _StreamWorkspace:
-    """The workspace of `device`'s current stream."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, current_stream(index))
-    else:
-        key = device.type
-    workspace = _workspaces.get(key)
-    if workspace is None:
-        workspace = _workspaces[key] = _StreamWorkspace()
-    return workspace
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether `device`'s current stream is capturing a CUDA graph."""
-    return device.type == "cuda" and _stream_capturing()
-
-
-_stream_capturing = getattr(
-    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
-)
-
-
 def _merge_in_kernel(capturing: bool) -> bool:
     """Whether a split call merges in the kernel (`config.split_merge_mode`)."""
     mode = split_merge_mode()
     return mode == "kernel" or (mode == "auto" and not capturing)
-
-
-def _split_parts(
-    splits: int,
-    T: int,
-    Hq: int,
-    D: int,
-    device: torch.device,
-    counter_slots: int = 0,
-    capturing: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A split call's scratch: partials in `merge_into`'s layout from element 0, flat float32,
-    o_parts [>= splits * T * Hq * D] and lse_parts [>= splits * T * Hq], and `counter_slots`
-    arrival counters (None for 0): the stream's workspace outside a capture, the graph's own
-    inside one (`capturing`, when the caller has asked)."""
-    lse_size = splits * T * Hq
-    o_size = lse_size * D
-    if _capturing(device) if capturing is None else capturing:
-        counters = torch.zeros(counter_slots, dtype=torch.int32, device=device) if counter_slots else None
-        return _own_parts(o_size, lse_size, device) + (counters,)
-    workspace = _workspace(device)
-    counters = _stream_counters(workspace, counter_slots, device) if counter_slots else None
-    if o_size > WORKSPACE_MAX_PARTIALS:
-        return _own_parts(o_size, lse_size, device) + (counters,)
-    # (a buffer given up stays with the stream: the caching allocator hands it out again only to
-    # work queued after the calls that used it)
-    if workspace.o_parts is None or workspace.o_parts.numel() < o_size:
-        workspace.o_parts = torch.empty(next_power_of_2(o_size), dtype=torch.float32, device=device)
-    if workspace.lse_parts is None or workspace.lse_parts.numel() < lse_size:
-        workspace.lse_parts = torch.empty(next_power_of_2(lse_size), dtype=torch.float32, device=device)
-    return workspace.o_parts, workspace.lse_parts, counters
-
-
-def _own_parts(o_size: int, lse_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        torch.empty(o_size, dtype=torch.float32, device=device),
-        torch.empty(lse_size, dtype=torch.float32, device=device),
-    )
-
-
-def split_counters(device: torch.device, slots: int) -> torch.Tensor:
-    """At least `slots` int32 arrival counters, zero: those of `device`'s current stream, or,
-    inside a CUDA-graph capture, the graph's own (allocated in its pool and zeroed at every
-    replay)."""
-    if _capturing(device):
-        return torch.zeros(slots, dtype=torch.int32, device=device)
-    return _stream_counters(_workspace(device), slots, device)
-
-
-def _stream_counters(workspace: _StreamWorkspace, slots: int, device: torch.device) -> torch.Tensor:
-    """The stream's counters, grown (zeroed) to at least `slots`."""
-    if workspace.counters is None or workspace.counters.numel() < slots:
-        size = max(SPLIT_COUNTERS_MIN, next_power_of_2(slots))
-        workspace.counters = torch.zeros(size, dtype=torch.int32, device=device)
-    return workspace.counters
-
-
-def reset_split_counters() -> None:
-    """Set every stream's arrival counters back to zero (after a fault left one off zero)."""
-    for workspace in _workspaces.values():
-        if workspace.counters is not None:
-            workspace.counters.zero_()
-
-
-def _check_counters(counters: torch.Tensor, slots: int) -> None:
-    """TILELLM_DEBUG: the counters the call used are back at zero (reads the device)."""
-    if _capturing(counters.device):
-        return
-    left = int(counters[:slots].count_nonzero())
-    if left:
-        counters[:slots].zero_()
-        raise RuntimeError(
-            f"split-KV merge: {left} arrival counters were left non-zero after the call (a kernel "
-            "fault?); they are reset now. TILELLM_SPLIT_MERGE=separate merges in a second launch."
-        )
 
 
 def _fp8_scales(kv_scales, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -901,7 +775,7 @@ def _run_decode_fp8(
     k_scale, v_scale = _fp8_scales(kv_scales, q.device)
     o_parts = lse_parts = None
     if launch.splits > 1:
-        o_parts, lse_parts, _ = _split_parts(launch.splits, *q.shape, q.device, capturing=capturing)
+        o_parts, lse_parts, _ = split_parts(launch.splits, *q.shape, q.device, capturing=capturing)
     launch.decode_fp8.launch_decode_fp8(
         q, k_cache, v_cache, o, block_table, seq_lens, launch.qk_scale, k_scale, v_scale, launch.splits,
         launch.min_keys_per_split, o_parts, lse_parts, cu_seqlens_q=cu_seqlens_q if launch.verify else None,
