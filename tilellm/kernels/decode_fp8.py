@@ -27,13 +27,14 @@ padding; in this orientation the accumulator is [D, 8], 32 fp32 registers a thre
 Verification (a few new tokens a request, `paged_attention` with `cu_seqlens_q`) uses the same
 products with more columns: a request's query rows are its new tokens x the group's heads, row
 t * GROUP + h in column order, COLS = 8 or 16 of them a program (more rows: more programs, each
-reading the same keys, mostly from L2). Each column sees the keys before its own token's end
+reading the same keys). Each column sees the keys before its own token's end
 (causal), so a column may have none in a tile, or in a whole segment (its lse is then -inf).
 
-One program = (KV head, request, key segment x column group), one warp. The next tile's bytes are loaded into
-registers before this tile is computed (its latency hides behind this tile's products and
-softmax, and behind the other programs on the SM). The running maximum moves only when a
-head's maximum grows past 2^8 of it (FlashAttention-4's lazy rescaling: probabilities stay
+One program = (KV head x column group, request, key segment), one warp: a request's column
+groups are neighbours in launch order, so that the later ones find its keys in L2. The next
+tile's bytes are loaded into registers before this tile is computed (its latency hides behind
+this tile's products and softmax, and behind the other programs on the SM). The running
+maximum moves only when a head's maximum grows past 2^8 of it (FlashAttention-4's lazy rescaling: probabilities stay
 below 256, exact to fp16's precision, and most tiles skip the rescale). `qk_scale * k_scale`
 scales the scores, `v_scale` the output; the last tile of a segment is masked in its loads and
 scores. Split-KV partials use `paged.py`'s layout and merge (`merge.merge_into`).
@@ -239,10 +240,12 @@ def _decode_fp8_kernel(
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr, RING: gl.constexpr,
     COLS: gl.constexpr = 8, VERIFY: gl.constexpr = False,
 ):  # fmt: skip
-    kv_head = gl.program_id(0)
+    # A request's column groups are neighbours in launch order: they read the same keys, the
+    # later ones from L2.
+    kv_head = gl.program_id(0) // col_groups
+    col_group = gl.program_id(0) % col_groups
     req = gl.program_id(1)
-    split = gl.program_id(2) // col_groups
-    col_group = gl.program_id(2) % col_groups
+    split = gl.program_id(2)
 
     # -- layouts: one warp; keys (or head dims) in the MMA's rows, query rows in its COLS columns --
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -445,7 +448,7 @@ def launch_decode_fp8(
     consts = (q.device, group, D, page, block_n, split, stages, cols, verify, maxnreg)
     regs = {} if maxnreg is None else {"maxnreg": maxnreg}
     _decode_fp8_launch.run(
-        (Hkv, B, num_splits * col_groups),
+        (Hkv * col_groups, B, num_splits),
         (q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens,
          cu_seqlens_q if verify else seq_lens, *scalars),
         lambda: dict(
