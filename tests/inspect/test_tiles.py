@@ -401,7 +401,7 @@ def test_fp8_decode_on_hopper_shows_the_gluon_kernel(monkeypatch):
     monkeypatch.setenv("TILELLM_FP8_VERIFY", "gluon")
     _plan_for_shape.cache_clear()
     verify = paged_schedule(cu, verify_lens, 32, 8, 128, 16, num_sms=132, kv_fp8=True, num_splits=1)
-    assert (verify.kernel, verify.block_m, verify.block_n, verify.grid) == ("decode_fp8", 16, 32, (8, 5, 2))
+    assert (verify.kernel, verify.block_m, verify.block_n, verify.grid) == ("decode_fp8", 16, 32, (16, 5, 1))
     for p in verify.programs:
         if p.q_tile == 1 and q_lens[p.request] <= 4:  # no token in the second column group
             assert p.full + p.diagonal == 0

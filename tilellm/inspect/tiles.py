@@ -179,7 +179,7 @@ def paged_schedule(
     it on Hopper runs `decode_fp8.py` (kernel "decode_fp8"): the same programs, segments and
     32-key tiles, the group's query heads in 8 MMA columns instead of 16 rows; so does a
     verification batch of a few tokens, its (token, head) rows in programs of 8 or 16 columns
-    (`block_m`), each walking its request's keys (grid: KV heads, requests, column groups x splits).
+    (`block_m`), each walking its request's keys (grid: KV heads x column groups, requests, splits).
     """
     cu = as_list(cu_seqlens_q)
     lens = as_list(seq_lens)
@@ -207,9 +207,12 @@ def paged_schedule(
         bn, tiles_first, block_q = BLOCK_N, False, None
         block_m, q_tiles = fp8_query_columns(1 if is_decode else max_q, group)
         columns = None if is_decode else (block_m, group)
+    grid = paged_grid(num_kv_heads, len(lens), q_tiles, splits, tiles_first)
+    if decode_fp8:  # a request's column groups side by side (they read the same keys)
+        grid = (num_kv_heads * q_tiles, len(lens), splits)
     sched = TileSchedule(
         "decode_fp8" if decode_fp8 else "paged_attention",
-        paged_grid(num_kv_heads, len(lens), q_tiles, splits, tiles_first),
+        grid,
         block_m,
         bn,
         split_plan=plan,
