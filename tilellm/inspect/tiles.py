@@ -24,6 +24,7 @@ from tilellm.kernels.schedule import (
     SplitPlan,
     as_list,
     cdiv,
+    decode_fp8_grid,
     fp8_query_columns,
     hopper_plan,
     paged_grid,
@@ -200,16 +201,16 @@ def paged_schedule(
     plan = kernel_plan.split
     splits = plan.num_splits
     decode_fp8 = kernel_plan.kernel == "gluon-decode-fp8"
-    block_m, tiles_first, columns = cfg.block_m, query_tiles_first(q_tiles), None
+    block_m, columns = cfg.block_m, None
     if decode_fp8:
         from tilellm.kernels.decode_fp8 import BLOCK_N
 
-        bn, tiles_first, block_q = BLOCK_N, False, None
+        bn, block_q = BLOCK_N, None
         block_m, q_tiles = fp8_query_columns(1 if is_decode else max_q, group)
         columns = None if is_decode else (block_m, group)
-    grid = paged_grid(num_kv_heads, len(lens), q_tiles, splits, tiles_first)
-    if decode_fp8:  # a request's column groups side by side (they read the same keys)
-        grid = (num_kv_heads * q_tiles, len(lens), splits)
+        grid = decode_fp8_grid(num_kv_heads, len(lens), q_tiles, splits)
+    else:
+        grid = paged_grid(num_kv_heads, len(lens), q_tiles, splits, query_tiles_first(q_tiles))
     sched = TileSchedule(
         "decode_fp8" if decode_fp8 else "paged_attention",
         grid,

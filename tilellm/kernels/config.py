@@ -110,8 +110,9 @@ def split_merge_mode() -> str:
 def fp8_verify_kernel() -> str:
     """Which kernel verifies a few new tokens a request over an FP8 cache on an H100/H200
     (`TILELLM_FP8_VERIFY`): "paged" (the default: `paged.py`'s FP8 tiles) or "gluon"
-    (`decode_fp8.py`'s programs of 8 or 16 (token, head) columns). The Gluon form is opt-in until
-    its GPU tests and timings have run (tests/kernels/test_decode_fp8.py, benchmarks/decode_fp8.py).
+    (`decode_fp8.py`'s programs of 8 or 16 (token, head) columns). The Gluon form is opt-in: it
+    passes its GPU tests, but as planned it measured slower than `paged.py` on V1 and equal on
+    V1-G2 (docs/benchmarks.md, "Verification in the Gluon FP8 kernel").
     Read when a batch's shape is first planned (plans are kept per shape): set it before the
     first call, or call `paged.clear_plans()` after changing it."""
     kernel = os.environ.get("TILELLM_FP8_VERIFY", "paged")

@@ -34,8 +34,9 @@ One program = (KV head x column group, request, key segment), one warp: a reques
 groups are neighbours in launch order, so that the later ones find its keys in L2. The next
 tile's bytes are loaded into registers before this tile is computed (its latency hides behind
 this tile's products and softmax, and behind the other programs on the SM). The running
-maximum moves only when a head's maximum grows past 2^8 of it (FlashAttention-4's lazy rescaling: probabilities stay
-below 256, exact to fp16's precision, and most tiles skip the rescale). `qk_scale * k_scale`
+maximum moves only when a head's maximum grows past 2^8 of it (FlashAttention-4's lazy
+rescaling: probabilities stay below 256, exact to fp16's precision, and most tiles skip the
+rescale). `qk_scale * k_scale`
 scales the scores, `v_scale` the output; the last tile of a segment is masked in its loads and
 scores. Split-KV partials use `paged.py`'s layout and merge (`merge.merge_into`).
 """
@@ -51,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from tilellm.kernels.config import DECODE_FP8_MAX_ROWS, compile_gluon_for_sm90
 from tilellm.kernels.launch import FastLaunch
-from tilellm.kernels.schedule import fp8_query_columns
+from tilellm.kernels.schedule import decode_fp8_grid, fp8_query_columns
 
 # cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7 on
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -240,8 +241,7 @@ def _decode_fp8_kernel(
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr, RING: gl.constexpr,
     COLS: gl.constexpr = 8, VERIFY: gl.constexpr = False,
 ):  # fmt: skip
-    # A request's column groups are neighbours in launch order: they read the same keys, the
-    # later ones from L2.
+    # (schedule.decode_fp8_grid)
     kv_head = gl.program_id(0) // col_groups
     col_group = gl.program_id(0) % col_groups
     req = gl.program_id(1)
@@ -448,7 +448,7 @@ def launch_decode_fp8(
     consts = (q.device, group, D, page, block_n, split, stages, cols, verify, maxnreg)
     regs = {} if maxnreg is None else {"maxnreg": maxnreg}
     _decode_fp8_launch.run(
-        (Hkv * col_groups, B, num_splits),
+        decode_fp8_grid(Hkv, B, col_groups, num_splits),
         (q, k_words, v_words, o, o_parts, lse_parts, k_scale, v_scale, block_table, seq_lens,
          cu_seqlens_q if verify else seq_lens, *scalars),
         lambda: dict(

@@ -235,6 +235,12 @@ def paged_grid(num_kv_heads: int, batch: int, q_tiles: int, num_splits: int, til
     return (num_kv_heads, batch, q_tiles * num_splits)
 
 
+def decode_fp8_grid(num_kv_heads: int, batch: int, col_groups: int, num_splits: int) -> tuple[int, int, int]:
+    """`decode_fp8.py`'s grid: (KV heads x column groups, requests, splits). A request's column
+    groups are neighbours in launch order, so that the later ones find its keys in L2."""
+    return (num_kv_heads * col_groups, batch, num_splits)
+
+
 def split_segment(num_keys: int, num_splits: int, block_n: int, min_keys: int) -> int:
     """Keys per segment of a program's key range (the kernel computes the same): equal parts in
     whole key tiles, but at least `min_keys` (rounded up to whole tiles)."""
