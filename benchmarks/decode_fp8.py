@@ -17,6 +17,7 @@ tiles, `paged_attention` as called (the Gluon kernel where the plan gives it the
 planned segment count (the Gluon plan's), half and twice it.
 
     python benchmarks/decode_fp8.py [--workloads D1,D2,D3,D4,E1D,V1,V1-G2] [--json out.json]
+        [--verify-splits 1,2,4] [--verify-shape NAME=HQ:NEW:REQUESTS:CACHED ...]
 """
 
 from __future__ import annotations
@@ -173,10 +174,18 @@ def bench_workload(name: str, hq: int, kv: list[int], variants, report: dict) ->
         report["rows"].append(dict(workload=name, kernel=label, ms=ms, gbps=byts / ms / 1e6))
 
 
-def bench_verify(name: str, hq: int, q_len: int, num_requests: int, context: int, report: dict) -> None:
+def bench_verify(
+    name: str,
+    hq: int,
+    q_len: int,
+    num_requests: int,
+    context: int,
+    report: dict,
+    splits: list[int] | None = None,
+) -> None:
     """A verification workload: `paged_attention` (paged.py's FP8 tiles forced, and as called)
-    and the Gluon kernel with 8 and 16 columns a program at the planned segment count, half and
-    twice it; every output checked against paged.py's."""
+    and the Gluon kernel with 8 and 16 columns a program at each segment count of `splits`
+    (default: the planned count, half and twice it); every output checked against paged.py's."""
     bk.HQ = hq
     q_lens, kv = [q_len] * num_requests, [context + q_len] * num_requests
     q, kc, vc, bt, cu_q, seq = bk._paged_inputs(q_lens, kv, torch.bfloat16)
@@ -201,7 +210,10 @@ def bench_verify(name: str, hq: int, q_len: int, num_requests: int, context: int
     byts = sum(kv) * 8 * 128 * 2  # e4m3 K and V
     planned = gluon_plan.split.num_splits
     rows = [("paged.py fp8 tiles", triton_fn), (f"paged_attention as called ({plan.kernel})", public_fn)]
-    for cols, s in itertools.product((8, 16), sorted({planned, max(1, planned // 2), planned * 2})):
+    counts = splits or sorted({planned, max(1, planned // 2), planned * 2})
+    for cols, s in itertools.product((8, 16), counts):
+        if s > max(1, max_k // 64):
+            continue
         fn = functools.partial(
             run_gluon, q, kc8, vc8, bt, seq, ks, vs, s, gluon_plan.split.min_keys_per_split, out,
             decode_fp8.BLOCK_N, decode_fp8.STAGES, cu_q, q_len, cols,
@@ -224,6 +236,19 @@ def main() -> None:
         help="block_n:stages[:maxnreg] of the Gluon kernel, comma-separated (stages 0: register prefetch; "
         "maxnreg: a cap on the registers a thread)",
     )
+    p.add_argument(
+        "--verify-splits",
+        help="segment counts for the verification workloads, comma-separated (default: the planned count, "
+        "half and twice it)",
+    )
+    p.add_argument(
+        "--verify-shape",
+        action="append",
+        default=[],
+        metavar="NAME=HQ:NEW:REQUESTS:CACHED",
+        help="an extra verification workload (8 KV heads, D 128): query heads, new tokens a request, "
+        "requests, cached keys a request; repeatable",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the edge-case checks")
     p.add_argument("--json")
     args = p.parse_args()
@@ -243,10 +268,16 @@ def main() -> None:
         "E1D-longest-first": (16, sorted(e1d, reverse=True)),
     }
     verify = {"V1": (32, 6, 32, 8192), "V1-G2": (16, 4, 32, 8192)}  # heads, new tokens, requests, cached
+    names = args.workloads.split(",") if args.workloads else []
+    for spec in args.verify_shape:
+        name, shape = spec.split("=")
+        verify[name] = tuple(map(int, shape.split(":")))
+        names.append(name)
+    verify_splits = [int(x) for x in args.verify_splits.split(",")] if args.verify_splits else None
     print(f"{'workload':<20}{'kernel':<38}{'ms':>9}{'GB/s':>8}")
-    for name in args.workloads.split(","):
+    for name in names:
         if name in verify:
-            bench_verify(name, *verify[name], report)
+            bench_verify(name, *verify[name], report, verify_splits)
         else:
             bench_workload(name, *workloads[name], variants, report)
         torch.cuda.empty_cache()
