@@ -242,6 +242,45 @@ def test_mla_checkpoint_k_scale_is_the_latent_cache_scale(tiny_deepseek_v2, tmp_
     assert LLM(model_dir, num_kv_blocks=16).llm_engine.runner.kv_scales is None  # loads, unused
 
 
+@pytest.mark.gpu
+def test_fp8_verification_in_the_gluon_kernel_gives_the_same_tokens(tmp_path, monkeypatch):
+    """On an H100/H200, verification of 4 tokens x a group of 2 heads (8 rows a request) over
+    an FP8 cache runs decode_fp8.py by default (TILELLM_FP8_VERIFY=auto): greedy speculation
+    gives the tokens of plain decoding over the same cache, eager and with CUDA graphs."""
+    from tilellm.kernels import config, decode_fp8, paged
+    from tilellm.testing import make_tiny_model
+
+    if not config.gluon_ok():
+        pytest.skip("needs an H100/H200 and Gluon")
+    monkeypatch.delenv("TILELLM_FP8_VERIFY", raising=False)
+    paged.clear_plans()
+    verify_launches = [0]
+    launch = decode_fp8.launch_decode_fp8
+
+    def counted(*args, cu_seqlens_q=None, **kwargs):
+        verify_launches[0] += cu_seqlens_q is not None
+        return launch(*args, cu_seqlens_q=cu_seqlens_q, **kwargs)
+
+    monkeypatch.setattr(decode_fp8, "launch_decode_fp8", counted)
+    model = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", seed=7, head_dim=64, dtype="bfloat16")
+    rng = np.random.default_rng(7)
+    motif = rng.integers(0, 380, 7).tolist()
+    prompts = [motif * 5, rng.integers(0, 380, 13).tolist() + motif * 4, motif * 3 + [5, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    for eager in (True, False):
+        outs = []
+        for speculative_config in (None, spec):
+            llm = LLM(
+                model, device="cuda", kv_cache_dtype="fp8", num_kv_blocks=64, enforce_eager=eager,
+                speculative_config=speculative_config,
+            )  # fmt: skip
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+        assert outs[1] == outs[0], f"enforce_eager={eager}"
+    assert verify_launches[0] > 0  # the verifications ran in decode_fp8.py
+
+
 def test_fp8_cache_with_a_draft_model(tiny_qwen3, tiny_llama):
     """The draft model's cache follows kv_cache_dtype, with scales of its own measured on its
     first step; greedy speculation gives the tokens of plain decoding over the same FP8 cache,

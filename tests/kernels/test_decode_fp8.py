@@ -22,10 +22,10 @@ import torch
 
 import tilellm.kernels as tk
 from tests.kernels.helpers import assert_close, compile_for_sm90, make_paged_batch, tolerance
-from tilellm.kernels import config
+from tilellm.kernels import config, schedule
 from tilellm.kernels import reference as ref
 from tilellm.kernels.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
-from tilellm.kernels.schedule import fp8_query_columns, plan_paged
+from tilellm.kernels.schedule import choose_num_splits, fp8_query_columns, plan_paged
 
 # (head dim, split, verification's MMA columns or 0 for decode)
 COMPILED = [(d, split, 0) for d in (64, 128) for split in (False, True)] + [(128, True, 8), (128, False, 16)]
@@ -343,13 +343,48 @@ def test_plan_gives_verification_over_fp8_to_the_kernel(
         assert plan.split.base_programs == 32 * 8 * col_groups
 
 
-def test_verification_over_fp8_stays_on_paged_py_by_default(hopper_with_gluon, monkeypatch):
+@pytest.mark.parametrize(
+    "group, max_q, kernel",
+    [
+        (2, 4, "gluon-decode-fp8"),  # 8 rows: one program of 8 columns (V1-G2)
+        (4, 2, "gluon-decode-fp8"),
+        (2, 1, "gluon-decode-fp8"),  # a single new token a request
+        (2, 5, "triton"),  # 10 rows: a program of 16 columns
+        (4, 6, "triton"),  # V1: 24 rows
+    ],
+)
+def test_verification_over_fp8_by_default(hopper_with_gluon, monkeypatch, group, max_q, kernel):
+    """TILELLM_FP8_VERIFY=auto (the default): decode_fp8.py where a request's rows fit 8 columns."""
     monkeypatch.delenv("TILELLM_FP8_VERIFY", raising=False)
-    plan = plan_paged(32, 32, 8, 128, torch.bfloat16, 16, 6, num_tokens=192, max_seqlen_k=8192, kv_fp8=True)
-    assert plan.kernel == "triton"
+    args = (32, 8 * group, 8, 128, torch.bfloat16, 16, max_q)
+    plan = plan_paged(*args, num_tokens=32 * max_q, max_seqlen_k=8192, kv_fp8=True, num_sms=132)
+    assert plan.kernel == kernel
+    monkeypatch.setenv("TILELLM_FP8_VERIFY", "paged")
+    assert plan_paged(*args, num_tokens=32 * max_q, max_seqlen_k=8192, kv_fp8=True).kernel == "triton"
+
+
+def test_fp8_verify_setting_is_checked(monkeypatch):
     monkeypatch.setenv("TILELLM_FP8_VERIFY", "gluons")
-    with pytest.raises(ValueError, match="TILELLM_FP8_VERIFY='gluons': choose 'paged'"):
+    with pytest.raises(ValueError, match="TILELLM_FP8_VERIFY='gluons': choose 'auto'"):
         plan_paged(32, 32, 8, 128, torch.bfloat16, 16, 6, num_tokens=192, max_seqlen_k=8192, kv_fp8=True)
+
+
+@pytest.mark.parametrize("requests, longest", [(32, 8196), (64, 2048), (16, 32768), (4, 8192), (1, 8192)])
+def test_verification_split_stays_within_one_wave(hopper_with_gluon, monkeypatch, requests, longest):
+    """The FP8 decode rule's segments, but never more programs than one wave of its target:
+    V1-G2's 256 programs over 8196 keys take 4 segments (1024 programs), not the decode rule's 5."""
+    monkeypatch.delenv("TILELLM_FP8_VERIFY", raising=False)
+    plan = plan_paged(
+        requests, 16, 8, 128, torch.bfloat16, 16, 4, num_tokens=4 * requests, max_seqlen_k=longest,
+        kv_fp8=True, num_sms=132,
+    )  # fmt: skip
+    assert plan.kernel == "gluon-decode-fp8"
+    base, target = requests * 8, schedule.FP8_PROGRAMS_PER_SM * 132
+    decode = choose_num_splits(requests, 8, 1, None, max_seqlen_k=longest, num_sms=132, kv_fp8=True)
+    assert plan.split.num_splits == min(decode.num_splits, max(1, target // base))
+    assert base * plan.split.num_splits <= max(target, base)
+    if (requests, longest) == (32, 8196):
+        assert (decode.num_splits, plan.split.num_splits) == (5, 4)
 
 
 def test_forced_tiles_keep_paged_py(hopper_with_gluon):

@@ -22,7 +22,7 @@ from tilellm.kernels.config import (
     GLUON_QUERY_TILE,
     cdiv,
     decode_fp8_uses_gluon,
-    fp8_verify_kernel,
+    fp8_verify_uses_gluon,
     paged_config,
     paged_uses_gluon,
 )
@@ -65,6 +65,10 @@ SMALL_BATCH_PROGRAMS_PER_SM = 4
 FP8_KEYS_PER_SPLIT = 2 * MIN_KEYS_PER_SPLIT
 FP8_PROGRAMS_PER_SM = 8
 FP8_MAX_SPLITS = 128
+# Verification in decode_fp8.py (`_plan_fp8`'s `one_wave`) keeps its programs within one wave
+# of FP8_PROGRAMS_PER_SM per SM. Measured on an H100 (132 SMs, target 1056) in CUDA graphs, GB/s of
+# FP8 bytes, V1-G2 (256 programs of 8 rows, 8192 keys) by segment count: 2: 2506, 3: 2581,
+# 4: 2550, 5 (1280 programs, the decode rule's): 2041, 6: 2101, 8: 2389.
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,7 @@ def choose_num_splits(
     num_sms: int | None = None,
     rows_per_program: int = DECODE_ROWS,
     kv_fp8: bool = False,
+    one_wave: bool = False,
 ) -> SplitPlan:
     """The split-KV decision from the SM count, the batch and its longest context.
 
@@ -124,7 +129,8 @@ def choose_num_splits(
     the longest context, at most MAX_SPLITS. Decode batches of fewer programs than SMs also
     split short contexts (`_plan_small_batch`); tiles of at most DECODE_ROWS rows over an FP8
     cache (`kv_fp8`: decode, and verification of a few tokens at small GQA groups) follow
-    `_plan_fp8` instead of the bandwidth rule. `num_splits` forces the count. The longest
+    `_plan_fp8` instead of the bandwidth rule (`one_wave`: within one wave of its target, for
+    verification programs). `num_splits` forces the count. The longest
     context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
     host sync: the engine plans on the host instead and passes the plan).
     """
@@ -140,7 +146,7 @@ def choose_num_splits(
     if max_seqlen_k is None:
         max_seqlen_k = _host_max(seq_lens, allow_device=True)
     if kv_fp8 and rows_per_program <= DECODE_ROWS:
-        plan = _plan_fp8(base, max_seqlen_k, sms)
+        plan = _plan_fp8(base, max_seqlen_k, sms, one_wave)
     else:
         plan = _plan_large(base, max_seqlen_k, sms, rows_per_program)
     if rows_per_program <= DECODE_ROWS and 0 < base < sms:
@@ -199,9 +205,11 @@ def _plan_large(base: int, max_seqlen_k: int, sms: int, rows_per_program: int) -
     return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), MIN_KEYS_PER_SPLIT)
 
 
-def _plan_fp8(base: int, max_seqlen_k: int, sms: int) -> SplitPlan:
+def _plan_fp8(base: int, max_seqlen_k: int, sms: int, one_wave: bool = False) -> SplitPlan:
     """The rule for decode tiles over an FP8 cache (see FP8_KEYS_PER_SPLIT): segments of
-    FP8_KEYS_PER_SPLIT keys of the longest context, halved while the programs are few."""
+    FP8_KEYS_PER_SPLIT keys of the longest context, halved while the programs are few;
+    `one_wave` (verification in `decode_fp8.py`): then fewer segments, if needed, so that the
+    programs stay within the target (measured: the note above FP8_MAX_SPLITS)."""
     target = FP8_PROGRAMS_PER_SM * sms
     if base >= FILL_SHARE * target:
         reason = f"no split: {base} programs reach {FILL_SHARE:.0%} of the {target} that fill {sms} SMs (FP8)"
@@ -209,13 +217,20 @@ def _plan_fp8(base: int, max_seqlen_k: int, sms: int) -> SplitPlan:
     n = max(1, min(cdiv(max_seqlen_k, FP8_KEYS_PER_SPLIT), FP8_MAX_SPLITS))
     while base * n < FILL_SHARE * target and 2 * n <= min(FP8_MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT):
         n *= 2
+    wave = ""
+    if one_wave and base * n > target:
+        n, wave = max(1, target // base), f", at most {target} (one wave)"
     if n < 2:  # (a context of 2048 keys or more always splits here: the loop halves it to 1024s)
-        reason = f"no split: longest context {max_seqlen_k} < {MIN_CONTEXT_TO_SPLIT} keys (FP8)"
+        reason = (
+            f"no split: longest context {max_seqlen_k} < {MIN_CONTEXT_TO_SPLIT} keys (FP8)"
+            if not wave
+            else f"no split: {base} programs, {target} fill {sms} SMs in one wave (FP8)"
+        )
         return SplitPlan(1, reason, sms, base, max_seqlen_k, kv_fp8=True)
     reason = (
         f"split {n}: {base} programs for {sms} SMs, FP8 cache; segments of <= {FP8_KEYS_PER_SPLIT} keys of the "
         f"longest context, halved while under {FILL_SHARE:.0%} of {FP8_PROGRAMS_PER_SM} programs per SM "
-        f"(>= {MIN_KEYS_PER_SPLIT} keys, cap {FP8_MAX_SPLITS}): {base * n} programs"
+        f"(>= {MIN_KEYS_PER_SPLIT} keys, cap {FP8_MAX_SPLITS}{wave}): {base * n} programs"
     )
     return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), MIN_KEYS_PER_SPLIT, kv_fp8=True)
 
@@ -344,9 +359,9 @@ def plan_paged(
     pages, which take their own tiles and split rule and never `hopper.py`). Decode batches over
     an FP8 cache run `decode_fp8.py` where `config.decode_fp8_uses_gluon` takes them (when
     `allow_gluon`), with the same split plan: its key tiles are as wide as `paged.py`'s; so do
-    verification batches over an FP8 cache of at most `config.DECODE_FP8_MAX_ROWS` query rows a
-    request where `config.fp8_verify_kernel` says "gluon" (opt-in), split by the FP8 rule over
-    its programs (`fp8_query_columns`).
+    verification batches over an FP8 cache where `config.fp8_verify_uses_gluon` takes them (by
+    default requests of at most 8 query rows), split by the FP8 rule over its programs
+    (`fp8_query_columns`) within one wave.
     """
     max_q = max(max_seqlen_q, 1)
     if (
@@ -360,19 +375,14 @@ def plan_paged(
         gluon_tiles = cdiv(max_q, GLUON_QUERY_TILE)
         return PagedPlan("gluon", hopper_plan(num_requests, num_q_heads, gluon_tiles, [longest], num_sms))
     group = num_q_heads // num_kv_heads
-    if (
-        allow_gluon
-        and kv_fp8
-        and not is_decode
-        and fp8_verify_kernel() == "gluon"
-        and decode_fp8_uses_gluon(head_dim, dtype, group, max_q)
-    ):
-        # Verification of a few tokens over an FP8 cache (opt-in): decode_fp8.py's programs, each
-        # of up to 16 query rows (new tokens x the group's heads), split by the FP8 decode rule.
+    if allow_gluon and kv_fp8 and not is_decode and fp8_verify_uses_gluon(head_dim, dtype, group, max_q):
+        # Verification of a few tokens over an FP8 cache: decode_fp8.py's programs, each of up to
+        # 16 query rows (new tokens x the group's heads), split by the FP8 decode rule within one
+        # wave (`one_wave`).
         split = choose_num_splits(
             num_requests, num_kv_heads, fp8_query_columns(max_q, group)[1], seq_lens,
             num_splits=num_splits, max_seqlen_k=max_seqlen_k, num_sms=num_sms, rows_per_program=DECODE_ROWS,
-            kv_fp8=True,
+            kv_fp8=True, one_wave=True,
         )  # fmt: skip
         return PagedPlan("gluon-decode-fp8", split)
     cfg, block_q = paged_config(head_dim, dtype, group, 1 if is_decode else max_q, kv_fp8=kv_fp8)
