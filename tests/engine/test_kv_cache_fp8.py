@@ -242,18 +242,36 @@ def test_mla_checkpoint_k_scale_is_the_latent_cache_scale(tiny_deepseek_v2, tmp_
     assert LLM(model_dir, num_kv_blocks=16).llm_engine.runner.kv_scales is None  # loads, unused
 
 
+def _near_greedy(llm: LLM, prompts, outputs, top: int = 20, share: float = 0.05) -> list[float]:
+    """Teacher-forced check of `outputs`: at each position, how far the token's log-probability
+    (under `llm`, plain decoding, given the prompt and the tokens before it) lies below the best
+    one, as a share of the gap from the best to the `top`-th; every share must be <= `share`
+    (the argmax, or a near-tie that bf16 rounding may flip)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top)
+    shares = []
+    for prompt, out in zip(prompts, outputs):
+        scored = llm.generate([prompt + out], params, use_tqdm=False)[0].prompt_logprobs[len(prompt) :]
+        for token, ranked in zip(out, scored):
+            values = sorted((lp.logprob for lp in ranked.values()), reverse=True)
+            shares.append((values[0] - ranked[token].logprob) / (values[0] - values[top - 1]))
+    assert max(shares) <= share, f"tokens far from plain decoding's choices: {sorted(shares)[-5:]}"
+    return shares
+
+
 @pytest.mark.gpu
-def test_fp8_verification_in_the_gluon_kernel_gives_the_same_tokens(tmp_path, monkeypatch):
-    """On an H100/H200, verification of 4 tokens x a group of 2 heads (8 rows a request) over
-    an FP8 cache runs decode_fp8.py by default (TILELLM_FP8_VERIFY=auto): greedy speculation
-    gives the tokens of plain decoding over the same cache, eager and with CUDA graphs."""
+def test_fp8_verification_in_the_gluon_kernel_is_near_greedy(tmp_path, monkeypatch, request):
+    """On an H100/H200 with TILELLM_FP8_VERIFY=gluon, verification of 4 tokens x a group of 2
+    heads (8 rows a request) over an FP8 cache runs decode_fp8.py; each token greedy speculation
+    keeps is plain decoding's choice over the same cache, given the tokens before it, or a
+    near-tie (bf16 rounding differs between one token's decode and a verification of four)."""
     from tilellm.kernels import config, decode_fp8, paged
     from tilellm.testing import make_tiny_model
 
     if not config.gluon_ok():
         pytest.skip("needs an H100/H200 and Gluon")
-    monkeypatch.delenv("TILELLM_FP8_VERIFY", raising=False)
+    monkeypatch.setenv("TILELLM_FP8_VERIFY", "gluon")
     paged.clear_plans()
+    request.addfinalizer(paged.clear_plans)  # (plans kept per shape hold the setting)
     verify_launches = [0]
     launch = decode_fp8.launch_decode_fp8
 
@@ -268,16 +286,15 @@ def test_fp8_verification_in_the_gluon_kernel_gives_the_same_tokens(tmp_path, mo
     prompts = [motif * 5, rng.integers(0, 380, 13).tolist() + motif * 4, motif * 3 + [5, 9]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    plain = LLM(model, device="cuda", kv_cache_dtype="fp8", num_kv_blocks=128, enforce_eager=True)
     for eager in (True, False):
-        outs = []
-        for speculative_config in (None, spec):
-            llm = LLM(
-                model, device="cuda", kv_cache_dtype="fp8", num_kv_blocks=64, enforce_eager=eager,
-                speculative_config=speculative_config,
-            )  # fmt: skip
-            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm = LLM(
+            model, device="cuda", kv_cache_dtype="fp8", num_kv_blocks=64, enforce_eager=eager,
+            speculative_config=spec,
+        )  # fmt: skip
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
-        assert outs[1] == outs[0], f"enforce_eager={eager}"
+        _near_greedy(plain, prompts, outputs)
     assert verify_launches[0] > 0  # the verifications ran in decode_fp8.py
 
 

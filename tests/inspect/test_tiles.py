@@ -236,9 +236,12 @@ def test_paged_report_matches_kernel(num_splits, device):
     if num_splits is None:
         assert plan.num_splits > 1, plan.reason
         # A chosen plan keeps segments >= its minimum: shorter requests are not cut. This batch
-        # of 6 programs is a small one (fewer than the SMs): its minimum is the small-batch one.
+        # of 6 programs is a small one (fewer than the SMs): its minimum is the small-batch one
+        # where its tiles are decode-sized (the interpreter's), else the bandwidth rule's (a GPU's
+        # fp32 tiles of more rows).
         minimum = plan.min_keys_per_split
-        assert minimum == schedule.SMALL_BATCH_MIN_KEYS
+        decode_sized = sched.block_m <= schedule.DECODE_ROWS
+        assert minimum == (schedule.SMALL_BATCH_MIN_KEYS if decode_sized else schedule.MIN_KEYS_PER_SPLIT)
         for p in sched.programs:
             if pairs[p.request][1] <= minimum and p.split > 0:
                 assert p.full + p.diagonal == 0, p

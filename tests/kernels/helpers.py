@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -206,7 +207,8 @@ for key, kwargs in {calls!r}:
         f.write(k.asm["cubin"])
         f.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    out[key] = dict(ptx=k.asm["ptx"], shared=k.metadata.shared, usage=usage)
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    out[key] = dict(ptx=k.asm["ptx"], shared=k.metadata.shared, usage=usage, sass=sass)
 print(json.dumps(out))
 """
 
@@ -214,9 +216,30 @@ print(json.dumps(out))
 def compile_for_sm90(module: str, calls: dict[str, dict]) -> dict[str, dict]:
     """`tilellm.kernels.<module>.compile_for_sm90(**kwargs)` for each key's kwargs (dtypes spelled
     "torch.bfloat16"), in a child Python outside the interpreter (Triton ships its own ptxas: no
-    GPU needed): per key the PTX, the shared memory in bytes and cuobjdump's resource usage (its
-    LOCAL:0 says no register spilled)."""
+    GPU needed): per key the PTX, the shared memory in bytes, cuobjdump's resource usage (its
+    LOCAL:0 says no register spilled) and the SASS (`local_memory_in_loops` reads it)."""
     return run_outside_interpreter(_COMPILE_FOR_SM90.format(module=module, calls=list(calls.items())))
+
+
+def local_memory_in_loops(sass: str) -> list[str]:
+    """The local-memory instructions (LDL / STL: a register kept on the stack) that lie inside a
+    loop of the SASS: between a backward branch and its target. A value saved once around a loop
+    costs a store and a load a program; one inside the loop costs them every iteration."""
+    code = []  # (address, instruction)
+    for line in sass.splitlines():
+        found = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if found:
+            code.append((int(found.group(1), 16), found.group(2).strip()))
+    loops = []
+    for address, text in code:
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            loops.append((int(branch.group(1), 16), address))
+    return [
+        f"{address:#x}: {text}"
+        for address, text in code
+        if re.search(r"\b(LDL|STL)\b", text) and any(lo <= address <= hi for lo, hi in loops)
+    ]
 
 
 def count_planned_launches(monkeypatch, module) -> list:

@@ -16,12 +16,19 @@ in a CUDA graph and replayed over new values.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 import tilellm.kernels as tk
-from tests.kernels.helpers import assert_close, compile_for_sm90, make_paged_batch, tolerance
+from tests.kernels.helpers import (
+    assert_close,
+    compile_for_sm90,
+    local_memory_in_loops,
+    make_paged_batch,
+    tolerance,
+)
 from tilellm.kernels import config, schedule
 from tilellm.kernels import reference as ref
 from tilellm.kernels.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
@@ -60,7 +67,13 @@ def test_compiles_for_sm90_without_spills(compiled, variant):
     # (Q^T and P^T, a few hundred bytes a tile, are the only layout conversions)
     ring = 2 * decode_fp8.STAGES * decode_fp8.BLOCK_N * head_dim
     assert ring <= k["shared"] <= ring + 4096, k["shared"]
-    assert "STACK:0 " in k["usage"] and "LOCAL:0 " in k["usage"], k["usage"]
+    # no spill: at most a register or two saved around the main loop (Triton 3.6's ptxas keeps
+    # two of the split verification variant's in an 8-byte frame, stored once before the loop
+    # and loaded once after it), none read or written inside a loop
+    assert "LOCAL:0 " in k["usage"], k["usage"]
+    stack = int(re.search(r"STACK:(\d+)", k["usage"]).group(1))
+    in_loops = local_memory_in_loops(k["sass"])
+    assert stack <= 16 and not in_loops, (k["usage"], in_loops)
 
 
 def _fp8_batch(pairs, hq, hkv, head_dim, page, dtype, device, seed):
@@ -343,37 +356,26 @@ def test_plan_gives_verification_over_fp8_to_the_kernel(
         assert plan.split.base_programs == 32 * 8 * col_groups
 
 
-@pytest.mark.parametrize(
-    "group, max_q, kernel",
-    [
-        (2, 4, "gluon-decode-fp8"),  # 8 rows: one program of 8 columns (V1-G2)
-        (4, 2, "gluon-decode-fp8"),
-        (2, 1, "gluon-decode-fp8"),  # a single new token a request
-        (2, 5, "triton"),  # 10 rows: a program of 16 columns
-        (4, 6, "triton"),  # V1: 24 rows
-    ],
-)
-def test_verification_over_fp8_by_default(hopper_with_gluon, monkeypatch, group, max_q, kernel):
-    """TILELLM_FP8_VERIFY=auto (the default): decode_fp8.py where a request's rows fit 8 columns."""
+@pytest.mark.parametrize("group, max_q", [(2, 4), (4, 2), (2, 5), (4, 6)])
+def test_verification_over_fp8_stays_on_paged_py_by_default(hopper_with_gluon, monkeypatch, group, max_q):
     monkeypatch.delenv("TILELLM_FP8_VERIFY", raising=False)
     args = (32, 8 * group, 8, 128, torch.bfloat16, 16, max_q)
-    plan = plan_paged(*args, num_tokens=32 * max_q, max_seqlen_k=8192, kv_fp8=True, num_sms=132)
-    assert plan.kernel == kernel
-    monkeypatch.setenv("TILELLM_FP8_VERIFY", "paged")
-    assert plan_paged(*args, num_tokens=32 * max_q, max_seqlen_k=8192, kv_fp8=True).kernel == "triton"
+    kw = dict(num_tokens=32 * max_q, max_seqlen_k=8192, kv_fp8=True)
+    assert plan_paged(*args, **kw).kernel == "triton"
+    monkeypatch.setenv("TILELLM_FP8_VERIFY", "gluon")
+    assert plan_paged(*args, **kw).kernel == "gluon-decode-fp8"
 
 
 def test_fp8_verify_setting_is_checked(monkeypatch):
     monkeypatch.setenv("TILELLM_FP8_VERIFY", "gluons")
-    with pytest.raises(ValueError, match="TILELLM_FP8_VERIFY='gluons': choose 'auto'"):
+    with pytest.raises(ValueError, match="TILELLM_FP8_VERIFY='gluons': choose 'paged'"):
         plan_paged(32, 32, 8, 128, torch.bfloat16, 16, 6, num_tokens=192, max_seqlen_k=8192, kv_fp8=True)
 
 
 @pytest.mark.parametrize("requests, longest", [(32, 8196), (64, 2048), (16, 32768), (4, 8192), (1, 8192)])
-def test_verification_split_stays_within_one_wave(hopper_with_gluon, monkeypatch, requests, longest):
+def test_verification_split_stays_within_one_wave(hopper_with_gluon, gluon_verify, requests, longest):
     """The FP8 decode rule's segments, but never more programs than one wave of its target:
     V1-G2's 256 programs over 8196 keys take 4 segments (1024 programs), not the decode rule's 5."""
-    monkeypatch.delenv("TILELLM_FP8_VERIFY", raising=False)
     plan = plan_paged(
         requests, 16, 8, 128, torch.bfloat16, 16, 4, num_tokens=4 * requests, max_seqlen_k=longest,
         kv_fp8=True, num_sms=132,

@@ -109,31 +109,24 @@ def split_merge_mode() -> str:
 
 def fp8_verify_kernel() -> str:
     """Which kernel verifies a few new tokens a request over an FP8 cache on an H100/H200
-    (`TILELLM_FP8_VERIFY`): "auto" (the default: `decode_fp8.py` where a request's rows, new
-    tokens x the group's heads, fit one program of FP8_VERIFY_GLUON_ROWS columns, the decode
-    kernel's own shape; `paged.py`'s FP8 tiles for more), "paged" (always `paged.py`) or "gluon"
-    (always `decode_fp8.py`, in programs of 8 or 16 columns). On an H100, rows of 8 ran 27%
-    faster in `decode_fp8.py` (V1-G2) and rows of 10-24 slower, in programs of 16 columns or
-    several of 8 (docs/benchmarks.md, "Verification in the Gluon FP8 kernel").
+    (`TILELLM_FP8_VERIFY`): "paged" (the default: `paged.py`'s FP8 tiles) or "gluon"
+    (`decode_fp8.py`'s programs of 8 or 16 (token, head) columns). The Gluon form is opt-in: it
+    passes its GPU tests, but measured faster than `paged.py` only on long contexts (V1-G2: 32
+    requests x 8192 keys, 8 rows each, +38% on an H200) and 8-15% slower on the shorter ones of
+    speculative decoding (docs/benchmarks.md, "Verification in the Gluon FP8 kernel").
     Read when a batch's shape is first planned (plans are kept per shape): set it before the
     first call, or call `paged.clear_plans()` after changing it."""
-    kernel = os.environ.get("TILELLM_FP8_VERIFY", "auto")
-    if kernel not in ("auto", "paged", "gluon"):
-        raise ValueError(f"TILELLM_FP8_VERIFY={kernel!r}: choose 'auto' (the default), 'paged' or 'gluon'")
+    kernel = os.environ.get("TILELLM_FP8_VERIFY", "paged")
+    if kernel not in ("paged", "gluon"):
+        raise ValueError(f"TILELLM_FP8_VERIFY={kernel!r}: choose 'paged' (the default) or 'gluon'")
     return kernel
-
-
-FP8_VERIFY_GLUON_ROWS = 8  # "auto": decode_fp8.py verifies requests of at most this many query rows
 
 
 def fp8_verify_uses_gluon(head_dim: int, dtype: torch.dtype, group: int, max_seqlen_q: int) -> bool:
     """Whether a verification batch over an FP8 cache (`max_seqlen_q` new tokens a request at
-    most) runs `decode_fp8.py`: where `decode_fp8_uses_gluon` takes its shape, always with
-    TILELLM_FP8_VERIFY=gluon, and with "auto" when a request's rows fit FP8_VERIFY_GLUON_ROWS."""
-    kernel = fp8_verify_kernel()
-    if kernel == "paged" or not decode_fp8_uses_gluon(head_dim, dtype, group, max_seqlen_q):
-        return False
-    return kernel == "gluon" or max(max_seqlen_q, 1) * group <= FP8_VERIFY_GLUON_ROWS
+    most) runs `decode_fp8.py`: with TILELLM_FP8_VERIFY=gluon, where `decode_fp8_uses_gluon`
+    takes its shape."""
+    return fp8_verify_kernel() == "gluon" and decode_fp8_uses_gluon(head_dim, dtype, group, max_seqlen_q)
 
 
 @functools.cache

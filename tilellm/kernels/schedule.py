@@ -68,7 +68,8 @@ FP8_MAX_SPLITS = 128
 # Verification in decode_fp8.py (`_plan_fp8`'s `one_wave`) keeps its programs within one wave
 # of FP8_PROGRAMS_PER_SM per SM. Measured on an H100 (132 SMs, target 1056) in CUDA graphs, GB/s of
 # FP8 bytes, V1-G2 (256 programs of 8 rows, 8192 keys) by segment count: 2: 2506, 3: 2581,
-# 4: 2550, 5 (1280 programs, the decode rule's): 2041, 6: 2101, 8: 2389.
+# 4: 2550, 5 (1280 programs, the decode rule's): 2041, 6: 2101, 8: 2389; on an H200 2: 2741,
+# 4: 3460, 8: 3174.
 
 
 @dataclass(frozen=True)
@@ -359,9 +360,8 @@ def plan_paged(
     pages, which take their own tiles and split rule and never `hopper.py`). Decode batches over
     an FP8 cache run `decode_fp8.py` where `config.decode_fp8_uses_gluon` takes them (when
     `allow_gluon`), with the same split plan: its key tiles are as wide as `paged.py`'s; so do
-    verification batches over an FP8 cache where `config.fp8_verify_uses_gluon` takes them (by
-    default requests of at most 8 query rows), split by the FP8 rule over its programs
-    (`fp8_query_columns`) within one wave.
+    verification batches over an FP8 cache where `config.fp8_verify_uses_gluon` takes them
+    (opt-in), split by the FP8 rule over its programs (`fp8_query_columns`) within one wave.
     """
     max_q = max(max_seqlen_q, 1)
     if (

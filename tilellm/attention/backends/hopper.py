@@ -1,7 +1,7 @@
 """The Hopper backend (H100/H200): the Triton backend, with `tilellm.kernels.hopper`'s Gluon
 kernels (FlashAttention-3's schedule) for long prefill batches and paged prompt chunks, and
-`tilellm.kernels.decode_fp8`'s for decode over an FP8 cache (and verification of requests of
-up to 8 query rows over one: `config.fp8_verify_uses_gluon`)."""
+`tilellm.kernels.decode_fp8`'s for decode over an FP8 cache (and verification over one, opt-in:
+`config.fp8_verify_kernel`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tilellm.kernels.config import prefill_config
 class HopperBackend(TritonBackend):
     """Where `plan_paged` / `prefill_config` pick `hopper.py` or `decode_fp8.py`, the step runs
     it; 16-bit decode, split-KV chunks, cascade and verification batches stay on `paged.py`
-    (FP8 verification of up to 8 query rows a request: `decode_fp8.py`)."""
+    (FP8 verification: `decode_fp8.py` with `TILELLM_FP8_VERIFY=gluon`)."""
 
     name = "hopper"
     allow_gluon = True
