@@ -329,3 +329,41 @@ def test_a_remembered_layout_still_rejects_bad_arguments(remembered_launches, de
         tk.prefill_attention(q, k, v, cu, float(max_seqlen))
     with pytest.raises(ValueError, match="cu_seqlens"):
         tk.prefill_attention(q, k, v, cu.to(torch.int64), max_seqlen)
+
+
+def test_rows_descriptor_remembers_a_packed_layout():
+    """A layout seen before (heads packed, 16-byte aligned) gets the checked descriptor's fields
+    with the [T, H, D] tensor itself as the base; unpacked heads (a copy) and a misaligned base
+    are built and checked every time."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tilellm.kernels import prefill
+
+    prefill.clear_plans()
+    block = [16, 32]
+    x = torch.randn(40, 4, 32)
+    checked = TensorDescriptor.from_tensor(prefill.rows_view(x), block)
+    first = prefill.rows_descriptor(x, block)
+    y = torch.randn(40, 4, 32)  # another tensor of the same layout
+    second = prefill.rows_descriptor(y, block)
+    assert first.base is not x and second.base is y
+    for desc in (first, second):
+        assert (list(desc.shape), list(desc.strides), list(desc.block_shape), desc.padding) == (
+            [40, 128],
+            [128, 1],
+            block,
+            checked.padding,
+        )
+    # heads not packed (every other 32 columns of 64): a packed copy, never remembered
+    wide = torch.randn(40, 4, 64)[:, :, :32]
+    for _ in range(2):
+        desc = prefill.rows_descriptor(wide, block)
+        assert desc.base.data_ptr() != wide.data_ptr() and torch.equal(desc.base, prefill.rows_view(wide))
+    # a base off the 16-byte grid after its layout was remembered: checked again, and refused
+    storage = torch.randn(40 * 128 + 1)
+    aligned = storage[: 40 * 128].view(40, 4, 32)
+    misaligned = storage[1:].view(40, 4, 32)
+    prefill.rows_descriptor(aligned, block)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        prefill.rows_descriptor(misaligned, block)
+    prefill.clear_plans()

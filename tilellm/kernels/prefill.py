@@ -233,15 +233,14 @@ class _PrefillLaunch(NamedTuple):
     key: tuple  # `FastLaunch`'s key
 
     def run(self, q, k, v, o, cu_seqlens, stats=None) -> None:
-        q_rows, k_rows, v_rows = rows_view(q), rows_view(k), rows_view(v)
         q_block, q_tail_block, k_block, k_tail_block, v_block = self.blocks
         descriptors = (
-            tma_descriptor(TensorDescriptor, q_rows, q_block),
+            rows_descriptor(q, q_block),
             # without a tail the kernel never reads these: None (no tensor map to build)
-            None if q_tail_block is None else tma_descriptor(TensorDescriptor, q_rows, q_tail_block),
-            tma_descriptor(TensorDescriptor, k_rows, k_block),
-            None if k_tail_block is None else tma_descriptor(TensorDescriptor, k_rows, k_tail_block),
-            tma_descriptor(TensorDescriptor, v_rows, v_block),
+            None if q_tail_block is None else rows_descriptor(q, q_tail_block),
+            rows_descriptor(k, k_block),
+            None if k_tail_block is None else rows_descriptor(k, k_tail_block),
+            rows_descriptor(v, v_block),
         )
         _prefill_launch.run(
             self.grid,
@@ -261,6 +260,7 @@ _MAX_REMEMBERED = 4096
 def clear_plans() -> None:
     """Forget every remembered launch (after patching the planner's inputs, as tests do)."""
     _REMEMBERED.clear()
+    _ROWS_FIELDS.clear()
 
 
 def prefill_tile_stats(
@@ -290,6 +290,33 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
+
+
+def rows_descriptor(x: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over `rows_view(x)` ([T, H * D]) in boxes of `block_shape`.
+
+    A layout (shape, strides, dtype) seen before with its heads packed, at a 16-byte aligned
+    address, gets the remembered fields with `x` itself as the base: no view to build and no
+    checks (the launcher reads the base's address, and the shape and strides from the fields).
+    Anything else builds the view (a copy when the heads are not packed) and a checked descriptor."""
+    key = (x.shape, x.stride(), x.dtype, tuple(block_shape))
+    fields = _ROWS_FIELDS.get(key)
+    if fields is None or x.data_ptr() % 16:
+        rows = rows_view(x)
+        desc = tma_descriptor(TensorDescriptor, rows, block_shape)
+        if rows.data_ptr() == x.data_ptr():  # a view of x's own memory: its fields hold for x
+            if len(_ROWS_FIELDS) >= _MAX_REMEMBERED:
+                _ROWS_FIELDS.clear()
+            _ROWS_FIELDS[key] = {name: value for name, value in vars(desc).items() if name != "base"}
+        return desc
+    desc = object.__new__(TensorDescriptor)
+    vars(desc).update(fields, base=x)
+    return desc
+
+
+# the fields of checked rows descriptors (all but the base, which they must not keep alive), by
+# the layout of the [T, H, D] tensor they view (`rows_descriptor`)
+_ROWS_FIELDS: dict[tuple, dict] = {}
 
 
 def head_dim_blocks(head_dim: int) -> tuple[int, int]:
