@@ -41,7 +41,9 @@
 # default tests/kernels), TEST_WORKERS (4), TESTS_TIMEOUT (500 s),
 # KERNELS_TIMEOUT (300 s), THROUGHPUT_TIMEOUT (300 s), FP8_TIMEOUT (400 s, the FP8 tests' share),
 # BUDGET_S (seconds for the whole run, steps cut to fit; default none: BUDGET_S=570 in a 600 s call).
-# Run serially, the GPU tests took about 13 minutes on an H200 (about 200 of their 323 in 480 s);
+# Run serially, the GPU tests took about 13 minutes on an H200 (about 200 of their 323 in 480 s),
+# before `-m gpu` also selected the tests on the `device` fixture (tests/conftest.py: on a GPU
+# machine they run there too, so the selection grew by the twin comparisons of every kernel);
 # `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
 # engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
 # too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run

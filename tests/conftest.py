@@ -114,6 +114,10 @@ def pytest_collection_modifyitems(config, items):
     run_slow = os.environ.get("TILELLM_SLOW") == "1"
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
+        if HAS_CUDA and "device" in getattr(item, "fixturenames", ()):
+            # a test on the `device` fixture runs on the GPU here: `-m gpu` (the GPU script's
+            # selection) includes it
+            item.add_marker(pytest.mark.gpu)
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and not interpreting:
