@@ -164,6 +164,40 @@ def test_descriptors_of_a_checked_layout_skip_the_checks():
         tma_descriptor(TensorDescriptor, base[1:257].view(4, 64), [2, 64])
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> [T, H * D]: a view of packed heads, else a packed copy (as prefill.rows_view)."""
+    return x.reshape(x.shape[0], -1)
+
+
+def test_descriptors_over_a_view_of_a_checked_layout_keep_the_base():
+    """With `view`, a layout seen before (its view of its own memory, 16-byte aligned) gets the
+    checked descriptor's fields with the base itself, not the view; a view that copies, and a
+    misaligned base, are built and checked every time."""
+    block = [16, 32]
+    x = torch.randn(40, 4, 32)
+    first = tma_descriptor(TensorDescriptor, x, block, view=_rows)
+    assert first.base is not x and vars(first) == vars(TensorDescriptor.from_tensor(_rows(x), block)) | {
+        "base": first.base
+    }
+    y = torch.randn(40, 4, 32)  # another tensor of the same layout
+    again = tma_descriptor(TensorDescriptor, y, block, view=_rows)
+    assert again.base is y
+    assert {n: v for n, v in vars(again).items() if n != "base"} == {
+        n: v for n, v in vars(first).items() if n != "base"
+    }
+    assert (list(again.shape), list(again.strides)) == ([40, 128], [128, 1])
+    # heads not packed (the first 32 columns of every 64): the view copies, never remembered
+    wide = torch.randn(40, 4, 64)[:, :, :32]
+    for _ in range(2):
+        desc = tma_descriptor(TensorDescriptor, wide, block, view=_rows)
+        assert desc.base.data_ptr() != wide.data_ptr() and torch.equal(desc.base, _rows(wide))
+    # a base off the 16-byte grid after its layout was remembered: checked again, and refused
+    storage = torch.randn(40 * 128 + 1)
+    tma_descriptor(TensorDescriptor, storage[: 40 * 128].view(40, 4, 32), block, view=_rows)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        tma_descriptor(TensorDescriptor, storage[1:].view(40, 4, 32), block, view=_rows)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the fast path runs compiled kernels only")
 def test_a_key_that_misses_a_constexpr_fails_under_debug(monkeypatch):

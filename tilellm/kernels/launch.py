@@ -235,25 +235,39 @@ _UNBOUND: Any = object()  # a key whose launches always bind
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def tma_descriptor(cls: type, base: torch.Tensor, block_shape: list[int], layout: Any = None) -> Any:
+def tma_descriptor(
+    cls: type,
+    base: torch.Tensor,
+    block_shape: list[int],
+    layout: Any = None,
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Any:
     """`cls.from_tensor(base, block_shape[, layout])`: a host-side TMA descriptor (Triton's
-    `TensorDescriptor`, or Gluon's with its shared-memory layout) over `base`.
+    `TensorDescriptor`, or Gluon's with its shared-memory layout) over `base`, or over
+    `view(base)` (such as a [T, H, D] tensor's [T, H * D] rows).
 
     The descriptor dataclasses check their fields when built (rank, alignment of the address and
     strides, block shape: about 5 us of host time). A base whose shape, strides and dtype passed
-    those checks before with the same block and layout passes them again, provided its address is
-    16-byte aligned: its descriptor is built from the remembered fields without them."""
-    checked = (cls, base.shape, base.stride(), base.dtype, tuple(block_shape), layout)
+    those checks before with the same block, layout and view passes them again, provided its
+    address is 16-byte aligned: its descriptor is built from the remembered fields without them,
+    and without building the view (the descriptor keeps `base`: the launcher reads its address,
+    and the shape and strides from the fields). A view that copied (not of base's own memory) is
+    built every time."""
+    checked = (cls, base.shape, base.stride(), base.dtype, tuple(block_shape), layout, view)
     fields = _DESCRIPTOR_FIELDS.get(checked)
     if fields is None or base.data_ptr() % 16:
+        spanned = base if view is None else view(base)
         desc = (
-            cls.from_tensor(base, block_shape)
+            cls.from_tensor(spanned, block_shape)
             if layout is None
-            else cls.from_tensor(base, block_shape, layout)
+            else cls.from_tensor(spanned, block_shape, layout)
         )
-        if len(_DESCRIPTOR_FIELDS) >= _MAX_BOUND_KEYS:
-            _DESCRIPTOR_FIELDS.clear()
-        _DESCRIPTOR_FIELDS[checked] = {name: value for name, value in vars(desc).items() if name != "base"}
+        if spanned.data_ptr() == base.data_ptr():
+            if len(_DESCRIPTOR_FIELDS) >= _MAX_BOUND_KEYS:
+                _DESCRIPTOR_FIELDS.clear()
+            _DESCRIPTOR_FIELDS[checked] = {
+                name: value for name, value in vars(desc).items() if name != "base"
+            }
         return desc
     desc = object.__new__(cls)
     vars(desc).update(fields, base=base)

@@ -235,12 +235,18 @@ class _PrefillLaunch(NamedTuple):
     def run(self, q, k, v, o, cu_seqlens, stats=None) -> None:
         q_block, q_tail_block, k_block, k_tail_block, v_block = self.blocks
         descriptors = (
-            rows_descriptor(q, q_block),
+            # over each [T, H, D] tensor's [T, H * D] rows (for a layout seen before, without
+            # building the view: `tma_descriptor`)
+            tma_descriptor(TensorDescriptor, q, q_block, view=rows_view),
             # without a tail the kernel never reads these: None (no tensor map to build)
-            None if q_tail_block is None else rows_descriptor(q, q_tail_block),
-            rows_descriptor(k, k_block),
-            None if k_tail_block is None else rows_descriptor(k, k_tail_block),
-            rows_descriptor(v, v_block),
+            None
+            if q_tail_block is None
+            else tma_descriptor(TensorDescriptor, q, q_tail_block, view=rows_view),
+            tma_descriptor(TensorDescriptor, k, k_block, view=rows_view),
+            None
+            if k_tail_block is None
+            else tma_descriptor(TensorDescriptor, k, k_tail_block, view=rows_view),
+            tma_descriptor(TensorDescriptor, v, v_block, view=rows_view),
         )
         _prefill_launch.run(
             self.grid,
@@ -260,7 +266,6 @@ _MAX_REMEMBERED = 4096
 def clear_plans() -> None:
     """Forget every remembered launch (after patching the planner's inputs, as tests do)."""
     _REMEMBERED.clear()
-    _ROWS_FIELDS.clear()
 
 
 def prefill_tile_stats(
@@ -290,33 +295,6 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
-
-
-def rows_descriptor(x: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
-    """A TMA descriptor over `rows_view(x)` ([T, H * D]) in boxes of `block_shape`.
-
-    A layout (shape, strides, dtype) seen before with its heads packed, at a 16-byte aligned
-    address, gets the remembered fields with `x` itself as the base: no view to build and no
-    checks (the launcher reads the base's address, and the shape and strides from the fields).
-    Anything else builds the view (a copy when the heads are not packed) and a checked descriptor."""
-    key = (x.shape, x.stride(), x.dtype, tuple(block_shape))
-    fields = _ROWS_FIELDS.get(key)
-    if fields is None or x.data_ptr() % 16:
-        rows = rows_view(x)
-        desc = tma_descriptor(TensorDescriptor, rows, block_shape)
-        if rows.data_ptr() == x.data_ptr():  # a view of x's own memory: its fields hold for x
-            if len(_ROWS_FIELDS) >= _MAX_REMEMBERED:
-                _ROWS_FIELDS.clear()
-            _ROWS_FIELDS[key] = {name: value for name, value in vars(desc).items() if name != "base"}
-        return desc
-    desc = object.__new__(TensorDescriptor)
-    vars(desc).update(fields, base=x)
-    return desc
-
-
-# the fields of checked rows descriptors (all but the base, which they must not keep alive), by
-# the layout of the [T, H, D] tensor they view (`rows_descriptor`)
-_ROWS_FIELDS: dict[tuple, dict] = {}
 
 
 def head_dim_blocks(head_dim: int) -> tuple[int, int]:
