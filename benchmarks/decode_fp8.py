@@ -17,7 +17,7 @@ tiles, `paged_attention` as called (the Gluon kernel where the plan gives it the
 planned segment count (the Gluon plan's), half and twice it.
 
     python benchmarks/decode_fp8.py [--workloads D1,D2,D3,D4,E1D,V1,V1-G2] [--json out.json]
-        [--verify-splits 1,2,4] [--verify-shape NAME=HQ:NEW:REQUESTS:CACHED ...]
+        [--verify-splits 1,2,4] [--paged-splits 8,16,32] [--verify-shape NAME=HQ:NEW:REQUESTS:CACHED ...]
 """
 
 from __future__ import annotations
@@ -182,10 +182,12 @@ def bench_verify(
     context: int,
     report: dict,
     splits: list[int] | None = None,
+    paged_splits: list[int] | None = None,
 ) -> None:
-    """A verification workload: `paged_attention` (paged.py's FP8 tiles forced, and as called)
-    and the Gluon kernel with 8 and 16 columns a program at each segment count of `splits`
-    (default: the planned count, half and twice it); every output checked against paged.py's."""
+    """A verification workload: `paged_attention` (paged.py's FP8 tiles forced: as planned, and
+    at each segment count of `paged_splits`; and as called) and the Gluon kernel with 8 and 16
+    columns a program at each segment count of `splits` (default: the planned count, half and
+    twice it); every output checked against paged.py's as planned."""
     bk.HQ = hq
     q_lens, kv = [q_len] * num_requests, [context + q_len] * num_requests
     q, kc, vc, bt, cu_q, seq = bk._paged_inputs(q_lens, kv, torch.bfloat16)
@@ -199,9 +201,13 @@ def bench_verify(
     out = torch.empty_like(q)
     args = (q, kc8, vc8, bt, cu_q, seq, q_len)
 
-    def triton_fn():  # paged.py: its FP8 tiles forced (so the plan never takes the Gluon kernel)
+    def triton_fn(
+        num_splits=None,
+    ):  # paged.py: its FP8 tiles forced (so the plan never takes the Gluon kernel)
         with config.override(paged=config.paged_config(128, q.dtype, group, q_len, kv_fp8=True)[0]):
-            return tk.paged_attention(*args, max_seqlen_k=max_k, k_scale=ks, v_scale=vs)
+            return tk.paged_attention(
+                *args, max_seqlen_k=max_k, k_scale=ks, v_scale=vs, num_splits=num_splits
+            )
 
     def public_fn():
         return tk.paged_attention(*args, max_seqlen_k=max_k, k_scale=ks, v_scale=vs)
@@ -209,7 +215,19 @@ def bench_verify(
     ref_out = triton_fn().float()
     byts = sum(kv) * 8 * 128 * 2  # e4m3 K and V
     planned = gluon_plan.split.num_splits
-    rows = [("paged.py fp8 tiles", triton_fn), (f"paged_attention as called ({plan.kernel})", public_fn)]
+    with config.override(paged=config.paged_config(128, q.dtype, group, q_len, kv_fp8=True)[0]):
+        paged_planned = plan_paged(
+            *shape, num_tokens=q.shape[0], max_seqlen_k=max_k, kv_fp8=True
+        ).split.num_splits
+    rows = [
+        (f"paged.py fp8 tiles (planned {paged_planned})", triton_fn),
+        (f"paged_attention as called ({plan.kernel})", public_fn),
+    ]
+    for s in paged_splits or []:
+        fn = functools.partial(triton_fn, s)
+        err = ((fn().float() - ref_out).abs().max() / ref_out.abs().max()).item()
+        assert err < 1e-2, (name, "paged.py", s, err)
+        rows.append((f"paged.py fp8 tiles splits={s}", fn))
     counts = splits or sorted({planned, max(1, planned // 2), planned * 2})
     for cols, s in itertools.product((8, 16), counts):
         if s > max(1, max_k // 64):
@@ -240,6 +258,11 @@ def main() -> None:
         "--verify-splits",
         help="segment counts for the verification workloads, comma-separated (default: the planned count, "
         "half and twice it)",
+    )
+    p.add_argument(
+        "--paged-splits",
+        help="segment counts forced on paged.py's tiles in the verification workloads, comma-separated "
+        "(default: only its planned count)",
     )
     p.add_argument(
         "--verify-shape",
@@ -274,10 +297,11 @@ def main() -> None:
         verify[name] = tuple(map(int, shape.split(":")))
         names.append(name)
     verify_splits = [int(x) for x in args.verify_splits.split(",")] if args.verify_splits else None
+    paged_splits = [int(x) for x in args.paged_splits.split(",")] if args.paged_splits else None
     print(f"{'workload':<20}{'kernel':<38}{'ms':>9}{'GB/s':>8}")
     for name in names:
         if name in verify:
-            bench_verify(name, *verify[name], report, verify_splits)
+            bench_verify(name, *verify[name], report, verify_splits, paged_splits)
         else:
             bench_workload(name, *workloads[name], variants, report)
         torch.cuda.empty_cache()
