@@ -234,20 +234,16 @@ class _PrefillLaunch(NamedTuple):
 
     def run(self, q, k, v, o, cu_seqlens, stats=None) -> None:
         q_block, q_tail_block, k_block, k_tail_block, v_block = self.blocks
+
+        def rows(x, block):
+            # over the [T, H, D] tensor's [T, H * D] rows (for a layout seen before, without
+            # building the view: `tma_descriptor`); no tail block: the kernel never reads it,
+            # None (no tensor map to build)
+            return None if block is None else tma_descriptor(TensorDescriptor, x, block, view=rows_view)
+
         descriptors = (
-            # over each [T, H, D] tensor's [T, H * D] rows (for a layout seen before, without
-            # building the view: `tma_descriptor`)
-            tma_descriptor(TensorDescriptor, q, q_block, view=rows_view),
-            # without a tail the kernel never reads these: None (no tensor map to build)
-            None
-            if q_tail_block is None
-            else tma_descriptor(TensorDescriptor, q, q_tail_block, view=rows_view),
-            tma_descriptor(TensorDescriptor, k, k_block, view=rows_view),
-            None
-            if k_tail_block is None
-            else tma_descriptor(TensorDescriptor, k, k_tail_block, view=rows_view),
-            tma_descriptor(TensorDescriptor, v, v_block, view=rows_view),
-        )
+            rows(q, q_block), rows(q, q_tail_block), rows(k, k_block), rows(k, k_tail_block), rows(v, v_block),
+        )  # fmt: skip
         _prefill_launch.run(
             self.grid,
             (*descriptors, o, cu_seqlens, stats if stats is not None else cu_seqlens, *self.scalars),

@@ -376,9 +376,9 @@ def plan_paged(
         return PagedPlan("gluon", hopper_plan(num_requests, num_q_heads, gluon_tiles, [longest], num_sms))
     group = num_q_heads // num_kv_heads
     if allow_gluon and kv_fp8 and not is_decode and fp8_verify_uses_gluon(head_dim, dtype, group, max_q):
-        # Verification of a few tokens over an FP8 cache: decode_fp8.py's programs, each of up to
-        # 16 query rows (new tokens x the group's heads), split by the FP8 decode rule within one
-        # wave (`one_wave`).
+        # Verification of a few tokens over an FP8 cache (opt-in): decode_fp8.py's programs, each
+        # of up to 16 query rows (new tokens x the group's heads), split by the FP8 decode rule
+        # within one wave (`one_wave`).
         split = choose_num_splits(
             num_requests, num_kv_heads, fp8_query_columns(max_q, group)[1], seq_lens,
             num_splits=num_splits, max_seqlen_k=max_seqlen_k, num_sms=num_sms, rows_per_program=DECODE_ROWS,
