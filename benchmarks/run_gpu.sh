@@ -26,9 +26,10 @@
 #               then the FP8 tests on the GPU (KV cache, decode, GEMM (Triton and Gluon), the cache
 #               stores (FP8 and MLA rows), MoE, checkpoints, the engine against transformers, the fused ops)
 #   verify      verification over an FP8 cache in decode_fp8.py (TILELLM_FP8_VERIFY=gluon, opt-in): its GPU
-#               tests (and the decode ones), benchmarks/decode_fp8.py on V1 and V1-G2 (paged.py's FP8 tiles
-#               and the Gluon kernel with 8 and 16 columns a program), then E4 over an FP8 cache with paged.py
-#               and with the Gluon kernel (benchmarks/spec_decode.py --kv-cache-dtype fp8)
+#               tests (and the decode ones, and the engine's over an FP8 cache), benchmarks/decode_fp8.py on
+#               V1, V1-G2 and small batches over long contexts (paged.py's FP8 tiles, planned and at forced
+#               segment counts, and the Gluon kernel with 8 and 16 columns a program), then E4 over an FP8
+#               cache with paged.py and with the Gluon kernel (benchmarks/spec_decode.py --kv-cache-dtype fp8)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
@@ -204,9 +205,12 @@ fi
 
 if selected verify; then
   run_step verify_tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
-    tests/kernels/test_decode_fp8.py tests/inspect/test_tiles.py
-  run_step verify_fp8 120 "$PYTHON" benchmarks/decode_fp8.py --workloads V1,V1-G2,E1D-longest-first \
-    --variants 32:3,32:3:128 --no-check --json "$OUT/verify_fp8.json"
+    tests/kernels/test_decode_fp8.py tests/inspect/test_tiles.py tests/engine/test_kv_cache_fp8.py
+  # V1 and V1-G2, then small batches over long contexts (one and eight requests of 8192 / 4096
+  # keys, 4 and 5 new tokens at Qwen3-0.6B's heads), paged.py's tiles at forced segment counts too
+  run_step verify_fp8 150 "$PYTHON" benchmarks/decode_fp8.py --workloads V1,V1-G2 --variants 32:3 --no-check \
+    --paged-splits 4,8,16,32 --verify-shape R8-S1x8k=16:4:1:8192 --verify-shape S1x8k=16:5:1:8192 \
+    --verify-shape R8-S8x4k=16:4:8:4096 --json "$OUT/verify_fp8.json"
   run_step e4_fp8_paged 100 "$PYTHON" benchmarks/spec_decode.py --kv-cache-dtype fp8 --json "$OUT/e4_fp8_paged.json"
   run_step e4_fp8_gluon 100 env TILELLM_FP8_VERIFY=gluon "$PYTHON" benchmarks/spec_decode.py --kv-cache-dtype fp8 \
     --json "$OUT/e4_fp8_gluon.json"
