@@ -280,7 +280,13 @@ def test_fp8_verification_in_the_gluon_kernel_is_near_greedy(tmp_path, monkeypat
         return launch(*args, cu_seqlens_q=cu_seqlens_q, **kwargs)
 
     monkeypatch.setattr(decode_fp8, "launch_decode_fp8", counted)
-    model = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", seed=7, head_dim=64, dtype="bfloat16")
+    # K/V scales from the checkpoint: both engines quantize the cache alike (measured scales would
+    # follow each engine's first step)
+    model = _with_kv_scales(
+        str(make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", seed=7, head_dim=64, dtype="bfloat16")),
+        tmp_path / "scaled",
+        ("k_scale", "v_scale"),
+    )
     rng = np.random.default_rng(7)
     motif = rng.integers(0, 380, 7).tolist()
     prompts = [motif * 5, rng.integers(0, 380, 13).tolist() + motif * 4, motif * 3 + [5, 9]]
