@@ -17,7 +17,9 @@
 #      once, not streamed) at each httpx connection limit of $PLAIN_CONNECTIONS (default: 0 = none,
 #      and 100 = httpx's default), then streamed without a limit from each count of client processes
 #      in $PLAIN_STREAM_CLIENTS (default: 1 4; one client process reading 256 streams is bound by its
-#      own CPU, several measure the server).
+#      own CPU, several measure the server). Around each, two scrapes of /metrics give the engine's
+#      steps in the run and their time per step by phase (schedule, prepare and launch, waiting for
+#      the step's tokens, postprocess: the engine_step_* counters).
 # Files in $OUT (8): offline_e1.json/.log, server.log, bench_serve.log, plain_client.log, serve.json
 # (every run + offline), metrics.txt (the server's /metrics after the runs), summary.txt.
 #
@@ -168,6 +170,36 @@ print(f'process CPU over {w:.1f} s: HTTP process (pid $http) {h:.1f} s = {100 * 
   return $rc
 }
 
+scrape() {  # scrape FILE: the server's /metrics now
+  timeout 10 python3 -c "
+import urllib.request
+open('$1', 'w').write(urllib.request.urlopen('$URL/metrics', timeout=5).read().decode())" || : >"$1"
+}
+step_times() {  # step_times BEFORE AFTER: the engine's steps between two scrapes, ms a step by phase
+  python3 - "$1" "$2" <<'PY'
+import re, sys
+
+def read(path):
+    values = {}
+    for line in open(path):
+        m = re.match(r"tilellm:(engine_step\w*_total)\{[^}]*\} (\S+)", line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    return values
+
+before, after = read(sys.argv[1]), read(sys.argv[2])
+steps = after.get("engine_steps_total", 0) - before.get("engine_steps_total", 0)
+if steps <= 0:
+    print("engine steps: not in /metrics")
+else:
+    phases = ("schedule", "prepare", "execute", "postprocess")
+    ms = {p: 1e3 * (after[f"engine_step_{p}_seconds_total"] - before[f"engine_step_{p}_seconds_total"]) / steps
+          for p in phases}
+    print(f"engine steps in the run: {steps:.0f}; per step: " + ", ".join(f"{p} {ms[p]:.2f} ms" for p in phases)
+          + f"; sum {sum(ms.values()):.2f} ms")
+PY
+}
+
 if [ $healthy = 1 ]; then
   step "warm-up: 32 E1 prompts (ids shifted), 4 output tokens each"
   bench 120 --num-prompts 32 --output-len 4 --prompt-id-offset 5000 >/dev/null
@@ -192,6 +224,7 @@ if [ $healthy = 1 ]; then
     if [[ "$conn" == stream* ]]; then args=(--stream --num-clients "${conn#stream}"); else args=(--max-connections "$conn"); fi
     step "plain client: ${args[*]} (prompt ids +$i)"
     http=$(pgrep -P "$SERVER_PID" | head -1); eng=$(pgrep -P "$http" -f spawn_main | head -1)
+    scrape "$WORK/metrics_before_$i.txt"
     h0=$(cpu_ticks "$http"); e0=$(cpu_ticks "$eng"); t0=$(date +%s.%N); hz=$(getconf CLK_TCK)
     timeout -k 5 "$lim" python3 benchmarks/plain_client.py --base-url "$URL" --scale "$SCALE" \
       --prompt-id-offset "$i" "${args[@]}" --json "$WORK/plain_${i}.json" 2>&1 | tee -a "$OUT/plain_client.log"
@@ -200,6 +233,8 @@ w = $(date +%s.%N) - $t0
 h, e = ($(cpu_ticks "$http") - $h0) / $hz, ($(cpu_ticks "$eng") - $e0) / $hz
 print(f'process CPU over {w:.1f} s: HTTP process {h:.1f} s = {100 * h / w:.0f}% of a core; '
       f'engine process {e:.1f} s = {100 * e / w:.0f}%')" | tee -a "$OUT/plain_client.log"
+    scrape "$WORK/metrics_after_$i.txt"
+    step_times "$WORK/metrics_before_$i.txt" "$WORK/metrics_after_$i.txt" | tee -a "$OUT/plain_client.log"
   done
   timeout 10 python3 -c "
 import urllib.request

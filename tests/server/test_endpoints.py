@@ -23,6 +23,11 @@ METRICS = [
     "request_time_per_output_token_seconds_count",
     "e2e_request_latency_seconds_count",
     "request_success_total",
+    "engine_steps_total",
+    "engine_step_schedule_seconds_total",
+    "engine_step_prepare_seconds_total",
+    "engine_step_execute_seconds_total",
+    "engine_step_postprocess_seconds_total",
 ]
 
 
@@ -56,6 +61,11 @@ def test_metrics_count_tokens_and_latencies_exactly(http):
     assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] >= 32
     assert 0 < after["prefix_cache_hit_rate"] <= 1
     assert after["num_requests_running"] == after["num_requests_waiting"] == after["kv_blocks_used"] == 0
+    # the engine's steps: at least one a token of each request, and time in every phase
+    assert after["engine_steps_total"] - before["engine_steps_total"] >= 2 * 6
+    for phase in ("schedule", "prepare", "execute", "postprocess"):
+        name = f"engine_step_{phase}_seconds_total"
+        assert after[name] > before[name], name
 
 
 def test_inspect_page(server, http):

@@ -967,6 +967,11 @@ class LLMEngine:
                 spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
                 spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
                 spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.num_accepted_tokens_per_pos),
+                num_steps=self.timings.num_steps,
+                step_schedule_s=self.timings.schedule_s,
+                step_prepare_s=self.timings.prepare_s,
+                step_execute_s=self.timings.execute_s,
+                step_postprocess_s=self.timings.postprocess_s,
             )
 
     def get_metrics(self) -> list[Metric]:

@@ -31,7 +31,7 @@ class Gauge(Metric):
 
 @dataclass
 class Counter(Metric):
-    value: int = 0
+    value: float = 0  # a count, or seconds summed
 
 
 @dataclass
@@ -50,7 +50,7 @@ def engine_metrics(s: EngineStats, labels: dict[str, str] | None = None) -> list
     def gauge(name: str, help: str, value: float) -> Gauge:
         return Gauge(PREFIX + name, help, labels, value)
 
-    def counter(name: str, help: str, value: int) -> Counter:
+    def counter(name: str, help: str, value: float) -> Counter:
         return Counter(PREFIX + name, help, labels, value)
 
     out: list[Metric] = [
@@ -65,6 +65,23 @@ def engine_metrics(s: EngineStats, labels: dict[str, str] | None = None) -> list
         counter("num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
         counter("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total),
         counter("generation_tokens", "Tokens generated.", s.generation_tokens_total),
+        counter("engine_steps", "Engine steps run.", s.num_steps),
+        counter("engine_step_schedule_seconds", "Engine steps' time in the scheduler.", s.step_schedule_s),
+        counter(
+            "engine_step_prepare_seconds",
+            "Engine steps' time preparing inputs and launching the forward.",
+            s.step_prepare_s,
+        ),
+        counter(
+            "engine_step_execute_seconds",
+            "Engine steps' time waiting for the step's sampled tokens (the device, when it bounds).",
+            s.step_execute_s,
+        ),
+        counter(
+            "engine_step_postprocess_seconds",
+            "Engine steps' time appending tokens, checking stops and building outputs.",
+            s.step_postprocess_s,
+        ),
     ]
     if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
         out += [

@@ -27,6 +27,13 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Where the engine's steps went (`StepTimings`, summed since start): steps, and seconds of
+    # scheduling, preparing and launching, waiting for the step's result, and postprocessing.
+    num_steps: int = 0
+    step_schedule_s: float = 0.0
+    step_prepare_s: float = 0.0
+    step_execute_s: float = 0.0
+    step_postprocess_s: float = 0.0
 
 
 @dataclass
