@@ -234,15 +234,9 @@ class _PrefillLaunch(NamedTuple):
 
     def run(self, q, k, v, o, cu_seqlens, stats=None) -> None:
         q_block, q_tail_block, k_block, k_tail_block, v_block = self.blocks
-
-        def rows(x, block):
-            # over the [T, H, D] tensor's [T, H * D] rows (for a layout seen before, without
-            # building the view: `tma_descriptor`); no tail block: the kernel never reads it,
-            # None (no tensor map to build)
-            return None if block is None else tma_descriptor(TensorDescriptor, x, block, view=rows_view)
-
         descriptors = (
-            rows(q, q_block), rows(q, q_tail_block), rows(k, k_block), rows(k, k_tail_block), rows(v, v_block),
+            _rows_descriptor(q, q_block), _rows_descriptor(q, q_tail_block), _rows_descriptor(k, k_block),
+            _rows_descriptor(k, k_tail_block), _rows_descriptor(v, v_block),
         )  # fmt: skip
         _prefill_launch.run(
             self.grid,
@@ -291,6 +285,13 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
+
+
+def _rows_descriptor(x: torch.Tensor, block: list[int] | None) -> TensorDescriptor | None:
+    """A descriptor over [T, H, D] `x`'s [T, H * D] rows (for a layout seen before, without
+    building the view: `tma_descriptor`); None for no tail block: the kernel never reads it (no
+    tensor map to build)."""
+    return None if block is None else tma_descriptor(TensorDescriptor, x, block, view=rows_view)
 
 
 def head_dim_blocks(head_dim: int) -> tuple[int, int]:
