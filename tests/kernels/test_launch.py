@@ -149,6 +149,40 @@ def test_keyed_launch_passes_tma_descriptors(monkeypatch):
         _copy_rows(x, 64, key="same")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not HAS_CUDA or torch.cuda.get_device_capability()[0] < 9, reason="TMA descriptors need an sm_90 GPU"
+)
+def test_keyed_tma_launch_reuses_a_tensor_map_only_for_its_own_address_and_layout(monkeypatch):
+    """Where Triton's native launcher is called directly (Triton 3.6), a descriptor's tensor map
+    is built once per base address and layout: new contents at the same address, a view at the
+    same address with fewer rows, a view at another address and new tensors all copy right, and
+    repeated launches of one layout build no new map."""
+    from tilellm.kernels import launch
+
+    monkeypatch.delenv("TILELLM_DEBUG", raising=False)
+    monkeypatch.setattr(launch, "_TENSORMAPS", {})  # (no map of an earlier test at a reused address)
+    key = ("tensor maps", DEVICE)
+    x = torch.randn(256, 64, device=DEVICE)
+    torch.testing.assert_close(_copy_rows(x, 32, key=key), x)  # binds the key
+    direct = _copy_rows_launch._bound[key].direct
+    if triton.__version__.startswith("3.6."):
+        assert direct is not None and [i for i, *_ in direct.descriptors] == [0]
+    torch.testing.assert_close(_copy_rows(x, 32, key=key), x)
+    maps = len(launch._TENSORMAPS)
+    assert maps == (1 if direct is not None else 0)
+    for _ in range(3):
+        torch.testing.assert_close(_copy_rows(x, 32, key=key), x)
+    x.copy_(torch.randn_like(x))  # the same address and layout, new contents
+    torch.testing.assert_close(_copy_rows(x, 32, key=key), x)
+    assert len(launch._TENSORMAPS) == maps
+    for rows in (x[:128], x[64:192], torch.randn(512, 64, device=DEVICE)):
+        for _ in range(2):
+            torch.testing.assert_close(_copy_rows(rows, 32, key=key), rows)
+    if direct is not None:
+        assert len(launch._TENSORMAPS) == maps + 3
+
+
 def test_descriptors_of_a_checked_layout_skip_the_checks():
     """`tma_descriptor` builds a descriptor equal to `from_tensor`'s; once a layout passed the
     dataclass's checks, its next descriptors are built without them, but a misaligned base still

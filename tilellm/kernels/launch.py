@@ -26,14 +26,17 @@ of a key binds as above and remembers the binary, its tensors' dtypes and 16-byt
 (Triton's specialisation of a pointer) and the constexprs' values; a later one checks its
 tensors' dtypes and alignments and hands the launcher each tensor's address as an integer,
 which also spares the launcher a `data_ptr()` call and a driver query per pointer. A call whose
-tensors differ in either binds again. TMA descriptor arguments are handed to the launcher as they
-are (it builds their tensor maps); the key must fix their element type, block shape and layout.
+tensors differ in either binds again. The key must fix a TMA descriptor argument's element type,
+block shape and layout. Where Triton's launcher has the form of Triton 3.6's, a keyed launch calls
+its native launch function directly (`_DirectLaunch`): no scratch allocation in Python, and each
+descriptor's tensor map built once per base address and layout instead of on every launch.
 Under `TILELLM_DEBUG=1` every keyed launch binds, and one key that stands for two binaries
 raises, so a key that misses something fails in tests.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -75,6 +78,25 @@ class _Bound(NamedTuple):
     alignment_bits: tuple[int, ...]
     misaligned: int  # the bits of the tensors not 16-byte aligned
     tail: tuple
+    direct: _DirectLaunch | None  # the native launcher, where Triton's Python around it can be skipped
+
+
+class _DirectLaunch(NamedTuple):
+    """Triton 3.6's native launcher of one compiled kernel, called without the Python around it.
+
+    Triton's `CudaLauncher.__call__` allocates the kernel's global and profile scratch (none for
+    the kernels here) and, for a kernel that takes TMA descriptors, runs a Python wrapper that
+    rebuilds every descriptor's tensor map on every launch (`make_tensordesc_arg`: a driver call
+    per descriptor). A tensor map is a pure function of its base address, shape, strides,
+    padding and the binary's box, swizzle and element type, so one built before is reused for the
+    same fields (`_tensormap_args`); the launcher copies it into the launch's parameters."""
+
+    launch: Callable[..., None]  # the compiled C launcher (`mod.launch`)
+    cooperative: bool
+    pdl: bool
+    # per TMA descriptor argument: (its position, the binary's metadata for it, that metadata as a key)
+    descriptors: tuple[tuple[int, Any, tuple], ...]
+    make_tensordesc_arg: Callable[[Any, Any], list] | None
 
 
 class FastLaunch:
@@ -172,11 +194,12 @@ class FastLaunch:
         bound = _Bound(
             device, kernel, tuple(tensor_positions), dtypes, tuple(descriptor_positions),
             tuple(type(args[i]) for i in descriptor_positions), tuple(alignment_bits), misaligned, tail,
+            _direct_launch(kernel, tuple(descriptor_positions)),
         )  # fmt: skip
         earlier = self._bound.get(key)
         # (tensors of other dtypes under the same key are another binary: each launch checks them)
         if earlier is not None and earlier is not _UNBOUND and debug_enabled():
-            if earlier._replace(kernel=kernel, tail=tail) == bound != earlier:
+            if earlier._replace(kernel=kernel, tail=tail, direct=bound.direct) == bound != earlier:
                 raise RuntimeError(
                     f"FastLaunch({getattr(self.fn, '__name__', self.fn)}): the launch key {key!r} stands for "
                     "two binaries (or constexprs): the call site's key misses something"
@@ -207,9 +230,16 @@ class FastLaunch:
         for i, kind in zip(bound.descriptor_positions, bound.descriptor_types):
             if type(values[i]) is not kind:
                 return False
-        kernel = bound.kernel
-        kernel.run(*_grid3(grid), current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
-                   *values, *bound.tail)  # fmt: skip
+        kernel, direct = bound.kernel, bound.direct
+        if direct is None:
+            kernel.run(*_grid3(grid), current_stream(device), kernel.function, kernel.packed_metadata, None, None,
+                       None, *values, *bound.tail)  # fmt: skip
+        else:
+            for i, meta, meta_key in reversed(direct.descriptors):  # (each expands to several arguments)
+                values[i : i + 1] = _tensormap_args(values[i], meta, meta_key, direct.make_tensordesc_arg)
+            g0, g1, g2 = _grid3(grid)
+            direct.launch(g0, g1, g2, current_stream(device), kernel.function, direct.cooperative, direct.pdl,
+                          None, None, kernel.packed_metadata, None, None, None, *values, *bound.tail)  # fmt: skip
         self.fast_launches += 1
         return True
 
@@ -228,6 +258,73 @@ class FastLaunch:
         return caches[4]
 
 
+def _direct_launch(kernel: Any, descriptor_positions: tuple[int, ...]) -> _DirectLaunch | None:
+    """`kernel`'s native launcher, where this Triton's launcher has the form `_DirectLaunch`
+    relies on (Triton 3.6's `CudaLauncher`: the native launch function, or the TMA-descriptor
+    wrapper around it, as `launch`; scratch sizes; a `__call__(grid, stream, function, *args)`)
+    and the kernel needs no scratch; else None (launches go through `kernel.run`)."""
+    runner = getattr(kernel, "run", None)
+    code = getattr(vars(type(runner)).get("__call__"), "__code__", None)
+    if (
+        type(runner).__name__ != "CudaLauncher"
+        or code is None
+        or code.co_varnames[: code.co_argcount] != ("self", "gridX", "gridY", "gridZ", "stream", "function")
+        or not code.co_flags & inspect.CO_VARARGS
+        or getattr(runner, "global_scratch_size", 1) != 0
+        or getattr(runner, "profile_scratch_size", 1) != 0
+    ):
+        return None
+    launch = getattr(runner, "launch", None)
+    cooperative, pdl = bool(runner.launch_cooperative_grid), bool(runner.launch_pdl)
+    if not descriptor_positions:
+        return _DirectLaunch(launch, cooperative, pdl, (), None) if inspect.isbuiltin(launch) else None
+    # the descriptor wrapper (`wrap_handle_tensordesc`'s `inner`): its native launcher, which
+    # arguments are descriptors, their metadata, and the function that expands one
+    cells = dict(zip(getattr(getattr(launch, "__code__", None), "co_freevars", ()), launch.__closure__ or ()))
+    if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+        return None
+    native = cells["launcher"].cell_contents
+    indices, metas = sorted(cells["tensordesc_indices"].cell_contents), cells["tensordesc_meta"].cell_contents
+    make_arg = launch.__globals__.get("make_tensordesc_arg")
+    if not inspect.isbuiltin(native) or tuple(indices) != descriptor_positions or make_arg is None:
+        return None
+    descriptors = tuple((i, meta, _meta_key(meta)) for i, meta in zip(indices, metas))
+    return _DirectLaunch(native, cooperative, pdl, descriptors, make_arg)
+
+
+def _meta_key(meta: Any) -> tuple | None:
+    """A descriptor's binary metadata (swizzle, element size and type, box) as a key, or None
+    (its tensor map is then built on every launch)."""
+    if not isinstance(meta, dict):
+        return None
+    key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in meta.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _tensormap_args(
+    desc: Any, meta: Any, meta_key: tuple | None, make_arg: Callable[[Any, Any], list]
+) -> list:
+    """The launcher's arguments for one TMA descriptor (its tensor map, shape and strides), built
+    by Triton's `make_tensordesc_arg` once per base address, shape, strides, padding and binary
+    metadata; without metadata (the descriptor passed as its base tensor) built every time."""
+    if meta_key is None:
+        return make_arg(desc, meta)
+    key = (meta_key, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding)
+    expanded = _TENSORMAPS.get(key)
+    if expanded is None:
+        expanded = make_arg(desc, meta)
+        if len(_TENSORMAPS) >= _MAX_BOUND_KEYS:
+            _TENSORMAPS.clear()
+        _TENSORMAPS[key] = expanded
+    return expanded
+
+
+# built tensor maps (with their shape and strides) by base address, layout and binary metadata
+_TENSORMAPS: dict[tuple, list] = {}
 _MAX_BOUND_KEYS = 4096  # a call site's keys are shapes: past this many, start again
 _UNBOUND: Any = object()  # a key whose launches always bind
 # Tensors whose `data_ptr()` is their device address (a layer's weights are Parameters); other
