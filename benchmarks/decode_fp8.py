@@ -18,6 +18,7 @@ planned segment count (the Gluon plan's), half and twice it.
 
     python benchmarks/decode_fp8.py [--workloads D1,D2,D3,D4,E1D,V1,V1-G2] [--json out.json]
         [--verify-splits 1,2,4] [--paged-splits 8,16,32] [--verify-shape NAME=HQ:NEW:REQUESTS:CACHED ...]
+        [--decode-shape NAME=HQ:REQUESTS:CONTEXT ...]
 """
 
 from __future__ import annotations
@@ -272,6 +273,13 @@ def main() -> None:
         help="an extra verification workload (8 KV heads, D 128): query heads, new tokens a request, "
         "requests, cached keys a request; repeatable",
     )
+    p.add_argument(
+        "--decode-shape",
+        action="append",
+        default=[],
+        metavar="NAME=HQ:REQUESTS:CONTEXT",
+        help="an extra decode workload (8 KV heads, D 128): query heads, requests, keys each; repeatable",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the edge-case checks")
     p.add_argument("--json")
     args = p.parse_args()
@@ -295,6 +303,11 @@ def main() -> None:
     for spec in args.verify_shape:
         name, shape = spec.split("=")
         verify[name] = tuple(map(int, shape.split(":")))
+        names.append(name)
+    for spec in args.decode_shape:
+        name, shape = spec.split("=")
+        hq, requests, context = map(int, shape.split(":"))
+        workloads[name] = (hq, [context] * requests)
         names.append(name)
     verify_splits = [int(x) for x in args.verify_splits.split(",")] if args.verify_splits else None
     paged_splits = [int(x) for x in args.paged_splits.split(",")] if args.paged_splits else None

@@ -74,6 +74,35 @@ def test_small_batches_keep_at_least_the_fp8_count(batch, longest):
     assert plan.num_splits >= alone.num_splits and plan.kv_fp8
 
 
+@pytest.mark.parametrize(
+    "batch, longest, fp8_splits, bf16_splits",
+    [
+        (1, 8192, 32, 16),  # one request over 8k keys: the FP8 sweep's best 32 (16: 30% slower)
+        (8, 4096, 8, 9),  # 64 programs: 9 for 4 a SM, rounded down to 8 (9 ran 10% slower)
+        (1, 1024, 16, 16),  # segments of at least 64 keys
+        (16, 512, 4, 5),  # 128 programs: 5 for 4 a SM, rounded down to 4
+    ],
+)
+def test_small_fp8_batches_split_into_a_power_of_two_up_to_32(batch, longest, fp8_splits, bf16_splits):
+    assert _decode(batch, longest, kv_fp8=True).num_splits == fp8_splits
+    assert _decode(batch, longest, kv_fp8=False).num_splits == bf16_splits
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 16), longest=st.integers(1, 1 << 18))
+def test_small_fp8_batches_split_within_the_cap(batch, longest):
+    """A small batch over an FP8 cache: a power of two of segments (or the FP8 rule's own count,
+    when larger), at most SMALL_BATCH_MAX_SPLITS_FP8 of them past that rule, none shorter than
+    SMALL_BATCH_MIN_KEYS keys unless the FP8 rule made them."""
+    n = _decode(batch, longest, kv_fp8=True).num_splits
+    alone = schedule._plan_fp8(batch * 8, longest, SMS).num_splits
+    if n > alone:
+        assert n & (n - 1) == 0 and n <= schedule.SMALL_BATCH_MAX_SPLITS_FP8
+        assert longest // n >= schedule.SMALL_BATCH_MIN_KEYS
+    else:
+        assert n == alone
+
+
 def test_empty_and_short_batches_do_not_split():
     """No keys at all (an empty batch, or a length the host does not know) never splits, nor do
     short contexts once the batch has a program per SM (smaller ones split short contexts too)."""
