@@ -19,7 +19,10 @@
 #      in $PLAIN_STREAM_CLIENTS (default: 1 4; one client process reading 256 streams is bound by its
 #      own CPU, several measure the server). Around each, two scrapes of /metrics give the engine's
 #      steps in the run and their time per step by phase (schedule, prepare and launch, waiting for
-#      the step's tokens, postprocess: the engine_step_* counters).
+#      the step's tokens, postprocess: the engine_step_* counters), the engine's busy time (from the
+#      first admission to the last step: engine_busy_seconds) and its steps' device time (CUDA
+#      events: the server runs with TILELLM_TIME_DEVICE=1), so that a run's wall time splits into
+#      the client's and the HTTP path's edges, the loop around the steps, and device idle time.
 # Files in $OUT (8): offline_e1.json/.log, server.log, bench_serve.log, plain_client.log, serve.json
 # (every run + offline), metrics.txt (the server's /metrics after the runs), summary.txt.
 #
@@ -122,7 +125,7 @@ if [ "${SKIP_OFFLINE:-0}" != 1 ]; then
 fi
 
 step "starting tilellm serve on $URL"
-timeout -k 10 "$(limit 400)" python3 -m tilellm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
+TILELLM_TIME_DEVICE=1 timeout -k 10 "$(limit 400)" python3 -m tilellm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --load-format dummy --skip-tokenizer-init --served-model-name qwen3-0.6b-dummy --dtype "$DTYPE" \
   --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tokens "$MAX_BATCHED" \
   --uvicorn-log-level warning --disable-uvicorn-access-log "${DEV_ARGS[@]}" ${SERVE_ARGS:-} \
@@ -182,7 +185,7 @@ import re, sys
 def read(path):
     values = {}
     for line in open(path):
-        m = re.match(r"tilellm:(engine_step\w*_total)\{[^}]*\} (\S+)", line)
+        m = re.match(r"tilellm:(engine_\w*_total)\{[^}]*\} (\S+)", line)
         if m:
             values[m.group(1)] = float(m.group(2))
     return values
@@ -197,6 +200,11 @@ else:
           for p in phases}
     print(f"engine steps in the run: {steps:.0f}; per step: " + ", ".join(f"{p} {ms[p]:.2f} ms" for p in phases)
           + f"; sum {sum(ms.values()):.2f} ms")
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("engine_busy_seconds_total", "engine_step_device_seconds_total")}
+    busy, device = delta["engine_busy_seconds_total"], delta["engine_step_device_seconds_total"]
+    in_steps = sum(ms.values()) * steps / 1e3
+    print(f"engine busy (first admission to last step) {busy:.3f} s, in its steps {in_steps:.3f} s; "
+          + (f"device {device:.3f} s (idle {busy - device:.3f} s of the busy time)" if device else "device: not timed"))
 PY
 }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from tests.server.conftest import MODEL_NAME, read_metrics
@@ -28,6 +30,8 @@ METRICS = [
     "engine_step_prepare_seconds_total",
     "engine_step_execute_seconds_total",
     "engine_step_postprocess_seconds_total",
+    "engine_step_device_seconds_total",
+    "engine_busy_seconds_total",
 ]
 
 
@@ -38,6 +42,7 @@ def test_health(server):
 
 def test_metrics_count_tokens_and_latencies_exactly(http):
     before = read_metrics(http)
+    started = time.monotonic()
     assert set(METRICS) <= set(before), set(METRICS) - set(before)
     assert not any(name.startswith("time_per_output_token") for name in before)  # deprecated in vLLM
     assert before["kv_blocks_total"] == 512
@@ -46,6 +51,7 @@ def test_metrics_count_tokens_and_latencies_exactly(http):
     body["prompt"] = [9] * 37 + [10]  # shares the first two full blocks
     assert http.post("/v1/completions", json=body).status_code == 200
     after = read_metrics(http)
+    elapsed = time.monotonic() - started
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 75
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 12
     for name in (
@@ -63,9 +69,16 @@ def test_metrics_count_tokens_and_latencies_exactly(http):
     assert after["num_requests_running"] == after["num_requests_waiting"] == after["kv_blocks_used"] == 0
     # the engine's steps: at least one a token of each request, and time in every phase
     assert after["engine_steps_total"] - before["engine_steps_total"] >= 2 * 6
+    in_steps = 0.0
     for phase in ("schedule", "prepare", "execute", "postprocess"):
         name = f"engine_step_{phase}_seconds_total"
         assert after[name] > before[name], name
+        in_steps += after[name] - before[name]
+    # busy from each request's admission to its last step: around its steps, inside the test's time
+    busy = after["engine_busy_seconds_total"] - before["engine_busy_seconds_total"]
+    assert in_steps <= busy <= elapsed, (in_steps, busy, elapsed)
+    # the device is timed only with TILELLM_TIME_DEVICE=1 on a GPU (this server: the CPU)
+    assert after["engine_step_device_seconds_total"] == before["engine_step_device_seconds_total"] == 0
 
 
 def test_inspect_page(server, http):

@@ -972,6 +972,7 @@ class LLMEngine:
                 step_prepare_s=self.timings.prepare_s,
                 step_execute_s=self.timings.execute_s,
                 step_postprocess_s=self.timings.postprocess_s,
+                step_device_s=self.timings.device_s,
             )
 
     def get_metrics(self) -> list[Metric]:

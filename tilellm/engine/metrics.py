@@ -82,6 +82,16 @@ def engine_metrics(s: EngineStats, labels: dict[str, str] | None = None) -> list
             "Engine steps' time appending tokens, checking stops and building outputs.",
             s.step_postprocess_s,
         ),
+        counter(
+            "engine_step_device_seconds",
+            "Engine steps' time on the device, by CUDA events (TILELLM_TIME_DEVICE=1; else 0).",
+            s.step_device_s,
+        ),
+        counter(
+            "engine_busy_seconds",
+            "Time in which the server's engine had requests to run (0 offline).",
+            s.busy_s,
+        ),
     ]
     if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
         out += [

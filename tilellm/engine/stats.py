@@ -34,6 +34,12 @@ class EngineStats:
     step_prepare_s: float = 0.0
     step_execute_s: float = 0.0
     step_postprocess_s: float = 0.0
+    # The steps' device spans (CUDA events), where the runner times them: TILELLM_TIME_DEVICE=1,
+    # or a benchmark's run; else 0.
+    step_device_s: float = 0.0
+    # Seconds in which the engine had requests to run: filled by the server's engine loop (from
+    # a request's admission to the step that finishes the last one; 0 offline).
+    busy_s: float = 0.0
 
 
 @dataclass

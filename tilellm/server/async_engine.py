@@ -138,6 +138,9 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}  # loop thread only
         self.stats = StatsSnapshot()
         self.error: str | None = None  # set if the loop itself died
+        # Time with requests to run (`EngineStats.busy_s`): closed periods, and the open one's start.
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
 
     def put(self, message: tuple) -> None:
         """Queue one command (any thread)."""
@@ -172,6 +175,7 @@ class EngineLoop:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
+                self._close_busy_period()
         except BaseException as exc:  # the loop must not die silently: health turns red
             self.error = f"engine loop died: {type(exc).__name__}: {exc}"
             logger.exception("engine loop died")
@@ -221,6 +225,8 @@ class EngineLoop:
                 break
             added.append(req.request_id)
             self._tracked[req.request_id] = _Tracked(batch.qid, tag, batch.arrival)
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
         if error is not None:
             for rid in added:
                 self._tracked.pop(rid, None)
@@ -334,9 +340,19 @@ class EngineLoop:
         self._fail_all(SHUTTING_DOWN, 503, "shutting_down")
         self._publish_stats()
 
+    def _close_busy_period(self) -> None:
+        """Once the engine has nothing left to run, its busy period ends (`EngineStats.busy_s`)."""
+        if self._busy_since is not None and not self.engine.has_unfinished_requests():
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+            self._publish_stats()  # (the idle engine's last stats: its busy time is final)
+
     def _read_stats(self) -> StatsSnapshot:
-        # A copy: the engine may keep updating the record it returns.
-        return dataclasses.replace(self.engine.get_stats())
+        # A copy (the engine may keep updating the record it returns), with the loop's busy time.
+        busy = self._busy_s
+        if self._busy_since is not None:
+            busy += time.monotonic() - self._busy_since
+        return dataclasses.replace(self.engine.get_stats(), busy_s=busy)
 
     def _publish_stats(self) -> None:
         self.stats = self._read_stats()

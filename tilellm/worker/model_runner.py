@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -208,7 +209,9 @@ class ModelRunner:
         self._parity = 0
         self._step_id = 0
         self._recv_payload: torch.Tensor | None = None  # workers: where each step's payload lands
-        self.time_device = False  # CUDA-event timing of each step (benchmarks turn it on)
+        # CUDA-event timing of each step (benchmarks turn it on; TILELLM_TIME_DEVICE=1 from the start,
+        # as `benchmarks/serve_overhead.sh` does for the server)
+        self.time_device = self.is_cuda and os.environ.get("TILELLM_TIME_DEVICE") == "1"
         # Host seconds spent in each part of `launch`, by path ("graph" / "eager") and phase.
         self.host_times: dict[str, float] = {}
 
