@@ -183,6 +183,117 @@ def test_keyed_tma_launch_reuses_a_tensor_map_only_for_its_own_address_and_layou
         assert len(launch._TENSORMAPS) == maps + 3
 
 
+class CudaLauncher:
+    """The shape of Triton 3.6's launcher object (`triton.backends.nvidia.driver.CudaLauncher`),
+    around a stand-in for its native launch function."""
+
+    def __init__(self, launch, scratch: int = 0):
+        self.launch = launch
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = False
+        self.launch_pdl = True
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.launch(gridX, gridY, gridZ, stream, function, False, True, None, None, *args)
+
+
+class _Kernel:
+    def __init__(self, runner):
+        self.run = runner
+
+
+def make_tensordesc_arg(arg, metadata):  # (its name: what the wrapper's globals are searched for)
+    make_tensordesc_arg.calls += 1
+    return [("map", arg.base.data_ptr(), tuple(arg.shape)), *arg.shape, *arg.strides]
+
+
+make_tensordesc_arg.calls = 0
+
+
+def _descriptor_wrapper(launcher, tensordesc_indices, tensordesc_meta):
+    """Triton 3.6's `wrap_handle_tensordesc` wrapper: a closure over these three names."""
+
+    def inner(*args):
+        final_args = list(args[:13])
+        for i, arg in enumerate(args[13:]):
+            final_args.extend(
+                make_tensordesc_arg(arg, tensordesc_meta[0]) if i in tensordesc_indices else [arg]
+            )
+        return launcher(*final_args)
+
+    return inner
+
+
+def test_native_launcher_is_found_only_in_triton_3_6s_form():
+    """`_direct_launch` takes the native launch function out of a launcher of Triton 3.6's form
+    (with or without the descriptor wrapper) and gives up on anything else: another `__call__`,
+    a kernel that needs scratch, descriptors at other positions, a launch that is not native."""
+    from tilellm.kernels.launch import _direct_launch
+
+    native = len  # any built-in function stands in for the compiled `mod.launch`
+    direct = _direct_launch(_Kernel(CudaLauncher(native)), ())
+    assert (
+        direct is not None and direct.launch is native and (direct.cooperative, direct.pdl) == (False, True)
+    )
+    assert _direct_launch(_Kernel(CudaLauncher(native, scratch=64)), ()) is None
+    assert _direct_launch(_Kernel(CudaLauncher(lambda *a: None)), ()) is None  # not native
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 6, "block_size": [64, 64], "fp4_padded": False}
+    wrapped = _Kernel(CudaLauncher(_descriptor_wrapper(native, {0}, [meta])))
+    direct = _direct_launch(wrapped, (0,))
+    assert (
+        direct is not None and direct.launch is native and direct.make_tensordesc_arg is make_tensordesc_arg
+    )
+    assert [(i, key) for i, _, key in direct.descriptors] == [
+        (
+            0,
+            (
+                ("block_size", (64, 64)),
+                ("elem_size", 2),
+                ("elem_type", 6),
+                ("fp4_padded", False),
+                ("swizzle", 3),
+            ),
+        )
+    ]
+    assert _direct_launch(wrapped, (1,)) is None  # the descriptors the launcher expands are others
+
+    class OtherLauncher(CudaLauncher):  # another release's call signature
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):
+            pass
+
+    assert _direct_launch(_Kernel(OtherLauncher(native)), ()) is None
+
+
+def test_tensor_maps_are_reused_for_the_same_address_and_layout_only(monkeypatch):
+    from tilellm.kernels import launch
+
+    monkeypatch.setattr(launch, "_TENSORMAPS", {})
+    make_tensordesc_arg.calls = 0
+    meta_key = (("block_size", (2, 64)),)
+    x = torch.zeros(8, 64)
+    desc = tma_descriptor(TensorDescriptor, x, [2, 64])
+    first = launch._tensormap_args(desc, {}, meta_key, make_tensordesc_arg)
+    assert (
+        launch._tensormap_args(
+            tma_descriptor(TensorDescriptor, x, [2, 64]), {}, meta_key, make_tensordesc_arg
+        )
+        is first
+    )
+    assert make_tensordesc_arg.calls == 1
+    for other in (x[:4], x[2:6], torch.zeros(8, 64)):  # another shape, another address, another tensor
+        again = launch._tensormap_args(
+            tma_descriptor(TensorDescriptor, other, [2, 64]), {}, meta_key, make_tensordesc_arg
+        )
+        assert again[0] == ("map", other.data_ptr(), tuple(other.shape))
+    assert make_tensordesc_arg.calls == 4
+    launch._tensormap_args(desc, {}, (("block_size", (4, 64)),), make_tensordesc_arg)  # another binary's box
+    assert make_tensordesc_arg.calls == 5
+    launch._tensormap_args(desc, None, None, make_tensordesc_arg)  # no metadata: built every time
+    launch._tensormap_args(desc, None, None, make_tensordesc_arg)
+    assert make_tensordesc_arg.calls == 7
+
+
 def test_descriptors_of_a_checked_layout_skip_the_checks():
     """`tma_descriptor` builds a descriptor equal to `from_tensor`'s; once a layout passed the
     dataclass's checks, its next descriptors are built without them, but a misaligned base still
