@@ -309,10 +309,12 @@ def _name_ignored(body: Any, response: Any) -> Any:
     """Unknown request fields, which change nothing: a warning and a response header naming them."""
     names = ignored_fields(body)
     if names:
-        shown = ", ".join(names[:16]) + (f" (+{len(names) - 16} more)" if len(names) > 16 else "")
-        logger.warning("request fields ignored (unknown to this server): %s", shown)
-        # A header is latin-1 text: names are percent-encoded beyond printable ASCII.
-        response.headers[IGNORED_FIELDS_HEADER] = urllib.parse.quote(shown, safe=" ,()+[]._-")
+        more = f" (+{len(names) - 16} more)" if len(names) > 16 else ""
+        logger.warning("request fields ignored (unknown to this server): %s", ", ".join(names[:16]) + more)
+        # A header value is latin-1 text with no whitespace at either end: each name is
+        # percent-encoded beyond printable ASCII and its own spaces ("" for an empty name).
+        shown = ", ".join(urllib.parse.quote(name, safe="()+[]._-") or '""' for name in names[:16])
+        response.headers[IGNORED_FIELDS_HEADER] = shown + more
     return response
 
 
