@@ -365,6 +365,7 @@ def run_workload(
     for k in replays:  # count this run's replays only
         replays[k] = 0
     engine.record_steps = True
+    timed_before = engine.runner.time_device  # (TILELLM_TIME_DEVICE=1 keeps it on)
     engine.runner.time_device = True
     compiled_before = compiled_kernel_variants()
     with breakdown.profiled_kernels() if profile else contextlib.nullcontext([]) as kernels:
@@ -373,7 +374,7 @@ def run_workload(
         outs = llm.generate(w.prompts, params, use_tqdm=True)
         _sync()
         seconds = time.perf_counter() - t0
-    engine.runner.time_device = False
+    engine.runner.time_device = timed_before
     engine.record_steps = False
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     out_tokens = sum(lengths)
