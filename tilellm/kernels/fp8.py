@@ -55,16 +55,7 @@ def to_cache(x, scale_ptr, QUANTIZE: tl.constexpr):
     scale read from device memory (a CUDA graph replays with its current value) and the division
     IEEE-rounded (`tl.div_rn`: torch's exact division); otherwise x unchanged."""
     if QUANTIZE:
-        x = to_cache_scaled(x, tl.load(scale_ptr), QUANTIZE)
-    return x
-
-
-@triton.jit
-def to_cache_scaled(x, scale, QUANTIZE: tl.constexpr):
-    """`to_cache` with the scale already loaded (a kernel that stores after other stores loads
-    it early: a load issued after a store waits for its own round trip there)."""
-    if QUANTIZE:
-        x = to_fp8(tl.div_rn(x.to(tl.float32), scale))
+        x = to_fp8(tl.div_rn(x.to(tl.float32), tl.load(scale_ptr)))
     return x
 
 

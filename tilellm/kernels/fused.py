@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, next_power_of_2
-from tilellm.kernels.fp8 import is_fp8, to_cache_scaled, unit_scale
+from tilellm.kernels.fp8 import is_fp8, to_cache, unit_scale
 from tilellm.kernels.fp8_gemm import group_quant_outputs, group_quant_tile, quantize_groups
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
@@ -360,15 +360,13 @@ def _rotate_rows(
 
 @triton.jit
 def _load_store_rows(
-    v_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, stride_vt, stride_vh, stride_cslot, row0, num_rows, num_heads,
-    half, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANTIZE: tl.constexpr,
+    v_ptr, slot_ptr, stride_vt, stride_vh, stride_cslot, row0, num_rows, num_heads, half,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     """Where rows row0..row0+BLOCK_R go in the cache and the v they store beside the rotated keys:
-    (dst, mask, v1, v2, k_scale, v_scale), dst [BLOCK_R, BLOCK_HALF] the cache offsets of each
-    row's first half (cache rows are [Hkv, D] contiguous), mask false for rows past the end and
-    tokens of slot -1; the FP8 scales loaded (1.0 unless QUANTIZE). v and the scales are loaded
-    whatever the slot, so that their loads go out with the rotation's: a load issued after the
-    rotation's stores would wait for its own round trip before the cache stores."""
+    (dst, mask, v1, v2), dst [BLOCK_R, BLOCK_HALF] the cache offsets of each row's first half
+    (cache rows are [Hkv, D] contiguous), mask false for rows past the end and tokens of slot -1.
+    v is loaded whatever the slot, so that its loads go out with the rotation's."""
     rows = row0 + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, BLOCK_HALF)
     row_ok = rows < num_rows
@@ -378,20 +376,17 @@ def _load_store_rows(
     src = v_ptr + tok[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :]
     v1, v2 = tl.load(src, mask=in_v), tl.load(src + half, mask=in_v)
     dst = slot[:, None] * stride_cslot + head[:, None] * (2 * half) + dims[None, :]
-    k_scale, v_scale = 1.0, 1.0
-    if QUANTIZE:
-        k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
-    return dst, in_v & (slot >= 0)[:, None], v1, v2, k_scale, v_scale
+    return dst, in_v & (slot >= 0)[:, None], v1, v2
 
 
 @triton.jit
 def _store_rows(
-    k1, k2, v1, v2, dst, mask, k_cache_ptr, v_cache_ptr, k_scale, v_scale, half, QUANTIZE: tl.constexpr
+    k1, k2, v1, v2, dst, mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, half, QUANTIZE: tl.constexpr
 ):  # fmt: skip
     """The rotated k halves (k1, k2 [BLOCK_R, BLOCK_HALF] in k's dtype) and v's halves into the
-    cache at `dst` where `mask`, with the scales loaded (`_load_store_rows`)."""
-    k1, k2 = to_cache_scaled(k1, k_scale, QUANTIZE), to_cache_scaled(k2, k_scale, QUANTIZE)
-    v1, v2 = to_cache_scaled(v1, v_scale, QUANTIZE), to_cache_scaled(v2, v_scale, QUANTIZE)
+    cache at `dst` where `mask` (`_load_store_rows`)."""
+    k1, k2 = to_cache(k1, k_scale_ptr, QUANTIZE), to_cache(k2, k_scale_ptr, QUANTIZE)
+    v1, v2 = to_cache(v1, v_scale_ptr, QUANTIZE), to_cache(v2, v_scale_ptr, QUANTIZE)
     tl.store(k_cache_ptr + dst, k1, mask=mask)
     tl.store(k_cache_ptr + dst + half, k2, mask=mask)
     tl.store(v_cache_ptr + dst, v1, mask=mask)
@@ -423,16 +418,15 @@ def _rotary_kernel(
         row0 = (pid - num_q_programs) * BLOCK_R
         num_rows = num_tokens * num_k_heads
         if STORE:  # (issued before the rotation's loads: nothing waits for them until the store)
-            dst, mask, v1, v2, k_s, v_s = _load_store_rows(v_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, stride_vt,
-                                                           stride_vh, stride_cslot, row0, num_rows, num_k_heads,
-                                                           half, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF,
-                                                           QUANTIZE=QUANTIZE)  # fmt: skip
+            dst, mask, v1, v2 = _load_store_rows(v_ptr, slot_ptr, stride_vt, stride_vh, stride_cslot, row0,
+                                                 num_rows, num_k_heads, half, BLOCK_R=BLOCK_R,
+                                                 BLOCK_HALF=BLOCK_HALF)  # fmt: skip
         k1, k2 = _rotate_rows(k_ptr, k_out_ptr, kw_ptr, pos_ptr, cache_ptr, stride_kt, stride_kh, stride_kot,
                               stride_koh, stride_cache, row0, num_rows, num_k_heads, half, eps,
                               HAS_NORM=HAS_NORM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
                               BLOCK_HALF=BLOCK_HALF)  # fmt: skip
         if STORE:
-            _store_rows(k1, k2, v1, v2, dst, mask, k_cache_ptr, v_cache_ptr, k_s, v_s, half,
+            _store_rows(k1, k2, v1, v2, dst, mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, half,
                         QUANTIZE=QUANTIZE)  # fmt: skip
 
 
