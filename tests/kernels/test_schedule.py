@@ -74,37 +74,33 @@ def test_small_batches_keep_at_least_the_fp8_count(batch, longest):
     assert plan.num_splits >= alone.num_splits and plan.kv_fp8
 
 
-def _verify(batch: int, longest: int, *, kv_fp8: bool) -> schedule.SplitPlan:
-    """Verification tiles of a few new tokens a request (at most 16 rows: the decode tiles' size)."""
-    return choose_num_splits(
-        batch, 8, 1, None, max_seqlen_k=longest, num_sms=SMS, kv_fp8=kv_fp8, verification=True
-    )
-
-
 @pytest.mark.parametrize(
-    "batch, longest, fp8_splits, bf16_splits, fp8_decode_splits",
+    "batch, longest, fp8_splits, bf16_splits",
     [
-        (1, 8192, 32, 16, 16),  # one request over 8k keys: the FP8 sweep's best 32 (16: 30% slower)
-        (8, 4096, 8, 9, 9),  # 64 programs: 9 for 4 a SM, rounded down to 8 (9 ran 10% slower)
-        (1, 1024, 16, 16, 16),  # segments of at least 64 keys
-        (16, 512, 4, 5, 5),  # 128 programs: 5 for 4 a SM, rounded down to 4
+        (1, 8192, 32, 16),  # one request over 8k keys: the FP8 sweeps' best 32 (16: 23-30% slower)
+        (2, 16384, 32, 16),  # best 32 (16: 12-19% slower)
+        (4, 8192, 16, 16),  # 32 programs: 17 for 4 a SM, rounded down to 16 (32: 3-5% slower)
+        (8, 4096, 8, 9),  # 64 programs: 9 for 4 a SM, rounded down to 8 (9: 6% slower)
+        (1, 2048, 32, 16),  # best 32 (16: 5-13% slower)
+        (1, 1024, 16, 16),  # segments of at least 64 keys
+        (16, 512, 4, 5),  # 128 programs: 5 for 4 a SM, rounded down to 4
     ],
 )
-def test_small_fp8_verification_splits_into_a_power_of_two_up_to_32(
-    batch, longest, fp8_splits, bf16_splits, fp8_decode_splits
-):
-    assert _verify(batch, longest, kv_fp8=True).num_splits == fp8_splits
-    assert _verify(batch, longest, kv_fp8=False).num_splits == bf16_splits
-    assert _decode(batch, longest, kv_fp8=True).num_splits == fp8_decode_splits  # decode: unchanged
+def test_small_fp8_batches_split_into_a_power_of_two_up_to_32(batch, longest, fp8_splits, bf16_splits):
+    """Decode tiles of a small batch over an FP8 cache (and verification tiles of a few tokens,
+    planned the same way) take a power of two of segments, up to SMALL_BATCH_MAX_SPLITS_FP8; a
+    16-bit cache keeps at most SMALL_BATCH_MAX_SPLITS, any count."""
+    assert _decode(batch, longest, kv_fp8=True).num_splits == fp8_splits
+    assert _decode(batch, longest, kv_fp8=False).num_splits == bf16_splits
 
 
 @settings(max_examples=200, deadline=None)
 @given(batch=st.integers(1, 16), longest=st.integers(1, 1 << 18))
-def test_small_fp8_verification_splits_within_the_cap(batch, longest):
-    """Verification of a small batch over an FP8 cache: a power of two of segments (or the FP8
-    rule's own count, when larger), at most SMALL_BATCH_MAX_SPLITS_FP8 of them past that rule,
-    none shorter than SMALL_BATCH_MIN_KEYS keys unless the FP8 rule made them."""
-    n = _verify(batch, longest, kv_fp8=True).num_splits
+def test_small_fp8_batches_split_within_the_cap(batch, longest):
+    """A small batch over an FP8 cache: a power of two of segments (or the FP8 rule's own count,
+    when larger), at most SMALL_BATCH_MAX_SPLITS_FP8 of them past that rule, none shorter than
+    SMALL_BATCH_MIN_KEYS keys unless the FP8 rule made them."""
+    n = _decode(batch, longest, kv_fp8=True).num_splits
     alone = schedule._plan_fp8(batch * 8, longest, SMS).num_splits
     if n > alone:
         assert n & (n - 1) == 0 and n <= schedule.SMALL_BATCH_MAX_SPLITS_FP8
@@ -113,15 +109,17 @@ def test_small_fp8_verification_splits_within_the_cap(batch, longest):
         assert n == alone
 
 
-def test_plan_paged_splits_fp8_verification_by_its_own_small_batch_rule():
-    """`plan_paged` plans a few new tokens a request (not decode) over an FP8 cache by the
-    verification rule, and decode by the decode one."""
+def test_plan_paged_splits_fp8_decode_and_verification_alike():
+    """`plan_paged` plans a few new tokens a request and one (decode) over an FP8 cache by the
+    same small-batch rule: one request over 8192 keys takes 32 segments either way."""
     args = (1, 16, 8, 128, torch.bfloat16, 16)
     kw = dict(max_seqlen_k=8192, num_sms=SMS, kv_fp8=True, allow_gluon=False)
     verify = plan_paged(*args, 4, num_tokens=4, **kw)
     decode = plan_paged(*args, 1, num_tokens=1, is_decode=True, **kw)
     assert (verify.kernel, verify.num_splits) == ("triton", 32)
-    assert decode.num_splits == 16
+    assert (decode.kernel, decode.num_splits) == ("triton", 32)
+    bf16 = plan_paged(*args, 1, num_tokens=1, is_decode=True, **{**kw, "kv_fp8": False})
+    assert bf16.num_splits == 16
 
 
 def test_empty_and_short_batches_do_not_split():

@@ -55,11 +55,14 @@ FILL_SHARE = 0.8
 SMALL_BATCH_MIN_KEYS = 64
 SMALL_BATCH_MAX_SPLITS = 16
 SMALL_BATCH_PROGRAMS_PER_SM = 4
-# Verification over an FP8 cache (half the bytes a key, more work a key than decode): up to
-# SMALL_BATCH_MAX_SPLITS_FP8 segments, a power of two of them (segments of whole key tiles, no
-# short last one). Measured on an H100 in CUDA graphs, 4 new tokens x 2 heads a request (paged.py's
-# FP8 tiles), GB/s of FP8 bytes by segment count: 1 x 8192 keys 8: 395, 16: 617, 32: 896; 8 x 4096
-# keys 4: 1408, 8: 1792, 9: 1608, 16: 1553. (Decode keeps the rule above: not measured.)
+# Tiles over an FP8 cache (half the bytes a key: decode, and verification of a few new tokens):
+# up to SMALL_BATCH_MAX_SPLITS_FP8 segments, a power of two of them (segments of whole key tiles,
+# no short last one). Measured on an H100 in CUDA graphs, GB/s of FP8 bytes by segment count:
+# decode (32 query heads over 8; `decode_fp8.py`'s kernel, and paged.py's FP8 tiles), 1 x 8192
+# keys 16: 774 / 654, 32: 1007 / 934; 2 x 16384 16: 1505 / 1420, 32: 1710 / 1755; 4 x 8192
+# 16: 1699 / 1739, 32: 1649 / 1657; 8 x 4096 8: 1814 / 1823, 9: 1710 / 1718, 16: 1644 / 1659;
+# 1 x 2048 16: 370 / 316, 32: 388 / 364. Verification (4 new tokens x 2 heads a request, paged.py's
+# FP8 tiles): 1 x 8192 16: 617, 32: 896; 8 x 4096 8: 1792, 9: 1608, 16: 1553.
 SMALL_BATCH_MAX_SPLITS_FP8 = 32
 # Decode tiles over an FP8 cache (`_plan_fp8`): half the bytes per key, so a segment of
 # FP8_KEYS_PER_SPLIT keys streams what MIN_KEYS_PER_SPLIT 16-bit keys do; segments are halved
@@ -127,7 +130,6 @@ def choose_num_splits(
     rows_per_program: int = DECODE_ROWS,
     kv_fp8: bool = False,
     one_wave: bool = False,
-    verification: bool = False,
 ) -> SplitPlan:
     """The split-KV decision from the SM count, the batch and its longest context.
 
@@ -138,9 +140,8 @@ def choose_num_splits(
     split short contexts (`_plan_small_batch`); tiles of at most DECODE_ROWS rows over an FP8
     cache (`kv_fp8`: decode, and verification of a few tokens at small GQA groups) follow
     `_plan_fp8` instead of the bandwidth rule (`one_wave`: within one wave of its target, for
-    verification programs; `verification`: tiles of a few new tokens a request, which small
-    batches over an FP8 cache split further, see SMALL_BATCH_MAX_SPLITS_FP8). `num_splits` forces
-    the count. The longest
+    verification programs), and their small batches split further (SMALL_BATCH_MAX_SPLITS_FP8).
+    `num_splits` forces the count. The longest
     context comes from `seq_lens` unless `max_seqlen_k` is given (reading a CUDA tensor costs one
     host sync: the engine plans on the host instead and passes the plan).
     """
@@ -160,18 +161,18 @@ def choose_num_splits(
     else:
         plan = _plan_large(base, max_seqlen_k, sms, rows_per_program)
     if rows_per_program <= DECODE_ROWS and 0 < base < sms:
-        return _plan_small_batch(plan, max_seqlen_k, fp8_verification=kv_fp8 and verification)
+        return _plan_small_batch(plan, max_seqlen_k)
     return plan
 
 
-def _plan_small_batch(plan: SplitPlan, max_seqlen_k: int, fp8_verification: bool = False) -> SplitPlan:
+def _plan_small_batch(plan: SplitPlan, max_seqlen_k: int) -> SplitPlan:
     """A decode batch of fewer programs than SMs (see SMALL_BATCH_MIN_KEYS): at least the
-    bandwidth rule's segments, but as short as SMALL_BATCH_MIN_KEYS keys; verification over an
-    FP8 cache: a power of two of them, up to SMALL_BATCH_MAX_SPLITS_FP8."""
-    base, sms = plan.base_programs, plan.num_sms
-    cap = SMALL_BATCH_MAX_SPLITS_FP8 if fp8_verification else SMALL_BATCH_MAX_SPLITS
+    bandwidth rule's segments, but as short as SMALL_BATCH_MIN_KEYS keys; over an FP8 cache
+    (`plan.kv_fp8`): a power of two of them, up to SMALL_BATCH_MAX_SPLITS_FP8."""
+    base, sms, fp8 = plan.base_programs, plan.num_sms, plan.kv_fp8
+    cap = SMALL_BATCH_MAX_SPLITS_FP8 if fp8 else SMALL_BATCH_MAX_SPLITS
     n_small = min(cap, cdiv(SMALL_BATCH_PROGRAMS_PER_SM * sms, base), max_seqlen_k // SMALL_BATCH_MIN_KEYS)
-    if fp8_verification and n_small > 1:
+    if fp8 and n_small > 1:
         n_small = 1 << (n_small.bit_length() - 1)  # a power of two, rounded down
     n = max(plan.num_splits, n_small)
     if n < 2:
@@ -179,7 +180,7 @@ def _plan_small_batch(plan: SplitPlan, max_seqlen_k: int, fp8_verification: bool
     reason = (
         f"split {n}: a small batch, {base} programs for {sms} SMs; segments of >= {SMALL_BATCH_MIN_KEYS} "
         f"keys ({n_small} for about {SMALL_BATCH_PROGRAMS_PER_SM} programs per SM, at most {cap}"
-        f"{', a power of two' if fp8_verification else ''}; the {'FP8' if plan.kv_fp8 else 'bandwidth'} rule's "
+        f"{', a power of two' if fp8 else ''}; the {'FP8' if fp8 else 'bandwidth'} rule's "
         f"{plan.num_splits})"
     )
     return SplitPlan(n, reason, sms, base, cdiv(max_seqlen_k, n), SMALL_BATCH_MIN_KEYS, plan.kv_fp8)
@@ -392,7 +393,7 @@ def plan_paged(
         split = choose_num_splits(
             num_requests, num_kv_heads, fp8_query_columns(max_q, group)[1], seq_lens,
             num_splits=num_splits, max_seqlen_k=max_seqlen_k, num_sms=num_sms, rows_per_program=DECODE_ROWS,
-            kv_fp8=True, one_wave=True, verification=True,
+            kv_fp8=True, one_wave=True,
         )  # fmt: skip
         return PagedPlan("gluon-decode-fp8", split)
     cfg, block_q = paged_config(head_dim, dtype, group, 1 if is_decode else max_q, kv_fp8=kv_fp8)
@@ -406,7 +407,6 @@ def plan_paged(
         num_sms=num_sms,
         rows_per_program=cfg.block_m,
         kv_fp8=kv_fp8,
-        verification=not is_decode,
     )
     if allow_gluon and kv_fp8 and is_decode and decode_fp8_uses_gluon(head_dim, dtype, group):
         return PagedPlan("gluon-decode-fp8", split)
