@@ -13,15 +13,17 @@ inputs, forward launch, sampler launch), and the device span of the step from CU
 separate pass of the same length: events cost a little). The weights' floor is their bytes at the
 copy rate (1.5 GB of bf16 at about 4 TB/s: 0.3-0.4 ms). `--cprofile N` also prints the N Python
 functions that take the most host time at batch 1, `--kernels N` the N kernels of most device time
-per step (torch.profiler over 32 steps). Needs a CUDA GPU. `TILELLM_PDL=1 python
-benchmarks/small_batch_decode.py` runs the same with programmatic dependent launch
-(`tilellm/kernels/pdl.py`); compare the two on one machine, one after the other.
+per step (torch.profiler over 32 steps), and the device's idle time between a step's kernels (from
+the profile's kernel start and end times; `tilellm.bench.breakdown.kernel_gaps`). Needs a CUDA
+GPU. `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` runs the same with programmatic
+dependent launch (`tilellm/kernels/pdl.py`); compare the two on one machine, one after the other.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -33,6 +35,7 @@ import time
 import torch
 
 from tilellm import LLM, SamplingParams
+from tilellm.bench.breakdown import kernel_gaps, kernel_spans_from_trace
 from tilellm.testing import QWEN3_0_6B_CONFIG, make_random_model_dir
 
 PROMPT_LEN = 128
@@ -93,6 +96,11 @@ def measure(llm: LLM, batch: int, steps: int, cprofile: int = 0, kernels: int = 
             {"name": e.key[:80], "calls": e.count / 32, "us": e.self_device_time_total / 32}
             for e in rows[:kernels]
         ]
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            gaps = kernel_gaps(kernel_spans_from_trace(f"{tmp}/trace.json"), steps=32)
+        report["kernel_gaps"] = dataclasses.asdict(gaps)
+        report["kernel_gaps_text"] = gaps.format()
     if cprofile:
         pr = cProfile.Profile()
         pr.enable()
@@ -140,6 +148,8 @@ def main() -> int:
                 f"{r['runner_stage_ms']:.3f} inputs {r['runner_inputs_ms']:.3f} forward "
                 f"{r['runner_forward_ms']:.3f} sample {r['runner_sample_ms']:.3f} ms"
             )
+            if "kernel_gaps_text" in r:
+                print(f"  {r['kernel_gaps_text']}")
             for k in r.get("kernels_per_step", []):
                 print(f"  {k['us']:8.1f} us/step {k['calls']:6.1f} calls  {k['name']}")
             if "cprofile" in r:

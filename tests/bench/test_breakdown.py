@@ -86,3 +86,40 @@ def test_breakdown_sums_by_class_and_leaves_idle_time():
     text = b.format("E1")
     assert "attention" in text.splitlines()[2] and "350.000" in text  # the largest first; ms per step
     assert b.as_dict()["device_idle_s"] == 0.5
+
+
+def test_kernel_gaps_split_idle_time_within_and_between_steps():
+    """Kernels as (start, duration) us, unsorted: gaps up to the threshold are a step's own,
+    longer ones lie between steps; the busy time is the kernels' durations."""
+    from tilellm.bench.breakdown import kernel_gaps
+
+    # two steps of three kernels: 1 us gaps inside a step, 50 us between the steps
+    spans = [(0.0, 4.0), (5.0, 2.0), (8.0, 3.0), (61.0, 4.0), (66.0, 2.0), (69.0, 3.0)]
+    gaps = kernel_gaps(list(reversed(spans)), steps=2)
+    assert (gaps.kernels, gaps.busy_us, gaps.idle_within_us, gaps.idle_between_us) == (6, 18.0, 4.0, 50.0)
+    assert "3 kernels a step, 9.0 us a step in them" in gaps.format()
+    assert "idles 2.0 us a step between a step's kernels and 25.0 us between steps" in gaps.format()
+    # a smaller threshold counts the 1 us gaps as between steps too; overlapping kernels add none
+    assert kernel_gaps(spans, steps=2, step_gap_us=0.5).idle_between_us == 54.0
+    assert kernel_gaps([(0.0, 5.0), (3.0, 5.0)], steps=1).idle_within_us == 0.0
+    assert kernel_gaps([], steps=1).kernels == 0
+
+
+def test_kernel_spans_from_a_chrome_trace(tmp_path):
+    """Only the trace's "kernel" events, as (ts, dur)."""
+    import json
+
+    from tilellm.bench.breakdown import kernel_spans_from_trace
+
+    trace = {
+        "traceEvents": [
+            {"cat": "kernel", "name": "_paged_kernel", "ts": 10.5, "dur": 4.0},
+            {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1.0, "dur": 2.0},
+            {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 9.0},
+            {"cat": "kernel", "name": "nvjet_sm90", "ts": 15, "dur": 5},
+            {"ph": "M", "name": "process_name"},
+        ]
+    }
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    assert kernel_spans_from_trace(str(path)) == [(10.5, 4.0), (15.0, 5.0)]

@@ -140,6 +140,52 @@ def breakdown_from_events(events, wall_s: float, steps: int) -> Breakdown:
     return b
 
 
+@dataclass
+class KernelGaps:
+    """The device's time over a run of steps, from its kernels' start and end times: kernels a
+    step, their time a step, and the idle time a step between the kernels of one step (gaps up to
+    `step_gap_us`; longer ones lie between steps, where the host prepares the next)."""
+
+    steps: int
+    kernels: int
+    busy_us: float
+    idle_within_us: float
+    idle_between_us: float
+
+    def format(self) -> str:
+        steps = max(self.steps, 1)
+        return (
+            f"{self.kernels / steps:.0f} kernels a step, {self.busy_us / steps:.1f} us a step in them; "
+            f"the device idles {self.idle_within_us / steps:.1f} us a step between a step's kernels "
+            f"and {self.idle_between_us / steps:.1f} us between steps"
+        )
+
+
+def kernel_gaps(spans: list[tuple[float, float]], steps: int, step_gap_us: float = 20.0) -> KernelGaps:
+    """`KernelGaps` of kernels given as (start, duration) in microseconds, one stream (they do not
+    overlap), over `steps` steps."""
+    spans = sorted(spans)
+    busy = sum(d for _, d in spans)
+    within = between = 0.0
+    for (start, dur), (next_start, _) in zip(spans, spans[1:]):
+        gap = max(next_start - (start + dur), 0.0)
+        if gap <= step_gap_us:
+            within += gap
+        else:
+            between += gap
+    return KernelGaps(steps, len(spans), busy, within, between)
+
+
+def kernel_spans_from_trace(path: str) -> list[tuple[float, float]]:
+    """(start, duration) in microseconds of every kernel of a chrome trace exported by
+    torch.profiler (`prof.export_chrome_trace(path)`): its events of category "kernel"."""
+    import json
+
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return [(float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "kernel"]
+
+
 @contextlib.contextmanager
 def profiled_kernels() -> Iterator[list]:
     """Profile the CUDA kernels of the block; the list yielded receives `key_averages()` after it.
