@@ -35,7 +35,7 @@ import time
 import torch
 
 from tilellm import LLM, SamplingParams
-from tilellm.bench.breakdown import kernel_gaps, kernel_spans_from_trace
+from tilellm.bench.breakdown import KernelGaps, kernel_gaps, kernel_spans_from_trace
 from tilellm.testing import QWEN3_0_6B_CONFIG, make_random_model_dir
 
 PROMPT_LEN = 128
@@ -100,7 +100,6 @@ def measure(llm: LLM, batch: int, steps: int, cprofile: int = 0, kernels: int = 
             prof.export_chrome_trace(f"{tmp}/trace.json")
             gaps = kernel_gaps(kernel_spans_from_trace(f"{tmp}/trace.json"), steps=32)
         report["kernel_gaps"] = dataclasses.asdict(gaps)
-        report["kernel_gaps_text"] = gaps.format()
     if cprofile:
         pr = cProfile.Profile()
         pr.enable()
@@ -148,8 +147,8 @@ def main() -> int:
                 f"{r['runner_stage_ms']:.3f} inputs {r['runner_inputs_ms']:.3f} forward "
                 f"{r['runner_forward_ms']:.3f} sample {r['runner_sample_ms']:.3f} ms"
             )
-            if "kernel_gaps_text" in r:
-                print(f"  {r['kernel_gaps_text']}")
+            if "kernel_gaps" in r:
+                print(f"  {KernelGaps(**r['kernel_gaps']).format()}")
             for k in r.get("kernels_per_step", []):
                 print(f"  {k['us']:8.1f} us/step {k['calls']:6.1f} calls  {k['name']}")
             if "cprofile" in r:

@@ -11,6 +11,7 @@ from the engine's own step timings of the same run.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -179,8 +180,6 @@ def kernel_gaps(spans: list[tuple[float, float]], steps: int, step_gap_us: float
 def kernel_spans_from_trace(path: str) -> list[tuple[float, float]]:
     """(start, duration) in microseconds of every kernel of a chrome trace exported by
     torch.profiler (`prof.export_chrome_trace(path)`): its events of category "kernel"."""
-    import json
-
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     return [(float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "kernel"]
