@@ -16,9 +16,7 @@ functions that take the most host time at batch 1, `--kernels N` the N kernels o
 per step (torch.profiler over 32 steps), and the device's idle time between a step's kernels (from
 the profile's kernel start and end times; `tilellm.bench.breakdown.kernel_gaps`). Needs a CUDA
 GPU. `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` runs the same with programmatic
-dependent launch (`tilellm/kernels/pdl.py`), and `TILELLM_WEIGHT_PREFETCH=1` with each linear
-layer's weight asked for in L2 one layer ahead (`tilellm/worker/weight_prefetch.py`); compare
-with the plain command on one machine, one after the other.
+dependent launch (`tilellm/kernels/pdl.py`); compare the two on one machine, one after the other.
 """
 
 from __future__ import annotations

@@ -67,7 +67,6 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("gumbel", "argmax", "softmax", "topk", "top_k", "sort", "multinomial", "penalt", "bitmask"),
     ),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
-    ("L2 prefetch (weights)", ("prefetch",)),
 )
 OTHER = "other"
 

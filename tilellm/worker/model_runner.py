@@ -52,7 +52,6 @@ from tilellm.worker.rejection import DraftVerification
 from tilellm.worker.sampler import HostSampling, PromptLogprobs, Sampler, SamplerOutput, prompt_logprobs_of
 from tilellm.worker.staging import PinnedStaging
 from tilellm.worker.step_inputs import NUM_WORDS, StepInputs, build_step_inputs
-from tilellm.worker.weight_prefetch import weight_prefetcher_for
 
 if TYPE_CHECKING:
     from tilellm.distributed import TPDriver, TPGroup
@@ -162,15 +161,6 @@ class ModelRunner:
         logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
         if pdl_enabled(self.device):
             logger.info("TILELLM_PDL=1: the decode path's kernels launch with programmatic dependent launch")
-        from tilellm.models.layers.linear import LinearBase
-
-        # decode steps of a few tokens ask for the next linear layers' weights in L2 (opt-in)
-        self.weight_prefetch = weight_prefetcher_for(self.model, (LinearBase,))
-        if self.weight_prefetch is not None:
-            logger.info(
-                "TILELLM_WEIGHT_PREFETCH=%d: small decode steps prefetch weights into L2",
-                self.weight_prefetch.distance,
-            )
         num_layers, num_kv_heads, head_dim = model_kv_spec(self.hf_config, tp_size)
         self.block_size = config.block_size
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
@@ -627,9 +617,7 @@ class ModelRunner:
 
     def _forward_all_rows(self, x: StepInputs) -> torch.Tensor:
         """Logits [T, V] of every row (what a decode graph captures)."""
-        prefetch = self.weight_prefetch
-        watching = prefetch.watching(x.num_tokens) if prefetch is not None else contextlib.nullcontext()
-        with attention_context(self._plan(x)), watching:
+        with attention_context(self._plan(x)):
             hidden = self.model(x.input_ids, x.positions)
         return self.model.compute_logits(hidden)
 
