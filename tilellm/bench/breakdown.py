@@ -163,17 +163,20 @@ class KernelGaps:
 
 
 def kernel_gaps(spans: list[tuple[float, float]], steps: int, step_gap_us: float = 20.0) -> KernelGaps:
-    """`KernelGaps` of kernels given as (start, duration) in microseconds, one stream (they do not
-    overlap), over `steps` steps."""
+    """`KernelGaps` of kernels given as (start, duration) in microseconds, over `steps` steps. A
+    gap is time in which no kernel runs: measured from the latest end so far, so kernels that
+    overlap (on other streams) leave none."""
     spans = sorted(spans)
     busy = sum(d for _, d in spans)
     within = between = 0.0
-    for (start, dur), (next_start, _) in zip(spans, spans[1:]):
-        gap = max(next_start - (start + dur), 0.0)
+    end = spans[0][0] if spans else 0.0
+    for start, dur in spans:
+        gap = max(start - end, 0.0)
         if gap <= step_gap_us:
             within += gap
         else:
             between += gap
+        end = max(end, start + dur)
     return KernelGaps(steps, len(spans), busy, within, between)
 
 
