@@ -166,7 +166,7 @@ def test_eager_split_calls_merge_in_the_kernel_by_default(monkeypatch, merges, v
         monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
     paged.clear_plans()
     workspace = split_scratch.stream_workspace(torch.device(device))
-    workspace.o_parts = workspace.lse_parts = None
+    workspace.clear()
     buffers = None
     for seed in (1, 2, 3):
         b = make_paged_batch([(1, 300), (1, 1), (1, 95)], 8, 2, 32, 16, torch.float32, device, seed=seed)
@@ -198,7 +198,7 @@ def test_large_partials_are_not_kept(monkeypatch, device):
     _set_mode(monkeypatch, None)
     monkeypatch.setattr(split_scratch, "WORKSPACE_MAX_PARTIALS", 1024)
     workspace = split_scratch.stream_workspace(torch.device(device))
-    workspace.o_parts = workspace.lse_parts = None
+    workspace.clear()
     b = make_paged_batch([(40, 150), (4, 37)], 8, 2, 32, 16, torch.float32, device, seed=9)
     out = tk.paged_attention(*b.args(), num_splits=3)
     assert_close(out, ref.paged_attention(*b.args()), tolerance(torch.float32, device), "own partials")

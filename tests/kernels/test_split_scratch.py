@@ -10,7 +10,7 @@ from tilellm.kernels import split_scratch
 
 def _fresh(device: str) -> split_scratch.StreamWorkspace:
     workspace = split_scratch.stream_workspace(torch.device(device))
-    workspace.o_parts = workspace.lse_parts = workspace.counters = None
+    workspace.clear()
     return workspace
 
 

@@ -452,6 +452,51 @@ def test_apply_rotary_store_equals_rotary_then_store(
     assert torch.equal(stored, written), "a slot was written that no token maps to, or one was missed"
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_apply_rotary_remembered_launch_takes_each_calls_tensors(device, monkeypatch, cache_dtype):
+    """A call of a layout seen before reuses its launch (value checks off, as on a GPU without
+    TILELLM_DEBUG): new tensors of that layout give the twin's results and stores; an FP8 cache
+    without scales, a call without the store and another layout each get their own launch."""
+    from tilellm.kernels import validation
+
+    monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
+    monkeypatch.setattr(fused, "_ROTARY_REMEMBERED", {})
+    t, hq, hkv, d = 5, 4, 2, 32
+    cache = _cos_sin_cache(64, d).to(device)
+    weights = dict(
+        q_norm_weight=_randn(d, seed=52, device=device), k_norm_weight=_randn(d, seed=53, device=device)
+    )
+    for seed in (1, 2, 3):
+        q, k, v = _qkv_views(t, hq, hkv, d, torch.float16, device, seed=60 + seed)
+        positions = torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(seed)).to(device)
+        slots = torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:t].to(device)
+        caches = [_poisoned_caches(2, 8, hkv, d, cache_dtype, device) for _ in range(2)]
+        store = dict(v=v, slot_mapping=slots)
+        q_out, k_out = fused.apply_rotary(
+            q, k, positions, cache, **weights, k_cache=caches[0][0], v_cache=caches[0][1], **store
+        )
+        q_ref, k_ref = ref.apply_rotary(
+            q.contiguous(), k.contiguous(), positions, cache, **weights, k_cache=caches[1][0],
+            v_cache=caches[1][1], **store,
+        )  # fmt: skip
+        _assert_close(q_out, q_ref, torch.float16)
+        _assert_close(k_out, k_ref, torch.float16)
+        for got, want in zip(caches[0], caches[1]):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+        # the same q and k without the store: its own launch, nothing written
+        q_plain, k_plain = fused.apply_rotary(q, k, positions, cache, **weights)
+        assert torch.equal(q_plain, q_out) and torch.equal(k_plain, k_out)
+    assert len(fused._ROTARY_REMEMBERED) == 2
+    # another layout (contiguous q and k, more tokens): another launch, right results
+    q, k = _randn(t + 2, hq, d, seed=70, device=device), _randn(t + 2, hkv, d, seed=71, device=device)
+    positions = torch.arange(t + 2, device=device)
+    q_out, k_out = fused.apply_rotary(q, k, positions, cache)
+    q_ref, k_ref = ref.apply_rotary(q, k, positions, cache)
+    _assert_close(q_out, q_ref, torch.float32)
+    _assert_close(k_out, k_ref, torch.float32)
+    assert len(fused._ROTARY_REMEMBERED) == 3
+
+
 def test_apply_rotary_store_past_int32_offsets(device):
     """Slots whose element offset `slot * Hkv * D` exceeds 2^31 (a 4 GiB cache, only its top touched)."""
     t, hq, hkv, d, block_size = 6, 4, 2, 64, 16

@@ -21,10 +21,13 @@ holds the input checks both share. All math is in fp32; outputs take the input d
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from tilellm.kernels import validation
 from tilellm.kernels.config import cdiv, next_power_of_2
 from tilellm.kernels.fp8 import is_fp8, to_cache, unit_scale
 from tilellm.kernels.fp8_gemm import group_quant_outputs, group_quant_tile, quantize_groups
@@ -433,6 +436,48 @@ def _rotary_kernel(
 _rotary_launch = FastLaunch(_rotary_kernel)
 
 
+class _RotaryLaunch(NamedTuple):
+    """`apply_rotary`'s launch for one layout of a call (every tensor's type, shape, strides,
+    dtype and device, and the scalar arguments): what the checks passed and the planning found.
+    A later eager call of that layout only allocates its outputs and launches (as the attention
+    calls do, `paged._REMEMBERED`)."""
+
+    grid: tuple[int]
+    scalars: tuple  # the strides, token and head counts, programs of q, half the head dim, eps
+    consts: dict  # the constexprs and launch options
+    key: tuple  # `FastLaunch`'s key
+    store: bool  # the rotated keys and v go to the paged cache
+    quantize: bool  # ... an FP8 one, with scales
+    unit: torch.Tensor | None  # 1.0 for an FP8 cache's scale not given
+
+    def run(self, q, k, positions, cache, qw, kw, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+        """Launch over the call's tensors: (q_out, k_out). The arguments the kernel does not read
+        go as None (the launch's binary was bound with None there)."""
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+        if not self.store:
+            v = k_cache = v_cache = slot_mapping = None
+        if not self.quantize:
+            k_scale = v_scale = None
+        elif self.unit is not None:
+            k_scale = k_scale if k_scale is not None else self.unit
+            v_scale = v_scale if v_scale is not None else self.unit
+        _rotary_launch.run(
+            self.grid,
+            (q, k, q_out, k_out, qw, kw, positions, cache, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+             *self.scalars),
+            self.consts,
+            key=self.key,
+        )  # fmt: skip
+        return q_out, k_out
+
+
+# The launches of eager `apply_rotary` calls by the call's layout (`validation.call_key`); only
+# calls that copied no input are remembered (a copy's layout is not the argument's).
+_ROTARY_REMEMBERED: dict[tuple, _RotaryLaunch] = {}
+_MAX_REMEMBERED = 4096
+
+
 def apply_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -466,49 +511,67 @@ def apply_rotary(
     k[..., perm] and the weights [perm] with perm = [0, 2, ..., D - 2, 1, 3, ..., D - 1]: the
     pairs' halves in the NeoX layout, without the gathers.
     """
+    tensors = (q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, v, k_cache, v_cache, slot_mapping,
+               k_scale, v_scale)  # fmt: skip
+    call = validation.call_key("apply_rotary", tensors, (eps, interleaved))
+    try:
+        launch = _ROTARY_REMEMBERED.get(call) if call is not None else None
+    except TypeError:  # an unhashable scalar argument (the checks say what is wrong)
+        launch = call = None
+    if launch is not None and not validation.deep_checks_enabled(q):
+        return launch.run(*tensors)
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
     store = check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
-    cache = _last_dim_contiguous(cos_sin_cache)
-    positions = positions.contiguous()
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    has_norm = q_norm_weight is not None
-    qw = q_norm_weight.contiguous() if has_norm else None  # (None: unread)
-    kw = k_norm_weight.contiguous() if has_norm else None
+    args = (
+        _last_dim_contiguous(q), _last_dim_contiguous(k), positions.contiguous(), _last_dim_contiguous(cos_sin_cache),
+        q_norm_weight.contiguous() if q_norm_weight is not None else None,  # (None: unread)
+        k_norm_weight.contiguous() if k_norm_weight is not None else None,
+    )  # fmt: skip
+    q, k, positions, cache, qw, kw = args
+    t = q.shape[0]
+    if t == 0:
+        return (
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+        )
+    launch = _plan_rotary(q, k, cache, v, k_cache, qw is not None, store, interleaved, eps, k_scale, v_scale)
+    out = launch.run(q, k, positions, cache, qw, kw, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if call is not None and all(a is b for a, b in zip(args, tensors)):
+        if len(_ROTARY_REMEMBERED) >= _MAX_REMEMBERED:
+            _ROTARY_REMEMBERED.clear()
+        _ROTARY_REMEMBERED[call] = launch
+    return out
+
+
+def _plan_rotary(
+    q, k, cache, v, k_cache, has_norm, store, interleaved, eps, k_scale, v_scale
+) -> _RotaryLaunch:
+    """The rotary kernel's launch for these (checked, last-dim contiguous) tensors."""
     t, hq, d = q.shape
     hk = k.shape[1]
     quantize = store and is_fp8(k_cache)
-    if store:
-        one = unit_scale(k.device) if quantize and (k_scale is None or v_scale is None) else None
-        store_args = (
-            v, k_cache, v_cache, slot_mapping,
-            (k_scale if k_scale is not None else one) if quantize else None,  # unread unless QUANTIZE
-            (v_scale if v_scale is not None else one) if quantize else None,
-        )  # fmt: skip
-        store_strides = (v.stride(0), v.stride(1), k_cache.stride(1))
-    else:
-        store_args, store_strides = (None,) * 6, (0, 0, 0)  # unread
-    if t > 0:
-        half = d // 2
-        block_half = next_power_of_2(half)
-        # (token, head) rows per program: half-row tiles of about 2K elements
-        block_r = max(1, min(256, 2048 // block_half))
-        num_q_programs = cdiv(t * hq, block_r)
-        grid = (num_q_programs + cdiv(t * hk, block_r),)
-        scalars = (
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0), *store_strides,
-            t, hq, hk, num_q_programs, half, float(eps),
-        )  # fmt: skip
-        _rotary_launch.run(
-            grid,
-            (q, k, q_out, k_out, qw, kw, positions, cache, *store_args, *scalars),
-            lambda: dict(
-                HAS_NORM=has_norm, INTERLEAVED=bool(interleaved), STORE=store, QUANTIZE=quantize, BLOCK_R=block_r,
-                BLOCK_HALF=block_half, **pdl_launch_kwargs(q.device),
-            ),
-            # all but the token counts; the blocks follow from half
-            key=(q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half),
-        )  # fmt: skip
-    return q_out, k_out
+    store_strides = (v.stride(0), v.stride(1), k_cache.stride(1)) if store else (0, 0, 0)  # (0: unread)
+    half = d // 2
+    block_half = next_power_of_2(half)
+    # (token, head) rows per program: half-row tiles of about 2K elements
+    block_r = max(1, min(256, 2048 // block_half))
+    num_q_programs = cdiv(t * hq, block_r)
+    # the outputs are new and contiguous: [T, H, D] strides
+    scalars = (
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), hq * d, d, hk * d, d, cache.stride(0), *store_strides,
+        t, hq, hk, num_q_programs, half, float(eps),
+    )  # fmt: skip
+    unit = unit_scale(k.device) if quantize and (k_scale is None or v_scale is None) else None
+    return _RotaryLaunch(
+        grid=(num_q_programs + cdiv(t * hk, block_r),),
+        scalars=scalars,
+        consts=dict(
+            HAS_NORM=has_norm, INTERLEAVED=bool(interleaved), STORE=store, QUANTIZE=quantize, BLOCK_R=block_r,
+            BLOCK_HALF=block_half, **pdl_launch_kwargs(q.device),
+        ),
+        # all but the token counts; the blocks follow from half
+        key=(q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half),
+        store=store,
+        quantize=quantize,
+        unit=unit,
+    )  # fmt: skip

@@ -57,9 +57,15 @@ def _default_settings() -> bool:
     return not (
         runtime.debug
         or compilation.instrumentation_mode
-        or getattr(compilation, "fpsan_homomorphic_casts", False)
-        or getattr(runtime, "add_stages_inspection_hook", None) is not None
+        or (_HAS_FPSAN and compilation.fpsan_homomorphic_casts)
+        or (_HAS_STAGES_HOOK and runtime.add_stages_inspection_hook is not None)
     )
+
+
+# (knobs that not every Triton has, looked up once: asking for a missing one on every launch
+# costs an exception)
+_HAS_FPSAN = hasattr(knobs.compilation, "fpsan_homomorphic_casts")
+_HAS_STAGES_HOOK = hasattr(knobs.runtime, "add_stages_inspection_hook")
 
 
 class _Bound(NamedTuple):
@@ -213,7 +219,7 @@ class FastLaunch:
         bound = self._bound.get(key)
         if bound is None or bound is _UNBOUND or debug_enabled() or not _default_settings():
             return False
-        device = torch.cuda.current_device()
+        device = _current_device()
         if device != bound.device:
             return False
         values = list(args)
@@ -313,7 +319,10 @@ def _tensormap_args(
     metadata; without metadata (the descriptor passed as its base tensor) built every time."""
     if meta_key is None:
         return make_arg(desc, meta)
-    key = (meta_key, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding)
+    shape, strides = desc.shape, desc.strides  # (tuples where built from a tensor, as here)
+    if type(shape) is list or type(strides) is list:
+        shape, strides = tuple(shape), tuple(strides)
+    key = (meta_key, desc.base.data_ptr(), shape, strides, desc.padding)
     expanded = _TENSORMAPS.get(key)
     if expanded is None:
         expanded = make_arg(desc, meta)
@@ -366,6 +375,37 @@ def tma_descriptor(
                 name: value for name, value in vars(desc).items() if name != "base"
             }
         return desc
+    return _from_fields(cls, fields, base)
+
+
+class DescriptorTemplate:
+    """`tma_descriptor(cls, ·, block_shape, layout, view)` for tensors of one layout (shape,
+    strides, dtype) that the caller has already matched, such as a call remembered by its layout:
+    `over(base)` builds the descriptor from the checked fields without looking them up again,
+    provided base is 16-byte aligned (else, and until the layout has passed the checks once, it
+    is `tma_descriptor`'s)."""
+
+    __slots__ = ("cls", "block_shape", "layout", "view", "fields")
+
+    def __init__(self, cls: type, block_shape: list[int], layout: Any = None, view: Callable | None = None):
+        self.cls, self.block_shape, self.layout, self.view = cls, block_shape, layout, view
+        self.fields: dict | None = None  # the checked fields, once known
+
+    def over(self, base: torch.Tensor) -> Any:
+        fields = self.fields
+        if fields is not None and not base.data_ptr() & 15:
+            desc = object.__new__(self.cls)  # (`_from_fields`, inline: this is every launch's path)
+            vars(desc).update(fields, base=base)
+            return desc
+        desc = tma_descriptor(self.cls, base, self.block_shape, self.layout, self.view)
+        self.fields = _DESCRIPTOR_FIELDS.get(
+            (self.cls, base.shape, base.stride(), base.dtype, tuple(self.block_shape), self.layout, self.view)
+        )
+        return desc
+
+
+def _from_fields(cls: type, fields: dict, base: torch.Tensor) -> Any:
+    """A descriptor of checked `fields` over `base` (the dataclass's checks not run again)."""
     desc = object.__new__(cls)
     vars(desc).update(fields, base=base)
     return desc
@@ -388,6 +428,10 @@ def current_stream(device: int) -> int:
     """The raw handle of `device`'s current CUDA stream (what the launcher takes)."""
     return torch.cuda.current_stream(device).cuda_stream if _raw_stream is None else _raw_stream(device)
 
+
+# The current CUDA device without `torch.cuda.current_device()`'s lazy-init check (a bound key's
+# launch comes after CUDA's start)
+_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 try:  # the raw handle of the current stream without a Stream object (what Triton's driver calls)
     _raw_stream: Callable[[int], int] | None = torch._C._cuda_getCurrentRawStream

@@ -49,7 +49,7 @@ from tilellm.kernels.config import (
     overridden,
     prefill_config,
 )
-from tilellm.kernels.launch import FastLaunch, tma_descriptor
+from tilellm.kernels.launch import DescriptorTemplate, FastLaunch
 
 
 @triton.jit
@@ -227,23 +227,24 @@ class _PrefillLaunch(NamedTuple):
     eager call of that layout launches without planning or checks (as `paged.py` does)."""
 
     grid: tuple[int, int, int]
-    blocks: tuple  # the descriptors' boxes: q, q tail, k, k tail, v (None: no tail)
+    # the descriptors' templates over q's, q's tail, k's, k's tail and v's [T, H * D] rows
+    # (None: no tail); the call's layout is fixed, so each keeps its checked fields
+    descriptors: tuple[DescriptorTemplate | None, ...]
     scalars: tuple  # qk_scale (base 2), o's token and head strides
     consts: dict  # the constexprs and launch options
     key: tuple  # `FastLaunch`'s key
 
     def run(self, q, k, v, o, cu_seqlens, stats=None) -> None:
-        q_block, q_tail_block, k_block, k_tail_block, v_block = self.blocks
-        descriptors = (
-            _rows_descriptor(q, q_block), _rows_descriptor(q, q_tail_block), _rows_descriptor(k, k_block),
-            _rows_descriptor(k, k_tail_block), _rows_descriptor(v, v_block),
-        )  # fmt: skip
+        q_desc, q_tail, k_desc, k_tail, v_desc = self.descriptors
         _prefill_launch.run(
             self.grid,
-            (*descriptors, o, cu_seqlens, stats if stats is not None else cu_seqlens, *self.scalars),
+            (
+                q_desc.over(q), q_tail and q_tail.over(q), k_desc.over(k), k_tail and k_tail.over(k),
+                v_desc.over(v), o, cu_seqlens, stats if stats is not None else cu_seqlens, *self.scalars,
+            ),
             self.consts,
             key=self.key,
-        )
+        )  # fmt: skip
 
 
 # The launches of eager `prefill_attention` calls by the call's layout (`validation.layout_key`
@@ -287,11 +288,10 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
 
 
-def _rows_descriptor(x: torch.Tensor, block: list[int] | None) -> TensorDescriptor | None:
-    """A descriptor over [T, H, D] `x`'s [T, H * D] rows (for a layout seen before, without
-    building the view: `tma_descriptor`); None for no tail block: the kernel never reads it (no
-    tensor map to build)."""
-    return None if block is None else tma_descriptor(TensorDescriptor, x, block, view=rows_view)
+def _rows_template(block: list[int] | None) -> DescriptorTemplate | None:
+    """Descriptors of `block` boxes over a [T, H, D] tensor's [T, H * D] rows (`rows_view`); None
+    for no tail block: the kernel never reads it (no tensor map to build)."""
+    return None if block is None else DescriptorTemplate(TensorDescriptor, block, view=rows_view)
 
 
 def head_dim_blocks(head_dim: int) -> tuple[int, int]:
@@ -332,9 +332,10 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> _P
     consts = (q.device, group, D, qk_main, qk_tail, Dv, v_block, cfg, causal, stats is not None, q.dtype)
     launch = _PrefillLaunch(
         grid=(cdiv(max(max_seqlen, 1), cfg.block_m), Hq, batch),
-        blocks=(
-            [cfg.block_m, qk_main], [cfg.block_m, qk_tail] if qk_tail else None,
-            [cfg.block_n, qk_main], [cfg.block_n, qk_tail] if qk_tail else None, [cfg.block_n, v_block],
+        descriptors=(
+            _rows_template([cfg.block_m, qk_main]), _rows_template([cfg.block_m, qk_tail] if qk_tail else None),
+            _rows_template([cfg.block_n, qk_main]), _rows_template([cfg.block_n, qk_tail] if qk_tail else None),
+            _rows_template([cfg.block_n, v_block]),
         ),
         scalars=(scale * LOG2_E, o.stride(0), o.stride(1)),
         consts=dict(

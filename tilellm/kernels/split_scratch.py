@@ -19,14 +19,46 @@ from tilellm.kernels.launch import current_stream
 
 class StreamWorkspace:
     """One stream's split-KV scratch: `counters` int32 arrivals per tile (zero between launches),
-    `o_parts` / `lse_parts` flat float32 partials, each grown to the largest call seen."""
+    `o_parts` / `lse_parts` flat float32 partials, each grown to the largest call seen (their
+    sizes kept as ints: an eager split call asks for them on every launch)."""
 
-    __slots__ = ("counters", "o_parts", "lse_parts")
+    __slots__ = ("counters", "o_parts", "lse_parts", "counters_size", "o_size", "lse_size")
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Give up every buffer (the next call allocates afresh)."""
         self.counters: torch.Tensor | None = None
         self.o_parts: torch.Tensor | None = None
         self.lse_parts: torch.Tensor | None = None
+        self.counters_size = self.o_size = self.lse_size = 0
+
+    def parts(
+        self, o_size: int, lse_size: int, counter_slots: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`split_parts` outside a capture: partials of at least these sizes (per call past
+        WORKSPACE_MAX_PARTIALS) and `counter_slots` zeroed counters (None for 0)."""
+        counters = None
+        if counter_slots:
+            if self.counters_size < counter_slots:
+                self._grow_counters(counter_slots, device)
+            counters = self.counters
+        if o_size > WORKSPACE_MAX_PARTIALS:
+            return _own_parts(o_size, lse_size, device) + (counters,)
+        # (a buffer given up stays with the stream: the caching allocator hands it out again only
+        # to work queued after the calls that used it)
+        if self.o_size < o_size:
+            self.o_size = next_power_of_2(o_size)
+            self.o_parts = torch.empty(self.o_size, dtype=torch.float32, device=device)
+        if self.lse_size < lse_size:
+            self.lse_size = next_power_of_2(lse_size)
+            self.lse_parts = torch.empty(self.lse_size, dtype=torch.float32, device=device)
+        return self.o_parts, self.lse_parts, counters
+
+    def _grow_counters(self, slots: int, device: torch.device) -> None:
+        self.counters_size = max(SPLIT_COUNTERS_MIN, next_power_of_2(slots))
+        self.counters = torch.zeros(self.counters_size, dtype=torch.int32, device=device)
 
 
 SPLIT_COUNTERS_MIN = 4096
@@ -76,17 +108,7 @@ def split_parts(
     if stream_capturing(device) if capturing is None else capturing:
         counters = torch.zeros(counter_slots, dtype=torch.int32, device=device) if counter_slots else None
         return _own_parts(o_size, lse_size, device) + (counters,)
-    workspace = stream_workspace(device)
-    counters = _stream_counters(workspace, counter_slots, device) if counter_slots else None
-    if o_size > WORKSPACE_MAX_PARTIALS:
-        return _own_parts(o_size, lse_size, device) + (counters,)
-    # (a buffer given up stays with the stream: the caching allocator hands it out again only to
-    # work queued after the calls that used it)
-    if workspace.o_parts is None or workspace.o_parts.numel() < o_size:
-        workspace.o_parts = torch.empty(next_power_of_2(o_size), dtype=torch.float32, device=device)
-    if workspace.lse_parts is None or workspace.lse_parts.numel() < lse_size:
-        workspace.lse_parts = torch.empty(next_power_of_2(lse_size), dtype=torch.float32, device=device)
-    return workspace.o_parts, workspace.lse_parts, counters
+    return stream_workspace(device).parts(o_size, lse_size, counter_slots, device)
 
 
 def _own_parts(o_size: int, lse_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,14 +124,9 @@ def split_counters(device: torch.device, slots: int) -> torch.Tensor:
     replay)."""
     if stream_capturing(device):
         return torch.zeros(slots, dtype=torch.int32, device=device)
-    return _stream_counters(stream_workspace(device), slots, device)
-
-
-def _stream_counters(workspace: StreamWorkspace, slots: int, device: torch.device) -> torch.Tensor:
-    """The stream's counters, grown (zeroed) to at least `slots`."""
-    if workspace.counters is None or workspace.counters.numel() < slots:
-        size = max(SPLIT_COUNTERS_MIN, next_power_of_2(slots))
-        workspace.counters = torch.zeros(size, dtype=torch.int32, device=device)
+    workspace = stream_workspace(device)
+    if workspace.counters_size < slots:
+        workspace._grow_counters(slots, device)
     return workspace.counters
 
 
