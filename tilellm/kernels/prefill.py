@@ -208,7 +208,12 @@ def prefill_attention(
         except TypeError:  # an unhashable scalar argument (the checks say what is wrong)
             launch = call = None
         if launch is not None and not validation.deep_checks_enabled(q):
-            o = q.new_empty((*q.shape[:2], v.shape[2])) if out is None else out
+            if out is not None:
+                o = out
+            elif launch.o_like_q:  # (cheaper than new_empty with a shape; dense like the first call's)
+                o = torch.empty_like(q, memory_format=torch.contiguous_format)
+            else:
+                o = q.new_empty((*q.shape[:2], v.shape[2]))
             launch.run(q, k, v, o, cu_seqlens)
             return o
     validation.check_prefill("prefill_attention", q, k, v, cu_seqlens, max_seqlen)
@@ -233,6 +238,7 @@ class _PrefillLaunch(NamedTuple):
     scalars: tuple  # qk_scale (base 2), o's token and head strides
     consts: dict  # the constexprs and launch options
     key: tuple  # `FastLaunch`'s key
+    o_like_q: bool  # the output has q's shape (v's head dim is q's)
 
     def run(self, q, k, v, o, cu_seqlens, stats=None) -> None:
         q_desc, q_tail, k_desc, k_tail, v_desc = self.descriptors
@@ -346,6 +352,7 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> _P
         # the launch key: the constexprs (the descriptors' blocks among them), the element types
         # and the strides the kernel specialises on
         key=(consts, k.dtype, v.dtype, o.stride(0), o.stride(1)),
+        o_like_q=Dv == D,
     )  # fmt: skip
     launch.run(q, k, v, o, cu_seqlens, stats)
     return launch
