@@ -201,8 +201,16 @@ def test_rms_norm_quant_equals_rms_norm_then_quant(
     assert len(got) == (3 if with_residual else 2)
     x_q, x_s = got[0], got[1]
     assert x_q.shape == (n, h) and x_s.shape == (n, h // group)
-    assert torch.equal(x_q.view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(x_s, want_s) and x_s.stride() == want_s.stride()
+    if dtype == torch.float32 and x.is_cuda:
+        # fp32 rows keep every bit of y, and two compiled kernels may sum a row's squares in
+        # another order: scales within a rounding, codes at most one e4m3 step apart
+        torch.testing.assert_close(x_s, want_s, rtol=1e-6, atol=0)
+        steps = (x_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
+        assert int(steps.max()) <= 1, f"{int((steps > 1).sum())} codes more than one e4m3 step apart"
+    else:
+        assert torch.equal(x_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(x_s, want_s)
+    assert x_s.stride() == want_s.stride()
     assert x_s.stride(0) == (1 if column_major_scales else h // group)
     if with_residual:
         assert torch.equal(got[2], want_res)
@@ -311,7 +319,12 @@ def test_apply_rotary_interleaved_equals_the_permuted_call(device, impl, dtype, 
     want = impl.apply_rotary(
         q[..., perm].contiguous(), k[..., perm].contiguous(), positions, cache, **norms_perm
     )
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if with_norm and dtype == torch.float32 and q.is_cuda:
+        # the two compiled variants may sum a head's squares in another order, and fp32 outputs
+        # keep the last bit of that difference (16-bit outputs round it away)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("impl", [fused, ref], ids=["triton", "reference"])
