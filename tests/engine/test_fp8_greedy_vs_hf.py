@@ -299,7 +299,8 @@ def test_static_prompt_steps_through_scaled_mm_are_hf_static_w8a8_choices(checkp
     scaled_mm on folded scales (`scaled_mm_fp8`; its threshold lowered to 16 tokens so that the
     tiny prompts' steps reach it, chunked to 24): the same gates against transformers quantizing
     each layer's input by its scale (on a GPU, where the block GEMM's FP8 dots round more, the
-    Triton engine's gate above)."""
+    Triton engine's gate above). Eager steps: a CUDA graph would call the layers at its capture's
+    padded sizes, and not at all when replayed."""
     from tilellm.kernels import fp8_gemm
     from tilellm.models import quantization
 
@@ -310,8 +311,9 @@ def test_static_prompt_steps_through_scaled_mm_are_hf_static_w8a8_choices(checkp
     fp8_dir, dequant_dir, _ = checkpoints["qwen3_static"]
     prompts = _prompts()
     got = _engine_greedy(
-        fp8_dir, prompts, num_kv_blocks=64, max_num_batched_tokens=24, fused_ops_backend="triton"
-    )
+        fp8_dir, prompts, num_kv_blocks=64, max_num_batched_tokens=24, fused_ops_backend="triton",
+        enforce_eager=True,
+    )  # fmt: skip
     # the tiny Qwen3's 8 FP8 layers in every step of 17-24 tokens (chunks of the budget)
     assert len(calls) >= 8 and len(calls) % 8 == 0 and max(calls) <= 24, calls
     hf = _hf_static_model(*_static_oracle_inputs(fp8_dir, dequant_dir, tmp_path / "oracle"))
