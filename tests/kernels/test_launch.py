@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tests.conftest import DEVICE, HAS_CUDA
-from tilellm.kernels.launch import FastLaunch, tma_descriptor
+from tilellm.kernels.launch import DescriptorTemplate, FastLaunch, tma_descriptor
 
 
 @triton.jit
@@ -421,3 +421,29 @@ def test_fast_launch_is_captured_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, _expected(x, y, 1.0))
+
+
+def test_descriptor_template_builds_from_the_checked_fields():
+    """`DescriptorTemplate.over` gives `tma_descriptor`'s descriptors: once its layout passed the
+    checks, new tensors of that layout get the checked fields with the tensor itself as the base;
+    a misaligned base is checked again and refused; a view that copies is built every time and
+    never gives the template fields."""
+    block = [16, 32]
+    template = DescriptorTemplate(TensorDescriptor, block, view=_rows)
+    x = torch.randn(40, 4, 32)
+    first = template.over(x)
+    assert template.fields is not None
+    assert vars(first) == vars(TensorDescriptor.from_tensor(_rows(x), block)) | {"base": first.base}
+    y = torch.randn(40, 4, 32)
+    again = template.over(y)
+    assert again.base is y
+    assert {n: v for n, v in vars(again).items() if n != "base"} == template.fields
+    storage = torch.randn(40 * 128 + 1)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        template.over(storage[1:].view(40, 4, 32))
+    copying = DescriptorTemplate(TensorDescriptor, block, view=_rows)
+    wide = torch.randn(40, 4, 64)[:, :, :32]  # heads not packed: the view copies
+    for _ in range(2):
+        desc = copying.over(wide)
+        assert desc.base.data_ptr() != wide.data_ptr() and torch.equal(desc.base, _rows(wide))
+        assert copying.fields is None

@@ -42,6 +42,16 @@ def test_partials_come_from_the_stream_and_grow(device):
     assert split_scratch.split_parts(2, 3, 8, 64, dev)[0] is o3
 
 
+def test_a_fresh_workspace_hands_out_tensors_for_empty_calls(device):
+    """No tokens, no counters asked for: tensors all the same (empty partials, the minimum of
+    counters), never None, on a fresh workspace as on a used one."""
+    dev = torch.device(device)
+    _fresh(device)
+    o, lse, counters = split_scratch.split_parts(2, 0, 8, 64, dev)
+    assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor) and counters is None
+    assert split_scratch.split_counters(dev, 0).numel() == split_scratch.SPLIT_COUNTERS_MIN
+
+
 def test_a_capture_gets_its_own_buffers(device):
     """`capturing=True` (a CUDA-graph capture) never hands out the stream's buffers."""
     dev = torch.device(device)

@@ -465,11 +465,16 @@ def test_apply_rotary_store_equals_rotary_then_store(
     assert torch.equal(stored, written), "a slot was written that no token maps to, or one was missed"
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
-def test_apply_rotary_remembered_launch_takes_each_calls_tensors(device, monkeypatch, cache_dtype):
+@pytest.mark.parametrize(
+    "cache_dtype, scales",
+    [(torch.float16, ""), (torch.float8_e4m3fn, ""), (torch.float8_e4m3fn, "k"), (torch.float8_e4m3fn, "kv")],
+    ids=["fp16", "fp8-no-scales", "fp8-k-scale-only", "fp8-scales"],
+)
+def test_apply_rotary_remembered_launch_takes_each_calls_tensors(device, monkeypatch, cache_dtype, scales):
     """A call of a layout seen before reuses its launch (value checks off, as on a GPU without
-    TILELLM_DEBUG): new tensors of that layout give the twin's results and stores; an FP8 cache
-    without scales, a call without the store and another layout each get their own launch."""
+    TILELLM_DEBUG): new tensors of that layout give the twin's results and stores (an FP8 cache's
+    missing scale read as 1.0); a call without the store and another layout each get their own
+    launch."""
     from tilellm.kernels import validation
 
     monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
@@ -485,6 +490,10 @@ def test_apply_rotary_remembered_launch_takes_each_calls_tensors(device, monkeyp
         slots = torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:t].to(device)
         caches = [_poisoned_caches(2, 8, hkv, d, cache_dtype, device) for _ in range(2)]
         store = dict(v=v, slot_mapping=slots)
+        if "k" in scales:
+            store["k_scale"] = torch.tensor([0.01 * seed], device=device)
+        if "v" in scales:
+            store["v_scale"] = torch.tensor([0.03 * seed], device=device)
         q_out, k_out = fused.apply_rotary(
             q, k, positions, cache, **weights, k_cache=caches[0][0], v_cache=caches[0][1], **store
         )
@@ -508,6 +517,28 @@ def test_apply_rotary_remembered_launch_takes_each_calls_tensors(device, monkeyp
     _assert_close(q_out, q_ref, torch.float32)
     _assert_close(k_out, k_ref, torch.float32)
     assert len(fused._ROTARY_REMEMBERED) == 3
+
+
+def test_apply_rotary_call_that_copied_an_input_is_not_remembered(device, monkeypatch):
+    """positions with a stride (copied to a contiguous tensor for the kernel) or q with a
+    non-unit last-dim stride: the call is right and its launch is not remembered, since the
+    kernel ran on the copy's layout, not the argument's."""
+    from tilellm.kernels import validation
+
+    monkeypatch.setattr(validation, "deep_checks_enabled", lambda t: False)
+    monkeypatch.setattr(fused, "_ROTARY_REMEMBERED", {})
+    t, hq, hkv, d = 6, 4, 2, 16
+    cache = _cos_sin_cache(64, d).to(device)
+    q, k = _randn(t, hq, d, seed=80, device=device), _randn(t, hkv, d, seed=81, device=device)
+    strided_positions = torch.arange(2 * t, device=device)[::2]
+    strided_q = _randn(t, hq, 2 * d, seed=82, device=device)[..., ::2]
+    for args in ((q, k, strided_positions), (strided_q, k, strided_positions[:t].contiguous())):
+        for _ in range(2):
+            got = fused.apply_rotary(*args, cache)
+            want = ref.apply_rotary(args[0].contiguous(), args[1], args[2].contiguous(), cache)
+            _assert_close(got[0], want[0], torch.float32)
+            _assert_close(got[1], want[1], torch.float32)
+    assert fused._ROTARY_REMEMBERED == {}
 
 
 def test_apply_rotary_store_past_int32_offsets(device):

@@ -451,8 +451,11 @@ class _RotaryLaunch(NamedTuple):
     unit: torch.Tensor | None  # 1.0 for an FP8 cache's scale not given
 
     def run(self, q, k, positions, cache, qw, kw, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
-        """Launch over the call's tensors: (q_out, k_out). The arguments the kernel does not read
-        go as None (the launch's binary was bound with None there)."""
+        """Launch over a call's tensors of the planned layout (`apply_rotary`'s arguments: q
+        [T, Hq, D], k [T, Hkv, D], positions [T], cache [max_pos, D], the norm weights [D] or
+        None, the store's v [T, Hkv, D], caches [blocks, page, Hkv, D], slot_mapping [T] and
+        scales or None): (q_out [T, Hq, D], k_out [T, Hkv, D]), contiguous. The arguments the
+        kernel does not read go as None (its binary was bound with None there)."""
         q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
         k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
         if not self.store:
@@ -546,7 +549,9 @@ def apply_rotary(
 def _plan_rotary(
     q, k, cache, v, k_cache, has_norm, store, interleaved, eps, k_scale, v_scale
 ) -> _RotaryLaunch:
-    """The rotary kernel's launch for these (checked, last-dim contiguous) tensors."""
+    """The rotary kernel's launch for these checked, last-dim contiguous tensors (q [T, Hq, D],
+    k [T, Hkv, D], cache [max_pos, D]; v and k_cache as `apply_rotary`'s, read only to `store`),
+    T > 0. `eps` is read here, once per layout: pass a float."""
     t, hq, d = q.shape
     hk = k.shape[1]
     quantize = store and is_fp8(k_cache)

@@ -382,8 +382,9 @@ class DescriptorTemplate:
     """`tma_descriptor(cls, ·, block_shape, layout, view)` for tensors of one layout (shape,
     strides, dtype) that the caller has already matched, such as a call remembered by its layout:
     `over(base)` builds the descriptor from the checked fields without looking them up again,
-    provided base is 16-byte aligned (else, and until the layout has passed the checks once, it
-    is `tma_descriptor`'s)."""
+    provided base is 16-byte aligned (else, until the layout has passed the checks once, for a
+    view that copies, and under TILELLM_DEBUG=1, it is `tma_descriptor`'s). A base of another
+    layout would get the first one's shape and strides: the caller must not pass one."""
 
     __slots__ = ("cls", "block_shape", "layout", "view", "fields")
 
@@ -392,8 +393,9 @@ class DescriptorTemplate:
         self.fields: dict | None = None  # the checked fields, once known
 
     def over(self, base: torch.Tensor) -> Any:
+        """The descriptor over `base` (a tensor of the template's layout)."""
         fields = self.fields
-        if fields is not None and not base.data_ptr() & 15:
+        if fields is not None and not base.data_ptr() & 15 and not debug_enabled():
             desc = object.__new__(self.cls)  # (`_from_fields`, inline: this is every launch's path)
             vars(desc).update(fields, base=base)
             return desc

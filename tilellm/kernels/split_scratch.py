@@ -32,7 +32,8 @@ class StreamWorkspace:
         self.counters: torch.Tensor | None = None
         self.o_parts: torch.Tensor | None = None
         self.lse_parts: torch.Tensor | None = None
-        self.counters_size = self.o_size = self.lse_size = 0
+        # (-1: nothing held, so that even a request of size 0 gets a tensor)
+        self.counters_size = self.o_size = self.lse_size = -1
 
     def parts(
         self, o_size: int, lse_size: int, counter_slots: int, device: torch.device
