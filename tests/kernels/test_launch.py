@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tests.conftest import DEVICE, HAS_CUDA
-from tilellm.kernels.launch import DescriptorTemplate, FastLaunch, tma_descriptor
+from tilellm.kernels.launch import DescriptorTemplate, FastLaunch, LaunchKey, tma_descriptor
 
 
 @triton.jit
@@ -447,3 +447,20 @@ def test_descriptor_template_builds_from_the_checked_fields():
         desc = copying.over(wide)
         assert desc.base.data_ptr() != wide.data_ptr() and torch.equal(desc.base, _rows(wide))
         assert copying.fields is None
+
+
+def test_launch_key_is_its_tuple():
+    """A `LaunchKey` equals, and hashes as, the plain tuple of its items (either finds the other's
+    entry in `FastLaunch`'s table)."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Tiles:
+        block_m: int
+        block_n: int
+
+    items = ((torch.device("cpu"), torch.bfloat16, Tiles(16, 64), True), (32, 4096, 128))
+    key = LaunchKey(items)
+    assert key == items and hash(key) == hash(items) and isinstance(key, tuple)
+    assert {items: "plain"}[key] == "plain" and {key: "kept"}[items] == "kept"
+    assert LaunchKey(items) == key and LaunchKey(((1,), (2,))) != key

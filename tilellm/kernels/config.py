@@ -65,8 +65,14 @@ def _env_is(name: str, value: str) -> bool:
 
 def debug_enabled() -> bool:
     """TILELLM_DEBUG=1: the kernels' value checks run on device tensors too, and keyed launches
-    are checked against their keys."""
-    return _env_is("TILELLM_DEBUG", "1")
+    are checked against their keys. (Asked several times an eager call: read without
+    `_env_is`'s lookup of the encoded name.)"""
+    if _ENV_DATA is None:
+        return os.environ.get("TILELLM_DEBUG") == "1"
+    return _ENV_DATA.get(_DEBUG_NAME) == _DEBUG_ON
+
+
+_DEBUG_NAME, _DEBUG_ON = _encoded("TILELLM_DEBUG", "1") if _ENV_DATA is not None else (None, None)
 
 
 def interpreting() -> bool:

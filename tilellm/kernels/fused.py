@@ -31,7 +31,7 @@ from tilellm.kernels import validation
 from tilellm.kernels.config import cdiv, next_power_of_2
 from tilellm.kernels.fp8 import is_fp8, to_cache, unit_scale
 from tilellm.kernels.fp8_gemm import group_quant_outputs, group_quant_tile, quantize_groups
-from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.launch import FastLaunch, LaunchKey
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import (
     check_apply_rotary,
@@ -575,7 +575,7 @@ def _plan_rotary(
             BLOCK_HALF=block_half, **pdl_launch_kwargs(q.device),
         ),
         # all but the token counts; the blocks follow from half
-        key=(q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half),
+        key=LaunchKey((q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half)),
         store=store,
         quantize=quantize,
         unit=unit,

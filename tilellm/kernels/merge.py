@@ -22,7 +22,7 @@ import triton.language as tl
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E, next_power_of_2
-from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.launch import FastLaunch, LaunchKey
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 
 LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
@@ -214,7 +214,7 @@ def plan_merge(
     S, T, H, D = parts_shape
     scalars = (S, H, *parts_stride[:3], *lse_stride[:2], *out_stride[:2])
     consts = (device, D, S, write_lse)
-    return MergeLaunch((T, H), scalars, consts, (consts, scalars[1], scalars[4], scalars[-2:]))
+    return MergeLaunch((T, H), scalars, consts, LaunchKey((consts, scalars[1], scalars[4], scalars[-2:])))
 
 
 def run_merge(

@@ -46,7 +46,7 @@ from tilellm.kernels.config import (
     split_merge_mode,
 )
 from tilellm.kernels.fp8 import is_fp8, unit_scale
-from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.launch import FastLaunch, LaunchKey
 from tilellm.kernels.merge import (
     MERGE_LAST_MAX_SPLITS,
     MergeLaunch,
@@ -567,7 +567,7 @@ def _triton_launch(
         merge = plan_merge(
             parts_shape, _contiguous_strides(parts_shape), (T * Hq, Hq, 1), o.stride(), o.device
         )
-    key = (consts, scalars[2:7] + scalars[8:11])  # Hq and the strides but block_table's
+    key = LaunchKey((consts, scalars[2:7] + scalars[8:11]))  # Hq and the strides but block_table's
     return _TritonLaunch(
         grid, scalars, consts, key, splits, batch * Hkv * q_tiles, is_decode, kv_fp8, merge, merge_last
     )

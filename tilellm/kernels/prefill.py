@@ -49,7 +49,7 @@ from tilellm.kernels.config import (
     overridden,
     prefill_config,
 )
-from tilellm.kernels.launch import DescriptorTemplate, FastLaunch
+from tilellm.kernels.launch import DescriptorTemplate, FastLaunch, LaunchKey
 
 
 @triton.jit
@@ -351,7 +351,7 @@ def _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, scale, stats=None) -> _P
         ),
         # the launch key: the constexprs (the descriptors' blocks among them), the element types
         # and the strides the kernel specialises on
-        key=(consts, k.dtype, v.dtype, o.stride(0), o.stride(1)),
+        key=LaunchKey((consts, k.dtype, v.dtype, o.stride(0), o.stride(1))),
         o_like_q=Dv == D,
     )  # fmt: skip
     launch.run(q, k, v, o, cu_seqlens, stats)

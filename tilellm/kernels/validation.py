@@ -43,9 +43,9 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
 def deep_checks_enabled(t: torch.Tensor) -> bool:
     """Value checks run on CPU tensors always, on device tensors only when TILELLM_DEBUG=1 and
     not inside a CUDA-graph capture (they read the values on the host, which a capture forbids)."""
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return True
-    return debug_enabled() and not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return debug_enabled() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 # ----------------------------------------------------------------------------------------------
