@@ -14,13 +14,14 @@ functions by own time, in microseconds per call (native functions, such as Trito
 launcher, appear as built-ins). The profiler adds its own cost to every Python call it sees, so
 its figures give shares, not times.
 
-`--python-only` measures the wrappers' Python work alone, on the CPU: the same calls on CPU
-tensors, every launch through `FastLaunch` replaced by a no-op (its own key lookup, Triton's
-argument binder and launcher are not counted) and the value checks off (as on a GPU without
-TILELLM_DEBUG), so that a change to the host path can be weighed without a GPU. Allocations are
-the CPU's, not the CUDA caching allocator's; decode and verification calls take `max_seqlen_k`
-(with CPU tensors the required-arguments path plans from `seq_lens`, which a GPU call never
-reads).
+`--python-only` measures the host path's Python work alone, on the CPU: the same calls on CPU
+tensors, every launch by a key through `FastLaunch`'s keyed path (its key lookup, settings checks,
+each tensor's dtype, address and alignment, the tensor maps' cache) with Triton's native launcher
+replaced by a no-op, the device and stream queries by constants, and the value checks off (as on
+a GPU without TILELLM_DEBUG), so that a change to the host path can be weighed without a GPU.
+Launches without a key (Triton's binder) are not counted. Allocations are the CPU's, not the CUDA
+caching allocator's; decode and verification calls take `max_seqlen_k` (with CPU tensors the
+required-arguments path plans from `seq_lens`, which a GPU call never reads).
 """
 
 from __future__ import annotations
@@ -46,14 +47,54 @@ def _sync() -> None:
 
 
 def _python_only() -> None:
-    """CPU tensors, launches replaced by a no-op, value checks as on a GPU (see the docstring)."""
+    """CPU tensors, value checks as on a GPU, and every launch by a key through `FastLaunch`'s
+    keyed path with the native launcher replaced by a no-op (see the docstring)."""
     import importlib
 
     global DEVICE
     DEVICE = "cpu"
     launch = importlib.import_module("tilellm.kernels.launch")
-    launch.FastLaunch.run = lambda self, grid, args, kwargs, key=None: None
+    # (the device and stream queries of a GPU launch: constants here)
+    launch._current_device = lambda: 0
+    launch.current_stream = lambda device: 0
+
+    def keyed_launch(self, grid, args, kwargs, key=None):
+        if key is None:
+            return  # (a launch without a key binds on every call: Triton's binder, not counted)
+        if key not in self._bound:
+            self._bound[key] = _stub_binding(launch, args)
+        if not self._launch_bound(key, grid, args):
+            raise RuntimeError(f"--python-only: the keyed launch of {self.fn} did not take its bound path")
+
+    launch.FastLaunch.run = keyed_launch
     importlib.import_module("tilellm.kernels.validation").deep_checks_enabled = lambda t: False
+
+
+def _stub_binding(launch, args: tuple):
+    """What `FastLaunch._bind` would remember for these arguments, on device 0, with a native
+    launcher that does nothing (`"".format` takes any arguments) and tensor maps that are their
+    descriptors."""
+    tensors = [i for i, a in enumerate(args) if type(a) in launch._TENSOR_TYPES]
+    descriptors = [i for i, a in enumerate(args) if launch._is_descriptor(a)]
+    bits = tuple(1 << n for n in range(len(tensors)))
+    return launch._Bound(
+        device=0,
+        kernel=type("Kernel", (), {"function": 0, "packed_metadata": None})(),
+        tensor_positions=tuple(tensors),
+        dtypes=tuple(args[i].dtype for i in tensors),
+        descriptor_positions=tuple(descriptors),
+        descriptor_types=tuple(type(args[i]) for i in descriptors),
+        alignment_bits=bits,
+        misaligned=sum(bit for i, bit in zip(tensors, bits) if args[i].data_ptr() & 15),
+        tail=(),
+        direct=launch._DirectLaunch(
+            launch="".format,
+            cooperative=False,
+            pdl=False,
+            descriptors=tuple((i, {}, ("stub", i)) for i in descriptors),
+            make_tensordesc_arg=lambda desc, meta: [desc],
+        ),
+    )
 
 
 def _decode_batch(batch: int, seq_len: int):
@@ -163,7 +204,7 @@ def main() -> None:
     )
     # (the prefill's device time is long: fewer calls a round)
     res = {name: host_us(fn, calls=50 if name.startswith("prefill") else 200) for name, fn in calls.items()}
-    where = "Python work only, launches stubbed (CPU)" if DEVICE == "cpu" else torch.cuda.get_device_name()
+    where = "Python work only, no native launch (CPU)" if DEVICE == "cpu" else torch.cuda.get_device_name()
     print(f"# {where}, tilellm from {tk.__file__}")
     for k, v in res.items():
         print(f"{k:40s} {v:8.1f} us")
