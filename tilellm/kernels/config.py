@@ -55,29 +55,28 @@ def _encoded(name: str, value: str) -> tuple:
     return os.environ.encodekey(name), os.environ.encodevalue(value)  # type: ignore[attr-defined]
 
 
-def _env_is(name: str, value: str) -> bool:
-    """`os.environ.get(name) == value`, read on every call (tests switch these variables)."""
+def _env_flag(name: str, value: str) -> Callable[[], bool]:
+    """A function that says whether `os.environ.get(name) == value`, read on every call (tests
+    switch these variables), with the encoded name and value made once."""
     if _ENV_DATA is None:
-        return os.environ.get(name) == value
+        return lambda: os.environ.get(name) == value
     key, want = _encoded(name, value)
-    return _ENV_DATA.get(key) == want
+    return lambda: _ENV_DATA.get(key) == want
+
+
+_debug_flag = _env_flag("TILELLM_DEBUG", "1")
+_interpret_flag = _env_flag("TRITON_INTERPRET", "1")
 
 
 def debug_enabled() -> bool:
     """TILELLM_DEBUG=1: the kernels' value checks run on device tensors too, and keyed launches
-    are checked against their keys. (Asked several times an eager call: read without
-    `_env_is`'s lookup of the encoded name.)"""
-    if _ENV_DATA is None:
-        return os.environ.get("TILELLM_DEBUG") == "1"
-    return _ENV_DATA.get(_DEBUG_NAME) == _DEBUG_ON
-
-
-_DEBUG_NAME, _DEBUG_ON = _encoded("TILELLM_DEBUG", "1") if _ENV_DATA is not None else (None, None)
+    are checked against their keys."""
+    return _debug_flag()
 
 
 def interpreting() -> bool:
     """True when Triton runs under its CPU interpreter (small tiles keep it fast)."""
-    return _env_is("TRITON_INTERPRET", "1")
+    return _interpret_flag()
 
 
 # Launch arithmetic on the host, in plain Python: `triton.cdiv` and `triton.next_power_of_2` are

@@ -478,7 +478,6 @@ class _RotaryLaunch(NamedTuple):
 # The launches of eager `apply_rotary` calls by the call's layout (`validation.call_key`); only
 # calls that copied no input are remembered (a copy's layout is not the argument's).
 _ROTARY_REMEMBERED: dict[tuple, _RotaryLaunch] = {}
-_MAX_REMEMBERED = 4096
 
 
 def apply_rotary(
@@ -517,10 +516,7 @@ def apply_rotary(
     tensors = (q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, v, k_cache, v_cache, slot_mapping,
                k_scale, v_scale)  # fmt: skip
     call = validation.call_key("apply_rotary", tensors, (eps, interleaved))
-    try:
-        launch = _ROTARY_REMEMBERED.get(call) if call is not None else None
-    except TypeError:  # an unhashable scalar argument (the checks say what is wrong)
-        launch = call = None
+    launch = validation.remembered(_ROTARY_REMEMBERED, call)
     if launch is not None and not validation.deep_checks_enabled(q):
         return launch.run(*tensors)
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
@@ -539,10 +535,8 @@ def apply_rotary(
         )
     launch = _plan_rotary(q, k, cache, v, k_cache, qw is not None, store, interleaved, eps, k_scale, v_scale)
     out = launch.run(q, k, positions, cache, qw, kw, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if call is not None and all(a is b for a, b in zip(args, tensors)):
-        if len(_ROTARY_REMEMBERED) >= _MAX_REMEMBERED:
-            _ROTARY_REMEMBERED.clear()
-        _ROTARY_REMEMBERED[call] = launch
+    if all(a is b for a, b in zip(args, tensors)):
+        validation.remember(_ROTARY_REMEMBERED, call, launch)
     return out
 
 

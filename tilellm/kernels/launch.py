@@ -374,6 +374,12 @@ def tma_descriptor(
     and without building the view (the descriptor keeps `base`: the launcher reads its address,
     and the shape and strides from the fields). A view that copied (not of base's own memory) is
     built every time."""
+    return _descriptor(cls, base, block_shape, layout, view)[0]
+
+
+def _descriptor(cls, base, block_shape, layout, view) -> tuple[Any, dict | None]:
+    """`tma_descriptor`'s descriptor, and the checked fields of base's layout (None for a view
+    that copies)."""
     checked = (cls, base.shape, base.stride(), base.dtype, tuple(block_shape), layout, view)
     fields = _DESCRIPTOR_FIELDS.get(checked)
     if fields is None or base.data_ptr() % 16:
@@ -383,14 +389,15 @@ def tma_descriptor(
             if layout is None
             else cls.from_tensor(spanned, block_shape, layout)
         )
-        if spanned.data_ptr() == base.data_ptr():
-            if len(_DESCRIPTOR_FIELDS) >= _MAX_BOUND_KEYS:
-                _DESCRIPTOR_FIELDS.clear()
-            _DESCRIPTOR_FIELDS[checked] = {
-                name: value for name, value in vars(desc).items() if name != "base"
-            }
-        return desc
-    return _from_fields(cls, fields, base)
+        if spanned.data_ptr() != base.data_ptr():
+            return desc, None
+        if len(_DESCRIPTOR_FIELDS) >= _MAX_BOUND_KEYS:
+            _DESCRIPTOR_FIELDS.clear()
+        fields = _DESCRIPTOR_FIELDS[checked] = {
+            name: value for name, value in vars(desc).items() if name != "base"
+        }
+        return desc, fields
+    return _from_fields(cls, fields, base), fields
 
 
 class DescriptorTemplate:
@@ -409,15 +416,9 @@ class DescriptorTemplate:
 
     def over(self, base: torch.Tensor) -> Any:
         """The descriptor over `base` (a tensor of the template's layout)."""
-        fields = self.fields
-        if fields is not None and not base.data_ptr() & 15 and not debug_enabled():
-            desc = object.__new__(self.cls)  # (`_from_fields`, inline: this is every launch's path)
-            vars(desc).update(fields, base=base)
-            return desc
-        desc = tma_descriptor(self.cls, base, self.block_shape, self.layout, self.view)
-        self.fields = _DESCRIPTOR_FIELDS.get(
-            (self.cls, base.shape, base.stride(), base.dtype, tuple(self.block_shape), self.layout, self.view)
-        )
+        if self.fields is not None and not base.data_ptr() & 15 and not debug_enabled():
+            return _from_fields(self.cls, self.fields, base)
+        desc, self.fields = _descriptor(self.cls, base, self.block_shape, self.layout, self.view)
         return desc
 
 

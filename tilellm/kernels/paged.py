@@ -612,7 +612,6 @@ def _run_triton(
 # (`_call_key`): a call whose tensors match a remembered one in type, shape, strides, dtype and
 # device, with the same scalar arguments, passed the same checks and gets the same plan.
 _REMEMBERED: dict[tuple, _TritonLaunch | _DecodeFp8Launch] = {}
-_MAX_REMEMBERED = 4096
 
 
 def _run_remembered(
@@ -623,10 +622,7 @@ def _run_remembered(
     CPU tensors, TILELLM_DEBUG=1, which take the checked path)."""
     tensors = (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, k_scale, v_scale)
     call = _call_key(name, tensors, scalars)
-    try:
-        launch = _REMEMBERED.get(call) if call is not None else None
-    except TypeError:  # an unhashable scalar argument (the checks say what is wrong): not remembered
-        return None, None
+    launch = validation.remembered(_REMEMBERED, call)
     if launch is None or validation.deep_checks_enabled(q):
         return call, None
     capturing = launch.splits > 1 and stream_capturing(q.device)  # (unsplit launches take no scratch)
@@ -647,9 +643,7 @@ def _call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
 
 
 def _remember(key: tuple, launch: _TritonLaunch | _DecodeFp8Launch) -> None:
-    if len(_REMEMBERED) >= _MAX_REMEMBERED:
-        _REMEMBERED.clear()
-    _REMEMBERED[key] = launch
+    validation.remember(_REMEMBERED, key, launch)
 
 
 def clear_plans() -> None:

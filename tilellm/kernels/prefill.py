@@ -202,27 +202,21 @@ def prefill_attention(
         if overridden()
         else validation.call_key("prefill_attention", (q, k, v, cu_seqlens, out), scalars)
     )
-    if call is not None:
-        try:
-            launch = _REMEMBERED.get(call)
-        except TypeError:  # an unhashable scalar argument (the checks say what is wrong)
-            launch = call = None
-        if launch is not None and not validation.deep_checks_enabled(q):
-            if out is not None:
-                o = out
-            elif launch.o_like_q:  # (cheaper than new_empty with a shape; dense like the first call's)
-                o = torch.empty_like(q, memory_format=torch.contiguous_format)
-            else:
-                o = q.new_empty((*q.shape[:2], v.shape[2]))
-            launch.run(q, k, v, o, cu_seqlens)
-            return o
+    launch = validation.remembered(_REMEMBERED, call)
+    if launch is not None and not validation.deep_checks_enabled(q):
+        if out is not None:
+            o = out
+        elif launch.o_like_q:  # (cheaper than new_empty with a shape; dense like the first call's)
+            o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        else:
+            o = q.new_empty((*q.shape[:2], v.shape[2]))
+        launch.run(q, k, v, o, cu_seqlens)
+        return o
     validation.check_prefill("prefill_attention", q, k, v, cu_seqlens, max_seqlen)
     o = validation.prefill_output("prefill_attention", q, v, out)
     launch = _launch(q, k, v, o, cu_seqlens, max_seqlen, causal, validation.resolve_scale(scale, q.shape[-1]))
-    if call is not None and launch is not None:
-        if len(_REMEMBERED) >= _MAX_REMEMBERED:
-            _REMEMBERED.clear()
-        _REMEMBERED[call] = launch
+    if launch is not None:
+        validation.remember(_REMEMBERED, call, launch)
     return o
 
 
@@ -257,7 +251,6 @@ class _PrefillLaunch(NamedTuple):
 # of its tensors, and its scalar arguments): a call that matches a remembered one passed the
 # same checks and gets the same launch. Calls that run `hopper.py` are not remembered.
 _REMEMBERED: dict[tuple, _PrefillLaunch] = {}
-_MAX_REMEMBERED = 4096
 
 
 def clear_plans() -> None:

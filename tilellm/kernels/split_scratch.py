@@ -40,11 +40,7 @@ class StreamWorkspace:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`split_parts` outside a capture: partials of at least these sizes (per call past
         WORKSPACE_MAX_PARTIALS) and `counter_slots` zeroed counters (None for 0)."""
-        counters = None
-        if counter_slots:
-            if self.counters_size < counter_slots:
-                self._grow_counters(counter_slots, device)
-            counters = self.counters
+        counters = self.counters_for(counter_slots, device) if counter_slots else None
         if o_size > WORKSPACE_MAX_PARTIALS:
             return _own_parts(o_size, lse_size, device) + (counters,)
         # (a buffer given up stays with the stream: the caching allocator hands it out again only
@@ -57,9 +53,12 @@ class StreamWorkspace:
             self.lse_parts = torch.empty(self.lse_size, dtype=torch.float32, device=device)
         return self.o_parts, self.lse_parts, counters
 
-    def _grow_counters(self, slots: int, device: torch.device) -> None:
-        self.counters_size = max(SPLIT_COUNTERS_MIN, next_power_of_2(slots))
-        self.counters = torch.zeros(self.counters_size, dtype=torch.int32, device=device)
+    def counters_for(self, slots: int, device: torch.device) -> torch.Tensor:
+        """The stream's counters, grown (zeroed) to at least `slots`."""
+        if self.counters_size < slots:
+            self.counters_size = max(SPLIT_COUNTERS_MIN, next_power_of_2(slots))
+            self.counters = torch.zeros(self.counters_size, dtype=torch.int32, device=device)
+        return self.counters
 
 
 SPLIT_COUNTERS_MIN = 4096
@@ -125,10 +124,7 @@ def split_counters(device: torch.device, slots: int) -> torch.Tensor:
     replay)."""
     if stream_capturing(device):
         return torch.zeros(slots, dtype=torch.int32, device=device)
-    workspace = stream_workspace(device)
-    if workspace.counters_size < slots:
-        workspace._grow_counters(slots, device)
-    return workspace.counters
+    return stream_workspace(device).counters_for(slots, device)
 
 
 def reset_split_counters() -> None:

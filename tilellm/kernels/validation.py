@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import torch
 
@@ -449,6 +450,34 @@ def call_key(name: str, tensors: tuple, scalars: tuple) -> tuple | None:
     argument meant as a tensor is not one. A scalar may be unhashable: the key's lookup says so."""
     key = layout_key(name, *tensors)
     return None if key is None else key + scalars + tuple(map(type, scalars))
+
+
+# The launches of eager calls remembered by `call_key` (`paged.py`, `prefill.py`, `fused.py`):
+# each module's table holds at most MAX_REMEMBERED and forgets them all at once when full.
+MAX_REMEMBERED = 4096
+
+
+def remembered(table: dict, call: tuple | None) -> Any:
+    """The launch `table` holds for `call`; None for none, for no key, or for a key with an
+    unhashable scalar argument (the checks then say what is wrong)."""
+    if call is None:
+        return None
+    try:
+        return table.get(call)
+    except TypeError:
+        return None
+
+
+def remember(table: dict, call: tuple | None, launch: Any) -> None:
+    """Keep `launch` in `table` under `call` (nothing for no key or an unhashable one)."""
+    if call is None:
+        return
+    if len(table) >= MAX_REMEMBERED:
+        table.clear()
+    try:
+        table[call] = launch
+    except TypeError:
+        pass
 
 
 def _check_layout_once(check, name: str, *tensors) -> None:
