@@ -55,7 +55,7 @@ def _encoded(name: str, value: str) -> tuple:
     return os.environ.encodekey(name), os.environ.encodevalue(value)  # type: ignore[attr-defined]
 
 
-def _env_flag(name: str, value: str) -> Callable[[], bool]:
+def env_flag(name: str, value: str) -> Callable[[], bool]:
     """A function that says whether `os.environ.get(name) == value`, read on every call (tests
     switch these variables), with the encoded name and value made once."""
     if _ENV_DATA is None:
@@ -64,8 +64,8 @@ def _env_flag(name: str, value: str) -> Callable[[], bool]:
     return lambda: _ENV_DATA.get(key) == want
 
 
-_debug_flag = _env_flag("TILELLM_DEBUG", "1")
-_interpret_flag = _env_flag("TRITON_INTERPRET", "1")
+_debug_flag = env_flag("TILELLM_DEBUG", "1")
+_interpret_flag = env_flag("TRITON_INTERPRET", "1")
 
 
 def debug_enabled() -> bool:

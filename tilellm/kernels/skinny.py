@@ -19,6 +19,9 @@ Grid: (column tiles of BLOCK_N, row tiles of 16). A program walks K in BLOCK_K s
 rounds its fp32 sum (plus the bias) once to x's dtype. No split-K: the column tiles are chosen
 narrow enough (64, 32 or 16 columns) that the grid covers about as many programs as the GPU has
 SMs, so a program reads at most BLOCK_N rows of K values. Its PyTorch twin is `F.linear`.
+
+One row in 16 bits (decode of one sequence) runs `gemv.py`'s kernel instead, with the same
+prologue and epilogue: each of its programs loads its whole weight tile at once, with no loop.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
 from tilellm.kernels.fused import rms_norm, silu_and_mul
+from tilellm.kernels.gemv import GEMV_DTYPES, gemv_tile, launch_gemv
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import check_rms_norm
@@ -351,6 +355,10 @@ def _skinny(
         rows = weight.shape[0]
         prod = bias.expand(M, rows).clone() if bias is not None else y.new_zeros((M, rows))
         return silu_and_mul(prod) if gated else prod
+    if M == 1 and x.dtype in GEMV_DTYPES and (norm is None or gemv_tile(K)[2] == 1):
+        # one row: `gemv.py`'s kernel, which loads each program's whole weight tile at once
+        launch_gemv(x, weight, bias.contiguous() if bias is not None else None, y, gated, norm)
+        return y
     pdl = pdl_launch_kwargs(x.device)
     block_n, block_k, warps, stages, chunks, chunk_bytes = _plan(
         M, N, K, weight.element_size(), interpreting(), 2 if gated else 1

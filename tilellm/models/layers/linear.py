@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tilellm.kernels.fused import rms_norm as fused_rms_norm
+from tilellm.kernels.gemv import gemv_enabled
 from tilellm.kernels.pdl import pdl_enabled
 from tilellm.kernels.skinny import (
     SKINNY_MAX_ROWS,
@@ -226,10 +227,11 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> x W^T (+ bias) [..., out]: this rank's part, before any collective.
 
-        cuBLAS, except steps of up to `SKINNY_MAX_ROWS` tokens under programmatic dependent launch
-        (`TILELLM_PDL=1`): `skinny_linear`, which streams the weight while the kernel before runs
-        (cuBLAS's kernels do not take part in PDL), and there a `NormedActivation` is normalised
-        in the same launch (`skinny_rms_norm_linear`)."""
+        cuBLAS, except `skinny_linear` on one-row steps in 16 bits on a CUDA device (`gemv.py`'s
+        kernel: each program loads its weight tile at once) and on steps of up to
+        `SKINNY_MAX_ROWS` tokens under programmatic dependent launch (`TILELLM_PDL=1`: it streams
+        the weight while the kernel before runs; cuBLAS's kernels do not take part in PDL); there
+        a `NormedActivation` is normalised in the same launch (`skinny_rms_norm_linear`)."""
         y = self._apply_skinny(layer, x, bias, silu_and_mul=False)
         if y is not None:
             return y
@@ -242,7 +244,7 @@ class LinearMethod:
     ) -> torch.Tensor | None:
         """silu(gate) * up of a merged [gate | up] layer in one launch, [..., out / 2]: the same
         bits as `apply` then `silu_and_mul`; or None where this step has no such launch (then the
-        caller runs the two). Served where `apply` runs `skinny_linear`: a few rows under PDL."""
+        caller runs the two). Served where `apply` runs `skinny_linear`: one row, or a few under PDL."""
         return self._apply_skinny(layer, x, bias, silu_and_mul=True)
 
     def takes_normed_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
@@ -272,10 +274,15 @@ class LinearMethod:
 
     @staticmethod
     def _skinny(layer: LinearBase, x: torch.Tensor) -> bool:
-        """Whether a step on input x [..., in] runs `skinny.py`'s kernel (PDL on, at most
-        SKINNY_MAX_ROWS rows, the weight in x's dtype) rather than cuBLAS."""
+        """Whether a step on input x [..., in] runs `skinny.py`'s wrappers rather than cuBLAS,
+        the weight in x's dtype: one row in 16 bits on a CUDA device (`gemv.py`'s kernel, unless
+        `TILELLM_GEMV=0`), or up to SKINNY_MAX_ROWS rows under PDL."""
+        if x.dtype != layer.weight.dtype:
+            return False
         rows = x.numel() // max(1, x.shape[-1])
-        return rows <= SKINNY_MAX_ROWS and x.dtype == layer.weight.dtype and pdl_enabled(x.device)
+        if rows == 1 and gemv_enabled(x.device, x.dtype):
+            return True
+        return rows <= SKINNY_MAX_ROWS and pdl_enabled(x.device)
 
     def input_group_quant(self, layer: LinearBase, num_tokens: int) -> tuple[int, bool] | None:
         """(group_size, column_major_scales) where a step of `num_tokens` tokens quantizes this
@@ -573,10 +580,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head with the vocab split like VocabParallelEmbedding (so tied weights shard alike).
 
     forward(hidden [N, H]) -> logits [N, V] in the weight dtype (each rank gets the full vocab).
+    One row (decode of one sequence) runs `gemv.py`'s kernel where linear layers do.
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        one_row = hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.stride(-1) == 1
+        if one_row and hidden.dtype == self.weight.dtype and gemv_enabled(hidden.device, hidden.dtype):
+            logits = skinny_linear(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits, self.tp_size)[..., : self.num_embeddings]
         return logits

@@ -1,0 +1,216 @@
+"""`gemv.py`'s one-row kernel, reached through `skinny.py`'s wrappers: against the fp64 product,
+its gated and normalised launches against the separate launches bit for bit, the loop over long
+rows, and the layers' choice of it (`gemv_enabled`: one 16-bit row on a CUDA device, off with
+`TILELLM_GEMV=0`), the LM head's included.
+
+On the CPU the kernel runs under Triton's interpreter (16-bit products: the kernel sums in fp32
+without `tl.dot`, which the interpreter runs correctly in 16 bits); on the GPU at Qwen3's layer
+shapes, in a CUDA graph, and through a tiny model's decoder layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.helpers import assert_close
+from tilellm.kernels import gemv, skinny
+from tilellm.kernels.fused import rms_norm, silu_and_mul
+from tilellm.kernels.skinny import skinny_linear, skinny_linear_silu_and_mul, skinny_rms_norm_linear
+from tilellm.models.layers import linear as linear_layers
+from tilellm.models.layers.linear import ColumnParallelLinear, ParallelLMHead
+
+HALF = [torch.bfloat16, torch.float16]
+# (N, K): a partial last column tile, K not a power of two, K = 1, Qwen3-0.6B-like widths
+SHAPES = [(48, 64), (37, 200), (5, 7), (3, 1), (64, 1024)]
+
+
+def _operands(N, K, dtype, device, seed=0, bias=False, rows=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, K, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(device=device, dtype=dtype)
+    b = torch.randn(N, generator=gen).to(device=device, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def _fp64(x, w, b):
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """The shapes (x, weight) of the calls that reached `gemv.py`'s launch."""
+    calls = []
+    real = skinny.launch_gemv
+
+    def spy(x, weight, *args, **kwargs):
+        calls.append((tuple(x.shape), tuple(weight.shape)))
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(skinny, "launch_gemv", spy)
+    return calls
+
+
+def test_tile_follows_k_alone():
+    """The tile: K padded to a power of two, 1-4 rows of at most TILE_ELEMENTS, a loop past
+    MAX_BLOCK_K; nothing depends on N, so gated and plain launches sum a column alike."""
+    assert gemv.gemv_tile(1024) == (4, 1024, 1)
+    assert gemv.gemv_tile(3072) == (2, 4096, 1)
+    assert gemv.gemv_tile(7) == (4, 8, 1)
+    assert gemv.gemv_tile(12288) == (1, 16384, 1)
+    assert gemv.gemv_tile(40000) == (1, gemv.MAX_BLOCK_K, 3)
+
+
+@pytest.mark.interpreter  # CPU tensors through the kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(("N", "K"), SHAPES)
+def test_one_row_matches_fp64(N, K, dtype, bias, gemv_calls):
+    """One row in 16 bits goes to the kernel and lands within one output rounding of the fp64
+    product (plus the bias)."""
+    x, w, b = _operands(N, K, dtype, "cpu", seed=N + K, bias=bias)
+    got = skinny_linear(x, w, b)
+    assert gemv_calls == [((1, K), (N, K))]
+    assert got.dtype == dtype and got.shape == (1, N)
+    assert_close(got.float(), _fp64(x, w, b).float(), 8e-3, f"{dtype} N={N} K={K}")
+
+
+@pytest.mark.interpreter  # CPU tensors through the kernel
+def test_other_rows_and_fp32_keep_the_skinny_kernel(gemv_calls):
+    """Two rows, or fp32, run `skinny.py`'s own kernel."""
+    x, w, _ = _operands(16, 64, torch.float32, "cpu", rows=2)
+    assert_close(skinny_linear(x, w), _fp64(x, w, None).float(), 1e-5, "two rows")
+    assert_close(skinny_linear(x[:1], w), _fp64(x[:1], w, None).float(), 1e-5, "fp32")
+    assert gemv_calls == []
+
+
+@pytest.mark.interpreter  # CPU tensors through the kernel
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(("N", "K"), SHAPES)
+def test_gated_and_normalised_launches_give_the_separate_launches_bits(N, K, dtype, gemv_calls):
+    """The gate-up launch is `skinny_linear` then `silu_and_mul` bit for bit; the norm's launch
+    gives `rms_norm`'s residual stream bit for bit and, on these inputs, the layer on `rms_norm`'s
+    output bit for bit; with and without a residual, gated or not, with a bias."""
+    x, w, b = _operands(2 * N, K, dtype, "cpu", seed=K, bias=True)
+    w = w / 2  # (fp16 products well inside its range)
+    assert torch.equal(skinny_linear_silu_and_mul(x, w, b), silu_and_mul(skinny_linear(x, w, b)))
+    gen = torch.Generator().manual_seed(N)
+    r = torch.randn(1, K, generator=gen).to(dtype)
+    nw = (torch.rand(K, generator=gen) + 0.5).to(dtype)
+    for gated, layer in ((False, skinny_linear), (True, skinny_linear_silu_and_mul)):
+        y, h = skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=r, silu_and_mul=gated)
+        normed, expected_h = rms_norm(x, nw, 1e-6, residual=r)
+        assert torch.equal(h, expected_h)
+        assert torch.equal(y, layer(normed, w, b)), f"gated={gated}"
+        y = skinny_rms_norm_linear(x, nw, 1e-6, w, b, silu_and_mul=gated)
+        assert torch.equal(y, layer(rms_norm(x, nw, 1e-6), w, b)), f"no residual, gated={gated}"
+    assert len(gemv_calls) == 10  # 2, then 4 for each of the two layers
+
+
+@pytest.mark.interpreter  # CPU tensors through the kernel
+@pytest.mark.parametrize("dtype", HALF)
+def test_rows_longer_than_a_tile_loop_over_k(monkeypatch, dtype, gemv_calls):
+    """Rows longer than MAX_BLOCK_K (made 64 here) loop over K, gated or not; the norm's launch
+    then keeps `skinny.py`'s kernel (its prologue needs the whole row in one tile)."""
+    monkeypatch.setattr(gemv, "MAX_BLOCK_K", 64)
+    x, w, b = _operands(12, 200, dtype, "cpu", seed=3, bias=True)
+    assert gemv.gemv_tile(200) == (4, 64, 4)
+    assert_close(skinny_linear(x, w, b).float(), _fp64(x, w, b).float(), 8e-3, "loop")
+    assert torch.equal(skinny_linear_silu_and_mul(x, w, b), silu_and_mul(skinny_linear(x, w, b)))
+    assert len(gemv_calls) == 3
+    # (in fp16: `skinny.py`'s kernel runs `tl.dot`, which the interpreter gets wrong in bf16)
+    x, w, b = x.half(), w.half(), b.half()
+    nw = torch.ones(200, dtype=torch.float16)
+    y = skinny_rms_norm_linear(x, nw, 1e-6, w, b)
+    assert len(gemv_calls) == 3
+    assert_close(y.float(), F.linear(rms_norm(x, nw, 1e-6).float(), w.float(), b.float()), 8e-3, "norm")
+
+
+def test_enabled_only_for_16_bit_cuda_rows(monkeypatch):
+    """Never on the CPU nor for fp32; `TILELLM_GEMV=0` turns it off on a CUDA device too."""
+    for dtype in (torch.float32, *HALF):
+        assert not gemv.gemv_enabled(torch.device("cpu"), dtype)
+    assert not gemv.gemv_enabled(torch.device("cuda"), torch.float32)
+    assert gemv.gemv_enabled(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setenv("TILELLM_GEMV", "0")
+    assert not gemv.gemv_enabled(torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.interpreter  # CPU tensors through the kernel
+def test_layers_take_it_for_one_row(monkeypatch, gemv_calls):
+    """Where it is enabled (forced here on the CPU), a 16-bit linear layer runs it for one row
+    (any leading dims) and cuBLAS for two; the LM head too. Both give the layer's product."""
+    monkeypatch.setattr(linear_layers, "gemv_enabled", lambda device, dtype: True)
+    layer = ColumnParallelLinear(64, 48, bias=True, tp_rank=0, tp_size=1).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64) / 8)
+        layer.bias.copy_(torch.randn(48))
+    for shape in [(1, 64), (1, 1, 64), (2, 64)]:
+        x = torch.randn(shape).to(torch.bfloat16)
+        expected = _fp64(x.reshape(-1, 64), layer.weight, layer.bias).float().reshape(*shape[:-1], 48)
+        assert_close(layer(x).float(), expected, 8e-3, f"{shape}")
+    assert gemv_calls == [((1, 64), (48, 64))] * 2
+    head = ParallelLMHead(100, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(100, 64) / 8)
+    hidden = torch.randn(1, 64).to(torch.bfloat16)
+    assert_close(head(hidden).float(), _fp64(hidden, head.weight, None).float(), 8e-3, "LM head")
+    assert gemv_calls[-1] == ((1, 64), (100, 64))
+    assert head(hidden.expand(2, 64)).shape == (2, 100) and len(gemv_calls) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    ("N", "K"),
+    [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (258, 4104), (8, 20000)],
+)
+def test_qwen3_shapes_on_the_gpu(N, K, dtype, gemv_calls):
+    """Qwen3-0.6B's layers and LM head, a partial column tile, a row that loops over K: within
+    one output rounding of the fp64 product; the gated launch bit for bit the plain one then
+    `silu_and_mul`; the norm's launch within a rounding of `rms_norm` then the layer, its
+    residual stream bit for bit."""
+    x, w, b = _operands(N, K, dtype, "cuda", seed=N, bias=True)
+    assert_close(skinny_linear(x, w, b).float(), _fp64(x, w, b).float(), 8e-3, f"{dtype} N={N} K={K}")
+    if N % 2 == 0:
+        assert torch.equal(skinny_linear_silu_and_mul(x, w, b), silu_and_mul(skinny_linear(x, w, b)))
+    r = torch.randn(1, K, device="cuda").to(dtype)
+    nw = (torch.rand(K, device="cuda") + 0.5).to(dtype)
+    y, h = skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=r)
+    normed, expected_h = rms_norm(x, nw, 1e-6, residual=r)
+    assert torch.equal(h, expected_h)
+    assert_close(y.float(), F.linear(normed.float(), w.float(), b.float()), 8e-3, "norm")
+    assert len(gemv_calls) >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_decoder_mlp_chain_in_a_cuda_graph():
+    """RMSNorm and gate-up with SiLU-and-mul in one launch, then down_proj, captured in a CUDA
+    graph and replayed on new inputs: the bits of the same chain run eagerly."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter = 1024, 3072
+    nw = (torch.rand(hidden, generator=gen) + 0.5).cuda().bfloat16()
+    w1 = (torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5).cuda().bfloat16()
+    w2 = (torch.randn(hidden, inter, generator=gen) / inter**0.5).cuda().bfloat16()
+    x = torch.randn(1, hidden, device="cuda").bfloat16()
+    r = torch.randn(1, hidden, device="cuda").bfloat16()
+
+    def chain():
+        act, h = skinny_rms_norm_linear(x, nw, 1e-6, w1, residual=r, silu_and_mul=True)
+        return skinny_linear(act, w2), h
+
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, out_h = chain()
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed + 1)
+        x.copy_(torch.randn(1, hidden, generator=g).cuda())
+        r.copy_(torch.randn(1, hidden, generator=g).cuda())
+        graph.replay()
+        y, h = chain()
+        assert torch.equal(out, y) and torch.equal(out_h, h), f"replay {seed}"

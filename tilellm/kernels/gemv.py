@@ -1,0 +1,171 @@
+"""A linear layer of one row (decode of one sequence): y = x W^T with the weight streamed at the
+copy rate, and the RMSNorm before it or the SiLU-and-mul after it in the same launch.
+
+At one token a layer reads its whole weight for two FLOPs a weight element: its time is the
+weight's bytes plus a fixed cost (the launch, the first loads' latency, the last program's
+tail). A GEMM of 16-row tensor-core tiles walking K in a pipelined loop pays that latency once per
+loop stage; here every program asks for all of its weight at once:
+
+    program p:  w = W[p*BLOCK_N : (p+1)*BLOCK_N, :]        one load of [BLOCK_N, BLOCK_K] (K padded
+                                                           to a power of two, the pad masked off)
+                x = the input row [BLOCK_K]                (normalised first with NORM)
+                y[p*BLOCK_N + j] = sum_k w[j, k] * x[k]     in fp32, rounded once (+ bias first)
+
+Narrow programs (1-4 weight rows, 32-64 KB of weight) put many loads in flight on every SM at
+once; the weight is loaded before x, so with NORM the input's loads and the row's mean square run
+while the weight's bytes arrive. On an H100 this ran Qwen3-0.6B's layers at 3.9-6.5 us against
+6.1-8.0 for cuBLAS, and the norm or the activation in the same launch saves that launch
+(docs/benchmarks.md, "One-row linear layers").
+
+With NORM, x is replaced by `fused.rms_norm`'s output as its kernel computes it: h = x (+ the
+residual, rounded to x's dtype as an unfused add; program 0 stores h to RO), then
+h * rsqrt(mean(h^2) + eps) * norm_weight rounded to x's dtype. With GATED, W holds 2N rows
+[gate | up] and each program computes its columns of both products, rounded to y's dtype as this
+kernel stores them, then silu(gate) * up as `fused.silu_and_mul` does. The tile depends on K
+alone, so a column's sum runs in the same order whatever N is: the gated launch gives the bits
+of the plain one followed by `silu_and_mul`.
+
+The wrappers are `skinny.py`'s (`skinny_linear`, `skinny_linear_silu_and_mul`,
+`skinny_rms_norm_linear`), which send their one-row 16-bit calls here (`launch_gemv`). Its
+PyTorch twin is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilellm.kernels.config import cdiv, env_flag, interpreting, next_power_of_2
+from tilellm.kernels.launch import FastLaunch
+from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
+
+# A program's tile: [BLOCK_N, BLOCK_K] with BLOCK_K = K padded to a power of two (at most
+# MAX_BLOCK_K; longer rows loop over K) and BLOCK_N = TILE_ELEMENTS // BLOCK_K rows, 1 to 4.
+# Swept on an H100 over Qwen3-0.6B's layers (1-8 rows of 1-32, 2-16 warps): 1-4 rows of 8 warps
+# were within 3% of each other and the fastest; 8 or more rows, or 2-4 warps, ran slower.
+TILE_ELEMENTS = 8192
+MAX_BLOCK_K = 16384
+MAX_BLOCK_N = 4
+NUM_WARPS = 8
+GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+_gemv_off = env_flag("TILELLM_GEMV", "0")
+
+
+def gemv_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether one-row linear layers of `dtype` on `device` run this kernel: a CUDA device, a
+    16-bit dtype, and not turned off by `TILELLM_GEMV=0` (cuBLAS then runs them)."""
+    return device.type == "cuda" and dtype in GEMV_DTYPES and not _gemv_off()
+
+
+def gemv_tile(K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, k_tiles) for rows of K weights: BLOCK_K the power of two that holds K
+    (at most MAX_BLOCK_K), k_tiles the loop's steps over K. Under the interpreter: the same
+    tiles (the interpreter runs them as whole arrays)."""
+    block_k = min(MAX_BLOCK_K, next_power_of_2(max(K, 1)))
+    block_n = max(1, min(MAX_BLOCK_N, TILE_ELEMENTS // block_k))
+    return block_n, block_k, cdiv(K, block_k)
+
+
+@triton.jit
+def _input_row(X, R, NW, RO, ks, k_ok, K, eps, pid, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The product's input [BLOCK_K] in fp32, 0 past K: x as stored, or with NORM its RMSNorm
+    (`fused._normed_rows` then the rounding of `rms_norm`'s store; with HAS_RESIDUAL x + R first,
+    rounded to x's dtype and stored to RO by program 0)."""
+    x = tl.load(X + ks, mask=k_ok, other=0.0)
+    if NORM:
+        nw = tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
+        h = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + ks, mask=k_ok, other=0.0)
+            s = (h + r.to(tl.float32)).to(RO.dtype.element_ty)
+            tl.store(RO + ks, s, mask=k_ok & (ks * 0 + pid == 0))
+            h = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
+        return (h * rstd * nw).to(X.dtype.element_ty).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, B, Y, N, K, stride_wn,
+    NW, R, RO, eps,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+    EVEN_N: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Y[0, cols] = X[0] W[cols]^T (module docstring) for this program's BLOCK_N columns; W [N, K]
+    (GATED: [2N, K], the up rows N below the gate rows). K_TILES > 1 only without NORM."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = W + cols.to(tl.int64)[:, None] * stride_wn
+    u_rows = W + (cols + N).to(tl.int64)[:, None] * stride_wn
+    if K_TILES == 1:
+        k_ok = ks < K
+        w_ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
+        # the weight first: no kernel writes it, so its loads may start before the wait for the
+        # kernel before (PDL), and they are in flight while x is read and normalised
+        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
+        if GATED:
+            u = tl.load(u_rows + ks[None, :], mask=w_ok, other=0.0)
+        pdl_start(USE_PDL)
+        x = _input_row(X, R, NW, RO, ks, k_ok, K, eps, pid, NORM, HAS_RESIDUAL)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if GATED:
+            acc_up = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+    else:  # rows longer than MAX_BLOCK_K: large layers, where the loop's latency weighs little
+        pdl_start(USE_PDL)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=2):
+            k_ok = (k0 + ks) < K
+            w_ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
+            x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_ok, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if GATED:
+                u = tl.load(u_rows + (k0 + ks)[None, :], mask=w_ok, other=0.0)
+                acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if GATED:  # silu(gate) * up on the rounded products, as `fused.silu_and_mul` computes it
+        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=col_ok)
+
+
+_gemv_launch = FastLaunch(_gemv_kernel)
+
+
+def launch_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    gated: bool,
+    norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor | None] | None = None,
+) -> None:
+    """Fill y [1, N] with x [1, K] weight^T (+ bias): `skinny.py`'s one-row launch, its arguments
+    checked there. weight [N, K] (gated: [2N, K]) with a unit last-dim stride; `norm`: (norm
+    weight [K], eps, residual [1, K] or None, residual_out [1, K]) for the RMSNorm prologue."""
+    N, K = y.shape[1], x.shape[1]
+    block_n, block_k, k_tiles = gemv_tile(K)
+    if norm is not None and k_tiles > 1:
+        raise ValueError(f"gemv: the RMSNorm prologue needs a row of at most {MAX_BLOCK_K} elements, got {K}")
+    norm_w, eps, res, res_out = norm if norm is not None else (weight, 0.0, None, None)
+    has_res = res is not None
+    res, res_out = (res, res_out) if has_res else (x, x)  # (unread without a residual)
+    grid = (cdiv(N, block_n),)
+    _gemv_launch[grid](
+        x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0),
+        norm_w, res, res_out, float(eps),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=k_tiles,
+        EVEN_N=N % block_n == 0, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
+        num_warps=1 if interpreting() else NUM_WARPS, num_stages=1, **pdl_launch_kwargs(x.device),
+    )  # fmt: skip
