@@ -13,7 +13,12 @@ host launch time counts, as in the engine's decode graphs; the graph's replay is
   set to each (the engine runs the default, cuBLAS, whose heuristics pick cuBLASLt's kernels);
 - `mv` (one row only): the same product as a matrix-vector product (`F.linear` on the 1-D row),
   which cuBLAS runs as a GEMV;
-- `skinny` (up to `SKINNY_MAX_ROWS` rows): the Triton split-K kernel of `tilellm.kernels.skinny`.
+- `skinny` (up to `SKINNY_MAX_ROWS` rows): `tilellm.kernels.skinny.skinny_linear`, which runs its
+  narrow-tile Triton GEMM, and at one row `tilellm.kernels.gemv`'s kernel;
+- at one row, for the layers that read an RMSNorm (qkv, gate-up) also the layer with its
+  neighbours as a decoder layer runs them: `ops+cublas` is `rms_norm` (with the residual) then
+  cuBLAS (then `silu_and_mul` for gate-up), `ops+gemv` the one launch of
+  `skinny_rms_norm_linear` (with `silu_and_mul=True` for gate-up).
 
 The weight bytes over the time say how far each call is from streaming its weights at the copy
 rate (about 4.3 TB/s on an H200). Needs a CUDA GPU.
@@ -62,6 +67,31 @@ def _calls(variant: str, xs: list[torch.Tensor], weights: list[torch.Tensor]) ->
     return [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
 
 
+def _with_neighbours(name: str, xs: list[torch.Tensor], weights: list[torch.Tensor]) -> dict[str, float]:
+    """{`ops+cublas`, `ops+gemv`: us per call} of a one-row layer with the RMSNorm before it (and,
+    for gate-up, the SiLU-and-mul after it), as separate launches and as one."""
+    from tilellm.kernels.fused import rms_norm, silu_and_mul
+    from tilellm.kernels.skinny import skinny_rms_norm_linear
+
+    gated = name == "gate_up"
+    k = xs[0].shape[1]
+    norm_w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    residuals = [torch.randn_like(x) for x in xs]
+
+    def separate(x, r, w):
+        y = F.linear(rms_norm(x, norm_w, 1e-6, residual=r)[0], w)
+        return silu_and_mul(y) if gated else y
+
+    def fused(x, r, w):
+        return skinny_rms_norm_linear(x, norm_w, 1e-6, w, residual=r, silu_and_mul=gated)
+
+    operands = list(zip(xs, residuals, weights))
+    return {
+        variant: graph_replay_us([lambda ops=ops, call=call: call(*ops) for ops in operands])
+        for variant, call in (("ops+cublas", separate), ("ops+gemv", fused))
+    }
+
+
 def measure(rows: int) -> dict[str, dict[str, float]]:
     """{layer: {variant: us per call}} at `rows` rows."""
     out: dict[str, dict[str, float]] = {}
@@ -76,6 +106,8 @@ def measure(rows: int) -> dict[str, dict[str, float]]:
                 out[name][variant] = graph_replay_us(_calls(variant, xs, weights))
             finally:
                 torch.backends.cuda.preferred_blas_library("cublas")
+        if rows == 1 and name in ("qkv", "gate_up"):
+            out[name].update(_with_neighbours(name, xs, weights))
         del weights, xs
         torch.cuda.empty_cache()
     return out
