@@ -57,6 +57,7 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "cublas",
             "sm90",
             "skinny",
+            "gemv",
             "aten::mm",
             "aten::addmm",
         ),
