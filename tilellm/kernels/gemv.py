@@ -23,7 +23,8 @@ h * rsqrt(mean(h^2) + eps) * norm_weight rounded to x's dtype. With GATED, W hol
 [gate | up] and each program computes its columns of both products, rounded to y's dtype as this
 kernel stores them, then silu(gate) * up as `fused.silu_and_mul` does. The tile depends on K
 alone, so a column's sum runs in the same order whatever N is: the gated launch gives the bits
-of the plain one followed by `silu_and_mul`.
+of the plain one followed by `silu_and_mul` (with NORM the launch has fewer warps, so its sums may
+round differently from the plain launch's on the normalised row).
 
 The wrappers are `skinny.py`'s (`skinny_linear`, `skinny_linear_silu_and_mul`,
 `skinny_rms_norm_linear`), which send their one-row 16-bit calls here (`launch_gemv`). Its
@@ -43,11 +44,13 @@ from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 # A program's tile: [BLOCK_N, BLOCK_K] with BLOCK_K = K padded to a power of two (at most
 # MAX_BLOCK_K; longer rows loop over K) and BLOCK_N = TILE_ELEMENTS // BLOCK_K rows, 1 to 4.
 # Swept on an H100 over Qwen3-0.6B's layers (1-8 rows of 1-32, 2-16 warps): 1-4 rows of 8 warps
-# were within 3% of each other and the fastest; 8 or more rows, or 2-4 warps, ran slower.
+# were within 3% of each other and the fastest; 8 or more rows, or 2-4 warps, ran slower. With the
+# RMSNorm prologue 4 warps were faster (its row sum crosses fewer warps): 5.4 against 5.7 us on qkv.
 TILE_ELEMENTS = 8192
 MAX_BLOCK_K = 16384
 MAX_BLOCK_N = 4
 NUM_WARPS = 8
+NUM_WARPS_NORM = 4
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 _gemv_off = env_flag("TILELLM_GEMV", "0")
@@ -167,5 +170,6 @@ def launch_gemv(
         norm_w, res, res_out, float(eps),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=k_tiles,
         EVEN_N=N % block_n == 0, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
-        num_warps=1 if interpreting() else NUM_WARPS, num_stages=1, **pdl_launch_kwargs(x.device),
+        num_warps=1 if interpreting() else NUM_WARPS if norm is None else NUM_WARPS_NORM, num_stages=1,
+        **pdl_launch_kwargs(x.device),
     )  # fmt: skip
