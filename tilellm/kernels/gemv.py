@@ -56,10 +56,16 @@ GEMV_DTYPES = (torch.float16, torch.bfloat16)
 _gemv_off = env_flag("TILELLM_GEMV", "0")
 
 
+def gemv_runs(dtype: torch.dtype) -> bool:
+    """Whether `skinny.py`'s one-row calls of `dtype` run this kernel: a 16-bit dtype, and not
+    turned off by `TILELLM_GEMV=0` (then `skinny.py`'s own kernel runs them)."""
+    return dtype in GEMV_DTYPES and not _gemv_off()
+
+
 def gemv_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether one-row linear layers of `dtype` on `device` run this kernel: a CUDA device, a
-    16-bit dtype, and not turned off by `TILELLM_GEMV=0` (cuBLAS then runs them)."""
-    return device.type == "cuda" and dtype in GEMV_DTYPES and not _gemv_off()
+    """Whether one-row linear layers of `dtype` on `device` run this kernel rather than cuBLAS:
+    a CUDA device and `gemv_runs(dtype)`."""
+    return device.type == "cuda" and gemv_runs(dtype)
 
 
 def gemv_tile(K: int) -> tuple[int, int, int]:

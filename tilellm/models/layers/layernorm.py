@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tilellm.models.layers.linear import LayerInput, LinearBase, NormedActivation, QuantizedActivation
+from tilellm.models.layers.ops import runs_kernels
 
 
 class RMSNorm(nn.Module):
@@ -19,8 +20,9 @@ class RMSNorm(nn.Module):
     launch, as a `QuantizedActivation` [T, H], on the steps where that layer would quantize it in a
     launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps) and the
     group width is a power of two; or, where that layer runs the norm in its own launch
-    (`LinearMethod.takes_normed_input`: a few tokens under PDL), y is a `NormedActivation` and
-    the new residual stream an empty [..., H] that the layer's launch fills.
+    (`LinearMethod.takes_normed_input`: one row in 16 bits on a CUDA device, or a few under PDL;
+    only with the kernel ops, `ops.runs_kernels`), y is a `NormedActivation` and the new residual
+    stream an empty [..., H] that the layer's launch fills.
     """
 
     def __init__(self, hidden_size: int, eps: float, ops: types.ModuleType):
@@ -38,8 +40,11 @@ class RMSNorm(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         res2 = None if residual is None else residual.reshape(-1, self.hidden_size)
-        if quant_for is not None and quant_for.quant_method.takes_normed_input(quant_for, x2):
-            # the layer runs this norm in its own launch (a few tokens under PDL)
+        if (
+            quant_for is not None
+            and runs_kernels(self.ops)
+            and quant_for.quant_method.takes_normed_input(quant_for, x2)
+        ):  # the layer runs this norm in its own launch (one row, or a few under PDL)
             res_out = None if res2 is None else torch.empty_like(x2, memory_format=torch.contiguous_format)
             normed = NormedActivation(x2, self.weight, self.eps, res2, res_out)
             return normed if residual is None else (normed, res_out.view(shape))

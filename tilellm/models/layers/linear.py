@@ -181,7 +181,8 @@ class QuantizedActivation:
 class NormedActivation:
     """A linear layer's input as the RMSNorm before it left it, not yet normalised: the layer runs
     the norm in its own launch (`skinny_rms_norm_linear`), on the steps where it says it can
-    (`LinearMethod.takes_normed_input`: a few tokens under PDL).
+    (`LinearMethod.takes_normed_input`: one row in 16 bits on a CUDA device, or a few tokens
+    under PDL).
 
     x [T, H] and, when the norm adds the residual stream first, residual [T, H] and residual_out
     [T, H], which the layer's launch fills with x + residual (the norm returned it to the decoder

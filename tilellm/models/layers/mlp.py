@@ -9,6 +9,7 @@ from torch import nn
 
 from tilellm.models.layers.activation import SiluAndMul
 from tilellm.models.layers.linear import LayerInput, MergedColumnParallelLinear, RowParallelLinear
+from tilellm.models.layers.ops import runs_kernels
 
 
 class GatedMLP(nn.Module):
@@ -44,8 +45,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: LayerInput) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        # a few tokens under PDL: the gate-up GEMM and SiLU-and-mul in one launch
-        act = gate_up.quant_method.apply_silu_and_mul(gate_up, x, gate_up.bias)
+        # one row, or a few under PDL: the gate-up GEMM and SiLU-and-mul in one launch (with the
+        # kernel ops only: the reference backend runs its own SiLU-and-mul)
+        act = None
+        if runs_kernels(self.act_fn.ops):
+            act = gate_up.quant_method.apply_silu_and_mul(gate_up, x, gate_up.bias)
         if act is None:
             # (an FP8 down_proj takes silu(gate) * up quantized in the activation's own launch)
             act = self.act_fn(gate_up(x), quant_for=self.down_proj)

@@ -25,6 +25,14 @@ def resolve_ops(backend: str, device: torch.device | str, kernels: str) -> types
     return importlib.import_module(f"{package}.{kernels}")
 
 
+def runs_kernels(ops: types.ModuleType) -> bool:
+    """Whether `ops` is a kernel module, not its PyTorch twin. Only kernel modules hand their
+    work to the linear layer beside them (the RMSNorm before a layer, the SiLU-and-mul after a
+    gate-up projection, run in the layer's launch): the reference backend keeps every op its own,
+    as the oracle it is."""
+    return not ops.__name__.startswith("tilellm.kernels.reference.")
+
+
 def resolve_fused_ops(backend: str, device: torch.device | str) -> types.ModuleType:
     """`tilellm.kernels.fused` or `.reference.fused` (RMSNorm, SiLU-and-mul, RoPE)."""
     return resolve_ops(backend, device, "fused")
