@@ -14,7 +14,8 @@ host launch time counts, as in the engine's decode graphs; the graph's replay is
 - `mv` (one row only): the same product as a matrix-vector product (`F.linear` on the 1-D row),
   which cuBLAS runs as a GEMV;
 - `skinny` (up to `SKINNY_MAX_ROWS` rows): `tilellm.kernels.skinny.skinny_linear`, which runs its
-  narrow-tile Triton GEMM, and at one row `tilellm.kernels.gemv`'s kernel;
+  narrow-tile Triton GEMM, and at one row `tilellm.kernels.gemv`'s kernel (this script sets
+  `TILELLM_GEMV=1` for it);
 - at one row, for the layers that read an RMSNorm (qkv, gate-up) also the layer with its
   neighbours as a decoder layer runs them: `ops+cublas` is `rms_norm` (with the residual) then
   cuBLAS (then `silu_and_mul` for gate-up), `ops+gemv` the one launch of
@@ -27,7 +28,9 @@ rate (about 4.3 TB/s on an H200). Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -67,6 +70,20 @@ def _calls(variant: str, xs: list[torch.Tensor], weights: list[torch.Tensor]) ->
     return [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
 
 
+@contextlib.contextmanager
+def _gemv_on():
+    """`TILELLM_GEMV=1` inside (read at each call, so for the calls a graph captures)."""
+    before = os.environ.get("TILELLM_GEMV")
+    os.environ["TILELLM_GEMV"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TILELLM_GEMV"]
+        else:
+            os.environ["TILELLM_GEMV"] = before
+
+
 def _with_neighbours(name: str, xs: list[torch.Tensor], weights: list[torch.Tensor]) -> dict[str, float]:
     """{`ops+cublas`, `ops+gemv`: us per call} of a one-row layer with the RMSNorm before it (and,
     for gate-up, the SiLU-and-mul after it), as separate launches and as one."""
@@ -86,10 +103,11 @@ def _with_neighbours(name: str, xs: list[torch.Tensor], weights: list[torch.Tens
         return skinny_rms_norm_linear(x, norm_w, 1e-6, w, residual=r, silu_and_mul=gated)
 
     operands = list(zip(xs, residuals, weights))
-    return {
-        variant: graph_replay_us([lambda ops=ops, call=call: call(*ops) for ops in operands])
-        for variant, call in (("ops+cublas", separate), ("ops+gemv", fused))
-    }
+    with _gemv_on():
+        return {
+            variant: graph_replay_us([lambda ops=ops, call=call: call(*ops) for ops in operands])
+            for variant, call in (("ops+cublas", separate), ("ops+gemv", fused))
+        }
 
 
 def measure(rows: int) -> dict[str, dict[str, float]]:
@@ -103,7 +121,8 @@ def measure(rows: int) -> dict[str, dict[str, float]]:
         for variant in _variants(rows):
             torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
             try:
-                out[name][variant] = graph_replay_us(_calls(variant, xs, weights))
+                with _gemv_on() if variant == "skinny" else contextlib.nullcontext():
+                    out[name][variant] = graph_replay_us(_calls(variant, xs, weights))
             finally:
                 torch.backends.cuda.preferred_blas_library("cublas")
         if rows == 1 and name in ("qkv", "gate_up"):

@@ -130,6 +130,42 @@ def test_unfused_ops_beside_triton_attention_match_hf(tiny_qwen3, monkeypatch):
         LLM(tiny_qwen3, fused_ops_backend="cuda-graphs")
 
 
+def test_one_row_gemv_keeps_the_greedy_tokens(tiny_qwen3, monkeypatch):
+    """`TILELLM_GEMV=1` (forced here on the CPU too, the kernels under the interpreter): an fp16
+    engine decoding one sequence at a time runs its norms, linear layers, gate-up with SiLU-and-mul
+    and LM head through `gemv.py` on the one-row steps, and gives the tokens of the same engine
+    without it, each step's top log-probabilities within a few roundings. (fp16: in bf16 this
+    random model's near-ties, top two within 0.03, flip with the sums' order.)"""
+    from tilellm.kernels import skinny
+    from tilellm.models.layers import linear as linear_layers
+
+    prompts = [_prompts()[2], _prompts()[4]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+    kwargs = dict(num_kv_blocks=32, max_num_seqs=1, dtype="float16", attention_backend="triton")
+
+    def run():
+        outputs = LLM(tiny_qwen3, fused_ops_backend="triton", **kwargs).generate(
+            prompts, params, use_tqdm=False
+        )
+        return [o.outputs[0] for o in outputs]
+
+    want = run()
+    monkeypatch.setenv("TILELLM_GEMV", "1")
+    monkeypatch.setattr(linear_layers, "gemv_enabled", lambda device, dtype: dtype == torch.float16)
+    launches: list = []
+    monkeypatch.setattr(skinny, "launch_gemv", _counted(skinny.launch_gemv, launches))
+    got = run()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        for step_got, step_want in zip(g.logprobs, w.logprobs):
+            for token, logprob in step_want.items():
+                assert abs(step_got[token].logprob - logprob.logprob) < 0.02, (token, step_got, step_want)
+    # at least, per decode step: each of the 2 layers' norm+qkv, o_proj, norm+gate-up+SiLU and
+    # down_proj, and the LM head (4 decode steps a prompt: the first token comes from the prefill);
+    # a prefill's one-row LM head and the warm-up add to it
+    assert len(launches) >= 2 * 4 * (2 * 4 + 1)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_rotary_and_store_in_one_launch_or_two_agree(tiny_qwen3, monkeypatch, kv_cache_dtype):
     """`TILELLM_ROPE_STORE`: the default rotates q and k in the launch that stores K/V (no

@@ -1,7 +1,7 @@
 """`gemv.py`'s one-row kernel, reached through `skinny.py`'s wrappers: against the fp64 product,
 its gated and normalised launches against the separate launches bit for bit, the loop over long
-rows, and the layers' choice of it (`gemv_enabled`: one 16-bit row on a CUDA device, off with
-`TILELLM_GEMV=0`), the LM head's included.
+rows, and the layers' choice of it (`gemv_enabled`: one 16-bit row on a CUDA device, opt-in with
+`TILELLM_GEMV=1`), the LM head's included.
 
 On the CPU the kernel runs under Triton's interpreter (16-bit products: the kernel sums in fp32
 without `tl.dot`, which the interpreter runs correctly in 16 bits), and through a decoder's
@@ -42,7 +42,8 @@ def _fp64(x, w, b):
 
 @pytest.fixture
 def gemv_calls(monkeypatch):
-    """The shapes (x, weight) of the calls that reached `gemv.py`'s launch."""
+    """`TILELLM_GEMV=1`, and the shapes (x, weight) of the calls that reached `gemv.py`'s launch."""
+    monkeypatch.setenv("TILELLM_GEMV", "1")
     calls = []
     real = skinny.launch_gemv
 
@@ -129,24 +130,29 @@ def test_rows_longer_than_a_tile_loop_over_k(monkeypatch, dtype, gemv_calls):
     assert_close(y.float(), F.linear(rms_norm(x, nw, 1e-6).float(), w.float(), b.float()), 8e-3, "norm")
 
 
-def test_enabled_only_for_16_bit_cuda_rows(monkeypatch):
-    """Never on the CPU nor for fp32; `TILELLM_GEMV=0` turns it off on a CUDA device too."""
-    monkeypatch.delenv("TILELLM_GEMV", raising=False)
+def test_enabled_only_for_16_bit_cuda_rows_when_asked(monkeypatch):
+    """Off unless `TILELLM_GEMV=1`; then on a CUDA device for 16-bit rows, never on the CPU nor
+    for fp32."""
+    for unset in (True, False):
+        if unset:
+            monkeypatch.delenv("TILELLM_GEMV", raising=False)
+        else:
+            monkeypatch.setenv("TILELLM_GEMV", "0")
+        assert not gemv.gemv_enabled(torch.device("cuda"), torch.bfloat16)
+        assert not gemv.gemv_runs(torch.float16)
+    monkeypatch.setenv("TILELLM_GEMV", "1")
     for dtype in (torch.float32, *HALF):
         assert not gemv.gemv_enabled(torch.device("cpu"), dtype)
     assert not gemv.gemv_enabled(torch.device("cuda"), torch.float32)
     assert gemv.gemv_enabled(torch.device("cuda"), torch.bfloat16)
     assert gemv.gemv_runs(torch.float16) and not gemv.gemv_runs(torch.float32)
-    monkeypatch.setenv("TILELLM_GEMV", "0")
-    assert not gemv.gemv_enabled(torch.device("cuda"), torch.bfloat16)
-    assert not gemv.gemv_runs(torch.float16)
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
 def test_switched_off_one_row_calls_keep_the_skinny_kernel(monkeypatch, gemv_calls):
-    """With `TILELLM_GEMV=0`, `skinny.py`'s one-row calls (the PDL path's) run its own kernel.
+    """Without `TILELLM_GEMV=1`, `skinny.py`'s one-row calls (the PDL path's) run its own kernel.
     (fp16: that kernel's `tl.dot` is wrong in bf16 under the interpreter.)"""
-    monkeypatch.setenv("TILELLM_GEMV", "0")
+    monkeypatch.delenv("TILELLM_GEMV")
     x, w, b = _operands(40, 96, torch.float16, "cpu", bias=True)
     assert_close(skinny_linear(x, w, b).float(), _fp64(x, w, b).float(), 8e-3, "switched off")
     assert gemv_calls == []
@@ -274,7 +280,7 @@ def test_qwen3_shapes_on_the_gpu(N, K, dtype, gemv_calls):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_decoder_mlp_chain_in_a_cuda_graph():
+def test_a_decoder_mlp_chain_in_a_cuda_graph(gemv_calls):
     """RMSNorm and gate-up with SiLU-and-mul in one launch, then down_proj, captured in a CUDA
     graph and replayed on new inputs: the bits of the same chain run eagerly."""
     gen = torch.Generator().manual_seed(0)
@@ -300,3 +306,4 @@ def test_a_decoder_mlp_chain_in_a_cuda_graph():
         graph.replay()
         y, h = chain()
         assert torch.equal(out, y) and torch.equal(out_h, h), f"replay {seed}"
+    assert gemv_calls and all(call[0] == (1, hidden) or call[0] == (1, inter) for call in gemv_calls)

@@ -53,18 +53,20 @@ NUM_WARPS = 8
 NUM_WARPS_NORM = 4
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
-_gemv_off = env_flag("TILELLM_GEMV", "0")
+# Opt-in until the engine's one-row steps with it are measured and tested on a GPU (the kernel's
+# tiles come from a GPU sweep; see docs/benchmarks.md, "One-row linear layers").
+_gemv_on = env_flag("TILELLM_GEMV", "1")
 
 
 def gemv_runs(dtype: torch.dtype) -> bool:
-    """Whether `skinny.py`'s one-row calls of `dtype` run this kernel: a 16-bit dtype, and not
-    turned off by `TILELLM_GEMV=0` (then `skinny.py`'s own kernel runs them)."""
-    return dtype in GEMV_DTYPES and not _gemv_off()
+    """Whether `skinny.py`'s one-row calls of `dtype` run this kernel: `TILELLM_GEMV=1` and a
+    16-bit dtype (else `skinny.py`'s own kernel runs them)."""
+    return dtype in GEMV_DTYPES and _gemv_on()
 
 
 def gemv_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether one-row linear layers of `dtype` on `device` run this kernel rather than cuBLAS:
-    a CUDA device and `gemv_runs(dtype)`."""
+    a CUDA device and `gemv_runs(dtype)` (`TILELLM_GEMV=1`)."""
     return device.type == "cuda" and gemv_runs(dtype)
 
 

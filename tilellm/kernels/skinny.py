@@ -20,9 +20,9 @@ rounds its fp32 sum (plus the bias) once to x's dtype. No split-K: the column ti
 narrow enough (64, 32 or 16 columns) that the grid covers about as many programs as the GPU has
 SMs, so a program reads at most BLOCK_N rows of K values. Its PyTorch twin is `F.linear`.
 
-One row in 16 bits (decode of one sequence) runs `gemv.py`'s kernel instead (unless
-`TILELLM_GEMV=0`), with the same prologue and epilogue: each of its programs loads its whole
-weight tile at once, with no loop.
+With `TILELLM_GEMV=1`, one row in 16 bits (decode of one sequence) runs `gemv.py`'s kernel
+instead, with the same prologue and epilogue: each of its programs loads its whole weight tile at
+once, with no loop.
 """
 
 from __future__ import annotations

@@ -181,8 +181,8 @@ class QuantizedActivation:
 class NormedActivation:
     """A linear layer's input as the RMSNorm before it left it, not yet normalised: the layer runs
     the norm in its own launch (`skinny_rms_norm_linear`), on the steps where it says it can
-    (`LinearMethod.takes_normed_input`: one row in 16 bits on a CUDA device, or a few tokens
-    under PDL).
+    (`LinearMethod.takes_normed_input`: one row in 16 bits on a CUDA device with
+    `TILELLM_GEMV=1`, or a few tokens under PDL).
 
     x [T, H] and, when the norm adds the residual stream first, residual [T, H] and residual_out
     [T, H], which the layer's launch fills with x + residual (the norm returned it to the decoder
@@ -228,11 +228,12 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> x W^T (+ bias) [..., out]: this rank's part, before any collective.
 
-        cuBLAS, except `skinny_linear` on one-row steps in 16 bits on a CUDA device (`gemv.py`'s
-        kernel: each program loads its weight tile at once) and on steps of up to
-        `SKINNY_MAX_ROWS` tokens under programmatic dependent launch (`TILELLM_PDL=1`: it streams
-        the weight while the kernel before runs; cuBLAS's kernels do not take part in PDL); there
-        a `NormedActivation` is normalised in the same launch (`skinny_rms_norm_linear`)."""
+        cuBLAS, except `skinny_linear` on one-row steps in 16 bits on a CUDA device with
+        `TILELLM_GEMV=1` (`gemv.py`'s kernel: each program loads its weight tile at once) and on
+        steps of up to `SKINNY_MAX_ROWS` tokens under programmatic dependent launch
+        (`TILELLM_PDL=1`: it streams the weight while the kernel before runs; cuBLAS's kernels do
+        not take part in PDL); there a `NormedActivation` is normalised in the same launch
+        (`skinny_rms_norm_linear`)."""
         y = self._apply_skinny(layer, x, bias, silu_and_mul=False)
         if y is not None:
             return y
@@ -276,8 +277,8 @@ class LinearMethod:
     @staticmethod
     def _skinny(layer: LinearBase, x: torch.Tensor) -> bool:
         """Whether a step on input x [..., in] runs `skinny.py`'s wrappers rather than cuBLAS,
-        the weight in x's dtype: one row in 16 bits on a CUDA device (`gemv.py`'s kernel, unless
-        `TILELLM_GEMV=0`), or up to SKINNY_MAX_ROWS rows under PDL."""
+        the weight in x's dtype: one row in 16 bits on a CUDA device with `TILELLM_GEMV=1`
+        (`gemv.py`'s kernel), or up to SKINNY_MAX_ROWS rows under PDL."""
         if x.dtype != layer.weight.dtype:
             return False
         rows = x.numel() // max(1, x.shape[-1])
@@ -581,7 +582,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head with the vocab split like VocabParallelEmbedding (so tied weights shard alike).
 
     forward(hidden [N, H]) -> logits [N, V] in the weight dtype (each rank gets the full vocab).
-    One row (decode of one sequence) runs `gemv.py`'s kernel where linear layers do.
+    One row (decode of one sequence) runs `gemv.py`'s kernel where linear layers do
+    (`TILELLM_GEMV=1`).
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
