@@ -1,6 +1,7 @@
 """Small-batch decode: milliseconds per step at batch 1 and 8, with the step's host and device time.
 
-    python benchmarks/small_batch_decode.py [--batches 1,8] [--steps 256] [--cprofile N] [--json F]
+    python benchmarks/small_batch_decode.py [--batches 1,8] [--steps 256] [--cprofile N] [--ab NAME=VALUE]
+        [--repeat N] [--json F]
 
 (with tilellm installed, or from the repository root with `PYTHONPATH=.`)
 
@@ -17,15 +18,19 @@ per step (torch.profiler over 32 steps), and the device's idle time between a st
 the profile's kernel start and end times; `tilellm.bench.breakdown.kernel_gaps`). Needs a CUDA
 GPU. `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` runs the same with programmatic
 dependent launch (`tilellm/kernels/pdl.py`); compare the two on one machine, one after the other.
+`--ab TILELLM_GEMV=1 --repeat 2` does that in one process: a fresh engine without the variable,
+then one with it (`gemv.py`'s one-row linear layers), alternated twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import io
 import json
+import os
 import pstats
 import random
 import sys
@@ -115,18 +120,24 @@ def measure(llm: LLM, batch: int, steps: int, cprofile: int = 0, kernels: int = 
     return report
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
-    ap.add_argument("--steps", type=int, default=256, help="decode steps timed per batch size")
-    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="the top N functions at batch 1")
-    ap.add_argument("--kernels", type=int, default=0, metavar="N", help="the N kernels of most device time")
-    ap.add_argument("--json", default=None, help="write the results to this file")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("small_batch_decode.py needs a CUDA GPU", file=sys.stderr)
-        return 1
-    batches = [int(b) for b in args.batches.split(",")]
+def _report(label: str, r: dict) -> None:
+    print(
+        f"{label}batch {r['batch']:3d}: {r['ms_per_step']:.3f} ms/step ({r['tok_per_s']:.0f} tok/s), device "
+        f"{r['device_ms_per_step']:.3f} ms; host: schedule {r['schedule_ms']:.3f} prepare "
+        f"{r['prepare_ms']:.3f} postprocess {r['postprocess_ms']:.3f}; runner stage "
+        f"{r['runner_stage_ms']:.3f} inputs {r['runner_inputs_ms']:.3f} forward "
+        f"{r['runner_forward_ms']:.3f} sample {r['runner_sample_ms']:.3f} ms"
+    )
+    if "kernel_gaps" in r:
+        print(f"  {KernelGaps(**r['kernel_gaps']).format()}")
+    for k in r.get("kernels_per_step", []):
+        print(f"  {k['us']:8.1f} us/step {k['calls']:6.1f} calls  {k['name']}")
+    if "cprofile" in r:
+        print(r["cprofile"])
+
+
+def run_engine(batches: list[int], args: argparse.Namespace, label: str = "") -> list[dict]:
+    """One engine (Qwen3-0.6B's shape, random weights) measured at each batch size, printed."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(
@@ -139,21 +150,64 @@ def main() -> int:
         )
         for b in batches:
             r = measure(llm, b, args.steps, args.cprofile if b == batches[0] else 0, args.kernels)
+            r["batch"] = b
+            if label:
+                r["setting"] = label.strip()
             results.append(r)
-            print(
-                f"batch {b:3d}: {r['ms_per_step']:.3f} ms/step ({r['tok_per_s']:.0f} tok/s), device "
-                f"{r['device_ms_per_step']:.3f} ms; host: schedule {r['schedule_ms']:.3f} prepare "
-                f"{r['prepare_ms']:.3f} postprocess {r['postprocess_ms']:.3f}; runner stage "
-                f"{r['runner_stage_ms']:.3f} inputs {r['runner_inputs_ms']:.3f} forward "
-                f"{r['runner_forward_ms']:.3f} sample {r['runner_sample_ms']:.3f} ms"
-            )
-            if "kernel_gaps" in r:
-                print(f"  {KernelGaps(**r['kernel_gaps']).format()}")
-            for k in r.get("kernels_per_step", []):
-                print(f"  {k['us']:8.1f} us/step {k['calls']:6.1f} calls  {k['name']}")
-            if "cprofile" in r:
-                print(r["cprofile"])
+            _report(label, r)
         llm.shutdown()
+    del llm
+    torch.cuda.empty_cache()
+    return results
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """os.environ[name] = value inside (unset when value is None), restored after."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    ap.add_argument("--steps", type=int, default=256, help="decode steps timed per batch size")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="the top N functions at batch 1")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N", help="the N kernels of most device time")
+    ap.add_argument(
+        "--ab",
+        metavar="NAME=VALUE",
+        help="time an engine without, then with, this environment variable (e.g. TILELLM_GEMV=1)",
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="with --ab: alternate the two this many times")
+    ap.add_argument("--json", default=None, help="write the results to this file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("small_batch_decode.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    batches = [int(b) for b in args.batches.split(",")]
+    results = []
+    if args.ab is None:
+        results = run_engine(batches, args)
+    else:
+        name, sep, value = args.ab.partition("=")
+        if not sep or not name:
+            ap.error(f"--ab takes NAME=VALUE, got {args.ab!r}")
+        for _ in range(args.repeat):
+            for setting in (None, value):
+                with _env(name, setting):
+                    label = f"[{name}={setting}] " if setting is not None else f"[{name} unset] "
+                    results += run_engine(batches, args, label)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
