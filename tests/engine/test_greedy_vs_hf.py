@@ -130,18 +130,19 @@ def test_unfused_ops_beside_triton_attention_match_hf(tiny_qwen3, monkeypatch):
         LLM(tiny_qwen3, fused_ops_backend="cuda-graphs")
 
 
-def test_one_row_gemv_keeps_the_greedy_tokens(tiny_qwen3, monkeypatch):
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_gemv_keeps_the_greedy_tokens(tiny_qwen3, monkeypatch, max_num_seqs):
     """`TILELLM_GEMV=1` (forced here on the CPU too, the kernels under the interpreter): an fp16
-    engine decoding one sequence at a time runs its norms, linear layers, gate-up with SiLU-and-mul
-    and LM head through `gemv.py` on the one-row steps, and gives the tokens of the same engine
-    without it, each step's top log-probabilities within a few roundings. (fp16: in bf16 this
-    random model's near-ties, top two within 0.03, flip with the sums' order.)"""
+    engine decoding one sequence at a time, or two, runs its norms, linear layers, gate-up with
+    SiLU-and-mul and LM head through `gemv.py` on its decode steps, and gives the tokens of the
+    same engine without it, each step's top log-probabilities within a few roundings. (fp16: in
+    bf16 this random model's near-ties, top two within 0.03, flip with the sums' order.)"""
     from tilellm.kernels import skinny
     from tilellm.models.layers import linear as linear_layers
 
     prompts = [_prompts()[2], _prompts()[4]]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
-    kwargs = dict(num_kv_blocks=32, max_num_seqs=1, dtype="float16", attention_backend="triton")
+    kwargs = dict(num_kv_blocks=32, max_num_seqs=max_num_seqs, dtype="float16", attention_backend="triton")
 
     def run():
         outputs = LLM(tiny_qwen3, fused_ops_backend="triton", **kwargs).generate(
@@ -151,7 +152,9 @@ def test_one_row_gemv_keeps_the_greedy_tokens(tiny_qwen3, monkeypatch):
 
     want = run()
     monkeypatch.setenv("TILELLM_GEMV", "1")
-    monkeypatch.setattr(linear_layers, "gemv_enabled", lambda device, dtype: dtype == torch.float16)
+    monkeypatch.setattr(
+        linear_layers, "gemv_enabled", lambda device, rows, dtype: 0 < rows <= 8 and dtype == torch.float16
+    )
     launches: list = []
     monkeypatch.setattr(skinny, "launch_gemv", _counted(skinny.launch_gemv, launches))
     got = run()
@@ -161,9 +164,9 @@ def test_one_row_gemv_keeps_the_greedy_tokens(tiny_qwen3, monkeypatch):
             for token, logprob in step_want.items():
                 assert abs(step_got[token].logprob - logprob.logprob) < 0.02, (token, step_got, step_want)
     # at least, per decode step: each of the 2 layers' norm+qkv, o_proj, norm+gate-up+SiLU and
-    # down_proj, and the LM head (4 decode steps a prompt: the first token comes from the prefill);
-    # a prefill's one-row LM head and the warm-up add to it
-    assert len(launches) >= 2 * 4 * (2 * 4 + 1)
+    # down_proj, and the LM head (4 decode steps a prompt, both prompts' together with two
+    # sequences: the first token comes from the prefill); a prefill's LM head and the warm-up add
+    assert len(launches) >= 2 * 4 * (2 * 4 + 1) // max_num_seqs
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

@@ -1,7 +1,7 @@
-"""`gemv.py`'s one-row kernel, reached through `skinny.py`'s wrappers: against the fp64 product,
-its gated and normalised launches against the separate launches bit for bit, the loop over long
-rows, and the layers' choice of it (`gemv_enabled`: one 16-bit row on a CUDA device, opt-in with
-`TILELLM_GEMV=1`), the LM head's included.
+"""`gemv.py`'s kernels (one row, and up to GEMV_MAX_ROWS), reached through `skinny.py`'s wrappers:
+against the fp64 product, their gated and normalised launches against the separate launches bit
+for bit, the loop over long rows, and the layers' choice of them (`gemv_enabled`: a few 16-bit rows
+on a CUDA device, opt-in with `TILELLM_GEMV=1`), the LM head's included.
 
 On the CPU the kernel runs under Triton's interpreter (16-bit products: the kernel sums in fp32
 without `tl.dot`, which the interpreter runs correctly in 16 bits), and through a decoder's
@@ -55,51 +55,63 @@ def gemv_calls(monkeypatch):
     return calls
 
 
-def test_tile_follows_k_alone():
-    """The tile: K padded to a power of two, 1-4 rows of at most TILE_ELEMENTS, a loop past
-    MAX_BLOCK_K; nothing depends on N, so gated and plain launches sum a column alike."""
-    assert gemv.gemv_tile(1024) == (4, 1024, 1)
-    assert gemv.gemv_tile(3072) == (2, 4096, 1)
-    assert gemv.gemv_tile(7) == (4, 8, 1)
-    assert gemv.gemv_tile(12288) == (1, 16384, 1)
-    assert gemv.gemv_tile(40000) == (1, gemv.MAX_BLOCK_K, 3)
+def test_tiles():
+    """One row: K padded to a power of two, 1-4 weight rows of at most TILE_ELEMENTS, a loop past
+    MAX_BLOCK_K. More rows: M padded to a power of two, the product within ROWS_PRODUCT_ELEMENTS.
+    Nothing depends on N, so gated and plain launches sum a column alike."""
+    assert gemv.gemv_tile(1, 1024) == (1, 4, 1024, 1)
+    assert gemv.gemv_tile(1, 3072) == (1, 2, 4096, 1)
+    assert gemv.gemv_tile(1, 7) == (1, 4, 8, 1)
+    assert gemv.gemv_tile(1, 12288) == (1, 1, 16384, 1)
+    assert gemv.gemv_tile(1, 40000) == (1, 1, gemv.MAX_BLOCK_K, 3)
+    assert gemv.gemv_tile(2, 1024) == (2, 4, 1024, 1)
+    assert gemv.gemv_tile(5, 1024) == (8, 2, 1024, 1)
+    assert gemv.gemv_tile(8, 3072) == (8, 1, 2048, 2)
+    assert gemv.gemv_fuses_norm(8, 2048) and not gemv.gemv_fuses_norm(8, 3072)
+
+
+ROWS = [1, 3, 8]  # one row, a partial row tile, a full one
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize(("N", "K"), SHAPES)
-def test_one_row_matches_fp64(N, K, dtype, bias, gemv_calls):
-    """One row in 16 bits goes to the kernel and lands within one output rounding of the fp64
-    product (plus the bias)."""
-    x, w, b = _operands(N, K, dtype, "cpu", seed=N + K, bias=bias)
+def test_matches_fp64(N, K, M, dtype, bias, gemv_calls):
+    """Up to GEMV_MAX_ROWS rows in 16 bits go to the kernels and land within one output rounding
+    of the fp64 product (plus the bias)."""
+    x, w, b = _operands(N, K, dtype, "cpu", seed=N + K + M, bias=bias, rows=M)
     got = skinny_linear(x, w, b)
-    assert gemv_calls == [((1, K), (N, K))]
-    assert got.dtype == dtype and got.shape == (1, N)
-    assert_close(got.float(), _fp64(x, w, b).float(), 8e-3, f"{dtype} N={N} K={K}")
+    assert gemv_calls == [((M, K), (N, K))]
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert_close(got.float(), _fp64(x, w, b).float(), 8e-3, f"{dtype} M={M} N={N} K={K}")
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
-def test_other_rows_and_fp32_keep_the_skinny_kernel(gemv_calls):
-    """Two rows, or fp32, run `skinny.py`'s own kernel."""
-    x, w, _ = _operands(16, 64, torch.float32, "cpu", rows=2)
-    assert_close(skinny_linear(x, w), _fp64(x, w, None).float(), 1e-5, "two rows")
-    assert_close(skinny_linear(x[:1], w), _fp64(x[:1], w, None).float(), 1e-5, "fp32")
+def test_more_rows_and_fp32_keep_the_skinny_kernel(gemv_calls):
+    """More than GEMV_MAX_ROWS rows, or fp32, run `skinny.py`'s own kernel (fp16 for the rows:
+    that kernel's `tl.dot` is wrong in bf16 under the interpreter)."""
+    x, w, _ = _operands(16, 64, torch.float16, "cpu", rows=gemv.GEMV_MAX_ROWS + 1)
+    assert_close(skinny_linear(x, w).float(), _fp64(x, w, None).float(), 8e-3, "rows")
+    x, w, _ = _operands(16, 64, torch.float32, "cpu")
+    assert_close(skinny_linear(x, w), _fp64(x, w, None).float(), 1e-5, "fp32")
     assert gemv_calls == []
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize(("N", "K"), SHAPES)
-def test_gated_and_normalised_launches_give_the_separate_launches_bits(N, K, dtype, gemv_calls):
+def test_gated_and_normalised_launches_give_the_separate_launches_bits(N, K, M, dtype, gemv_calls):
     """The gate-up launch is `skinny_linear` then `silu_and_mul` bit for bit; the norm's launch
     gives `rms_norm`'s residual stream bit for bit and, on these inputs, the layer on `rms_norm`'s
     output bit for bit; with and without a residual, gated or not, with a bias."""
-    x, w, b = _operands(2 * N, K, dtype, "cpu", seed=K, bias=True)
+    x, w, b = _operands(2 * N, K, dtype, "cpu", seed=K + M, bias=True, rows=M)
     w = w / 2  # (fp16 products well inside its range)
     assert torch.equal(skinny_linear_silu_and_mul(x, w, b), silu_and_mul(skinny_linear(x, w, b)))
     gen = torch.Generator().manual_seed(N)
-    r = torch.randn(1, K, generator=gen).to(dtype)
+    r = torch.randn(M, K, generator=gen).to(dtype)
     nw = (torch.rand(K, generator=gen) + 0.5).to(dtype)
     for gated, layer in ((False, skinny_linear), (True, skinny_linear_silu_and_mul)):
         y, h = skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=r, silu_and_mul=gated)
@@ -113,12 +125,15 @@ def test_gated_and_normalised_launches_give_the_separate_launches_bits(N, K, dty
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
 @pytest.mark.parametrize("dtype", HALF)
-def test_rows_longer_than_a_tile_loop_over_k(monkeypatch, dtype, gemv_calls):
-    """Rows longer than MAX_BLOCK_K (made 64 here) loop over K, gated or not; the norm's launch
-    then keeps `skinny.py`'s kernel (its prologue needs the whole row in one tile)."""
+@pytest.mark.parametrize("M", ROWS)
+def test_rows_longer_than_a_tile_loop_over_k(monkeypatch, dtype, M, gemv_calls):
+    """Rows longer than a tile (MAX_BLOCK_K made 64, ROWS_PRODUCT_ELEMENTS 512) loop over K,
+    gated or not; the norm's launch then keeps `skinny.py`'s kernel (its prologue needs the whole
+    row in one tile)."""
     monkeypatch.setattr(gemv, "MAX_BLOCK_K", 64)
-    x, w, b = _operands(12, 200, dtype, "cpu", seed=3, bias=True)
-    assert gemv.gemv_tile(200) == (4, 64, 4)
+    monkeypatch.setattr(gemv, "ROWS_PRODUCT_ELEMENTS", 512)
+    x, w, b = _operands(12, 200, dtype, "cpu", seed=3, bias=True, rows=M)
+    assert gemv.gemv_tile(M, 200)[3] > 1
     assert_close(skinny_linear(x, w, b).float(), _fp64(x, w, b).float(), 8e-3, "loop")
     assert torch.equal(skinny_linear_silu_and_mul(x, w, b), silu_and_mul(skinny_linear(x, w, b)))
     assert len(gemv_calls) == 3
@@ -130,22 +145,27 @@ def test_rows_longer_than_a_tile_loop_over_k(monkeypatch, dtype, gemv_calls):
     assert_close(y.float(), F.linear(rms_norm(x, nw, 1e-6).float(), w.float(), b.float()), 8e-3, "norm")
 
 
-def test_enabled_only_for_16_bit_cuda_rows_when_asked(monkeypatch):
-    """Off unless `TILELLM_GEMV=1`; then on a CUDA device for 16-bit rows, never on the CPU nor
-    for fp32."""
+def test_enabled_only_for_few_16_bit_cuda_rows_when_asked(monkeypatch):
+    """Off unless `TILELLM_GEMV=1`; then on a CUDA device for 1 to GEMV_MAX_ROWS 16-bit rows,
+    never on the CPU nor for fp32."""
+    cuda = torch.device("cuda")
     for unset in (True, False):
         if unset:
             monkeypatch.delenv("TILELLM_GEMV", raising=False)
         else:
             monkeypatch.setenv("TILELLM_GEMV", "0")
-        assert not gemv.gemv_enabled(torch.device("cuda"), torch.bfloat16)
-        assert not gemv.gemv_runs(torch.float16)
+        assert not gemv.gemv_enabled(cuda, 1, torch.bfloat16)
+        assert not gemv.gemv_runs(1, torch.float16)
     monkeypatch.setenv("TILELLM_GEMV", "1")
     for dtype in (torch.float32, *HALF):
-        assert not gemv.gemv_enabled(torch.device("cpu"), dtype)
-    assert not gemv.gemv_enabled(torch.device("cuda"), torch.float32)
-    assert gemv.gemv_enabled(torch.device("cuda"), torch.bfloat16)
-    assert gemv.gemv_runs(torch.float16) and not gemv.gemv_runs(torch.float32)
+        assert not gemv.gemv_enabled(torch.device("cpu"), 1, dtype)
+    assert not gemv.gemv_enabled(cuda, 1, torch.float32)
+    assert gemv.gemv_enabled(cuda, 1, torch.bfloat16) and gemv.gemv_enabled(
+        cuda, gemv.GEMV_MAX_ROWS, torch.float16
+    )
+    assert not gemv.gemv_enabled(cuda, 0, torch.bfloat16)
+    assert not gemv.gemv_enabled(cuda, gemv.GEMV_MAX_ROWS + 1, torch.bfloat16)
+    assert gemv.gemv_runs(1, torch.float16) and not gemv.gemv_runs(1, torch.float32)
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
@@ -178,33 +198,37 @@ def test_strided_views(monkeypatch, loop, gemv_calls):
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
-def test_layers_take_it_for_one_row(monkeypatch, gemv_calls):
-    """Where it is enabled (forced here on the CPU), a 16-bit linear layer runs it for one row
-    (any leading dims) and cuBLAS for two; the LM head too. Both give the layer's product."""
-    monkeypatch.setattr(linear_layers, "gemv_enabled", lambda device, dtype: True)
+def test_layers_take_it_for_few_rows(monkeypatch, gemv_calls):
+    """Where it is enabled (forced here on the CPU for up to GEMV_MAX_ROWS rows), a 16-bit linear
+    layer runs it for those rows (any leading dims) and cuBLAS above; the LM head too. Both give
+    the layer's product."""
+    limit = gemv.GEMV_MAX_ROWS
+    monkeypatch.setattr(linear_layers, "gemv_enabled", lambda device, rows, dtype: 0 < rows <= limit)
     layer = ColumnParallelLinear(64, 48, bias=True, tp_rank=0, tp_size=1).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 64) / 8)
         layer.bias.copy_(torch.randn(48))
-    for shape in [(1, 64), (1, 1, 64), (2, 64)]:
+    for shape in [(1, 64), (1, 1, 64), (2, 3, 64), (limit, 64), (limit + 1, 64)]:
         x = torch.randn(shape).to(torch.bfloat16)
         expected = _fp64(x.reshape(-1, 64), layer.weight, layer.bias).float().reshape(*shape[:-1], 48)
         assert_close(layer(x).float(), expected, 8e-3, f"{shape}")
-    assert gemv_calls == [((1, 64), (48, 64))] * 2
+    assert [call[0][0] for call in gemv_calls] == [1, 1, 6, limit]
     head = ParallelLMHead(100, 64).to(torch.bfloat16)
     with torch.no_grad():
         head.weight.copy_(torch.randn(100, 64) / 8)
-    hidden = torch.randn(1, 64).to(torch.bfloat16)
+    hidden = torch.randn(3, 64).to(torch.bfloat16)
     assert_close(head(hidden).float(), _fp64(hidden, head.weight, None).float(), 8e-3, "LM head")
-    assert gemv_calls[-1] == ((1, 64), (100, 64))
-    assert head(hidden.expand(2, 64)).shape == (2, 100) and len(gemv_calls) == 3
+    assert gemv_calls[-1] == ((3, 64), (100, 64))
+    assert head(torch.randn(limit + 1, 64).to(torch.bfloat16)).shape == (limit + 1, 100)
+    assert len(gemv_calls) == 5
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_decoder_norm_and_mlp_run_in_the_layers_launches(monkeypatch, with_residual, gemv_calls):
-    """Where it is enabled (forced here on the CPU), a decoder's RMSNorm hands its one row to the
-    linear layer that reads it, and the gated MLP's gate-up takes its SiLU-and-mul: the layer's
+def test_decoder_norm_and_mlp_run_in_the_layers_launches(monkeypatch, with_residual, rows, gemv_calls):
+    """Where it is enabled (forced here on the CPU), a decoder's RMSNorm hands its rows (one, or
+    three) to the linear layer that reads it, and the gated MLP's gate-up takes its SiLU-and-mul: the layer's
     and the MLP's outputs are the norm-then-layer bits, the residual stream is the norm's; with
     the reference ops (the oracle backend) every op runs on its own."""
     from tilellm.kernels import fused
@@ -213,7 +237,7 @@ def test_decoder_norm_and_mlp_run_in_the_layers_launches(monkeypatch, with_resid
     from tilellm.models.layers.linear import NormedActivation
     from tilellm.models.layers.mlp import GatedMLP
 
-    monkeypatch.setattr(linear_layers, "gemv_enabled", lambda device, dtype: True)
+    monkeypatch.setattr(linear_layers, "gemv_enabled", lambda device, rows, dtype: 0 < rows <= 8)
     gen = torch.Generator().manual_seed(9)
     dtype = torch.bfloat16
     layer = ColumnParallelLinear(64, 48, bias=False, tp_rank=0, tp_size=1).to(dtype)
@@ -223,8 +247,8 @@ def test_decoder_norm_and_mlp_run_in_the_layers_launches(monkeypatch, with_resid
         norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
         for p in (layer.weight, *mlp.parameters()):
             p.copy_(torch.randn(p.shape, generator=gen) / 8)
-    x = torch.randn(1, 64, generator=gen).to(dtype)
-    args = (x, torch.randn(1, 64, generator=gen).to(dtype)) if with_residual else (x,)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    args = (x, torch.randn(rows, 64, generator=gen).to(dtype)) if with_residual else (x,)
     want = fused.rms_norm(*args[:1], norm.weight, 1e-6, residual=args[1] if with_residual else None)
     want_y, want_res = want if with_residual else (want, None)
     for reader, run, expected in (
@@ -255,27 +279,28 @@ def test_decoder_norm_and_mlp_run_in_the_layers_launches(monkeypatch, with_resid
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize(
     ("N", "K"),
     [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (258, 4104), (8, 20000)],
 )
-def test_qwen3_shapes_on_the_gpu(N, K, dtype, gemv_calls):
-    """Qwen3-0.6B's layers and LM head, a partial column tile, a row that loops over K: within
-    one output rounding of the fp64 product; the gated launch bit for bit the plain one then
-    `silu_and_mul`; the norm's launch within a rounding of `rms_norm` then the layer, its
+def test_qwen3_shapes_on_the_gpu(N, K, M, dtype, gemv_calls):
+    """Qwen3-0.6B's layers and LM head, a partial column tile, rows that loop over K, at 1, 3 and
+    8 rows: within one output rounding of the fp64 product; the gated launch bit for bit the plain
+    one then `silu_and_mul`; the norm's launch within a rounding of `rms_norm` then the layer, its
     residual stream bit for bit."""
-    x, w, b = _operands(N, K, dtype, "cuda", seed=N, bias=True)
-    assert_close(skinny_linear(x, w, b).float(), _fp64(x, w, b).float(), 8e-3, f"{dtype} N={N} K={K}")
+    x, w, b = _operands(N, K, dtype, "cuda", seed=N, bias=True, rows=M)
+    assert_close(skinny_linear(x, w, b).float(), _fp64(x, w, b).float(), 8e-3, f"{dtype} M={M} N={N} K={K}")
     if N % 2 == 0:
         assert torch.equal(skinny_linear_silu_and_mul(x, w, b), silu_and_mul(skinny_linear(x, w, b)))
-    r = torch.randn(1, K, device="cuda").to(dtype)
+    r = torch.randn(M, K, device="cuda").to(dtype)
     nw = (torch.rand(K, device="cuda") + 0.5).to(dtype)
     y, h = skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=r)
     normed, expected_h = rms_norm(x, nw, 1e-6, residual=r)
     assert torch.equal(h, expected_h)
     assert_close(y.float(), F.linear(normed.float(), w.float(), b.float()), 8e-3, "norm")
-    looped = gemv.gemv_tile(K)[2] > 1  # (then the norm's launch is `skinny.py`'s own)
-    assert len(gemv_calls) == (3 if N % 2 == 0 else 1) + (0 if looped else 1)
+    fused = gemv.gemv_fuses_norm(M, K)  # (else the norm's launch is `skinny.py`'s own)
+    assert len(gemv_calls) == (3 if N % 2 == 0 else 1) + (1 if fused else 0)
 
 
 @pytest.mark.gpu

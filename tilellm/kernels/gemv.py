@@ -1,5 +1,5 @@
-"""A linear layer of one row (decode of one sequence): y = x W^T with the weight streamed at the
-copy rate, and the RMSNorm before it or the SiLU-and-mul after it in the same launch.
+"""A linear layer of one row (decode of one sequence) or a few: y = x W^T with the weight streamed
+at the copy rate, and the RMSNorm before it or the SiLU-and-mul after it in the same launch.
 
 At one token a layer reads its whole weight for two FLOPs a weight element: its time is the
 weight's bytes plus a fixed cost (the launch, the first loads' latency, the last program's
@@ -26,9 +26,13 @@ alone, so a column's sum runs in the same order whatever N is: the gated launch 
 of the plain one followed by `silu_and_mul` (with NORM the launch has fewer warps, so its sums may
 round differently from the plain launch's on the normalised row).
 
+Steps of 2 to GEMV_MAX_ROWS rows run `_gemv_rows_kernel`, the same with each weight tile
+multiplied by every row at once (a [BLOCK_M, BLOCK_N, BLOCK_K] product summed over K), so that
+the rows share one pass over the weight.
+
 The wrappers are `skinny.py`'s (`skinny_linear`, `skinny_linear_silu_and_mul`,
-`skinny_rms_norm_linear`), which send their one-row 16-bit calls here (`launch_gemv`). Its
-PyTorch twin is `F.linear`.
+`skinny_rms_norm_linear`), which send their 16-bit calls of up to GEMV_MAX_ROWS rows here
+(`launch_gemv`) with `TILELLM_GEMV=1`. Its PyTorch twin is `F.linear`.
 """
 
 from __future__ import annotations
@@ -52,31 +56,50 @@ MAX_BLOCK_N = 4
 NUM_WARPS = 8
 NUM_WARPS_NORM = 4
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
+# Steps of 2 to GEMV_MAX_ROWS rows run the rows kernel: each program multiplies its weight tile by
+# every row at once, a [BLOCK_M, BLOCK_N, BLOCK_K] product of at most ROWS_PRODUCT_ELEMENTS (64
+# fp32 values a thread at 8 warps), so the rows share one pass over the weight. Not yet timed on
+# a GPU (docs/benchmarks.md, "One-row linear layers").
+GEMV_MAX_ROWS = 8
+ROWS_PRODUCT_ELEMENTS = 16384
 
 # Opt-in until the engine's one-row steps with it are measured and tested on a GPU (the kernel's
 # tiles come from a GPU sweep; see docs/benchmarks.md, "One-row linear layers").
 _gemv_on = env_flag("TILELLM_GEMV", "1")
 
 
-def gemv_runs(dtype: torch.dtype) -> bool:
-    """Whether `skinny.py`'s one-row calls of `dtype` run this kernel: `TILELLM_GEMV=1` and a
-    16-bit dtype (else `skinny.py`'s own kernel runs them)."""
-    return dtype in GEMV_DTYPES and _gemv_on()
+def gemv_runs(M: int, dtype: torch.dtype) -> bool:
+    """Whether `skinny.py`'s calls of M rows in `dtype` run these kernels: `TILELLM_GEMV=1`, at
+    most GEMV_MAX_ROWS rows and a 16-bit dtype (else `skinny.py`'s own kernel runs them)."""
+    return 0 < M <= GEMV_MAX_ROWS and dtype in GEMV_DTYPES and _gemv_on()
 
 
-def gemv_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether one-row linear layers of `dtype` on `device` run this kernel rather than cuBLAS:
-    a CUDA device and `gemv_runs(dtype)` (`TILELLM_GEMV=1`)."""
-    return device.type == "cuda" and gemv_runs(dtype)
+def gemv_enabled(device: torch.device, M: int, dtype: torch.dtype) -> bool:
+    """Whether linear layers' steps of M rows in `dtype` on `device` run these kernels rather than
+    cuBLAS: a CUDA device and `gemv_runs(M, dtype)` (`TILELLM_GEMV=1`)."""
+    return device.type == "cuda" and gemv_runs(M, dtype)
 
 
-def gemv_tile(K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, k_tiles) for rows of K weights: BLOCK_K the power of two that holds K
-    (at most MAX_BLOCK_K), k_tiles the loop's steps over K. Under the interpreter: the same
-    tiles (the interpreter runs them as whole arrays)."""
-    block_k = min(MAX_BLOCK_K, next_power_of_2(max(K, 1)))
-    block_n = max(1, min(MAX_BLOCK_N, TILE_ELEMENTS // block_k))
-    return block_n, block_k, cdiv(K, block_k)
+def gemv_tile(M: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, k_tiles) for M rows of x against weight rows of K: one row,
+    BLOCK_K the power of two that holds K (at most MAX_BLOCK_K) and 1-4 weight rows of
+    TILE_ELEMENTS; more rows, BLOCK_M = M padded to a power of two, and the product's
+    [BLOCK_M, BLOCK_N, BLOCK_K] within ROWS_PRODUCT_ELEMENTS (K split into k_tiles steps where a
+    row does not fit). The same tiles under the interpreter."""
+    block_m = next_power_of_2(max(M, 1))
+    if block_m == 1:
+        block_k = min(MAX_BLOCK_K, next_power_of_2(max(K, 1)))
+        block_n = max(1, min(MAX_BLOCK_N, TILE_ELEMENTS // block_k))
+    else:
+        block_k = min(ROWS_PRODUCT_ELEMENTS // block_m, next_power_of_2(max(K, 1)))
+        block_n = max(1, min(MAX_BLOCK_N, ROWS_PRODUCT_ELEMENTS // (block_m * block_k)))
+    return block_m, block_n, block_k, cdiv(K, block_k)
+
+
+def gemv_fuses_norm(M: int, K: int) -> bool:
+    """Whether the RMSNorm before a layer runs in its launch at M rows of K: the whole row in one
+    tile (the norm needs the row's mean square before any product)."""
+    return gemv_tile(M, K)[3] == 1
 
 
 @triton.jit
@@ -154,6 +177,93 @@ def _gemv_kernel(
 _gemv_launch = FastLaunch(_gemv_kernel)
 
 
+@triton.jit
+def _input_rows(
+    X, R, NW, RO, rows64, row_ok, ks, k_ok, K, eps, pid, stride_xm, stride_rm, stride_om,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """`_input_row` for the rows `rows64` [BLOCK_M] (int64): [BLOCK_M, BLOCK_K] fp32, 0 past M
+    and K."""
+    ok = row_ok[:, None] & k_ok[None, :]
+    x = tl.load(X + rows64[:, None] * stride_xm + ks[None, :], mask=ok, other=0.0)
+    if NORM:
+        nw = tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
+        h = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rows64[:, None] * stride_rm + ks[None, :], mask=ok, other=0.0)
+            s = (h + r.to(tl.float32)).to(RO.dtype.element_ty)
+            first = (rows64 * 0 + pid == 0)[:, None]
+            tl.store(RO + rows64[:, None] * stride_om + ks[None, :], s, mask=ok & first)
+            h = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / K + eps)
+        return (h * rstd[:, None] * nw[None, :]).to(X.dtype.element_ty).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_rows_kernel(
+    X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    NW, R, RO, stride_rm, stride_om, eps,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, EVEN_N: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Y[rows, cols] = X[rows] W[cols]^T for M <= BLOCK_M rows: `_gemv_kernel` with each weight
+    tile multiplied by every row at once, [BLOCK_M, BLOCK_N, BLOCK_K] summed over K. K_TILES > 1
+    only without NORM."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = W + cols.to(tl.int64)[:, None] * stride_wn
+    u_rows = W + (cols + N).to(tl.int64)[:, None] * stride_wn
+    if K_TILES == 1:
+        k_ok = ks < K
+        w_ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)  # (first, as in `_gemv_kernel`)
+        if GATED:
+            u = tl.load(u_rows + ks[None, :], mask=w_ok, other=0.0)
+        pdl_start(USE_PDL)
+        x = _input_rows(
+            X, R, NW, RO, rows64, row_ok, ks, k_ok, K, eps, pid, stride_xm, stride_rm, stride_om, NORM,
+            HAS_RESIDUAL,
+        )  # fmt: skip
+        acc = tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+        if GATED:
+            acc_up = tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+    else:
+        pdl_start(USE_PDL)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=2):
+            k_ok = (k0 + ks) < K
+            w_ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
+            x_ok = row_ok[:, None] & k_ok[None, :]
+            x = tl.load(X + rows64[:, None] * stride_xm + (k0 + ks)[None, :], mask=x_ok, other=0.0)
+            x = x.to(tl.float32)
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_ok, other=0.0)
+            acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+            if GATED:
+                u = tl.load(u_rows + (k0 + ks)[None, :], mask=w_ok, other=0.0)
+                acc_up += tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    y_ok = row_ok[:, None] & col_ok[None, :]
+    tl.store(Y + rows64[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=y_ok)
+
+
+_gemv_rows_launch = FastLaunch(_gemv_rows_kernel)
+
+
 def launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -162,22 +272,33 @@ def launch_gemv(
     gated: bool,
     norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> None:
-    """Fill y [1, N] with x [1, K] weight^T (+ bias): `skinny.py`'s one-row launch, its arguments
-    checked there. weight [N, K] (gated: [2N, K]) with a unit last-dim stride; `norm`: (norm
-    weight [K], eps, residual [1, K] or None, residual_out [1, K]) for the RMSNorm prologue."""
-    N, K = y.shape[1], x.shape[1]
-    block_n, block_k, k_tiles = gemv_tile(K)
+    """Fill y [M, N] with x [M, K] weight^T (+ bias), M from 1 to GEMV_MAX_ROWS: `skinny.py`'s
+    launch for those rows, its arguments checked there. weight [N, K] (gated: [2N, K]) with a unit
+    last-dim stride, as x and y have; `norm`: (norm weight [K], eps, residual [M, K] or None,
+    residual_out [M, K]) for the RMSNorm prologue (`gemv_fuses_norm(M, K)` must hold)."""
+    (M, K), N = x.shape, y.shape[1]
+    block_m, block_n, block_k, k_tiles = gemv_tile(M, K)
+    if M > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv: at most {GEMV_MAX_ROWS} rows, got {M}")
     if norm is not None and k_tiles > 1:
-        raise ValueError(f"gemv: the RMSNorm prologue needs a row of at most {MAX_BLOCK_K} elements, got {K}")
+        raise ValueError(
+            f"gemv: the RMSNorm prologue needs each row in one tile ({block_k} wide), got K = {K}"
+        )
     norm_w, eps, res, res_out = norm if norm is not None else (weight, 0.0, None, None)
     has_res = res is not None
     res, res_out = (res, res_out) if has_res else (x, x)  # (unread without a residual)
     grid = (cdiv(N, block_n),)
-    _gemv_launch[grid](
-        x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0),
-        norm_w, res, res_out, float(eps),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=k_tiles,
-        EVEN_N=N % block_n == 0, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
-        num_warps=1 if interpreting() else NUM_WARPS if norm is None else NUM_WARPS_NORM, num_stages=1,
-        **pdl_launch_kwargs(x.device),
+    flags = dict(
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=k_tiles, EVEN_N=N % block_n == 0,
+        GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
+        num_warps=1 if interpreting() else NUM_WARPS if norm is None or M > 1 else NUM_WARPS_NORM,
+        num_stages=1, **pdl_launch_kwargs(x.device),
     )  # fmt: skip
+    b = bias if bias is not None else weight
+    if block_m == 1:
+        _gemv_launch[grid](x, weight, b, y, N, K, weight.stride(0), norm_w, res, res_out, float(eps), **flags)
+    else:
+        _gemv_rows_launch[grid](
+            x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+            norm_w, res, res_out, res.stride(0), res_out.stride(0), float(eps), BLOCK_M=block_m, **flags,
+        )  # fmt: skip

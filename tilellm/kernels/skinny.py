@@ -20,9 +20,9 @@ rounds its fp32 sum (plus the bias) once to x's dtype. No split-K: the column ti
 narrow enough (64, 32 or 16 columns) that the grid covers about as many programs as the GPU has
 SMs, so a program reads at most BLOCK_N rows of K values. Its PyTorch twin is `F.linear`.
 
-With `TILELLM_GEMV=1`, one row in 16 bits (decode of one sequence) runs `gemv.py`'s kernel
-instead, with the same prologue and epilogue: each of its programs loads its whole weight tile at
-once, with no loop.
+With `TILELLM_GEMV=1`, up to `gemv.GEMV_MAX_ROWS` rows in 16 bits run `gemv.py`'s kernels
+instead, with the same prologue and epilogue: each of their programs loads its whole weight tile
+at once, with no loop.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
 from tilellm.kernels.fused import rms_norm, silu_and_mul
-from tilellm.kernels.gemv import gemv_runs, gemv_tile, launch_gemv
+from tilellm.kernels.gemv import gemv_fuses_norm, gemv_runs, launch_gemv
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import check_rms_norm
@@ -356,8 +356,8 @@ def _skinny(
         rows = weight.shape[0]
         prod = bias.expand(M, rows).clone() if bias is not None else y.new_zeros((M, rows))
         return silu_and_mul(prod) if gated else prod
-    if M == 1 and gemv_runs(x.dtype) and (norm is None or gemv_tile(K)[2] == 1):
-        # one row: `gemv.py`'s kernel, which loads each program's whole weight tile at once
+    if gemv_runs(M, x.dtype) and (norm is None or gemv_fuses_norm(M, K)):
+        # one row or a few: `gemv.py`'s kernels, which load each program's weight tile at once
         launch_gemv(x, weight, bias.contiguous() if bias is not None else None, y, gated, norm)
         return y
     pdl = pdl_launch_kwargs(x.device)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tilellm.kernels.fused import rms_norm as fused_rms_norm
-from tilellm.kernels.gemv import gemv_enabled
+from tilellm.kernels.gemv import gemv_enabled, gemv_fuses_norm
 from tilellm.kernels.pdl import pdl_enabled
 from tilellm.kernels.skinny import (
     SKINNY_MAX_ROWS,
@@ -228,9 +228,9 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> x W^T (+ bias) [..., out]: this rank's part, before any collective.
 
-        cuBLAS, except `skinny_linear` on one-row steps in 16 bits on a CUDA device with
-        `TILELLM_GEMV=1` (`gemv.py`'s kernel: each program loads its weight tile at once) and on
-        steps of up to `SKINNY_MAX_ROWS` tokens under programmatic dependent launch
+        cuBLAS, except `skinny_linear` on steps of up to `GEMV_MAX_ROWS` tokens in 16 bits on a
+        CUDA device with `TILELLM_GEMV=1` (`gemv.py`'s kernels: each program loads its weight tile
+        at once) and on steps of up to `SKINNY_MAX_ROWS` tokens under programmatic dependent launch
         (`TILELLM_PDL=1`: it streams the weight while the kernel before runs; cuBLAS's kernels do
         not take part in PDL); there a `NormedActivation` is normalised in the same launch
         (`skinny_rms_norm_linear`)."""
@@ -246,13 +246,17 @@ class LinearMethod:
     ) -> torch.Tensor | None:
         """silu(gate) * up of a merged [gate | up] layer in one launch, [..., out / 2]: the same
         bits as `apply` then `silu_and_mul`; or None where this step has no such launch (then the
-        caller runs the two). Served where `apply` runs `skinny_linear`: one row, or a few under PDL."""
+        caller runs the two). Served where `apply` runs `skinny_linear` (`gemv.py`, or PDL)."""
         return self._apply_skinny(layer, x, bias, silu_and_mul=True)
 
     def takes_normed_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
         """Whether this layer runs the RMSNorm before it in its own launch for input x [T, H]
-        (the norm then hands it a `NormedActivation`): where `apply` runs `skinny_linear`."""
-        return self._skinny(layer, x)
+        (the norm then hands it a `NormedActivation`): where `apply` runs `skinny_linear`, on
+        `gemv.py`'s kernels where a row fits their tile (`gemv_fuses_norm`)."""
+        kernel = self._row_kernel(layer, x)
+        if kernel == "gemv":
+            return gemv_fuses_norm(x.numel() // max(1, x.shape[-1]), x.shape[-1])
+        return kernel == "skinny"
 
     def _apply_skinny(
         self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None, silu_and_mul: bool
@@ -262,7 +266,7 @@ class LinearMethod:
         if isinstance(x, QuantizedActivation):
             return None
         t = x.x if isinstance(x, NormedActivation) else x
-        if not self._skinny(layer, t):
+        if self._row_kernel(layer, t) is None:
             return None
         if isinstance(x, NormedActivation):
             out = skinny_rms_norm_linear(
@@ -275,16 +279,16 @@ class LinearMethod:
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    def _skinny(layer: LinearBase, x: torch.Tensor) -> bool:
-        """Whether a step on input x [..., in] runs `skinny.py`'s wrappers rather than cuBLAS,
-        the weight in x's dtype: one row in 16 bits on a CUDA device with `TILELLM_GEMV=1`
-        (`gemv.py`'s kernel), or up to SKINNY_MAX_ROWS rows under PDL."""
+    def _row_kernel(layer: LinearBase, x: torch.Tensor) -> str | None:
+        """Which of `skinny.py`'s wrappers' kernels a step on input x [..., in] runs, the weight
+        in x's dtype: "gemv" for up to GEMV_MAX_ROWS rows in 16 bits on a CUDA device with
+        `TILELLM_GEMV=1`, "skinny" for up to SKINNY_MAX_ROWS rows under PDL; None: cuBLAS."""
         if x.dtype != layer.weight.dtype:
-            return False
+            return None
         rows = x.numel() // max(1, x.shape[-1])
-        if rows == 1 and gemv_enabled(x.device, x.dtype):
-            return True
-        return rows <= SKINNY_MAX_ROWS and pdl_enabled(x.device)
+        if gemv_enabled(x.device, rows, x.dtype):
+            return "gemv"
+        return "skinny" if rows <= SKINNY_MAX_ROWS and pdl_enabled(x.device) else None
 
     def input_group_quant(self, layer: LinearBase, num_tokens: int) -> tuple[int, bool] | None:
         """(group_size, column_major_scales) where a step of `num_tokens` tokens quantizes this
@@ -582,13 +586,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head with the vocab split like VocabParallelEmbedding (so tied weights shard alike).
 
     forward(hidden [N, H]) -> logits [N, V] in the weight dtype (each rank gets the full vocab).
-    One row (decode of one sequence) runs `gemv.py`'s kernel where linear layers do
-    (`TILELLM_GEMV=1`).
+    Up to `GEMV_MAX_ROWS` rows (decode of a few sequences) run `gemv.py`'s kernels where linear
+    layers do (`TILELLM_GEMV=1`).
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        one_row = hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.stride(-1) == 1
-        if one_row and hidden.dtype == self.weight.dtype and gemv_enabled(hidden.device, hidden.dtype):
+        rows = hidden.shape[0] if hidden.dim() == 2 and hidden.stride(-1) == 1 else 0
+        if hidden.dtype == self.weight.dtype and gemv_enabled(hidden.device, rows, hidden.dtype):
             logits = skinny_linear(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
