@@ -276,6 +276,29 @@ def test_decoder_norm_and_mlp_run_in_the_layers_launches(monkeypatch, with_resid
     assert calls == []
 
 
+@pytest.mark.interpreter  # CPU tensors through the kernel
+def test_a_norm_that_does_not_fit_the_tile_runs_on_its_own(monkeypatch, gemv_calls):
+    """Where a row does not fit the rows kernel's tile (ROWS_PRODUCT_ELEMENTS made 64 here), the
+    RMSNorm keeps its own launch and the layer's loops over K: the same output as the norm then
+    the layer."""
+    from tilellm.kernels import fused
+    from tilellm.models.layers.layernorm import RMSNorm
+
+    monkeypatch.setattr(linear_layers, "gemv_enabled", lambda device, rows, dtype: 0 < rows <= 8)
+    monkeypatch.setattr(gemv, "ROWS_PRODUCT_ELEMENTS", 64)
+    layer = ColumnParallelLinear(64, 24, bias=False, tp_rank=0, tp_size=1).to(torch.float16)
+    norm = RMSNorm(64, 1e-6, fused).to(torch.float16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 64) / 8)
+    x, r = torch.randn(3, 64).half(), torch.randn(3, 64).half()
+    y, res = norm(x, r, quant_for=layer)
+    assert isinstance(y, torch.Tensor)
+    want_y, want_res = fused.rms_norm(x, norm.weight, 1e-6, residual=r)
+    assert torch.equal(y, want_y) and torch.equal(res, want_res)
+    assert torch.equal(layer(y), skinny_linear(want_y, layer.weight))
+    assert gemv_calls == [((3, 64), (24, 64))] * 2 and gemv.gemv_tile(3, 64)[3] > 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", HALF)
