@@ -155,8 +155,9 @@ def test_gemv_keeps_the_greedy_tokens(tiny_qwen3, monkeypatch, max_num_seqs):
     monkeypatch.setattr(
         linear_layers, "gemv_enabled", lambda device, rows, dtype: 0 < rows <= 8 and dtype == torch.float16
     )
-    launches: list = []
-    monkeypatch.setattr(skinny, "launch_gemv", _counted(skinny.launch_gemv, launches))
+    launches: list = []  # the rows of each launch
+    real = skinny.launch_gemv
+    monkeypatch.setattr(skinny, "launch_gemv", lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
     got = run()
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
@@ -167,6 +168,7 @@ def test_gemv_keeps_the_greedy_tokens(tiny_qwen3, monkeypatch, max_num_seqs):
     # down_proj, and the LM head (4 decode steps a prompt, both prompts' together with two
     # sequences: the first token comes from the prefill); a prefill's LM head and the warm-up add
     assert len(launches) >= 2 * 4 * (2 * 4 + 1) // max_num_seqs
+    assert max(launches) == max_num_seqs  # (two sequences: the rows kernel)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

@@ -57,10 +57,12 @@ def test_qwen3_greedy_matches_hf_under_pdl(tiny_qwen3, config, pdl_on, monkeypat
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the test above")
 def test_qwen3_greedy_matches_hf_with_the_pdl_layers_on_the_cpu(tiny_qwen3, monkeypatch):
     """The linear layers' PDL choices forced on the CPU: steps of up to 16 tokens run the norm,
-    the layer and the MLP's activation in `skinny.py`'s launches; the tokens stay transformers'."""
+    the layer and the MLP's activation in `skinny.py`'s launches (with the kernel ops, which hand
+    their norm and activation to the layers; the reference ops keep theirs); the tokens stay
+    transformers'."""
     monkeypatch.setattr(linear_layers, "pdl_enabled", lambda device: True)
     calls = _count_skinny_calls(monkeypatch)
-    _, first, second = run_twice(tiny_qwen3, **CONFIGS["chunked_prefill"])
+    _, first, second = run_twice(tiny_qwen3, fused_ops_backend="triton", **CONFIGS["chunked_prefill"])
     assert calls["skinny_linear"] and calls["skinny_rms_norm_linear"]
     want = expected(tiny_qwen3)
     assert first == want and second == want
@@ -74,7 +76,7 @@ def test_deepseek_v3_greedy_matches_hf_with_the_pdl_layers_on_the_cpu(tiny_deeps
     calls = _count_skinny_calls(monkeypatch)
     prompts = _prompts()[:4]
     want = [w[:4] for w in expected(tiny_deepseek_v3)[:4]]
-    llm = LLM(tiny_deepseek_v3, num_kv_blocks=32, max_num_batched_tokens=13)
+    llm = LLM(tiny_deepseek_v3, num_kv_blocks=32, max_num_batched_tokens=13, fused_ops_backend="triton")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert calls["skinny_linear"] and calls["skinny_rms_norm_linear"]

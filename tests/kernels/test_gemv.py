@@ -178,23 +178,45 @@ def test_switched_off_one_row_calls_keep_the_skinny_kernel(monkeypatch, gemv_cal
     assert gemv_calls == []
 
 
+def _inf_padded(rows: int, cols: int, width: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a [rows, cols] fp16 view at column `offset` of rows `width` wide, the whole buffer): the
+    memory around the view holds inf, which any load or store reaching it shows."""
+    wide = torch.full((rows, width), float("inf"), dtype=torch.float16)
+    return wide[:, offset : offset + cols], wide
+
+
 @pytest.mark.interpreter  # CPU tensors through the kernel
 @pytest.mark.parametrize("loop", [False, True])
-def test_strided_views(monkeypatch, loop, gemv_calls):
-    """A weight that is a column slice of a wider matrix (rows strided past K) and an x that is a
-    column slice of a wider row (as `split` leaves MLA's q latent), in one tile and in the loop
-    over K; the memory past each slice holds inf, which any load reaching it would show."""
+@pytest.mark.parametrize("M", ROWS)
+def test_strided_views(monkeypatch, M, loop, gemv_calls):
+    """A weight that is a column slice of a wider matrix (rows strided past K) and an x whose rows
+    are column slices of wider rows (as `split` leaves MLA's q latent), in one tile and in the
+    loop over K; then the norm's launch with such an x, residual and residual_out (the padding
+    around residual_out left as it was)."""
     if loop:
         monkeypatch.setattr(gemv, "MAX_BLOCK_K", 32)
+        monkeypatch.setattr(gemv, "ROWS_PRODUCT_ELEMENTS", 128)
     K, N = 72, 10
-    wide_w = torch.full((N, K + 13), float("inf"), dtype=torch.float16)
-    wide_w[:, :K] = (torch.randn(N, K) / K**0.5).half()
-    wide_x = torch.full((1, 2 * K), float("inf"), dtype=torch.float16)
-    wide_x[:, 5 : 5 + K] = torch.randn(1, K).half()
-    x, w = wide_x[:, 5 : 5 + K], wide_w[:, :K]
+    w, _ = _inf_padded(N, K, K + 13, 0)
+    w.copy_(torch.randn(N, K) / K**0.5)
+    x, _ = _inf_padded(M, K, 2 * K, 5)
+    x.copy_(torch.randn(M, K))
     got = skinny_linear(x, w)
-    assert gemv_calls == [((1, K), (N, K))]
-    assert_close(got.float(), _fp64(x, w, None).float(), 8e-3, f"loop={loop}")
+    assert gemv_calls == [((M, K), (N, K))]
+    assert_close(got.float(), _fp64(x, w, None).float(), 8e-3, f"M={M} loop={loop}")
+    if loop:
+        return  # (the norm's launch needs a row in one tile)
+    r, _ = _inf_padded(M, K, K + 7, 3)
+    r.copy_(torch.randn(M, K))
+    out, out_buffer = _inf_padded(M, K, K + 9, 4)
+    nw = (torch.rand(K) + 0.5).half()
+    y, h = skinny_rms_norm_linear(x, nw, 1e-6, w, residual=r, residual_out=out)
+    normed, expected_h = rms_norm(x, nw, 1e-6, residual=r)
+    assert h is out and torch.equal(out, expected_h)
+    assert torch.equal(y, skinny_linear(normed, w))
+    padding = torch.ones_like(out_buffer, dtype=torch.bool)
+    padding[:, 4 : 4 + K] = False
+    assert torch.isinf(out_buffer[padding]).all()
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
@@ -328,16 +350,17 @@ def test_qwen3_shapes_on_the_gpu(N, K, M, dtype, gemv_calls):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_decoder_mlp_chain_in_a_cuda_graph(gemv_calls):
-    """RMSNorm and gate-up with SiLU-and-mul in one launch, then down_proj, captured in a CUDA
-    graph and replayed on new inputs: the bits of the same chain run eagerly."""
+@pytest.mark.parametrize("M", [1, 3])
+def test_a_decoder_mlp_chain_in_a_cuda_graph(gemv_calls, M):
+    """RMSNorm and gate-up with SiLU-and-mul in one launch, then down_proj, at one row and three,
+    captured in a CUDA graph and replayed on new inputs: the bits of the same chain run eagerly."""
     gen = torch.Generator().manual_seed(0)
     hidden, inter = 1024, 3072
     nw = (torch.rand(hidden, generator=gen) + 0.5).cuda().bfloat16()
     w1 = (torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5).cuda().bfloat16()
     w2 = (torch.randn(hidden, inter, generator=gen) / inter**0.5).cuda().bfloat16()
-    x = torch.randn(1, hidden, device="cuda").bfloat16()
-    r = torch.randn(1, hidden, device="cuda").bfloat16()
+    x = torch.randn(M, hidden, device="cuda").bfloat16()
+    r = torch.randn(M, hidden, device="cuda").bfloat16()
 
     def chain():
         act, h = skinny_rms_norm_linear(x, nw, 1e-6, w1, residual=r, silu_and_mul=True)
@@ -349,9 +372,9 @@ def test_a_decoder_mlp_chain_in_a_cuda_graph(gemv_calls):
         out, out_h = chain()
     for seed in range(3):
         g = torch.Generator().manual_seed(seed + 1)
-        x.copy_(torch.randn(1, hidden, generator=g).cuda())
-        r.copy_(torch.randn(1, hidden, generator=g).cuda())
+        x.copy_(torch.randn(M, hidden, generator=g).cuda())
+        r.copy_(torch.randn(M, hidden, generator=g).cuda())
         graph.replay()
         y, h = chain()
         assert torch.equal(out, y) and torch.equal(out_h, h), f"replay {seed}"
-    assert gemv_calls and all(call[0] == (1, hidden) or call[0] == (1, inter) for call in gemv_calls)
+    assert gemv_calls and all(call[0] in ((M, hidden), (M, inter)) for call in gemv_calls)

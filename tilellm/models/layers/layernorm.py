@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
     launch, as a `QuantizedActivation` [T, H], on the steps where that layer would quantize it in a
     launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps) and the
     group width is a power of two; or, where that layer runs the norm in its own launch
-    (`LinearMethod.takes_normed_input`: one row with `TILELLM_GEMV=1`, or a few under PDL;
+    (`LinearMethod.takes_normed_input`: a few rows with `TILELLM_GEMV=1`, or under PDL;
     only with the kernel ops, `ops.runs_kernels`), y is a `NormedActivation` and the new residual
     stream an empty [..., H] that the layer's launch fills.
     """
@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
             quant_for is not None
             and runs_kernels(self.ops)
             and quant_for.quant_method.takes_normed_input(quant_for, x2)
-        ):  # the layer runs this norm in its own launch (one row, or a few under PDL)
+        ):  # the layer runs this norm in its own launch (a few rows: gemv.py or PDL)
             res_out = None if res2 is None else torch.empty_like(x2, memory_format=torch.contiguous_format)
             normed = NormedActivation(x2, self.weight, self.eps, res2, res_out)
             return normed if residual is None else (normed, res_out.view(shape))

@@ -181,7 +181,7 @@ class QuantizedActivation:
 class NormedActivation:
     """A linear layer's input as the RMSNorm before it left it, not yet normalised: the layer runs
     the norm in its own launch (`skinny_rms_norm_linear`), on the steps where it says it can
-    (`LinearMethod.takes_normed_input`: one row in 16 bits on a CUDA device with
+    (`LinearMethod.takes_normed_input`: a few rows in 16 bits on a CUDA device with
     `TILELLM_GEMV=1`, or a few tokens under PDL).
 
     x [T, H] and, when the norm adds the residual stream first, residual [T, H] and residual_out
@@ -254,8 +254,9 @@ class LinearMethod:
         (the norm then hands it a `NormedActivation`): where `apply` runs `skinny_linear`, on
         `gemv.py`'s kernels where a row fits their tile (`gemv_fuses_norm`)."""
         kernel = self._row_kernel(layer, x)
-        if kernel == "gemv":
-            return gemv_fuses_norm(x.numel() // max(1, x.shape[-1]), x.shape[-1])
+        if kernel == "gemv":  # (where its tile cannot, skinny.py's kernel takes the norm under PDL)
+            rows = x.numel() // max(1, x.shape[-1])
+            return gemv_fuses_norm(rows, x.shape[-1]) or pdl_enabled(x.device)
         return kernel == "skinny"
 
     def _apply_skinny(

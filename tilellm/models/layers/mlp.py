@@ -45,7 +45,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: LayerInput) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        # one row, or a few under PDL: the gate-up GEMM and SiLU-and-mul in one launch (with the
+        # a few rows (gemv.py, or PDL): the gate-up GEMM and SiLU-and-mul in one launch (with the
         # kernel ops only: the reference backend runs its own SiLU-and-mul)
         act = None
         if runs_kernels(self.act_fn.ops):
