@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.helpers import assert_close
+from tests.kernels.test_skinny import _fp64
 from tilellm.kernels import gemv, skinny
 from tilellm.kernels.fused import rms_norm, silu_and_mul
 from tilellm.kernels.skinny import skinny_linear, skinny_linear_silu_and_mul, skinny_rms_norm_linear
@@ -33,11 +34,6 @@ def _operands(N, K, dtype, device, seed=0, bias=False, rows=1):
     w = (torch.randn(N, K, generator=gen) / K**0.5).to(device=device, dtype=dtype)
     b = torch.randn(N, generator=gen).to(device=device, dtype=dtype) if bias else None
     return x, w, b
-
-
-def _fp64(x, w, b):
-    y = x.double() @ w.double().T
-    return y if b is None else y + b.double()
 
 
 @pytest.fixture

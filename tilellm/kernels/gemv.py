@@ -103,6 +103,18 @@ def gemv_fuses_norm(M: int, K: int) -> bool:
 
 
 @triton.jit
+def _weight_tiles(w_rows, u_rows, col_ok, k_cols, k_ok, EVEN_N: tl.constexpr, GATED: tl.constexpr):
+    """The program's weight rows at columns `k_cols` [BLOCK_K] of K: (gate, up) [BLOCK_N, BLOCK_K]
+    in the weight's dtype, 0 past N and K; with GATED the up rows (`u_rows`), else the gate rows
+    twice (the second unused)."""
+    ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
+    w = tl.load(w_rows + k_cols[None, :], mask=ok, other=0.0)
+    if GATED:
+        return w, tl.load(u_rows + k_cols[None, :], mask=ok, other=0.0)
+    return w, w
+
+
+@triton.jit
 def _input_row(X, R, NW, RO, ks, k_ok, K, eps, pid, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """The product's input [BLOCK_K] in fp32, 0 past K: x as stored, or with NORM its RMSNorm
     (`fused._normed_rows` then the rounding of `rms_norm`'s store; with HAS_RESIDUAL x + R first,
@@ -139,12 +151,9 @@ def _gemv_kernel(
     u_rows = W + (cols + N).to(tl.int64)[:, None] * stride_wn
     if K_TILES == 1:
         k_ok = ks < K
-        w_ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
         # the weight first: no kernel writes it, so its loads may start before the wait for the
         # kernel before (PDL), and they are in flight while x is read and normalised
-        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
-        if GATED:
-            u = tl.load(u_rows + ks[None, :], mask=w_ok, other=0.0)
+        w, u = _weight_tiles(w_rows, u_rows, col_ok, ks, k_ok, EVEN_N, GATED)
         pdl_start(USE_PDL)
         x = _input_row(X, R, NW, RO, ks, k_ok, K, eps, pid, NORM, HAS_RESIDUAL)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -156,12 +165,10 @@ def _gemv_kernel(
         acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=2):
             k_ok = (k0 + ks) < K
-            w_ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
             x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_ok, other=0.0)
+            w, u = _weight_tiles(w_rows, u_rows, col_ok, k0 + ks, k_ok, EVEN_N, GATED)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             if GATED:
-                u = tl.load(u_rows + (k0 + ks)[None, :], mask=w_ok, other=0.0)
                 acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -222,10 +229,7 @@ def _gemv_rows_kernel(
     u_rows = W + (cols + N).to(tl.int64)[:, None] * stride_wn
     if K_TILES == 1:
         k_ok = ks < K
-        w_ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)  # (first, as in `_gemv_kernel`)
-        if GATED:
-            u = tl.load(u_rows + ks[None, :], mask=w_ok, other=0.0)
+        w, u = _weight_tiles(w_rows, u_rows, col_ok, ks, k_ok, EVEN_N, GATED)  # (first, as above)
         pdl_start(USE_PDL)
         x = _input_rows(
             X, R, NW, RO, rows64, row_ok, ks, k_ok, K, eps, pid, stride_xm, stride_rm, stride_om, NORM,
@@ -240,14 +244,12 @@ def _gemv_rows_kernel(
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=2):
             k_ok = (k0 + ks) < K
-            w_ok = k_ok[None, :] if EVEN_N else col_ok[:, None] & k_ok[None, :]
             x_ok = row_ok[:, None] & k_ok[None, :]
             x = tl.load(X + rows64[:, None] * stride_xm + (k0 + ks)[None, :], mask=x_ok, other=0.0)
             x = x.to(tl.float32)
-            w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_ok, other=0.0)
+            w, u = _weight_tiles(w_rows, u_rows, col_ok, k0 + ks, k_ok, EVEN_N, GATED)
             acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
             if GATED:
-                u = tl.load(u_rows + (k0 + ks)[None, :], mask=w_ok, other=0.0)
                 acc_up += tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
