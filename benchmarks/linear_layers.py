@@ -14,8 +14,8 @@ host launch time counts, as in the engine's decode graphs; the graph's replay is
 - `mv` (one row only): the same product as a matrix-vector product (`F.linear` on the 1-D row),
   which cuBLAS runs as a GEMV;
 - `skinny` (up to `SKINNY_MAX_ROWS` rows): `tilellm.kernels.skinny.skinny_linear`, which runs its
-  narrow-tile Triton GEMM, and at one row `tilellm.kernels.gemv`'s kernel (this script sets
-  `TILELLM_GEMV=1` for it);
+  narrow-tile Triton GEMM, and up to `GEMV_MAX_ROWS` rows `tilellm.kernels.gemv`'s kernels (this
+  script sets `TILELLM_GEMV=1` for it);
 - at one row, for the layers that read an RMSNorm (qkv, gate-up) also the layer with its
   neighbours as a decoder layer runs them: `ops+cublas` is `rms_norm` (with the residual) then
   cuBLAS (then `silu_and_mul` for gate-up), `ops+gemv` the one launch of
