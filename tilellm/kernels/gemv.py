@@ -13,9 +13,10 @@ loop stage; here every program asks for all of its weight at once:
 
 Narrow programs (1-4 weight rows, 32-64 KB of weight) put many loads in flight on every SM at
 once; the weight is loaded before x, so with NORM the input's loads and the row's mean square run
-while the weight's bytes arrive. On an H100 this ran Qwen3-0.6B's layers at 3.9-6.5 us against
-6.1-8.0 for cuBLAS, and the norm or the activation in the same launch saves that launch
-(docs/benchmarks.md, "One-row linear layers").
+while the weight's bytes arrive. On an H100 a scratch prototype of this kernel ran Qwen3-0.6B's
+layers at 3.9-6.5 us against 6.1-8.0 for cuBLAS, and the norm or the activation in the same
+launch saves that launch (docs/benchmarks.md, "One-row linear layers"; the committed kernels are
+not yet timed there).
 
 With NORM, x is replaced by `fused.rms_norm`'s output as its kernel computes it: h = x (+ the
 residual, rounded to x's dtype as an unfused add; program 0 stores h to RO), then
@@ -47,8 +48,8 @@ from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 
 # A program's tile: [BLOCK_N, BLOCK_K] with BLOCK_K = K padded to a power of two (at most
 # MAX_BLOCK_K; longer rows loop over K) and BLOCK_N = TILE_ELEMENTS // BLOCK_K rows, 1 to 4.
-# Swept on an H100 over Qwen3-0.6B's layers (1-8 rows of 1-32, 2-16 warps): 1-4 rows of 8 warps
-# were within 3% of each other and the fastest; 8 or more rows, or 2-4 warps, ran slower. With the
+# Swept on an H100 over Qwen3-0.6B's layers (1-32 weight rows a program, 2-16 warps): 1-4 rows of
+# 8 warps were within 3% of each other and the fastest; 8 or more rows, or 2-4 warps, slower. With the
 # RMSNorm prologue 4 warps were faster (its row sum crosses fewer warps): 5.4 against 5.7 us on qkv.
 TILE_ELEMENTS = 8192
 MAX_BLOCK_K = 16384
