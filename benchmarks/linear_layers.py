@@ -28,11 +28,11 @@ rate (about 4.3 TB/s on an H200). Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -70,18 +70,8 @@ def _calls(variant: str, xs: list[torch.Tensor], weights: list[torch.Tensor]) ->
     return [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
 
 
-@contextlib.contextmanager
-def _gemv_on():
-    """`TILELLM_GEMV=1` inside (read at each call, so for the calls a graph captures)."""
-    before = os.environ.get("TILELLM_GEMV")
-    os.environ["TILELLM_GEMV"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TILELLM_GEMV"]
-        else:
-            os.environ["TILELLM_GEMV"] = before
+# `TILELLM_GEMV=1` for the gemv columns (read at each call, so for the calls a graph captures)
+GEMV_ON = {"TILELLM_GEMV": "1"}
 
 
 def _with_neighbours(name: str, xs: list[torch.Tensor], weights: list[torch.Tensor]) -> dict[str, float]:
@@ -103,7 +93,7 @@ def _with_neighbours(name: str, xs: list[torch.Tensor], weights: list[torch.Tens
         return skinny_rms_norm_linear(x, norm_w, 1e-6, w, residual=r, silu_and_mul=gated)
 
     operands = list(zip(xs, residuals, weights))
-    with _gemv_on():
+    with mock.patch.dict(os.environ, GEMV_ON):
         return {
             variant: graph_replay_us([lambda ops=ops, call=call: call(*ops) for ops in operands])
             for variant, call in (("ops+cublas", separate), ("ops+gemv", fused))
@@ -121,7 +111,7 @@ def measure(rows: int) -> dict[str, dict[str, float]]:
         for variant in _variants(rows):
             torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
             try:
-                with _gemv_on() if variant == "skinny" else contextlib.nullcontext():
+                with mock.patch.dict(os.environ, GEMV_ON if variant == "skinny" else {}):
                     out[name][variant] = graph_replay_us(_calls(variant, xs, weights))
             finally:
                 torch.backends.cuda.preferred_blas_library("cublas")

@@ -25,7 +25,6 @@ then one with it (`gemv.py`'s one-row linear layers), alternated twice.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import dataclasses
 import io
@@ -36,6 +35,7 @@ import random
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
 
@@ -161,23 +161,6 @@ def run_engine(batches: list[int], args: argparse.Namespace, label: str = "") ->
     return results
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str | None):
-    """os.environ[name] = value inside (unset when value is None), restored after."""
-    before = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
@@ -205,7 +188,10 @@ def main() -> int:
             ap.error(f"--ab takes NAME=VALUE, got {args.ab!r}")
         for _ in range(args.repeat):
             for setting in (None, value):
-                with _env(name, setting):
+                with mock.patch.dict(os.environ):  # (restored after)
+                    os.environ.pop(name, None)
+                    if setting is not None:
+                        os.environ[name] = setting
                     label = f"[{name}={setting}] " if setting is not None else f"[{name} unset] "
                     results += run_engine(batches, args, label)
     if args.json:
