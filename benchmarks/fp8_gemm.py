@@ -19,6 +19,8 @@ non-zero inputs:
 - `fp8+q`: the same with the activation quantization (`per_token_group_quant_fp8`) included;
 - `linear`: `w8a8_block_fp8_linear(x, W_q, W_s, [128, 128])`, the quantization inside the GEMM
   (what a layer runs for steps of up to 16 tokens);
+- `gemv`: the same through `fp8_gemv.py`'s kernel (`TILELLM_GEMV=1`, up to 8 tokens), with
+  dynamic and static activation scales;
 - `scaled_mm`: `scaled_mm_block_fp8` (cuBLASLt's block-scaled GEMM), where torch supports it;
 - `static+q`, `static linear`: static activations (a checkpoint's calibrated `input_scale`, here
   the tensor's amax / 448): `scaled_fp8_quant(x, s)` then the GEMM with s broadcast, and
@@ -48,12 +50,14 @@ import os
 import pathlib
 from collections.abc import Callable
 from dataclasses import asdict
+from unittest import mock
 
 import torch
 import triton
 
 from tilellm.bench.timing import graph_replay_us
 from tilellm.kernels import fp8_gemm as tk
+from tilellm.kernels.gemv import GEMV_MAX_ROWS
 from tilellm.kernels.reference import fp8_gemm as ref
 
 BLOCK = [128, 128]
@@ -140,6 +144,15 @@ def bench_case(
     # static activations: one calibrated scale (this x's amax / 448, so nothing saturates)
     s_in = ref.dynamic_per_tensor_scale(x)
     static_expected = ref.w8a8_block_fp8_linear(x, b, b_s, BLOCK, torch.bfloat16, input_scale=s_in)
+    if M <= GEMV_MAX_ROWS:  # `linear` through fp8_gemv.py's kernel (TILELLM_GEMV=1)
+        with mock.patch.dict(os.environ, {"TILELLM_GEMV": "1"}):
+            row["gemv_error"] = max_rel_error(tk.w8a8_block_fp8_linear(x, b, b_s, BLOCK), expected)
+            row["gemv_us"] = time_us(lambda i: tk.w8a8_block_fp8_linear(x, *b_copies[i], BLOCK), n_fp8)
+            static_gemv = tk.w8a8_block_fp8_linear(x, b, b_s, BLOCK, input_scale=s_in)
+            row["static_gemv_error"] = max_rel_error(static_gemv, static_expected)
+            row["static_gemv_us"] = time_us(
+                lambda i: tk.w8a8_block_fp8_linear(x, *b_copies[i], BLOCK, input_scale=s_in), n_fp8
+            )
 
     def static_with_quant(i: int) -> torch.Tensor:
         x_q, scale = tk.scaled_fp8_quant(x, s_in)
@@ -240,6 +253,8 @@ def derived(row: dict) -> None:
         "fp8_us",
         "fp8_quant_us",
         "linear_us",
+        "gemv_us",
+        "static_gemv_us",
         "scaled_mm_us",
         "static_quant_us",
         "static_linear_us",
@@ -259,10 +274,12 @@ def derived(row: dict) -> None:
 def print_header() -> None:
     cols = f"{'us':>8} {'TF/s':>6} {'GB/s':>6}"  # each variant: time, TFLOP/s, weight GB/s
     groups = f"{'bf16':<22} | {'fp8':<28} | {'fp8+quant':<28} | {'scaled_mm':<22}"
-    print(f"{'':<38} | {groups} | best    | static us                       | fast us         |")
+    tail = "| best    | static us                       | fast us         |               |"
+    print(f"{'':<38} | {groups} {tail}")
     print(
         f"{'model':<11}{'layer':<8}{'M':>5} {'N':>6} {'K':>6} | {cols} | {cols} {'xbf16':>5} | {cols} "
-        f"{'xbf16':>5} | {cols} | alt us  | +q / linear / mm+q / mm    | static / block  | check"
+        f"{'xbf16':>5} | {cols} | alt us  | +q / linear / mm+q / mm    | static / block  | gemv us xbf16 "
+        "| check"
     )
 
 
@@ -276,12 +293,14 @@ def print_row(model: str, layer: str, row: dict) -> None:
     best = min(row.get("alternatives", []), key=lambda alt: alt["us"], default=None)
     alt = f"{best['us']:7.1f}" if best else f"{'-':>7}"
     errors = ("fp8_error", "linear_error", "static_quant_error", "static_linear_error")
+    errors += ("gemv_error", "static_gemv_error") if "gemv_us" in row else ()
     exact = row["quant_bit_exact"] and max(row[e] for e in errors) <= CHECK_TOL
     exact = exact and row.get("static_mm_error", 0.0) <= CHECK_TOL
     mm = [row.get(k) for k in ("static_mm_us", "static_mm_gemm_us", "static_mm_fast_us", "scaled_mm_fast_us")]
     static = f"{row['static_quant_us']:7.1f} {row['static_linear_us']:7.1f} " + " ".join(
         f"{us:7.1f}" if us is not None else f"{'-':>7}" for us in mm
     )
+    gemv = "   -    -   " if "gemv_us" not in row else f"{row['gemv_us']:5.1f} x{row['gemv_speedup']:4.2f}"
     checks = "ok" if exact else "FAIL"
     if row.get("scaled_mm_error", 0.0) > CHECK_TOL:
         checks += " scaled_mm FAIL"
@@ -290,7 +309,7 @@ def print_row(model: str, layer: str, row: dict) -> None:
     print(
         f"{model:<11}{layer:<8}{row['M']:>5} {row['N']:>6} {row['K']:>6} | {cell('bf16')} | {cell('fp8')} "
         f"x{row['fp8_speedup']:4.2f} | {cell('fp8_quant')} x{row['fp8_quant_speedup']:4.2f} | "
-        f"{cell('scaled_mm')} | {alt} | {static} | {checks}",
+        f"{cell('scaled_mm')} | {alt} | {static} | {gemv} | {checks}",
         flush=True,
     )
 

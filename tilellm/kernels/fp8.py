@@ -120,3 +120,14 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return FP8_DTYPE
     raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+
+
+@triton.jit
+def quantize_groups(x, eps):
+    """x [BLOCK_M, BLOCK_G] fp32, one group of each row (lanes past the group 0) -> (q e4m3
+    [BLOCK_M, BLOCK_G], s [BLOCK_M] fp32): s = max(amax |x|, eps) / 448, q = to_fp8(x / s), both
+    divisions IEEE-rounded (`tl.div_rn`: Triton's `/` on fp32 is approximate on the GPU), so they
+    match the PyTorch twin bit for bit."""
+    amax = tl.max(tl.abs(x), axis=1)  # lanes past the group are 0: they never raise the max
+    s = tl.div_rn(tl.maximum(amax, eps), FP8_MAX_C)
+    return to_fp8(tl.div_rn(x, s[:, None])), s

@@ -53,7 +53,8 @@ import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, gluon_module_ok, interpreting, launch_gluon, next_power_of_2, num_sms
-from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX_C, to_fp8
+from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX_C, quantize_groups, to_fp8
+from tilellm.kernels.fp8_gemv import fp8_gemv_runs, launch_fp8_gemv
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.reference.fp8_gemm import (
     broadcast_input_scale,
@@ -80,17 +81,6 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 # ----------------------------------------------------------------------------------------------
 # Activation quantization: one scale per token and group of channels
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def quantize_groups(x, eps):
-    """x [BLOCK_M, BLOCK_G] fp32, one group of each row (lanes past the group 0) -> (q e4m3
-    [BLOCK_M, BLOCK_G], s [BLOCK_M] fp32): s = max(amax |x|, eps) / 448, q = to_fp8(x / s), both
-    divisions IEEE-rounded (`tl.div_rn`: Triton's `/` on fp32 is approximate on the GPU), so they
-    match the PyTorch twin bit for bit."""
-    amax = tl.max(tl.abs(x), axis=1)  # lanes past the group are 0: they never raise the max
-    s = tl.div_rn(tl.maximum(amax, eps), FP8_MAX_C)
-    return to_fp8(tl.div_rn(x, s[:, None])), s
 
 
 @triton.jit(do_not_specialize=["M", "eps"])
@@ -420,10 +410,14 @@ def w8a8_block_fp8_linear(
     bn, bk = check_block_fp8_matmul(name, x, b, None, b_s, block_size, output_dtype)
     if not (isinstance(eps, (int, float)) and eps > 0):  # x itself: checked just above
         raise ValueError(f"{name}: eps must be a positive number, got {eps!r}")
-    a_s = None
     if input_scale is not None:
         check_input_scale(name, x, input_scale)
-        a_s = broadcast_input_scale(input_scale, x.shape[0], x.shape[1] // bk)
+    (M, K), N = x.shape, b.shape[0]
+    if config is None and N > 0 and K > 0 and x.stride(1) == 1 and b.stride(1) == 1 and fp8_gemv_runs(M, bk):
+        c = _empty((M, N), output_dtype, x.device)
+        launch_fp8_gemv(x, b, b_s, (bn, bk), c, eps, input_scale)
+        return c
+    a_s = None if input_scale is None else broadcast_input_scale(input_scale, M, K // bk)
     return _matmul(name, x, b, a_s, b_s, bn, bk, output_dtype, config, quant_a=True, eps=eps)
 
 

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from tilellm.kernels import validation
 from tilellm.kernels.config import cdiv, next_power_of_2
-from tilellm.kernels.fp8 import is_fp8, to_cache, unit_scale
-from tilellm.kernels.fp8_gemm import group_quant_outputs, group_quant_tile, quantize_groups
+from tilellm.kernels.fp8 import is_fp8, quantize_groups, to_cache, unit_scale
+from tilellm.kernels.fp8_gemm import group_quant_outputs, group_quant_tile
 from tilellm.kernels.launch import FastLaunch, LaunchKey
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import (

@@ -69,10 +69,15 @@ ROWS_PRODUCT_ELEMENTS = 16384
 _gemv_on = env_flag("TILELLM_GEMV", "1")
 
 
+def gemv_opted_in() -> bool:
+    """`TILELLM_GEMV=1`: the switch of these kernels and of `fp8_gemv.py`'s."""
+    return _gemv_on()
+
+
 def gemv_runs(M: int, dtype: torch.dtype) -> bool:
     """Whether `skinny.py`'s calls of M rows in `dtype` run these kernels: `TILELLM_GEMV=1`, at
     most GEMV_MAX_ROWS rows and a 16-bit dtype (else `skinny.py`'s own kernel runs them)."""
-    return 0 < M <= GEMV_MAX_ROWS and dtype in GEMV_DTYPES and _gemv_on()
+    return 0 < M <= GEMV_MAX_ROWS and dtype in GEMV_DTYPES and gemv_opted_in()
 
 
 def gemv_enabled(device: torch.device, M: int, dtype: torch.dtype) -> bool:

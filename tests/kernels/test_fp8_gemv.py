@@ -1,0 +1,175 @@
+"""`fp8_gemv.py`'s kernel, reached through `fp8_gemm.w8a8_block_fp8_linear` with `TILELLM_GEMV=1`:
+against the PyTorch twin (the same x_q and x_s, the exact e4m3 products summed in fp32 in another
+order: within fp32's accumulation error on the CPU and the GPU alike, since neither side runs the
+tensor cores), with dynamic and static activation scales, the loop over long rows, and when the
+switch sends a call there.
+
+Outputs start as NaN (`poison_outputs`), so a column or row the kernel skips shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.helpers import assert_close
+from tests.kernels.test_fp8_gemm import bf16_ulps, poison_outputs, spread  # noqa: F401 (fixture)
+from tilellm.kernels import fp8_gemm as tk
+from tilellm.kernels import fp8_gemv
+from tilellm.kernels.reference import fp8_gemm as ref
+
+# the e4m3 products are exact in fp32; only the order of the fp32 sums differs from the twin's
+SUM_ORDER_TOL = 1e-5
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """`TILELLM_GEMV=1`, and the shapes (x, weight) of the calls that reached the kernel's launch."""
+    monkeypatch.setenv("TILELLM_GEMV", "1")
+    calls = []
+    real = tk.launch_fp8_gemv
+
+    def spy(x, weight, *args, **kwargs):
+        calls.append((tuple(x.shape), tuple(weight.shape)))
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(tk, "launch_fp8_gemv", spy)
+    return calls
+
+
+def _operands(M, N, K, block_size, dtype, device, seed=0):
+    """x [M, K] in `dtype` with an all-zero group (row 0) and one below eps (the last row) where
+    they leave other values in the row, and the weight quantized in [bn, bk] blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    x = spread((M, K), gen, dtype, device)
+    bk = block_size[1]
+    if K >= 2 * bk:
+        x[0, :bk] = 0.0
+        if M > 1:
+            x[-1, bk : 2 * bk] = 1e-12
+    b, b_s = ref.quantize_fp8_block(spread((N, K), gen, device=device) / K**0.5, block_size)
+    return x, b, b_s
+
+
+def _assert_twin(got, want, what):
+    """fp32: within SUM_ORDER_TOL of the output scale; 16-bit: that, or one ulp of the twin's."""
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    assert torch.isfinite(want).all() and want.abs().amax() > 0, f"{what}: a degenerate case"
+    if got.dtype == torch.float32:
+        assert_close(got, want, SUM_ORDER_TOL, what)
+        return
+    g, e = got.float().cpu(), want.float().cpu()
+    assert torch.isfinite(g).all(), f"{what}: non-finite outputs (a tile never written?)"
+    near = (g - e).abs() <= SUM_ORDER_TOL * max(float(e.abs().max()), 1.0)
+    if got.dtype == torch.bfloat16:
+        within_ulp = bf16_ulps(got.cpu(), want.cpu()) <= 1
+    else:
+        within_ulp = (g - e).abs() <= e.abs() * 2.0**-10 + 2.0**-24
+    assert (near | within_ulp).all(), f"{what}: {int((~(near | within_ulp)).sum())} elements off"
+
+
+def test_tiles():
+    """M padded to a power of two; the row's groups padded to a power of two, at most MAX_BLOCK_K
+    channels a chunk; 1-4 weight rows of at most TILE_ELEMENTS."""
+    assert fp8_gemv.fp8_gemv_tile(1, 1024, 128) == (1, 4, 8, 1)
+    assert fp8_gemv.fp8_gemv_tile(3, 3072, 128) == (4, 4, 32, 1)
+    assert fp8_gemv.fp8_gemv_tile(8, 12288, 128) == (8, 1, 128, 1)
+    assert fp8_gemv.fp8_gemv_tile(1, 18432, 128) == (1, 1, 128, 2)
+    assert fp8_gemv.fp8_gemv_tile(5, 64, 64) == (8, 4, 1, 1)
+
+
+# (M, N, K, [bn, bk]): a partial last block of rows, N not a multiple of the tile, groups not a
+# power of two, blocks narrower than the tile and wider
+CASES = [
+    (1, 96, 256, [32, 128]),
+    (3, 200, 384, [128, 128]),
+    (8, 37, 192, [16, 64]),
+    (2, 5, 128, [128, 128]),
+]
+
+
+@pytest.mark.parametrize("M, N, K, block_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_twin(M, N, K, block_size, dtype, device, gemv_calls, poison_outputs):
+    """Dynamic per-token-group scales, fp32 and x's-dtype outputs, each against the twin."""
+    x, b, b_s = _operands(M, N, K, block_size, dtype, device, seed=M + N)
+    for out_dtype in (torch.float32, dtype):
+        got = tk.w8a8_block_fp8_linear(x, b, b_s, block_size, out_dtype)
+        _assert_twin(got, ref.w8a8_block_fp8_linear(x, b, b_s, block_size, out_dtype), f"{out_dtype}")
+    assert gemv_calls == [((M, K), (N, K))] * 2
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_static_scale_matches_twin(M, device, gemv_calls, poison_outputs):
+    """A static input scale (one element, small enough that some values saturate at 448)."""
+    x, b, b_s = _operands(M, 72, 256, [64, 128], torch.float16, device, seed=3)
+    s = (x.float().abs().amax() / 448 / 4).reshape(1)
+    got = tk.w8a8_block_fp8_linear(x, b, b_s, [64, 128], torch.float32, input_scale=s)
+    _assert_twin(got, ref.w8a8_block_fp8_linear(x, b, b_s, [64, 128], torch.float32, input_scale=s), "static")
+    assert len(gemv_calls) == 1
+
+
+def test_long_rows_loop(device, gemv_calls, poison_outputs, monkeypatch):
+    """Rows of more groups than a chunk holds (MAX_BLOCK_K lowered to two 64-wide groups): five
+    groups in three chunks, the last half empty, at one row and at three."""
+    monkeypatch.setattr(fp8_gemv, "MAX_BLOCK_K", 128)
+    assert fp8_gemv.fp8_gemv_tile(3, 320, 64)[2:] == (2, 3)
+    for M in (1, 3):
+        x, b, b_s = _operands(M, 40, 320, [32, 64], torch.float32, device, seed=M)
+        got = tk.w8a8_block_fp8_linear(x, b, b_s, [32, 64])
+        _assert_twin(got, ref.w8a8_block_fp8_linear(x, b, b_s, [32, 64]), f"M={M}")
+        s = (x.abs().amax() / 448).reshape(1)
+        got = tk.w8a8_block_fp8_linear(x, b, b_s, [32, 64], input_scale=s)
+        _assert_twin(got, ref.w8a8_block_fp8_linear(x, b, b_s, [32, 64], input_scale=s), f"static M={M}")
+    assert len(gemv_calls) == 4
+
+
+def test_switch(device, gemv_calls, monkeypatch):
+    """The kernel runs for 1 to GEMV_MAX_ROWS rows with `TILELLM_GEMV=1` and no explicit config;
+    more rows, a config, or the switch off run `fp8_gemm.py`'s GEMM."""
+    x, b, b_s = _operands(fp8_gemv.GEMV_MAX_ROWS + 1, 64, 128, [64, 128], torch.float32, device)
+    tk.w8a8_block_fp8_linear(x, b, b_s, [64, 128])
+    cfg = tk.Fp8GemmConfig(block_m=16, block_n=32, group_m=8, num_warps=4, num_stages=1)
+    tk.w8a8_block_fp8_linear(x[:1], b, b_s, [64, 128], config=cfg)
+    assert gemv_calls == []
+    monkeypatch.setenv("TILELLM_GEMV", "0")
+    tk.w8a8_block_fp8_linear(x[:1], b, b_s, [64, 128])
+    assert gemv_calls == []
+    monkeypatch.setenv("TILELLM_GEMV", "1")
+    tk.w8a8_block_fp8_linear(x[:1], b, b_s, [64, 128])
+    assert gemv_calls == [((1, 128), (64, 128))]
+
+
+QWEN3_LAYERS = {  # (N, K) per layer: Qwen3-0.6B and Qwen3-8B
+    "0.6b qkv": (4096, 1024),
+    "0.6b down": (1024, 3072),
+    "8b gate_up": (24576, 4096),
+    "8b down": (4096, 12288),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", sorted(QWEN3_LAYERS))
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_qwen3_shapes_on_gpu(layer, M, gemv_calls, poison_outputs):
+    """Qwen3's layer shapes in bf16, 128 x 128 blocks, against the twin."""
+    N, K = QWEN3_LAYERS[layer]
+    x, b, b_s = _operands(M, N, K, [128, 128], torch.bfloat16, "cuda", seed=M)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = tk.w8a8_block_fp8_linear(x, b, b_s, [128, 128], out_dtype)
+        _assert_twin(got, ref.w8a8_block_fp8_linear(x, b, b_s, [128, 128], out_dtype), f"{layer} M={M}")
+    assert len(gemv_calls) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_new_inputs(gemv_calls):
+    """Captured in a CUDA graph, a replay on new x gives the eager result."""
+    x, b, b_s = _operands(2, 1024, 1024, [128, 128], torch.bfloat16, "cuda")
+    tk.w8a8_block_fp8_linear(x, b, b_s, [128, 128])  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tk.w8a8_block_fp8_linear(x, b, b_s, [128, 128])
+    x.copy_(spread(tuple(x.shape), torch.Generator().manual_seed(9), torch.bfloat16, "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, tk.w8a8_block_fp8_linear(x, b, b_s, [128, 128]))
