@@ -421,3 +421,35 @@ def test_online_quantization_is_the_fp8_checkpoint(tmp_path):
     oracle = dequantize_model_dir(fp8_dir, tmp_path / "dequant")
     agree = _hf_choices(_hf_model(str(oracle), w8a8=True, group=128), prompts, got)
     assert bool(agree[:, 0].all()) and agree.float().mean() >= 0.95, agree.tolist()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_static"])
+def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
+    """`TILELLM_GEMV=1` on the Triton kernels' backend (the interpreter on the CPU): the FP8
+    layers' decode steps of one and two sequences run `fp8_gemv.py` (dynamic and static
+    activation scales), and give the tokens of the same engine without it, each step's top
+    log-probabilities within fp32's summation-order error (the same x_q and scales, the same
+    exact e4m3 products, summed in another order)."""
+    from tilellm.kernels import fp8_gemm
+
+    fp8_dir = checkpoints[name][0]
+    prompts = _prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+    def run():
+        llm = LLM(fp8_dir, num_kv_blocks=32, max_num_seqs=2, fused_ops_backend="triton", enforce_eager=True)
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run()
+    monkeypatch.setenv("TILELLM_GEMV", "1")
+    launches: list = []  # the rows of each launch
+    real = fp8_gemm.launch_fp8_gemv
+    monkeypatch.setattr(fp8_gemm, "launch_fp8_gemv", lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
+    got = run()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        for step_got, step_want in zip(g.logprobs, w.logprobs):
+            for token, logprob in step_want.items():
+                assert abs(step_got[token].logprob - logprob.logprob) < 1e-3, (token, step_got, step_want)
+    # the 8 FP8 layers of each decode step (3 a prompt, the two together) at two rows
+    assert launches.count(2) >= 8 * 3, launches
