@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import assert_close
-from tests.kernels.test_fp8_gemm import bf16_ulps, poison_outputs, spread  # noqa: F401 (fixture)
+from tests.kernels.test_fp8_gemm import bf16_ulps, poison_outputs, spread  # noqa: F401 (a fixture)
 from tilellm.kernels import fp8_gemm as tk
 from tilellm.kernels import fp8_gemv
 from tilellm.kernels.reference import fp8_gemm as ref
@@ -90,7 +90,8 @@ CASES = [
 
 @pytest.mark.parametrize("M, N, K, block_size", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_twin(M, N, K, block_size, dtype, device, gemv_calls, poison_outputs):
+@pytest.mark.usefixtures("poison_outputs")
+def test_matches_twin(M, N, K, block_size, dtype, device, gemv_calls):
     """Dynamic per-token-group scales, fp32 and x's-dtype outputs, each against the twin."""
     x, b, b_s = _operands(M, N, K, block_size, dtype, device, seed=M + N)
     for out_dtype in (torch.float32, dtype):
@@ -100,7 +101,8 @@ def test_matches_twin(M, N, K, block_size, dtype, device, gemv_calls, poison_out
 
 
 @pytest.mark.parametrize("M", [1, 4])
-def test_static_scale_matches_twin(M, device, gemv_calls, poison_outputs):
+@pytest.mark.usefixtures("poison_outputs")
+def test_static_scale_matches_twin(M, device, gemv_calls):
     """A static input scale (one element, small enough that some values saturate at 448)."""
     x, b, b_s = _operands(M, 72, 256, [64, 128], torch.float16, device, seed=3)
     s = (x.float().abs().amax() / 448 / 4).reshape(1)
@@ -109,7 +111,8 @@ def test_static_scale_matches_twin(M, device, gemv_calls, poison_outputs):
     assert len(gemv_calls) == 1
 
 
-def test_long_rows_loop(device, gemv_calls, poison_outputs, monkeypatch):
+@pytest.mark.usefixtures("poison_outputs")
+def test_long_rows_loop(device, gemv_calls, monkeypatch):
     """Rows of more groups than a chunk holds (MAX_BLOCK_K lowered to two 64-wide groups): five
     groups in three chunks, the last half empty, at one row and at three."""
     monkeypatch.setattr(fp8_gemv, "MAX_BLOCK_K", 128)
@@ -151,7 +154,8 @@ QWEN3_LAYERS = {  # (N, K) per layer: Qwen3-0.6B and Qwen3-8B
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", sorted(QWEN3_LAYERS))
 @pytest.mark.parametrize("M", [1, 3, 8])
-def test_qwen3_shapes_on_gpu(layer, M, gemv_calls, poison_outputs):
+@pytest.mark.usefixtures("poison_outputs")
+def test_qwen3_shapes_on_gpu(layer, M, gemv_calls):
     """Qwen3's layer shapes in bf16, 128 x 128 blocks, against the twin."""
     N, K = QWEN3_LAYERS[layer]
     x, b, b_s = _operands(M, N, K, [128, 128], torch.bfloat16, "cuda", seed=M)
