@@ -120,6 +120,30 @@ def test_gated_and_normalised_launches_give_the_separate_launches_bits(N, K, M, 
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
+@pytest.mark.parametrize("n_tiles", [2, 3])
+def test_rows_programs_of_several_column_tiles_give_the_same_bits(monkeypatch, n_tiles, gemv_calls):
+    """ROWS_N_TILES column tiles a program (x read and normalised once for them): the bits of one
+    tile a program, plain, gated and with the norm, over a last program whose tiles run past N."""
+    x, w, b = _operands(2 * 37, 200, torch.float16, "cpu", seed=n_tiles, bias=True, rows=3)
+    w = w / 2
+    nw = (torch.rand(200, generator=torch.Generator().manual_seed(1)) + 0.5).half()
+    r = torch.randn(3, 200, generator=torch.Generator().manual_seed(2)).half()
+
+    def launches():
+        return (
+            skinny_linear(x, w, b),
+            skinny_linear_silu_and_mul(x, w, b),
+            *skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=r, silu_and_mul=True),
+        )
+
+    want = launches()
+    monkeypatch.setattr(gemv, "ROWS_N_TILES", n_tiles)
+    got = launches()
+    assert all(torch.equal(g, e) for g, e in zip(got, want))
+    assert len(gemv_calls) == 6 and gemv.gemv_tile(3, 200)[1] * n_tiles < 37
+
+
+@pytest.mark.interpreter  # CPU tensors through the kernel
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("M", ROWS)
 def test_rows_longer_than_a_tile_loop_over_k(monkeypatch, dtype, M, gemv_calls):

@@ -63,6 +63,10 @@ GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # a GPU (docs/benchmarks.md, "One-row linear layers").
 GEMV_MAX_ROWS = 8
 ROWS_PRODUCT_ELEMENTS = 16384
+# Column tiles a program of the rows kernel takes one after the other, reading x (and normalising
+# it) once for them all: at 8 rows of 1024 a [2, 1024] weight tile is 4 KB against x's 16 KB, so
+# with one tile a program the programs read 4x the weight's bytes of x from L2. Not yet timed.
+ROWS_N_TILES = 1
 
 # Opt-in until the engine's one-row steps with it are measured and tested on a GPU (the kernel's
 # tiles come from a GPU sweep; see docs/benchmarks.md, "One-row linear layers").
@@ -213,24 +217,43 @@ def _input_rows(
     return x.to(tl.float32)
 
 
+@triton.jit
+def _store_rows(
+    acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS: tl.constexpr, GATED: tl.constexpr
+):  # fmt: skip
+    """Y[rows, cols] = acc [BLOCK_M, BLOCK_N] (+ bias; GATED: silu(acc) * acc_up, each rounded to
+    Y's dtype first, as `fused.silu_and_mul` computes it)."""
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    y_ok = row_ok[:, None] & col_ok[None, :]
+    tl.store(Y + rows64[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=y_ok)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_rows_kernel(
     X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     NW, R, RO, stride_rm, stride_om, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, EVEN_N: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    K_TILES: tl.constexpr, N_TILES: tl.constexpr, EVEN_N: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Y[rows, cols] = X[rows] W[cols]^T for M <= BLOCK_M rows: `_gemv_kernel` with each weight
-    tile multiplied by every row at once, [BLOCK_M, BLOCK_N, BLOCK_K] summed over K. K_TILES > 1
-    only without NORM."""
+    tile multiplied by every row at once, [BLOCK_M, BLOCK_N, BLOCK_K] summed over K. A program
+    takes N_TILES column tiles one after the other, reading (and normalising) x once for all of
+    them; K_TILES > 1 only with one column tile and without NORM."""
     pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
+    cols = pid * N_TILES * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
     w_rows = W + cols.to(tl.int64)[:, None] * stride_wn
     u_rows = W + (cols + N).to(tl.int64)[:, None] * stride_wn
     if K_TILES == 1:
@@ -242,8 +265,21 @@ def _gemv_rows_kernel(
             HAS_RESIDUAL,
         )  # fmt: skip
         acc = tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+        acc_up = acc
         if GATED:
             acc_up = tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+        _store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
+        for t in tl.range(1, N_TILES, num_stages=2):  # the program's other column tiles, on the same x
+            cols = (pid * N_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            w_rows = W + cols.to(tl.int64)[:, None] * stride_wn
+            u_rows = W + (cols + N).to(tl.int64)[:, None] * stride_wn
+            w, u = _weight_tiles(w_rows, u_rows, col_ok, ks, k_ok, False, GATED)
+            acc = tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+            acc_up = acc
+            if GATED:
+                acc_up = tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+            _store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
     else:
         pdl_start(USE_PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -257,16 +293,7 @@ def _gemv_rows_kernel(
             acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
             if GATED:
                 acc_up += tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
-    y_ok = row_ok[:, None] & col_ok[None, :]
-    tl.store(Y + rows64[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=y_ok)
+        _store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
 
 
 _gemv_rows_launch = FastLaunch(_gemv_rows_kernel)
@@ -295,7 +322,9 @@ def launch_gemv(
     norm_w, eps, res, res_out = norm if norm is not None else (weight, 0.0, None, None)
     has_res = res is not None
     res, res_out = (res, res_out) if has_res else (x, x)  # (unread without a residual)
-    grid = (cdiv(N, block_n),)
+    # several rows: ROWS_N_TILES column tiles a program where the row is one tile (x read once)
+    n_tiles = ROWS_N_TILES if block_m > 1 and k_tiles == 1 else 1
+    grid = (cdiv(cdiv(N, block_n), n_tiles),)
     flags = dict(
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=k_tiles, EVEN_N=N % block_n == 0,
         GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
@@ -308,5 +337,6 @@ def launch_gemv(
     else:
         _gemv_rows_launch[grid](
             x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-            norm_w, res, res_out, res.stride(0), res_out.stride(0), float(eps), BLOCK_M=block_m, **flags,
+            norm_w, res, res_out, res.stride(0), res_out.stride(0), float(eps), BLOCK_M=block_m,
+            N_TILES=n_tiles, **flags,
         )  # fmt: skip
