@@ -427,10 +427,11 @@ def test_online_quantization_is_the_fp8_checkpoint(tmp_path):
 def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
     """`TILELLM_GEMV=1` on the Triton kernels' backend (the interpreter on the CPU): the FP8
     layers' decode steps of one and two sequences run `fp8_gemv.py` (dynamic and static
-    activation scales), and give the tokens of the same engine without it, each step's top
+    activation scales), with the RMSNorms in the qkv and gate-up launches and SiLU-and-mul in
+    gate-up's, and give the tokens of the same engine without it, each step's top
     log-probabilities within fp32's summation-order error (the same x_q and scales, the same
     exact e4m3 products, summed in another order)."""
-    from tilellm.kernels import fp8_gemm
+    from tilellm.kernels import fp8_gemm, fp8_gemv
 
     fp8_dir = checkpoints[name][0]
     prompts = _prompts()[:2]
@@ -442,14 +443,22 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
 
     want = run()
     monkeypatch.setenv("TILELLM_GEMV", "1")
-    launches: list = []  # the rows of each launch
-    real = fp8_gemm.launch_fp8_gemv
-    monkeypatch.setattr(fp8_gemm, "launch_fp8_gemv", lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
+    launches: list = []  # (rows, gated, normalised) of each launch
+    real = fp8_gemv.launch_fp8_gemv
+
+    def spy(x, *args, gated=False, norm=None):
+        launches.append((x.shape[0], gated, norm is not None))
+        return real(x, *args, gated=gated, norm=norm)
+
+    for module in (fp8_gemm, fp8_gemv):  # (`w8a8_block_fp8_linear`'s launches, `fp8_gemv_linear`'s)
+        monkeypatch.setattr(module, "launch_fp8_gemv", spy)
     got = run()
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         for step_got, step_want in zip(g.logprobs, w.logprobs):
             for token, logprob in step_want.items():
                 assert abs(step_got[token].logprob - logprob.logprob) < 1e-3, (token, step_got, step_want)
-    # the 8 FP8 layers of each decode step (3 a prompt, the two together) at two rows
-    assert launches.count(2) >= 8 * 3, launches
+    # each layer's 4 launches of each decode step at two rows (3 a prompt, the two together):
+    # norm + qkv, o_proj, norm + gate-up + SiLU, down_proj
+    for kind in ((2, False, True), (2, False, False), (2, True, True)):
+        assert launches.count(kind) >= (2 if kind[2] or kind[1] else 4) * 3, (kind, launches)

@@ -143,6 +143,51 @@ def test_switch(device, gemv_calls, monkeypatch):
     assert gemv_calls == [((1, 128), (64, 128))]
 
 
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("static", [False, True])
+def test_norm_and_activation_launches_give_the_separate_launches_bits(M, static, device, gemv_calls):
+    """`fp8_gemv_linear` with the RMSNorm (and the residual) before it and SiLU-and-mul after it:
+    the bits of `fused.rms_norm`, then the plain launch, then `fused.silu_and_mul`; the new
+    residual stream is `rms_norm`'s bit for bit."""
+    from tilellm.kernels.fused import rms_norm, silu_and_mul
+
+    x, b, b_s = _operands(M, 2 * 40, 256, [32, 128], torch.bfloat16, device, seed=M)
+    gen = torch.Generator().manual_seed(5)
+    r = torch.randn(M, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
+    nw = (torch.rand(256, generator=gen) + 0.5).to(device=device, dtype=torch.bfloat16)
+    s = torch.full((1,), 0.01, device=device) if static else None
+    linear = fp8_gemv.fp8_gemv_linear
+    for gated in (False, True):
+        plain = linear(x, b, b_s, [32, 128], input_scale=s)
+        assert torch.equal(plain, tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], input_scale=s))
+        want = silu_and_mul(plain) if gated else plain
+        assert torch.equal(linear(x, b, b_s, [32, 128], input_scale=s, silu_and_mul=gated), want)
+        y, h = linear(x, b, b_s, [32, 128], input_scale=s, silu_and_mul=gated, norm_weight=nw, residual=r)
+        normed, want_h = rms_norm(x, nw, 1e-6, residual=r)
+        assert torch.equal(h, want_h)
+        plain = linear(normed, b, b_s, [32, 128], input_scale=s)
+        assert torch.equal(y, silu_and_mul(plain) if gated else plain), f"gated={gated}"
+        y = linear(x, b, b_s, [32, 128], input_scale=s, silu_and_mul=gated, norm_weight=nw)
+        plain = linear(rms_norm(x, nw, 1e-6), b, b_s, [32, 128], input_scale=s)
+        assert torch.equal(y, silu_and_mul(plain) if gated else plain), f"no residual, gated={gated}"
+    assert len(gemv_calls) == 2  # (the spy sees `w8a8_block_fp8_linear`'s launches only)
+
+
+def test_linear_rejects_bad_input(device):
+    x, b, b_s = _operands(2, 64, 256, [64, 128], torch.float32, device)
+    linear = fp8_gemv.fp8_gemv_linear
+    with pytest.raises(ValueError, match="takes 1 to 8 rows"):
+        linear(torch.zeros(9, 256, device=device), b, b_s, [64, 128])
+    with pytest.raises(ValueError, match="an even count"):
+        linear(x, b[:63], b_s, [64, 128], silu_and_mul=True)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        linear(x, b, b_s, [64, 128], norm_weight=torch.ones(128, device=device))
+    with pytest.raises(ValueError, match="residual must be like x"):
+        linear(x, b, b_s, [64, 128], norm_weight=torch.ones(256, device=device), residual=x[:1])
+    with pytest.raises(ValueError, match="pass norm_weight"):
+        linear(x, b, b_s, [64, 128], residual=x)
+
+
 QWEN3_LAYERS = {  # (N, K) per layer: Qwen3-0.6B and Qwen3-8B
     "0.6b qkv": (4096, 1024),
     "0.6b down": (1024, 3072),

@@ -26,15 +26,18 @@ steps with them are measured on a GPU. Its PyTorch twin is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 from tilellm.kernels.config import cdiv, interpreting, next_power_of_2
 from tilellm.kernels.fp8 import quantize_groups, to_fp8
-from tilellm.kernels.gemv import GEMV_MAX_ROWS, gemv_opted_in
+from tilellm.kernels.gemv import GEMV_MAX_ROWS, gemv_opted_in, input_row
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
+from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_input_scale
 
 # A program's tile: BLOCK_N weight rows (1 to MAX_BLOCK_N) of BLOCK_G groups of bk channels (the
 # row's groups padded to a power of two, at most MAX_BLOCK_K channels), BLOCK_N * BLOCK_G * bk of
@@ -62,70 +65,120 @@ def fp8_gemv_tile(M: int, K: int, bk: int) -> tuple[int, int, int, int]:
     return next_power_of_2(max(M, 1)), block_n, block_g, cdiv(groups, block_g)
 
 
+def fp8_gemv_fuses_norm(M: int, K: int, bk: int) -> bool:
+    """Whether the RMSNorm before a layer runs in its launch at M rows of K: the whole row in one
+    chunk (the norm needs the row's mean square before any group is quantized)."""
+    return fp8_gemv_tile(M, K, bk)[3] == 1
+
+
 @triton.jit
-def _row_product(
-    X, As, m, M, stride_xm, ks, g_ok, w, b_s, eps, STATIC_A: tl.constexpr
+def _weight_tile(w_rows, bs_rows, g0, ks, gs, col_ok, g_ok, stride_bs_k):
+    """The program's weight rows at groups g0 + gs: e4m3 [BLOCK_N, BLOCK_G, GROUP_K] and their
+    block scales [BLOCK_N, BLOCK_G] fp32, 0 past N and past the row's groups."""
+    w = tl.load(
+        w_rows + g0 * ks.shape[1] + ks[None, :, :],
+        mask=col_ok[:, None, None] & g_ok[None, :, None],
+        other=0.0,
+    )
+    b_s = tl.load(bs_rows + (g0 + gs)[None, :] * stride_bs_k, mask=col_ok[:, None] & g_ok[None, :], other=0.0)
+    return w, b_s
+
+
+@triton.jit
+def _quantized_row(
+    X, R, NW, RO, As, m, M, g0, K, stride_xm, stride_rm, stride_om, eps, norm_eps, pid,
+    BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr, STATIC_A: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    """Row m of x against the tile: x[m, ks] ([BLOCK_G, GROUP_K] channels, groups past K off)
-    quantized as `fp8_gemm`'s kernels quantize it, times w [BLOCK_N, BLOCK_G, GROUP_K] (fp32 of
-    the e4m3 values) scaled per group by x_s * b_s [BLOCK_N, BLOCK_G]: [BLOCK_N] fp32."""
-    ok = g_ok[:, None] & (ks * 0 + m < M)
-    x = tl.load(X + m * stride_xm + ks, mask=ok, other=0.0).to(tl.float32)
+    """Row m of x at groups g0 .. g0 + BLOCK_G (0 past K and for m >= M), normalised with NORM as
+    `gemv.input_row` does it (`fused.rms_norm`'s bits), then quantized as `fp8_gemm`'s kernels
+    quantize it: (x_q as fp32 [BLOCK_G, GROUP_K], x_s [BLOCK_G])."""
+    ks = tl.arange(0, BLOCK_G * GROUP_K)
+    k_ok = (g0 * GROUP_K + ks < K) & (ks * 0 + m < M)
+    x = input_row(
+        X + m * stride_xm + g0 * GROUP_K, R + m * stride_rm, NW, RO + m * stride_om, ks, k_ok, K, norm_eps, pid,
+        NORM, HAS_RESIDUAL,
+    )  # fmt: skip
+    x = tl.reshape(x, (BLOCK_G, GROUP_K))
     if STATIC_A:  # the calibrated scale for every group
         a_s = tl.load(As)
-        x_q = to_fp8(tl.div_rn(x, a_s))
-        group_sums = tl.sum(w * x_q.to(tl.float32)[None, :, :], axis=2)
-        return tl.sum(group_sums * (a_s * b_s), axis=1)
+        return to_fp8(tl.div_rn(x, a_s)).to(tl.float32), tl.zeros([BLOCK_G], dtype=tl.float32) + a_s
     x_q, a_s = quantize_groups(x, eps)  # groups past K: x = 0, so x_q = 0
-    group_sums = tl.sum(w * x_q.to(tl.float32)[None, :, :], axis=2)
-    return tl.sum(group_sums * (a_s[None, :] * b_s), axis=1)
+    return x_q.to(tl.float32), a_s
 
 
-@triton.jit(do_not_specialize=["M", "eps"])
+@triton.jit
+def _scaled_sum(w, b_s, x_q, a_s):
+    """sum_j a_s[j] * b_s[:, j] * sum_{k in group j} x_q[j, k] * w[:, j, k]: [BLOCK_N] fp32."""
+    return tl.sum(tl.sum(w * x_q[None, :, :], axis=2) * (a_s[None, :] * b_s), axis=1)
+
+
+@triton.jit(do_not_specialize=["M", "eps", "norm_eps"])
 def _fp8_gemv_kernel(
     X, W, Bs, As, Y, M, N, K, eps,
     stride_xm, stride_wn, stride_bs_n, stride_bs_k, stride_ym,
+    NW, R, RO, stride_rm, stride_om, norm_eps,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr, G_TILES: tl.constexpr, STATIC_A: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_G: tl.constexpr, G_TILES: tl.constexpr, STATIC_A: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Y[rows, cols] for this program's BLOCK_N columns and every row of x (module docstring);
-    W [N, K] e4m3, Bs [ceil(N / GROUP_N), K / GROUP_K] fp32, As the static scale (STATIC_A)."""
+    W [N, K] e4m3 (GATED: [2N, K], the up rows N below the gate rows), Bs [ceil(rows of W /
+    GROUP_N), K / GROUP_K] fp32, As the static scale (STATIC_A). NORM (G_TILES == 1 only): x is
+    first replaced by its RMSNorm, as `gemv.py`'s kernels do it."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     gs = tl.arange(0, BLOCK_G)
     ks = gs[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [BLOCK_G, GROUP_K]
     w_rows = W + cols.to(tl.int64)[:, None, None] * stride_wn
+    u_rows = W + (cols + N).to(tl.int64)[:, None, None] * stride_wn
     bs_rows = Bs + (cols // GROUP_N).to(tl.int64)[:, None] * stride_bs_n
+    bu_rows = Bs + ((cols + N) // GROUP_N).to(tl.int64)[:, None] * stride_bs_n
     rows = tl.arange(0, BLOCK_M)
     num_groups = K // GROUP_K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if G_TILES == 1:
         g_ok = gs < num_groups
         # the weight and its scales first: no kernel writes them, so their loads may start before
         # the wait for the kernel before (PDL), and they are in flight while x is read
-        w = tl.load(w_rows + ks[None, :, :], mask=col_ok[:, None, None] & g_ok[None, :, None], other=0.0)
-        b_s = tl.load(bs_rows + gs[None, :] * stride_bs_k, mask=col_ok[:, None] & g_ok[None, :], other=0.0)
+        w, b_s = _weight_tile(w_rows, bs_rows, 0, ks, gs, col_ok, g_ok, stride_bs_k)
+        u, bu_s = w, b_s
+        if GATED:
+            u, bu_s = _weight_tile(u_rows, bu_rows, 0, ks, gs, col_ok, g_ok, stride_bs_k)
         pdl_start(USE_PDL)
         w = w.to(tl.float32)
+        u = u.to(tl.float32)
         for m in tl.static_range(BLOCK_M):
-            y = _row_product(X, As, m, M, stride_xm, ks, g_ok, w, b_s, eps, STATIC_A)
-            acc = tl.where(rows[:, None] == m, y[None, :], acc)
+            x_q, a_s = _quantized_row(
+                X, R, NW, RO, As, m, M, 0, K, stride_xm, stride_rm, stride_om, eps, norm_eps, pid, BLOCK_G,
+                GROUP_K, STATIC_A, NORM, HAS_RESIDUAL,
+            )  # fmt: skip
+            acc = tl.where(rows[:, None] == m, _scaled_sum(w, b_s, x_q, a_s)[None, :], acc)
+            if GATED:
+                acc_up = tl.where(rows[:, None] == m, _scaled_sum(u, bu_s, x_q, a_s)[None, :], acc_up)
     else:  # rows of more than MAX_BLOCK_K channels: chunks of BLOCK_G groups
         pdl_start(USE_PDL)
         for g0 in range(0, G_TILES * BLOCK_G, BLOCK_G):
             g_ok = (g0 + gs) < num_groups
-            w = tl.load(
-                w_rows + g0 * GROUP_K + ks[None, :, :],
-                mask=col_ok[:, None, None] & g_ok[None, :, None],
-                other=0.0,
-            ).to(tl.float32)
-            b_s = tl.load(
-                bs_rows + (g0 + gs)[None, :] * stride_bs_k, mask=col_ok[:, None] & g_ok[None, :], other=0.0
-            )
+            w, b_s = _weight_tile(w_rows, bs_rows, g0, ks, gs, col_ok, g_ok, stride_bs_k)
+            w = w.to(tl.float32)
+            if GATED:
+                u, bu_s = _weight_tile(u_rows, bu_rows, g0, ks, gs, col_ok, g_ok, stride_bs_k)
+                u = u.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
-                y = _row_product(X + g0 * GROUP_K, As, m, M, stride_xm, ks, g_ok, w, b_s, eps, STATIC_A)
-                acc += tl.where(rows[:, None] == m, y[None, :], 0.0)
+                x_q, a_s = _quantized_row(
+                    X, R, NW, RO, As, m, M, g0, K, stride_xm, stride_rm, stride_om, eps, norm_eps, pid,
+                    BLOCK_G, GROUP_K, STATIC_A, False, False,
+                )  # fmt: skip
+                acc += tl.where(rows[:, None] == m, _scaled_sum(w, b_s, x_q, a_s)[None, :], 0.0)
+                if GATED:
+                    acc_up += tl.where(rows[:, None] == m, _scaled_sum(u, bu_s, x_q, a_s)[None, :], 0.0)
+    if GATED:  # silu(gate) * up on the rounded products, as `fused.silu_and_mul` computes it
+        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
     y_ok = (rows < M)[:, None] & col_ok[None, :]
     tl.store(
         Y + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=y_ok
@@ -143,20 +196,89 @@ def launch_fp8_gemv(
     y: torch.Tensor,
     eps: float,
     input_scale: torch.Tensor | None = None,
+    gated: bool = False,
+    norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> None:
     """Fill y [M, N] with `w8a8_block_fp8_linear(x, weight, weight_scale_inv, block_size)` for M
-    of 1 to GEMV_MAX_ROWS rows: `fp8_gemm.py`'s launch for those rows, its arguments
-    checked there. x [M, K] with a unit last-dim stride, weight [N, K] e4m3 with a unit last-dim
-    stride, weight_scale_inv [ceil(N / bn), K / bk] fp32, bk a power of two; `input_scale`: the
-    static activation scale (one fp32 element), else per token and group."""
-    (M, K), N = x.shape, weight.shape[0]
+    of 1 to GEMV_MAX_ROWS rows: the launch of `fp8_gemm.py` and of `fp8_gemv_linear` for those
+    rows, their arguments checked there. x [M, K] with a unit last-dim stride, weight [N, K] e4m3
+    (gated: [2N, K], y then silu(gate) * up) with a unit last-dim stride, weight_scale_inv
+    [ceil(rows / bn), K / bk] fp32, bk a power of two; `input_scale`: the static activation scale
+    (one fp32 element), else per token and group; `norm`: (norm weight [K], eps, residual [M, K]
+    or None, residual_out [M, K]) for the RMSNorm prologue (`fp8_gemv_fuses_norm` must hold)."""
+    (M, K), N = x.shape, y.shape[1]
     bn, bk = block_size
     block_m, block_n, block_g, g_tiles = fp8_gemv_tile(M, K, bk)
+    if norm is not None and g_tiles > 1:
+        raise ValueError(f"fp8_gemv: the RMSNorm prologue needs each row in one chunk, got K = {K}")
+    norm_w, norm_eps, res, res_out = norm if norm is not None else (x, 0.0, None, None)
+    has_res = res is not None
+    res, res_out = (res, res_out) if has_res else (x, x)  # (unread without a residual)
     scale = input_scale if input_scale is not None else weight_scale_inv  # (unread without)
     _fp8_gemv_launch[(cdiv(N, block_n),)](
         x, weight, weight_scale_inv, scale, y, M, N, K, float(eps),
         x.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1), y.stride(0),
+        norm_w, res, res_out, res.stride(0), res_out.stride(0), float(norm_eps),
         GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, G_TILES=g_tiles,
-        STATIC_A=input_scale is not None, num_warps=1 if interpreting() else NUM_WARPS, num_stages=1,
-        **pdl_launch_kwargs(x.device),
+        STATIC_A=input_scale is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
+        num_warps=1 if interpreting() else NUM_WARPS, num_stages=1, **pdl_launch_kwargs(x.device),
     )  # fmt: skip
+
+
+def fp8_gemv_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_size: Sequence[int],
+    *,
+    input_scale: torch.Tensor | None = None,
+    eps: float = 1e-10,
+    silu_and_mul: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`w8a8_block_fp8_linear(x, weight, weight_scale_inv, block_size)` on this kernel for x [M, K]
+    of 1 to GEMV_MAX_ROWS rows, in x's dtype, with its neighbouring ops in the same launch:
+
+    - `norm_weight` [K]: x is first replaced by `fused.rms_norm(x, norm_weight, norm_eps)` (with
+      `residual` [M, K], of x + residual, which is stored to `residual_out`, allocated when None,
+      and returned beside y), the bits of that kernel's output;
+    - `silu_and_mul`: weight holds the [gate | up] rows [2N, K] and y [M, N] is silu(gate) * up,
+      the bits of the plain launch followed by `fused.silu_and_mul`.
+
+    `input_scale`: a static activation scale (one fp32 element), else per token and group (eps as
+    `w8a8_block_fp8_linear`'s)."""
+    name = "fp8_gemv_linear"
+    bn, bk = check_block_fp8_matmul(name, x, weight, None, weight_scale_inv, block_size, x.dtype)
+    (M, K), rows = x.shape, weight.shape[0]
+    if not 0 < M <= GEMV_MAX_ROWS or bk & (bk - 1) or weight.stride(1) != 1:
+        raise ValueError(
+            f"{name}: takes 1 to {GEMV_MAX_ROWS} rows, a power-of-two bk and a weight with a contiguous "
+            f"last dim, got x {tuple(x.shape)}, bk = {bk}, weight strides {tuple(weight.stride())}"
+        )
+    if input_scale is not None:
+        check_input_scale(name, x, input_scale)
+    if silu_and_mul and rows % 2:
+        raise ValueError(f"{name}: silu_and_mul needs [gate | up] weight rows (an even count), got {rows}")
+    norm = None
+    if norm_weight is not None:
+        if tuple(norm_weight.shape) != (K,) or not fp8_gemv_fuses_norm(M, K, bk):
+            raise ValueError(
+                f"{name}: norm_weight must be [K] = [{K}] and a row must fit one chunk "
+                f"({MAX_BLOCK_K} channels), got {tuple(norm_weight.shape)}"
+            )
+        if residual is not None:
+            residual_out = torch.empty_like(x) if residual_out is None else residual_out
+            for what, t in (("residual", residual), ("residual_out", residual_out)):
+                if t.shape != x.shape or t.dtype != x.dtype or t.stride(1) != 1:
+                    raise ValueError(
+                        f"{name}: {what} must be like x {tuple(x.shape)} {x.dtype}, got {t.shape}"
+                    )
+        norm = (norm_weight, float(norm_eps), residual, residual_out)
+    elif residual is not None:
+        raise ValueError(f"{name}: a residual is added only before the norm: pass norm_weight")
+    y = torch.empty((M, rows // 2 if silu_and_mul else rows), dtype=x.dtype, device=x.device)
+    launch_fp8_gemv(x, weight, weight_scale_inv, (bn, bk), y, eps, input_scale, gated=silu_and_mul, norm=norm)
+    return y if residual is None else (y, residual_out)

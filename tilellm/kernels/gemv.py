@@ -125,7 +125,7 @@ def _weight_tiles(w_rows, u_rows, col_ok, k_cols, k_ok, EVEN_N: tl.constexpr, GA
 
 
 @triton.jit
-def _input_row(X, R, NW, RO, ks, k_ok, K, eps, pid, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def input_row(X, R, NW, RO, ks, k_ok, K, eps, pid, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """The product's input [BLOCK_K] in fp32, 0 past K: x as stored, or with NORM its RMSNorm
     (`fused._normed_rows` then the rounding of `rms_norm`'s store; with HAS_RESIDUAL x + R first,
     rounded to x's dtype and stored to RO by program 0)."""
@@ -165,7 +165,7 @@ def _gemv_kernel(
         # kernel before (PDL), and they are in flight while x is read and normalised
         w, u = _weight_tiles(w_rows, u_rows, col_ok, ks, k_ok, EVEN_N, GATED)
         pdl_start(USE_PDL)
-        x = _input_row(X, R, NW, RO, ks, k_ok, K, eps, pid, NORM, HAS_RESIDUAL)
+        x = input_row(X, R, NW, RO, ks, k_ok, K, eps, pid, NORM, HAS_RESIDUAL)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if GATED:
             acc_up = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
@@ -199,7 +199,7 @@ def _input_rows(
     X, R, NW, RO, rows64, row_ok, ks, k_ok, K, eps, pid, stride_xm, stride_rm, stride_om,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    """`_input_row` for the rows `rows64` [BLOCK_M] (int64): [BLOCK_M, BLOCK_K] fp32, 0 past M
+    """`input_row` for the rows `rows64` [BLOCK_M] (int64): [BLOCK_M, BLOCK_K] fp32, 0 past M
     and K."""
     ok = row_ok[:, None] & k_ok[None, :]
     x = tl.load(X + rows64[:, None] * stride_xm + ks[None, :], mask=ok, other=0.0)

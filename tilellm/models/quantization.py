@@ -66,18 +66,21 @@ import torch
 from torch import nn
 
 from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
+from tilellm.kernels.fp8_gemv import fp8_gemv_fuses_norm, fp8_gemv_linear, fp8_gemv_runs
 from tilellm.kernels.reference.fp8_gemm import dequantize_fp8_block, quantize_fp8_block
 from tilellm.models.layers.linear import (
     UNQUANTIZED,
+    LayerInput,
     LinearBase,
     LinearMethod,
+    NormedActivation,
     QuantizedActivation,
     input_scale_param,
     is_block_aligned,
     reduce_input_scale,
 )
 from tilellm.models.layers.moe import FusedMoE
-from tilellm.models.layers.ops import resolve_fp8_gemm_ops
+from tilellm.models.layers.ops import resolve_fp8_gemm_ops, runs_kernels
 
 SUPPORTED_QUANTIZATION = ("fp8",)
 DEFAULT_BLOCK_SIZE = (128, 128)  # online quantization's, and per-tensor checkpoints' where K allows
@@ -335,9 +338,45 @@ class Fp8LinearMethod(LinearMethod):
             )
         return y
 
+    def _gemv(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether a step on input x [..., K] runs `fp8_gemv.py` (`w8a8_block_fp8_linear` sends it
+        there too): the kernel ops, 1 to GEMV_MAX_ROWS rows, `TILELLM_GEMV=1`."""
+        return runs_kernels(self.ops) and fp8_gemv_runs(x.numel() // max(1, x.shape[-1]), self.block_size[1])
+
     def takes_normed_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
-        """False: the norm before an FP8 layer quantizes for it instead (`input_group_quant`)."""
-        return False
+        """Whether the RMSNorm before this layer runs in its launch for input x [T, K]: where
+        `fp8_gemv.py` runs the step and a row fits its tile; elsewhere the norm quantizes for the
+        layer instead (`input_group_quant`), or runs alone."""
+        rows = x.numel() // max(1, x.shape[-1])
+        return self._gemv(layer, x) and fp8_gemv_fuses_norm(rows, x.shape[-1], self.block_size[1])
+
+    def _apply_gemv(
+        self, layer: LinearBase, x: NormedActivation | torch.Tensor, silu_and_mul: bool
+    ) -> torch.Tensor:
+        """The step through `fp8_gemv_linear` (with the norm of a `NormedActivation`, and SiLU-and-mul
+        when asked), [..., N] in x's dtype."""
+        scale = layer.input_scale if self.static_activations else None
+        if isinstance(x, NormedActivation):
+            y = fp8_gemv_linear(
+                x.x, layer.weight, layer.weight_scale_inv, self.block_size, input_scale=scale,
+                silu_and_mul=silu_and_mul, norm_weight=x.norm_weight, norm_eps=x.eps, residual=x.residual,
+                residual_out=x.residual_out,
+            )  # fmt: skip
+            return y if x.residual is None else y[0]
+        x2d = x.reshape(-1, x.shape[-1])
+        w, w_s = layer.weight, layer.weight_scale_inv
+        y = fp8_gemv_linear(x2d, w, w_s, self.block_size, input_scale=scale, silu_and_mul=silu_and_mul)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def apply_silu_and_mul(
+        self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """silu(gate) * up in the gate-up launch where `fp8_gemv.py` runs the step (no bias), else
+        None (the caller runs the activation, which quantizes for down_proj on many-token steps)."""
+        if bias is not None or isinstance(x, QuantizedActivation):
+            return None
+        t = x.x if isinstance(x, NormedActivation) else x
+        return self._apply_gemv(layer, x, silu_and_mul=True) if self._gemv(layer, t) else None
 
     def apply(
         self, layer: LinearBase, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None
@@ -349,6 +388,11 @@ class Fp8LinearMethod(LinearMethod):
         if isinstance(x, QuantizedActivation):
             y = self._group_gemm(layer, x.x_q, x.x_s, x.column_major_scales, x.dtype)
             return y if bias is None else y + bias
+        if isinstance(x, NormedActivation):  # (handed over where `takes_normed_input` said so)
+            if self.takes_normed_input(layer, x.x):
+                y = self._apply_gemv(layer, x, silu_and_mul=False)
+                return y if bias is None else y + bias
+            x = x.normalised()
         bn, bk = self.block_size
         x2d = x.reshape(-1, x.shape[-1])
         num_tokens = x2d.shape[0]
