@@ -1,7 +1,7 @@
 """Small-batch decode: milliseconds per step at batch 1 and 8, with the step's host and device time.
 
     python benchmarks/small_batch_decode.py [--batches 1,8] [--steps 256] [--cprofile N] [--ab NAME=VALUE]
-        [--repeat N] [--json F]
+        [--repeat N] [--quantization fp8] [--json F]
 
 (with tilellm installed, or from the repository root with `PYTHONPATH=.`)
 
@@ -19,7 +19,8 @@ the profile's kernel start and end times; `tilellm.bench.breakdown.kernel_gaps`)
 GPU. `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` runs the same with programmatic
 dependent launch (`tilellm/kernels/pdl.py`); compare the two on one machine, one after the other.
 `--ab TILELLM_GEMV=1 --repeat 2` does that in one process: a fresh engine without the variable,
-then one with it (`gemv.py`'s one-row linear layers), alternated twice.
+then one with it (`gemv.py`'s one-row linear layers), alternated twice. `--quantization fp8` runs
+the same model with its linear layers quantized to FP8 at load (block-scaled W8A8, 128 x 128).
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def run_engine(batches: list[int], args: argparse.Namespace, label: str = "") ->
             skip_tokenizer_init=True,
             max_num_seqs=max(batches),
             max_model_len=PROMPT_LEN + 4 * args.steps + 256,
+            quantization=args.quantization,
         )
         for b in batches:
             r = measure(llm, b, args.steps, args.cprofile if b == batches[0] else 0, args.kernels)
@@ -173,6 +175,9 @@ def main() -> int:
         help="time an engine without, then with, this environment variable (e.g. TILELLM_GEMV=1)",
     )
     ap.add_argument("--repeat", type=int, default=1, help="with --ab: alternate the two this many times")
+    ap.add_argument(
+        "--quantization", default=None, help="`fp8`: the weights quantized to FP8 at load (block-scaled W8A8)"
+    )
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
