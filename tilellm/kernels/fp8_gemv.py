@@ -15,13 +15,21 @@ sums on the CUDA cores:
 
 so the activations' quantization, the scales and the rounding are those of
 `w8a8_block_fp8_linear` (x_q and x_s bit for bit; the e4m3 products are exact in fp32, and only
-the order of the fp32 sums differs). Rows with more groups than MAX_BLOCK_K channels hold loop
-over them in chunks. With a static input scale (`input_scale`) every group's x_s is that scale.
+the order of the fp32 sums differs). Rows longer than MAX_BLOCK_K channels loop over their groups
+in chunks (without the norm, which needs the whole row). With a static input scale (`input_scale`) every group's x_s is that scale.
 
-Launched by `fp8_gemm.w8a8_block_fp8_linear` for steps of up to GEMV_MAX_ROWS rows with
-`TILELLM_GEMV=1` (`gemv.gemv_runs`), the switch of `gemv.py`'s kernels: opt-in until the engine's
-steps with them are measured on a GPU. Its PyTorch twin is
-`reference.fp8_gemm.w8a8_block_fp8_linear`.
+The weight is loaded before x, so the layer's neighbours fit in the launch as in `gemv.py`
+(`fp8_gemv_linear`): the decoder's RMSNorm before qkv and gate-up (each program normalises x's
+rows with `gemv.input_row`, `fused.rms_norm`'s bits, before quantizing them; program 0 stores the
+new residual stream), and SiLU-and-mul after gate-up ([gate | up] weight rows; silu(gate) * up of
+the rounded products). The tile depends on M, K and bk only, so these launches give the bits of
+the separate launches.
+
+Launched by `fp8_gemm.w8a8_block_fp8_linear` for steps of up to GEMV_MAX_ROWS rows, and by FP8
+linear layers (`Fp8LinearMethod`) through `fp8_gemv_linear`, with `TILELLM_GEMV=1`
+(`gemv.gemv_opted_in`), the switch of `gemv.py`'s kernels: opt-in until the engine's steps with
+them are measured on a GPU. Its PyTorch twin is `reference.fp8_gemm.w8a8_block_fp8_linear`
+(followed by `reference.fused`'s RMSNorm before and SiLU-and-mul after).
 """
 
 from __future__ import annotations
