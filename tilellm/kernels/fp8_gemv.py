@@ -266,27 +266,38 @@ def fp8_gemv_linear(
             f"{name}: takes 1 to {GEMV_MAX_ROWS} rows, a power-of-two bk and a weight with a contiguous "
             f"last dim, got x {tuple(x.shape)}, bk = {bk}, weight strides {tuple(weight.stride())}"
         )
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"{name}: eps must be a positive number, got {eps!r}")
     if input_scale is not None:
         check_input_scale(name, x, input_scale)
     if silu_and_mul and rows % 2:
         raise ValueError(f"{name}: silu_and_mul needs [gate | up] weight rows (an even count), got {rows}")
+    if norm_weight is None and (residual is not None or residual_out is not None):
+        raise ValueError(f"{name}: a residual is added only before the norm: pass norm_weight")
     norm = None
     if norm_weight is not None:
-        if tuple(norm_weight.shape) != (K,) or not fp8_gemv_fuses_norm(M, K, bk):
+        if tuple(norm_weight.shape) != (K,) or norm_weight.device != x.device:
             raise ValueError(
-                f"{name}: norm_weight must be [K] = [{K}] and a row must fit one chunk "
-                f"({MAX_BLOCK_K} channels), got {tuple(norm_weight.shape)}"
+                f"{name}: norm_weight must be [K] = [{K}] on x's device {x.device}, got "
+                f"{tuple(norm_weight.shape)} on {norm_weight.device}"
             )
+        if not fp8_gemv_fuses_norm(M, K, bk):
+            raise ValueError(
+                f"{name}: the RMSNorm runs in the launch only where a row fits one chunk of "
+                f"{MAX_BLOCK_K} channels, got K = {K}: run the norm apart"
+            )
+        if residual is None and residual_out is not None:
+            raise ValueError(f"{name}: residual_out is filled with x + residual: pass the residual")
         if residual is not None:
             residual_out = torch.empty_like(x) if residual_out is None else residual_out
             for what, t in (("residual", residual), ("residual_out", residual_out)):
-                if t.shape != x.shape or t.dtype != x.dtype or t.stride(1) != 1:
+                if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device or t.stride(1) != 1:
                     raise ValueError(
-                        f"{name}: {what} must be like x {tuple(x.shape)} {x.dtype}, got {t.shape}"
+                        f"{name}: {what} must be [M, K] = {list(x.shape)} in {x.dtype} on {x.device} with a "
+                        f"contiguous last dim, got {list(t.shape)} in {t.dtype} on {t.device}, strides "
+                        f"{tuple(t.stride())}"
                     )
         norm = (norm_weight, float(norm_eps), residual, residual_out)
-    elif residual is not None:
-        raise ValueError(f"{name}: a residual is added only before the norm: pass norm_weight")
     y = torch.empty((M, rows // 2 if silu_and_mul else rows), dtype=x.dtype, device=x.device)
     launch_fp8_gemv(x, weight, weight_scale_inv, (bn, bk), y, eps, input_scale, gated=silu_and_mul, norm=norm)
     return y if residual is None else (y, residual_out)
