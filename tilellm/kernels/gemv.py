@@ -113,6 +113,16 @@ def gemv_fuses_norm(M: int, K: int) -> bool:
 
 
 @triton.jit
+def rounded_silu_and_mul(acc, acc_up, Y):
+    """silu(gate) * up in fp32 from a gated layer's two fp32 products, each first rounded to Y's
+    dtype as the plain layer would store it: what `fused.silu_and_mul` computes from the stored
+    [gate | up], so the gated launch gives the bits of the two launches."""
+    gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _weight_tiles(w_rows, u_rows, col_ok, k_cols, k_ok, EVEN_N: tl.constexpr, GATED: tl.constexpr):
     """The program's weight rows at columns `k_cols` [BLOCK_K] of K: (gate, up) [BLOCK_N, BLOCK_K]
     in the weight's dtype, 0 past N and K; with GATED the up rows (`u_rows`), else the gate rows
@@ -184,10 +194,8 @@ def _gemv_kernel(
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
         if GATED:
             acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if GATED:  # silu(gate) * up on the rounded products, as `fused.silu_and_mul` computes it
-        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
+    if GATED:
+        acc = rounded_silu_and_mul(acc, acc_up, Y)
     tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=col_ok)
 
 
@@ -228,9 +236,7 @@ def _store_rows(
         if GATED:
             acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
+        acc = rounded_silu_and_mul(acc, acc_up, Y)
     y_ok = row_ok[:, None] & col_ok[None, :]
     tl.store(Y + rows64[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=y_ok)
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
 from tilellm.kernels.fused import rms_norm, silu_and_mul
-from tilellm.kernels.gemv import gemv_fuses_norm, gemv_runs, launch_gemv
+from tilellm.kernels.gemv import gemv_fuses_norm, gemv_runs, launch_gemv, rounded_silu_and_mul
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import check_rms_norm
@@ -154,10 +154,8 @@ def _skinny_linear_kernel(
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:  # silu(gate) * up on the rounded products, as `fused.silu_and_mul` computes it
-        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
+    if GATED:
+        acc = rounded_silu_and_mul(acc, acc_up, Y)
     y = Y + rows64[:, None] * stride_ym + cols[None, :]
     tl.store(y, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
