@@ -102,6 +102,46 @@ def test_matches_twin(M, N, K, block_size, dtype, device, gemv_calls):
     assert gemv_calls == [((M, K), (N, K))] * 2
 
 
+@pytest.mark.parametrize("M, N, K, block_size", CASES)
+@pytest.mark.parametrize("column_major_scales", [False, True])
+@pytest.mark.usefixtures("poison_outputs")
+def test_quantized_input_matches_twin(M, N, K, block_size, column_major_scales, device, gemv_calls):
+    """`w8a8_block_fp8_matmul` on x_q and its scales (row- or column-major), as the op before a
+    layer hands them over: the kernel loads them, and the result is the twin's."""
+    x, b, b_s = _operands(M, N, K, block_size, torch.float32, device, seed=M + N)
+    x_q, x_s = tk.per_token_group_quant_fp8(x, block_size[1], column_major_scales=column_major_scales)
+    got = tk.w8a8_block_fp8_matmul(x_q, b, x_s, b_s, block_size, torch.float32)
+    _assert_twin(got, ref.w8a8_block_fp8_matmul(x_q, b, x_s, b_s, block_size, torch.float32), "x_q")
+    assert gemv_calls == [((M, K), (N, K))]
+
+
+def test_one_row_quantizes_in_the_kernel_more_rows_before_it(device, monkeypatch):
+    """`fp8_gemv_quantizes_x`: one row against a tile of 4 weight rows quantizes in the programs
+    (bf16 x reaches the launch); more rows, or one weight row a program, are quantized first (the
+    launch gets e4m3 x and its scales), dynamic and static alike, with the twin's result."""
+    assert fp8_gemv.fp8_gemv_quantizes_x(1, 1024, 128)
+    assert not fp8_gemv.fp8_gemv_quantizes_x(2, 1024, 128)
+    assert not fp8_gemv.fp8_gemv_quantizes_x(1, 12288, 128)  # one weight row a program
+    monkeypatch.setenv("TILELLM_GEMV", "1")
+    seen = []
+    real = tk.launch_fp8_gemv
+
+    def spy(x, weight, *args, x_s=None, **kwargs):
+        seen.append((x.shape[0], x.dtype, x_s is not None))
+        return real(x, weight, *args, x_s=x_s, **kwargs)
+
+    monkeypatch.setattr(tk, "launch_fp8_gemv", spy)
+    for M in (1, 3):
+        x, b, b_s = _operands(M, 24, 256, [32, 128], torch.bfloat16, device, seed=M)
+        s = (x.float().abs().amax() / 448 / 2).reshape(1)
+        for scale in (None, s):
+            got = tk.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32, input_scale=scale)
+            want = ref.w8a8_block_fp8_linear(x, b, b_s, [32, 128], torch.float32, input_scale=scale)
+            _assert_twin(got, want, f"M={M} static={scale is not None}")
+    fp8 = torch.float8_e4m3fn
+    assert seen == [(1, torch.bfloat16, False)] * 2 + [(3, fp8, True)] * 2
+
+
 @pytest.mark.parametrize("M", [1, 4])
 @pytest.mark.usefixtures("poison_outputs")
 def test_static_scale_matches_twin(M, device, gemv_calls):

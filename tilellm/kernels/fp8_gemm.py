@@ -54,7 +54,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import cdiv, gluon_module_ok, interpreting, launch_gluon, next_power_of_2, num_sms
 from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX_C, quantize_groups, to_fp8
-from tilellm.kernels.fp8_gemv import fp8_gemv_runs, launch_fp8_gemv
+from tilellm.kernels.fp8_gemv import fp8_gemv_quantizes_x, fp8_gemv_runs, launch_fp8_gemv
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.reference.fp8_gemm import (
     broadcast_input_scale,
@@ -382,6 +382,11 @@ def w8a8_block_fp8_matmul(
     """
     name = "w8a8_block_fp8_matmul"
     bn, bk = check_block_fp8_matmul(name, a, b, a_s, b_s, block_size, output_dtype)
+    M, N = a.shape[0], b.shape[0]
+    if config is None and _gemv_takes(a, b, bk):
+        c = _empty((M, N), output_dtype, a.device)
+        launch_fp8_gemv(a, b, b_s, (bn, bk), c, 1.0, x_s=a_s)
+        return c
     return _matmul(name, a, b, a_s, b_s, bn, bk, output_dtype, config, quant_a=False, eps=0.0)
 
 
@@ -413,12 +418,26 @@ def w8a8_block_fp8_linear(
     if input_scale is not None:
         check_input_scale(name, x, input_scale)
     (M, K), N = x.shape, b.shape[0]
-    if config is None and N > 0 and K > 0 and x.stride(1) == 1 and b.stride(1) == 1 and fp8_gemv_runs(M, bk):
+    if config is None and _gemv_takes(x, b, bk):
         c = _empty((M, N), output_dtype, x.device)
-        launch_fp8_gemv(x, b, b_s, (bn, bk), c, eps, input_scale)
+        if fp8_gemv_quantizes_x(M, K, bk):  # one launch
+            launch_fp8_gemv(x, b, b_s, (bn, bk), c, eps, input_scale)
+        else:  # x quantized once, then the GEMV on x_q
+            if input_scale is None:
+                x_q, x_s = per_token_group_quant_fp8(x, bk, eps=eps)
+            else:
+                x_q, x_s = scaled_fp8_quant(x, input_scale)[0], broadcast_input_scale(input_scale, M, K // bk)
+            launch_fp8_gemv(x_q, b, b_s, (bn, bk), c, eps, x_s=x_s)
         return c
     a_s = None if input_scale is None else broadcast_input_scale(input_scale, M, K // bk)
     return _matmul(name, x, b, a_s, b_s, bn, bk, output_dtype, config, quant_a=True, eps=eps)
+
+
+def _gemv_takes(a: torch.Tensor, b: torch.Tensor, bk: int) -> bool:
+    """Whether `fp8_gemv.py` runs a checked call on a [M, K] and b [N, K]: a few rows with
+    `TILELLM_GEMV=1` (`fp8_gemv_runs`), unit last-dim strides, nothing empty."""
+    (M, K), N = a.shape, b.shape[0]
+    return N > 0 and K > 0 and a.stride(1) == 1 and b.stride(1) == 1 and fp8_gemv_runs(M, bk)
 
 
 def _matmul(

@@ -16,7 +16,14 @@ sums on the CUDA cores:
 so the activations' quantization, the scales and the rounding are those of
 `w8a8_block_fp8_linear` (x_q and x_s bit for bit; the e4m3 products are exact in fp32, and only
 the order of the fp32 sums differs). Rows longer than MAX_BLOCK_K channels loop over their groups
-in chunks (without the norm, which needs the whole row). With a static input scale (`input_scale`) every group's x_s is that scale.
+in chunks (without the norm, which needs the whole row). With a static input scale (`input_scale`)
+every group's x_s is that scale.
+
+Every program quantizes every row of x for its own few weight rows, so the quantization is
+repeated N / BLOCK_N times. At one row that is a quarter of the weight's work and saves a launch;
+at more rows (or one weight row a program) it is the kernel's bottleneck, so x is quantized once,
+in a launch of its own or in the op before (`fp8_gemv_quantizes_x`), and the programs load x_q
+and its scales instead (`w8a8_block_fp8_matmul`'s operands).
 
 The weight is loaded before x, so the layer's neighbours fit in the launch as in `gemv.py`
 (`fp8_gemv_linear`): the decoder's RMSNorm before qkv and gate-up (each program normalises x's
@@ -25,7 +32,8 @@ new residual stream), and SiLU-and-mul after gate-up ([gate | up] weight rows; s
 the rounded products). The tile depends on M, K and bk only, so these launches give the bits of
 the separate launches.
 
-Launched by `fp8_gemm.w8a8_block_fp8_linear` for steps of up to GEMV_MAX_ROWS rows, and by FP8
+Launched by `fp8_gemm.w8a8_block_fp8_linear` and `w8a8_block_fp8_matmul` for steps of up to
+GEMV_MAX_ROWS rows, and by FP8
 linear layers (`Fp8LinearMethod`) through `fp8_gemv_linear`, with `TILELLM_GEMV=1`
 (`gemv.gemv_opted_in`), the switch of `gemv.py`'s kernels: opt-in until the engine's steps with
 them are measured on a GPU. Its PyTorch twin is `reference.fp8_gemm.w8a8_block_fp8_linear`
@@ -55,6 +63,8 @@ TILE_ELEMENTS = 16384
 MAX_BLOCK_K = 16384
 MAX_BLOCK_N = 4
 NUM_WARPS = 8
+# rows of x a program may quantize per weight row it reads (`fp8_gemv_quantizes_x`)
+MAX_QUANT_ROWS_PER_WEIGHT_ROW = 0.25
 
 
 def fp8_gemv_runs(M: int, bk: int) -> bool:
@@ -71,6 +81,16 @@ def fp8_gemv_tile(M: int, K: int, bk: int) -> tuple[int, int, int, int]:
     block_g = min(max(1, MAX_BLOCK_K // bk), next_power_of_2(groups))
     block_n = max(1, min(MAX_BLOCK_N, TILE_ELEMENTS // (block_g * bk)))
     return next_power_of_2(max(M, 1)), block_n, block_g, cdiv(groups, block_g)
+
+
+def fp8_gemv_quantizes_x(M: int, K: int, bk: int) -> bool:
+    """Whether a step of M rows of K channels quantizes x in this kernel's programs (one launch)
+    rather than in a launch of its own before it. Every program quantizes all M rows of x for its
+    BLOCK_N weight rows, so the quantization (an IEEE division an element) is repeated
+    N / BLOCK_N times: worth a launch saved only while it stays a fraction of the weight's work,
+    M / BLOCK_N <= MAX_QUANT_ROWS_PER_WEIGHT_ROW."""
+    block_n = fp8_gemv_tile(M, K, bk)[1]
+    return M <= MAX_QUANT_ROWS_PER_WEIGHT_ROW * block_n
 
 
 def fp8_gemv_fuses_norm(M: int, K: int, bk: int) -> bool:
@@ -94,13 +114,21 @@ def _weight_tile(w_rows, bs_rows, g0, ks, gs, col_ok, g_ok, stride_bs_k):
 
 @triton.jit
 def _quantized_row(
-    X, R, NW, RO, As, m, M, g0, K, stride_xm, stride_rm, stride_om, eps, norm_eps, pid,
-    BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr, STATIC_A: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
+    X, Xs, R, NW, RO, As, m, M, g0, K, stride_xm, stride_xsm, stride_xsk, stride_rm, stride_om, eps,
+    norm_eps, pid, BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr, STATIC_A: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANTIZED_X: tl.constexpr,
 ):  # fmt: skip
     """Row m of x at groups g0 .. g0 + BLOCK_G (0 past K and for m >= M), normalised with NORM as
     `gemv.input_row` does it (`fused.rms_norm`'s bits), then quantized as `fp8_gemm`'s kernels
-    quantize it: (x_q as fp32 [BLOCK_G, GROUP_K], x_s [BLOCK_G])."""
+    quantize it: (x_q as fp32 [BLOCK_G, GROUP_K], x_s [BLOCK_G]). QUANTIZED_X: x is e4m3 already,
+    with its scales in Xs [M, K / GROUP_K] (loaded, not computed)."""
+    if QUANTIZED_X:
+        gs = tl.arange(0, BLOCK_G)
+        g_ok = (g0 + gs < K // GROUP_K) & (gs * 0 + m < M)
+        ks2 = gs[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+        x_q = tl.load(X + m * stride_xm + g0 * GROUP_K + ks2, mask=g_ok[:, None], other=0.0)
+        x_s = tl.load(Xs + m * stride_xsm + (g0 + gs) * stride_xsk, mask=g_ok, other=0.0)
+        return x_q.to(tl.float32), x_s
     ks = tl.arange(0, BLOCK_G * GROUP_K)
     k_ok = (g0 * GROUP_K + ks < K) & (ks * 0 + m < M)
     x = input_row(
@@ -123,17 +151,18 @@ def _scaled_sum(w, b_s, x_q, a_s):
 
 @triton.jit(do_not_specialize=["M", "eps", "norm_eps"])
 def _fp8_gemv_kernel(
-    X, W, Bs, As, Y, M, N, K, eps,
-    stride_xm, stride_wn, stride_bs_n, stride_bs_k, stride_ym,
+    X, Xs, W, Bs, As, Y, M, N, K, eps,
+    stride_xm, stride_xsm, stride_xsk, stride_wn, stride_bs_n, stride_bs_k, stride_ym,
     NW, R, RO, stride_rm, stride_om, norm_eps,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, G_TILES: tl.constexpr, STATIC_A: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANTIZED_X: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Y[rows, cols] for this program's BLOCK_N columns and every row of x (module docstring);
     W [N, K] e4m3 (GATED: [2N, K], the up rows N below the gate rows), Bs [ceil(rows of W /
     GROUP_N), K / GROUP_K] fp32, As the static scale (STATIC_A). NORM (G_TILES == 1 only): x is
-    first replaced by its RMSNorm, as `gemv.py`'s kernels do it."""
+    first replaced by its RMSNorm, as `gemv.py`'s kernels do it. QUANTIZED_X: X is x_q [M, K]
+    e4m3 with its scales Xs [M, K / GROUP_K] fp32 (any strides)."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -160,8 +189,8 @@ def _fp8_gemv_kernel(
         u = u.to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             x_q, a_s = _quantized_row(
-                X, R, NW, RO, As, m, M, 0, K, stride_xm, stride_rm, stride_om, eps, norm_eps, pid, BLOCK_G,
-                GROUP_K, STATIC_A, NORM, HAS_RESIDUAL,
+                X, Xs, R, NW, RO, As, m, M, 0, K, stride_xm, stride_xsm, stride_xsk, stride_rm, stride_om, eps,
+                norm_eps, pid, BLOCK_G, GROUP_K, STATIC_A, NORM, HAS_RESIDUAL, QUANTIZED_X,
             )  # fmt: skip
             acc = tl.where(rows[:, None] == m, _scaled_sum(w, b_s, x_q, a_s)[None, :], acc)
             if GATED:
@@ -177,8 +206,8 @@ def _fp8_gemv_kernel(
                 u = u.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
                 x_q, a_s = _quantized_row(
-                    X, R, NW, RO, As, m, M, g0, K, stride_xm, stride_rm, stride_om, eps, norm_eps, pid,
-                    BLOCK_G, GROUP_K, STATIC_A, False, False,
+                    X, Xs, R, NW, RO, As, m, M, g0, K, stride_xm, stride_xsm, stride_xsk, stride_rm, stride_om,
+                    eps, norm_eps, pid, BLOCK_G, GROUP_K, STATIC_A, False, False, QUANTIZED_X,
                 )  # fmt: skip
                 acc += tl.where(rows[:, None] == m, _scaled_sum(w, b_s, x_q, a_s)[None, :], 0.0)
                 if GATED:
@@ -204,6 +233,7 @@ def launch_fp8_gemv(
     input_scale: torch.Tensor | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor | None] | None = None,
+    x_s: torch.Tensor | None = None,
 ) -> None:
     """Fill y [M, N] with `w8a8_block_fp8_linear(x, weight, weight_scale_inv, block_size)` for M
     of 1 to GEMV_MAX_ROWS rows: the launch of `fp8_gemm.py` and of `fp8_gemv_linear` for those
@@ -211,22 +241,28 @@ def launch_fp8_gemv(
     (gated: [2N, K], y then silu(gate) * up) with a unit last-dim stride, weight_scale_inv
     [ceil(rows / bn), K / bk] fp32, bk a power of two; `input_scale`: the static activation scale
     (one fp32 element), else per token and group; `norm`: (norm weight [K], eps, residual [M, K]
-    or None, residual_out [M, K]) for the RMSNorm prologue (`fp8_gemv_fuses_norm` must hold)."""
+    or None, residual_out [M, K]) for the RMSNorm prologue (`fp8_gemv_fuses_norm` must hold);
+    `x_s` [M, K / bk] fp32 (any strides): x is x_q, e4m3 already, with these scales
+    (`w8a8_block_fp8_matmul`'s operands), and neither `input_scale` nor `norm` applies."""
     (M, K), N = x.shape, y.shape[1]
     bn, bk = block_size
     block_m, block_n, block_g, g_tiles = fp8_gemv_tile(M, K, bk)
-    if norm is not None and g_tiles > 1:
-        raise ValueError(f"fp8_gemv: the RMSNorm prologue needs each row in one chunk, got K = {K}")
+    if norm is not None and (g_tiles > 1 or x_s is not None):
+        raise ValueError(f"fp8_gemv: the RMSNorm prologue needs each 16-bit row in one chunk, got K = {K}")
+    quantized_x = x_s is not None
+    x_s = x_s if quantized_x else weight_scale_inv  # (unread unless x is quantized)
     norm_w, norm_eps, res, res_out = norm if norm is not None else (x, 0.0, None, None)
     has_res = res is not None
     res, res_out = (res, res_out) if has_res else (x, x)  # (unread without a residual)
     scale = input_scale if input_scale is not None else weight_scale_inv  # (unread without)
     _fp8_gemv_launch[(cdiv(N, block_n),)](
-        x, weight, weight_scale_inv, scale, y, M, N, K, float(eps),
-        x.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1), y.stride(0),
+        x, x_s, weight, weight_scale_inv, scale, y, M, N, K, float(eps),
+        x.stride(0), x_s.stride(0), x_s.stride(1), weight.stride(0), weight_scale_inv.stride(0),
+        weight_scale_inv.stride(1), y.stride(0),
         norm_w, res, res_out, res.stride(0), res_out.stride(0), float(norm_eps),
         GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, G_TILES=g_tiles,
-        STATIC_A=input_scale is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
+        STATIC_A=input_scale is not None and not quantized_x, GATED=gated, NORM=norm is not None,
+        HAS_RESIDUAL=has_res, QUANTIZED_X=quantized_x,
         num_warps=1 if interpreting() else NUM_WARPS, num_stages=1, **pdl_launch_kwargs(x.device),
     )  # fmt: skip
 

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from tilellm.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
-from tilellm.kernels.fp8_gemv import fp8_gemv_fuses_norm, fp8_gemv_linear, fp8_gemv_runs
+from tilellm.kernels.fp8_gemv import fp8_gemv_fuses_norm, fp8_gemv_linear, fp8_gemv_quantizes_x, fp8_gemv_runs
 from tilellm.kernels.reference.fp8_gemm import dequantize_fp8_block, quantize_fp8_block
 from tilellm.models.layers.linear import (
     UNQUANTIZED,
@@ -313,10 +313,16 @@ class Fp8LinearMethod(LinearMethod):
     def input_group_quant(self, layer: LinearBase, num_tokens: int) -> tuple[int, bool] | None:
         """(bk, whether cuBLAS's GEMM reads the scales: column-major) for the steps whose input
         `apply` quantizes in a launch of its own: dynamic scales, more than
-        `IN_GEMM_QUANT_MAX_TOKENS` tokens (up to that the GEMM quantizes as it loads). The op
-        before the layer quantizes in its own launch then: RMSNorm, SiLU-and-mul."""
-        if self.static_activations or num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:
+        `IN_GEMM_QUANT_MAX_TOKENS` tokens (up to that the GEMM quantizes as it loads), or the
+        steps `fp8_gemv.py` runs on a quantized x (`fp8_gemv_quantizes_x`). The op before the
+        layer quantizes in its own launch then: RMSNorm, SiLU-and-mul."""
+        if self.static_activations:
             return None
+        if num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:
+            # `fp8_gemv.py` on rows it would not quantize itself: the op before quantizes them
+            bk, k = self.block_size[1], layer.weight.shape[1]
+            gemv = runs_kernels(self.ops) and fp8_gemv_runs(num_tokens, bk)
+            return (bk, False) if gemv and not fp8_gemv_quantizes_x(num_tokens, k, bk) else None
         return self.block_size[1], self._group_scaled_mm(num_tokens)
 
     def _group_gemm(
@@ -347,8 +353,15 @@ class Fp8LinearMethod(LinearMethod):
         """Whether the RMSNorm before this layer runs in its launch for input x [T, K]: where
         `fp8_gemv.py` runs the step and a row fits its tile; elsewhere the norm quantizes for the
         layer instead (`input_group_quant`), or runs alone."""
-        rows = x.numel() // max(1, x.shape[-1])
-        return self._gemv(layer, x) and fp8_gemv_fuses_norm(rows, x.shape[-1], self.block_size[1])
+        return self._gemv_quantizes(layer, x) and fp8_gemv_fuses_norm(
+            x.numel() // max(1, x.shape[-1]), x.shape[-1], self.block_size[1]
+        )
+
+    def _gemv_quantizes(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether `fp8_gemv.py` runs the step on input x [..., K] and quantizes x in its own
+        programs (`fp8_gemv_quantizes_x`: one row), so the ops before and after fit its launch."""
+        rows, k = x.numel() // max(1, x.shape[-1]), x.shape[-1]
+        return self._gemv(layer, x) and fp8_gemv_quantizes_x(rows, k, self.block_size[1])
 
     def _apply_gemv(
         self, layer: LinearBase, x: NormedActivation | torch.Tensor, silu_and_mul: bool
@@ -371,12 +384,13 @@ class Fp8LinearMethod(LinearMethod):
     def apply_silu_and_mul(
         self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """silu(gate) * up in the gate-up launch where `fp8_gemv.py` runs the step (no bias), else
-        None (the caller runs the activation, which quantizes for down_proj on many-token steps)."""
+        """silu(gate) * up in the gate-up launch where `fp8_gemv.py` runs the step and quantizes x
+        itself (no bias), else None (the caller runs the activation, which quantizes for down_proj
+        where that layer asks: `input_group_quant`)."""
         if bias is not None or isinstance(x, QuantizedActivation):
             return None
         t = x.x if isinstance(x, NormedActivation) else x
-        return self._apply_gemv(layer, x, silu_and_mul=True) if self._gemv(layer, t) else None
+        return self._apply_gemv(layer, x, silu_and_mul=True) if self._gemv_quantizes(layer, t) else None
 
     def apply(
         self, layer: LinearBase, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None
