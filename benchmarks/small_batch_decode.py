@@ -18,9 +18,10 @@ per step (torch.profiler over 32 steps), and the device's idle time between a st
 the profile's kernel start and end times; `tilellm.bench.breakdown.kernel_gaps`). Needs a CUDA
 GPU. `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` runs the same with programmatic
 dependent launch (`tilellm/kernels/pdl.py`); compare the two on one machine, one after the other.
-`--ab TILELLM_GEMV=1 --repeat 2` does that in one process: a fresh engine without the variable,
-then one with it (`gemv.py`'s one-row linear layers), alternated twice. `--quantization fp8` runs
-the same model with its linear layers quantized to FP8 at load (block-scaled W8A8, 128 x 128).
+`--ab TILELLM_GEMV=1 --repeat 2` does that in one command: an engine without the variable, then
+one with it (`gemv.py`'s one-row linear layers), alternated twice, each in a process of its own.
+`--quantization fp8` runs the same model with its linear layers quantized to FP8 at load
+(block-scaled W8A8, 128 x 128).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import json
 import os
 import pstats
 import random
+import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
 
 import torch
 
@@ -163,6 +164,34 @@ def run_engine(batches: list[int], args: argparse.Namespace, label: str = "") ->
     return results
 
 
+def _run_child(args: argparse.Namespace, name: str, setting: str | None) -> list[dict]:
+    """One engine in a process of its own, with the variable `name` unset or set to `setting`:
+    each engine then starts on a device no earlier engine holds memory of (its KV cache is sized
+    from the memory free at start), and the settings do not share compiled kernels or caches."""
+    env = dict(os.environ)
+    env.pop(name, None)
+    if setting is not None:
+        env[name] = setting
+    label = f"[{name}={setting}]" if setting is not None else f"[{name} unset]"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        cmd = [sys.executable, __file__, "--batches", args.batches, "--steps", str(args.steps)]
+        cmd += [
+            "--cprofile",
+            str(args.cprofile),
+            "--kernels",
+            str(args.kernels),
+            "--json",
+            out,
+            "--label",
+            label,
+        ]
+        cmd += ["--quantization", args.quantization] if args.quantization else []
+        subprocess.run(cmd, env=env, check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
@@ -179,6 +208,7 @@ def main() -> int:
         "--quantization", default=None, help="`fp8`: the weights quantized to FP8 at load (block-scaled W8A8)"
     )
     ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--label", default="", help=argparse.SUPPRESS)  # (--ab's child processes)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("small_batch_decode.py needs a CUDA GPU", file=sys.stderr)
@@ -186,19 +216,14 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     results = []
     if args.ab is None:
-        results = run_engine(batches, args)
+        results = run_engine(batches, args, f"{args.label} " if args.label else "")
     else:
         name, sep, value = args.ab.partition("=")
         if not sep or not name:
             ap.error(f"--ab takes NAME=VALUE, got {args.ab!r}")
         for _ in range(args.repeat):
             for setting in (None, value):
-                with mock.patch.dict(os.environ):  # (restored after)
-                    os.environ.pop(name, None)
-                    if setting is not None:
-                        os.environ[name] = setting
-                    label = f"[{name}={setting}] " if setting is not None else f"[{name} unset] "
-                    results += run_engine(batches, args, label)
+                results += _run_child(args, name, setting)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

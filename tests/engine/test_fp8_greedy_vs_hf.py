@@ -446,9 +446,9 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
     launches: list = []  # (rows, gated, normalised) of each launch
     real = fp8_gemv.launch_fp8_gemv
 
-    def spy(x, *args, gated=False, norm=None):
-        launches.append((x.shape[0], gated, norm is not None))
-        return real(x, *args, gated=gated, norm=norm)
+    def spy(x, *args, **kwargs):
+        launches.append((x.shape[0], kwargs.get("gated", False), kwargs.get("norm") is not None))
+        return real(x, *args, **kwargs)
 
     for module in (fp8_gemm, fp8_gemv):  # (`w8a8_block_fp8_linear`'s launches, `fp8_gemv_linear`'s)
         monkeypatch.setattr(module, "launch_fp8_gemv", spy)

@@ -57,11 +57,12 @@ from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_inp
 
 # A program's tile: BLOCK_N weight rows (1 to MAX_BLOCK_N) of BLOCK_G groups of bk channels (the
 # row's groups padded to a power of two, at most MAX_BLOCK_K channels), BLOCK_N * BLOCK_G * bk of
-# at most TILE_ELEMENTS: the byte count of `gemv.py`'s 16-bit tiles, in e4m3. Not yet swept on a
-# GPU.
-TILE_ELEMENTS = 16384
+# at most TILE_ELEMENTS. Swept on an H100 at Qwen3-0.6B's and 8B's layer shapes
+# (docs/benchmarks.md): 8 weight rows a program make one row's in-kernel quantization cheap
+# (1/8 of the weight's work), and cost rows of x quantized before nothing measurable.
+TILE_ELEMENTS = 32768
 MAX_BLOCK_K = 16384
-MAX_BLOCK_N = 4
+MAX_BLOCK_N = 8
 NUM_WARPS = 8
 # rows of x a program may quantize per weight row it reads (`fp8_gemv_quantizes_x`)
 MAX_QUANT_ROWS_PER_WEIGHT_ROW = 0.25
