@@ -444,10 +444,12 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
     want = run()
     monkeypatch.setenv("TILELLM_GEMV", "1")
     launches: list = []  # (rows, gated, normalised) of each launch
+    quantized: list = []  # whether each launch read an x quantized before it
     real = fp8_gemv.launch_fp8_gemv
 
     def spy(x, *args, **kwargs):
         launches.append((x.shape[0], kwargs.get("gated", False), kwargs.get("norm") is not None))
+        quantized.append(kwargs.get("x_s") is not None)
         return real(x, *args, **kwargs)
 
     for module in (fp8_gemm, fp8_gemv):  # (`w8a8_block_fp8_linear`'s launches, `fp8_gemv_linear`'s)
@@ -462,3 +464,16 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
     # norm + qkv, o_proj, norm + gate-up + SiLU, down_proj
     for kind in ((2, False, True), (2, False, False), (2, True, True)):
         assert launches.count(kind) >= (2 if kind[2] or kind[1] else 4) * 3, (kind, launches)
+    assert not any(quantized)
+    # rows quantized before the launch (as for more rows, or one weight row a program): the norm
+    # and SiLU-and-mul launches quantize (dynamic scales; static ones, the layer's own launch),
+    # and the kernel loads x_q and its scales
+    monkeypatch.setattr(fp8_gemv, "MAX_QUANT_ROWS_PER_WEIGHT_ROW", 0.0)
+    launches.clear()
+    again = run()
+    assert [o.token_ids for o in again] == [o.token_ids for o in want]
+    for g, w in zip(again, want):
+        for step_got, step_want in zip(g.logprobs, w.logprobs):
+            for token, logprob in step_want.items():
+                assert abs(step_got[token].logprob - logprob.logprob) < 1e-3, (token, step_got, step_want)
+    assert launches.count((2, False, False)) >= 4 * 2 * 3 and all(quantized[-len(launches) :]), launches

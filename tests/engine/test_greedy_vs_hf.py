@@ -166,9 +166,9 @@ def test_gemv_keeps_the_greedy_tokens(tiny_qwen3, monkeypatch, max_num_seqs):
                 assert abs(step_got[token].logprob - logprob.logprob) < 0.02, (token, step_got, step_want)
     # at least, per decode step: each of the 2 layers' norm+qkv, o_proj, norm+gate-up+SiLU and
     # down_proj, and the LM head (4 decode steps a prompt, both prompts' together with two
-    # sequences: the first token comes from the prefill); a prefill's LM head and the warm-up add
-    assert len(launches) >= 2 * 4 * (2 * 4 + 1) // max_num_seqs
-    assert max(launches) == max_num_seqs  # (two sequences: the rows kernel)
+    # sequences, the rows kernel: the first token comes from the prefill), at the step's rows (a
+    # prefill's LM head and, on a GPU, the engine's warm-up add launches of other sizes)
+    assert launches.count(max_num_seqs) >= 2 * 4 * (2 * 4 + 1) // max_num_seqs, launches
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

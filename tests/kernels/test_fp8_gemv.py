@@ -72,12 +72,13 @@ def _assert_twin(got, want, what):
 
 def test_tiles():
     """M padded to a power of two; the row's groups padded to a power of two, at most MAX_BLOCK_K
-    channels a chunk; 1-4 weight rows of at most TILE_ELEMENTS."""
-    assert fp8_gemv.fp8_gemv_tile(1, 1024, 128) == (1, 4, 8, 1)
-    assert fp8_gemv.fp8_gemv_tile(3, 3072, 128) == (4, 4, 32, 1)
-    assert fp8_gemv.fp8_gemv_tile(8, 12288, 128) == (8, 1, 128, 1)
-    assert fp8_gemv.fp8_gemv_tile(1, 18432, 128) == (1, 1, 128, 2)
-    assert fp8_gemv.fp8_gemv_tile(5, 64, 64) == (8, 4, 1, 1)
+    channels a chunk; 1 to MAX_BLOCK_N weight rows of at most TILE_ELEMENTS."""
+    assert fp8_gemv.fp8_gemv_tile(1, 1024, 128) == (1, 8, 8, 1)
+    assert fp8_gemv.fp8_gemv_tile(3, 3072, 128) == (4, 8, 32, 1)
+    assert fp8_gemv.fp8_gemv_tile(8, 12288, 128) == (8, 2, 128, 1)
+    assert fp8_gemv.fp8_gemv_tile(1, 18432, 128) == (1, 2, 128, 2)
+    assert fp8_gemv.fp8_gemv_tile(1, 40960, 128) == (1, 2, 128, 3)
+    assert fp8_gemv.fp8_gemv_tile(5, 64, 64) == (8, 8, 1, 1)
 
 
 # (M, N, K, [bn, bk]): a partial last block of rows, N not a multiple of the tile, groups not a
@@ -116,12 +117,13 @@ def test_quantized_input_matches_twin(M, N, K, block_size, column_major_scales, 
 
 
 def test_one_row_quantizes_in_the_kernel_more_rows_before_it(device, monkeypatch):
-    """`fp8_gemv_quantizes_x`: one row against a tile of 4 weight rows quantizes in the programs
-    (bf16 x reaches the launch); more rows, or one weight row a program, are quantized first (the
-    launch gets e4m3 x and its scales), dynamic and static alike, with the twin's result."""
-    assert fp8_gemv.fp8_gemv_quantizes_x(1, 1024, 128)
-    assert not fp8_gemv.fp8_gemv_quantizes_x(2, 1024, 128)
-    assert not fp8_gemv.fp8_gemv_quantizes_x(1, 12288, 128)  # one weight row a program
+    """`fp8_gemv_quantizes_x`: one or two rows against a tile of 8 weight rows quantize in the
+    programs (bf16 x reaches the launch); more rows, or fewer weight rows a program, are quantized
+    first (the launch gets e4m3 x and its scales), dynamic and static alike, with the twin's
+    result."""
+    assert fp8_gemv.fp8_gemv_quantizes_x(1, 1024, 128) and fp8_gemv.fp8_gemv_quantizes_x(2, 1024, 128)
+    assert not fp8_gemv.fp8_gemv_quantizes_x(3, 1024, 128)
+    assert not fp8_gemv.fp8_gemv_quantizes_x(1, 12288, 128)  # two weight rows a program
     monkeypatch.setenv("TILELLM_GEMV", "1")
     seen = []
     real = tk.launch_fp8_gemv
@@ -200,7 +202,14 @@ def test_gated_long_rows_and_a_row_strided_normed_input(static, device, monkeypa
 
 def test_switch(device, gemv_calls, monkeypatch):
     """The kernel runs for 1 to GEMV_MAX_ROWS rows with `TILELLM_GEMV=1` and no explicit config;
-    more rows, a config, or the switch off run `fp8_gemm.py`'s GEMM."""
+    more rows, a config, or the switch off run `fp8_gemm.py`'s GEMM. Unset, one row on a CUDA
+    device, none on the CPU."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert fp8_gemv.fp8_gemv_runs(8, 128, cpu) and not fp8_gemv.fp8_gemv_runs(8, 96, cpu)
+    monkeypatch.delenv("TILELLM_GEMV")
+    assert fp8_gemv.fp8_gemv_runs(1, 128, cuda) and not fp8_gemv.fp8_gemv_runs(2, 128, cuda)
+    assert not fp8_gemv.fp8_gemv_runs(1, 128, cpu)
+    monkeypatch.setenv("TILELLM_GEMV", "1")
     x, b, b_s = _operands(fp8_gemv.GEMV_MAX_ROWS + 1, 64, 128, [64, 128], torch.float32, device)
     tk.w8a8_block_fp8_linear(x, b, b_s, [64, 128])
     cfg = tk.Fp8GemmConfig(block_m=16, block_n=32, group_m=8, num_warps=4, num_stages=1)

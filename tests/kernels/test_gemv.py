@@ -165,27 +165,27 @@ def test_rows_longer_than_a_tile_loop_over_k(monkeypatch, dtype, M, gemv_calls):
     assert_close(y.float(), F.linear(rms_norm(x, nw, 1e-6).float(), w.float(), b.float()), 8e-3, "norm")
 
 
-def test_enabled_only_for_few_16_bit_cuda_rows_when_asked(monkeypatch):
-    """Off unless `TILELLM_GEMV=1`; then on a CUDA device for 1 to GEMV_MAX_ROWS 16-bit rows,
-    never on the CPU nor for fp32."""
-    cuda = torch.device("cuda")
-    for unset in (True, False):
-        if unset:
-            monkeypatch.delenv("TILELLM_GEMV", raising=False)
-        else:
-            monkeypatch.setenv("TILELLM_GEMV", "0")
-        assert not gemv.gemv_enabled(cuda, 1, torch.bfloat16)
-        assert not gemv.gemv_runs(1, torch.float16)
+def test_one_cuda_row_by_default_more_when_asked(monkeypatch):
+    """Unset, `TILELLM_GEMV` gives linear layers one-row 16-bit steps on a CUDA device and nothing
+    on the CPU; "0" nothing; "1" 1 to GEMV_MAX_ROWS rows (and `skinny.py`'s calls on the CPU
+    too); never fp32, and linear layers never on the CPU."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("TILELLM_GEMV", raising=False)
+    assert gemv.gemv_max_rows(cuda) == 1 and gemv.gemv_max_rows(cpu) == 0
+    assert gemv.gemv_enabled(cuda, 1, torch.bfloat16) and not gemv.gemv_enabled(cuda, 2, torch.bfloat16)
+    assert not gemv.gemv_enabled(cpu, 1, torch.bfloat16) and not gemv.gemv_runs(1, torch.float16, cpu)
+    monkeypatch.setenv("TILELLM_GEMV", "0")
+    assert gemv.gemv_max_rows(cuda) == 0 and not gemv.gemv_enabled(cuda, 1, torch.bfloat16)
     monkeypatch.setenv("TILELLM_GEMV", "1")
     for dtype in (torch.float32, *HALF):
-        assert not gemv.gemv_enabled(torch.device("cpu"), 1, dtype)
+        assert not gemv.gemv_enabled(cpu, 1, dtype)
     assert not gemv.gemv_enabled(cuda, 1, torch.float32)
     assert gemv.gemv_enabled(cuda, 1, torch.bfloat16) and gemv.gemv_enabled(
         cuda, gemv.GEMV_MAX_ROWS, torch.float16
     )
     assert not gemv.gemv_enabled(cuda, 0, torch.bfloat16)
     assert not gemv.gemv_enabled(cuda, gemv.GEMV_MAX_ROWS + 1, torch.bfloat16)
-    assert gemv.gemv_runs(1, torch.float16) and not gemv.gemv_runs(1, torch.float32)
+    assert gemv.gemv_runs(1, torch.float16, cpu) and not gemv.gemv_runs(1, torch.float32, cpu)
 
 
 @pytest.mark.interpreter  # CPU tensors through the kernel

@@ -33,6 +33,13 @@ from tilellm.models.layers.mlp import GatedMLP
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+@pytest.fixture(autouse=True)
+def _skinny_kernel_only(monkeypatch):
+    """`TILELLM_GEMV=0`: one-row calls on a GPU run this file's kernel, not `gemv.py`'s (tested in
+    test_gemv.py), whatever the environment says."""
+    monkeypatch.setenv("TILELLM_GEMV", "0")
+
+
 @contextlib.contextmanager
 def _pdl(on: bool):
     """TILELLM_PDL set (or unset) for the calls inside, whatever the environment says."""

@@ -435,9 +435,9 @@ def w8a8_block_fp8_linear(
 
 def _gemv_takes(a: torch.Tensor, b: torch.Tensor, bk: int) -> bool:
     """Whether `fp8_gemv.py` runs a checked call on a [M, K] and b [N, K]: a few rows with
-    `TILELLM_GEMV=1` (`fp8_gemv_runs`), unit last-dim strides, nothing empty."""
+    `fp8_gemv_runs`), unit last-dim strides, nothing empty."""
     (M, K), N = a.shape, b.shape[0]
-    return N > 0 and K > 0 and a.stride(1) == 1 and b.stride(1) == 1 and fp8_gemv_runs(M, bk)
+    return N > 0 and K > 0 and a.stride(1) == 1 and b.stride(1) == 1 and fp8_gemv_runs(M, bk, a.device)
 
 
 def _matmul(

@@ -32,11 +32,12 @@ new residual stream), and SiLU-and-mul after gate-up ([gate | up] weight rows; s
 the rounded products). The tile depends on M, K and bk only, so these launches give the bits of
 the separate launches.
 
-Launched by `fp8_gemm.w8a8_block_fp8_linear` and `w8a8_block_fp8_matmul` for steps of up to
-GEMV_MAX_ROWS rows, and by FP8
-linear layers (`Fp8LinearMethod`) through `fp8_gemv_linear`, with `TILELLM_GEMV=1`
-(`gemv.gemv_opted_in`), the switch of `gemv.py`'s kernels: opt-in until the engine's steps with
-them are measured on a GPU. Its PyTorch twin is `reference.fp8_gemm.w8a8_block_fp8_linear`
+Launched by `fp8_gemm.w8a8_block_fp8_linear` and `w8a8_block_fp8_matmul`, and by FP8 linear
+layers (`Fp8LinearMethod`) through `fp8_gemv_linear`, for the steps `fp8_gemv_runs` gives it:
+one row on a CUDA device (`TILELLM_GEMV`, the switch of `gemv.py`'s kernels, says otherwise).
+Measured on an H100 at Qwen3's shapes, one row takes 0.6-0.8x the time of `fp8_gemm.py`'s GEMM;
+at two rows it still wins at Qwen3-0.6B's shapes but not at 8B's, and at 4-8 rows it loses
+(docs/benchmarks.md). Its PyTorch twin is `reference.fp8_gemm.w8a8_block_fp8_linear`
 (followed by `reference.fused`'s RMSNorm before and SiLU-and-mul after).
 """
 
@@ -50,7 +51,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import cdiv, interpreting, next_power_of_2
 from tilellm.kernels.fp8 import quantize_groups, to_fp8
-from tilellm.kernels.gemv import GEMV_MAX_ROWS, gemv_opted_in, input_row, rounded_silu_and_mul
+from tilellm.kernels.gemv import GEMV_MAX_ROWS, gemv_max_rows, input_row, rounded_silu_and_mul
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_input_scale
@@ -68,10 +69,12 @@ NUM_WARPS = 8
 MAX_QUANT_ROWS_PER_WEIGHT_ROW = 0.25
 
 
-def fp8_gemv_runs(M: int, bk: int) -> bool:
-    """Whether `w8a8_block_fp8_linear`'s steps of M rows in groups of bk run this kernel:
-    `TILELLM_GEMV=1`, at most GEMV_MAX_ROWS rows and bk a power of two."""
-    return 0 < M <= GEMV_MAX_ROWS and bk > 0 and bk & (bk - 1) == 0 and gemv_opted_in()
+def fp8_gemv_runs(M: int, bk: int, device: torch.device) -> bool:
+    """Whether `w8a8_block_fp8_linear`'s steps of M rows in groups of bk on `device` run this
+    kernel: up to `gemv.gemv_max_rows(device)` rows (one on a CUDA device by default, where it
+    beats the GEMM at every measured shape; at 2 rows only at Qwen3-0.6B's) and bk a power of
+    two."""
+    return 0 < M <= gemv_max_rows(device) and bk > 0 and bk & (bk - 1) == 0
 
 
 def fp8_gemv_tile(M: int, K: int, bk: int) -> tuple[int, int, int, int]:

@@ -33,7 +33,8 @@ the rows share one pass over the weight.
 
 The wrappers are `skinny.py`'s (`skinny_linear`, `skinny_linear_silu_and_mul`,
 `skinny_rms_norm_linear`), which send their 16-bit calls of up to GEMV_MAX_ROWS rows here
-(`launch_gemv`) with `TILELLM_GEMV=1`. Its PyTorch twin is `F.linear`.
+(`launch_gemv`) up to `gemv_max_rows` rows: one on a CUDA device, unless `TILELLM_GEMV` says
+otherwise. Its PyTorch twin is `F.linear`.
 """
 
 from __future__ import annotations
@@ -68,26 +69,37 @@ ROWS_PRODUCT_ELEMENTS = 16384
 # with one tile a program the programs read 4x the weight's bytes of x from L2. Not yet timed.
 ROWS_N_TILES = 1
 
-# Opt-in until the engine's one-row steps with it are measured and tested on a GPU (the kernel's
-# tiles come from a GPU sweep; see docs/benchmarks.md, "One-row linear layers").
-_gemv_on = env_flag("TILELLM_GEMV", "1")
+# TILELLM_GEMV: unset, these kernels (and `fp8_gemv.py`'s) run the one-row steps of a CUDA device:
+# measured on an H100 (docs/benchmarks.md, "One-row linear layers"), Qwen3-0.6B's shape decodes a
+# step at batch 1 in 1.00 ms with them against 1.39 ms without, while at batch 8 the rows kernel
+# takes 2.98 ms against cuBLAS's 1.51-1.85. "1": also steps of 2 to GEMV_MAX_ROWS rows, on any
+# device (to measure and test them); "0": never.
+DEFAULT_GEMV_ROWS = 1
+_gemv_all = env_flag("TILELLM_GEMV", "1")
+_gemv_off = env_flag("TILELLM_GEMV", "0")
 
 
-def gemv_opted_in() -> bool:
-    """`TILELLM_GEMV=1`: the switch of these kernels and of `fp8_gemv.py`'s."""
-    return _gemv_on()
+def gemv_max_rows(device: torch.device) -> int:
+    """The most rows of a step these kernels (and `fp8_gemv.py`'s) run on `device`:
+    GEMV_MAX_ROWS with `TILELLM_GEMV=1`, none with `TILELLM_GEMV=0`, else DEFAULT_GEMV_ROWS on a
+    CUDA device and none elsewhere."""
+    if _gemv_all():
+        return GEMV_MAX_ROWS
+    if _gemv_off():
+        return 0
+    return DEFAULT_GEMV_ROWS if device.type == "cuda" else 0
 
 
-def gemv_runs(M: int, dtype: torch.dtype) -> bool:
-    """Whether `skinny.py`'s calls of M rows in `dtype` run these kernels: `TILELLM_GEMV=1`, at
-    most GEMV_MAX_ROWS rows and a 16-bit dtype (else `skinny.py`'s own kernel runs them)."""
-    return 0 < M <= GEMV_MAX_ROWS and dtype in GEMV_DTYPES and gemv_opted_in()
+def gemv_runs(M: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `skinny.py`'s calls of M rows in `dtype` on `device` run these kernels: up to
+    `gemv_max_rows(device)` rows in a 16-bit dtype (else `skinny.py`'s own kernel runs them)."""
+    return 0 < M <= gemv_max_rows(device) and dtype in GEMV_DTYPES
 
 
 def gemv_enabled(device: torch.device, M: int, dtype: torch.dtype) -> bool:
     """Whether linear layers' steps of M rows in `dtype` on `device` run these kernels rather than
-    cuBLAS: a CUDA device and `gemv_runs(M, dtype)` (`TILELLM_GEMV=1`)."""
-    return device.type == "cuda" and gemv_runs(M, dtype)
+    cuBLAS: a CUDA device and `gemv_runs(M, dtype, device)`."""
+    return device.type == "cuda" and gemv_runs(M, dtype, device)
 
 
 def gemv_tile(M: int, K: int) -> tuple[int, int, int, int]:

@@ -20,8 +20,8 @@ rounds its fp32 sum (plus the bias) once to x's dtype. No split-K: the column ti
 narrow enough (64, 32 or 16 columns) that the grid covers about as many programs as the GPU has
 SMs, so a program reads at most BLOCK_N rows of K values. Its PyTorch twin is `F.linear`.
 
-With `TILELLM_GEMV=1`, up to `gemv.GEMV_MAX_ROWS` rows in 16 bits run `gemv.py`'s kernels
-instead, with the same prologue and epilogue: each of their programs loads its whole weight tile
+Up to `gemv.gemv_max_rows` rows in 16 bits (one on a CUDA device; `TILELLM_GEMV=1`: up to
+`gemv.GEMV_MAX_ROWS`) run `gemv.py`'s kernels instead, with the same prologue and epilogue: each of their programs loads its whole weight tile
 at once, with no loop.
 """
 
@@ -354,7 +354,7 @@ def _skinny(
         rows = weight.shape[0]
         prod = bias.expand(M, rows).clone() if bias is not None else y.new_zeros((M, rows))
         return silu_and_mul(prod) if gated else prod
-    if gemv_runs(M, x.dtype) and (norm is None or gemv_fuses_norm(M, K)):
+    if gemv_runs(M, x.dtype, x.device) and (norm is None or gemv_fuses_norm(M, K)):
         # one row or a few: `gemv.py`'s kernels, which load each program's weight tile at once
         launch_gemv(x, weight, bias.contiguous() if bias is not None else None, y, gated, norm)
         return y

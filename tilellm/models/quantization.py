@@ -321,7 +321,7 @@ class Fp8LinearMethod(LinearMethod):
         if num_tokens <= IN_GEMM_QUANT_MAX_TOKENS:
             # `fp8_gemv.py` on rows it would not quantize itself: the op before quantizes them
             bk, k = self.block_size[1], layer.weight.shape[1]
-            gemv = runs_kernels(self.ops) and fp8_gemv_runs(num_tokens, bk)
+            gemv = runs_kernels(self.ops) and fp8_gemv_runs(num_tokens, bk, layer.weight.device)
             return (bk, False) if gemv and not fp8_gemv_quantizes_x(num_tokens, k, bk) else None
         return self.block_size[1], self._group_scaled_mm(num_tokens)
 
@@ -346,8 +346,9 @@ class Fp8LinearMethod(LinearMethod):
 
     def _gemv(self, layer: LinearBase, x: torch.Tensor) -> bool:
         """Whether a step on input x [..., K] runs `fp8_gemv.py` (`w8a8_block_fp8_linear` sends it
-        there too): the kernel ops, 1 to GEMV_MAX_ROWS rows, `TILELLM_GEMV=1`."""
-        return runs_kernels(self.ops) and fp8_gemv_runs(x.numel() // max(1, x.shape[-1]), self.block_size[1])
+        there too): the kernel ops and `fp8_gemv_runs` (one row on a CUDA device by default)."""
+        rows = x.numel() // max(1, x.shape[-1])
+        return runs_kernels(self.ops) and fp8_gemv_runs(rows, self.block_size[1], x.device)
 
     def takes_normed_input(self, layer: LinearBase, x: torch.Tensor) -> bool:
         """Whether the RMSNorm before this layer runs in its launch for input x [T, K]: where

@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
     launch, as a `QuantizedActivation` [T, H], on the steps where that layer would quantize it in a
     launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps) and the
     group width is a power of two; or, where that layer runs the norm in its own launch
-    (`LinearMethod.takes_normed_input`: a few rows with `TILELLM_GEMV=1`, or under PDL;
+    (`LinearMethod.takes_normed_input`: one row on a CUDA device (`gemv.gemv_max_rows`), or under PDL;
     only with the kernel ops, `ops.runs_kernels`), y is a `NormedActivation` and the new residual
     stream an empty [..., H] that the layer's launch fills.
     """

@@ -181,8 +181,8 @@ class QuantizedActivation:
 class NormedActivation:
     """A linear layer's input as the RMSNorm before it left it, not yet normalised: the layer runs
     the norm in its own launch (`skinny_rms_norm_linear`), on the steps where it says it can
-    (`LinearMethod.takes_normed_input`: a few rows in 16 bits on a CUDA device with
-    `TILELLM_GEMV=1`, or a few tokens under PDL).
+    (`LinearMethod.takes_normed_input`: one row in 16 bits on a CUDA device, up to
+    `gemv.GEMV_MAX_ROWS` with `TILELLM_GEMV=1`, or a few tokens under PDL).
 
     x [T, H] and, when the norm adds the residual stream first, residual [T, H] and residual_out
     [T, H], which the layer's launch fills with x + residual (the norm returned it to the decoder
@@ -228,12 +228,12 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: LayerInput, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> x W^T (+ bias) [..., out]: this rank's part, before any collective.
 
-        cuBLAS, except `skinny_linear` on steps of up to `GEMV_MAX_ROWS` tokens in 16 bits on a
-        CUDA device with `TILELLM_GEMV=1` (`gemv.py`'s kernels: each program loads its weight tile
-        at once) and on steps of up to `SKINNY_MAX_ROWS` tokens under programmatic dependent launch
-        (`TILELLM_PDL=1`: it streams the weight while the kernel before runs; cuBLAS's kernels do
-        not take part in PDL); there a `NormedActivation` is normalised in the same launch
-        (`skinny_rms_norm_linear`)."""
+        cuBLAS, except `skinny_linear` on steps of up to `gemv_max_rows` tokens in 16 bits on a
+        CUDA device (one, or up to `GEMV_MAX_ROWS` with `TILELLM_GEMV=1`: `gemv.py`'s kernels,
+        each program of which loads its weight tile at once) and on steps of up to
+        `SKINNY_MAX_ROWS` tokens under programmatic dependent launch (`TILELLM_PDL=1`: it streams
+        the weight while the kernel before runs; cuBLAS's kernels do not take part in PDL); there
+        a `NormedActivation` is normalised in the same launch (`skinny_rms_norm_linear`)."""
         y = self._apply_skinny(layer, x, bias, silu_and_mul=False)
         if y is not None:
             return y
@@ -282,8 +282,9 @@ class LinearMethod:
     @staticmethod
     def _row_kernel(layer: LinearBase, x: torch.Tensor) -> str | None:
         """Which of `skinny.py`'s wrappers' kernels a step on input x [..., in] runs, the weight
-        in x's dtype: "gemv" for up to GEMV_MAX_ROWS rows in 16 bits on a CUDA device with
-        `TILELLM_GEMV=1`, "skinny" for up to SKINNY_MAX_ROWS rows under PDL; None: cuBLAS."""
+        in x's dtype: "gemv" for up to `gemv_max_rows` rows in 16 bits on a CUDA device (one
+        unless `TILELLM_GEMV` says otherwise), "skinny" for up to SKINNY_MAX_ROWS rows under PDL;
+        None: cuBLAS."""
         if x.dtype != layer.weight.dtype:
             return None
         rows = x.numel() // max(1, x.shape[-1])
@@ -587,8 +588,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head with the vocab split like VocabParallelEmbedding (so tied weights shard alike).
 
     forward(hidden [N, H]) -> logits [N, V] in the weight dtype (each rank gets the full vocab).
-    Up to `GEMV_MAX_ROWS` rows (decode of a few sequences) run `gemv.py`'s kernels where linear
-    layers do (`TILELLM_GEMV=1`).
+    One-row steps (and up to `GEMV_MAX_ROWS` rows with `TILELLM_GEMV=1`) run `gemv.py`'s kernels
+    where linear layers do (`gemv_enabled`).
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
