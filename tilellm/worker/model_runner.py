@@ -106,6 +106,42 @@ class StepHandle:
     start_event: torch.cuda.Event | None = None
 
 
+def warmup_steps(
+    max_num_batched_tokens: int, max_model_len: int, long_ctx: int
+) -> list[tuple[list[int], list[int]]]:
+    """The made-up steps (q_lens, seq_lens) that compile the kernel variants eager steps use:
+    one request's new tokens q at a short context (no split-KV), a long one (splits) and as a
+    prefill, for the query tiles and token counts steps reach; eight decodes; and mixed steps,
+    decodes beside a prompt chunk. None holds more tokens than a scheduled step can
+    (`max_num_batched_tokens`); only a prefill (which attends to its own tokens alone) has a
+    context longer than `long_ctx` (<= max_model_len), and none is longer than the model."""
+    budget = max_num_batched_tokens
+    cap = min(budget, max_model_len - 1)
+    steps: list[tuple[list[int], list[int]]] = []
+    for q in sorted({q for q in (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 129, 1024, cap) if 1 <= q <= cap}):
+        for ctx in (q + 1, long_ctx):  # short context: no split-KV; long: splits for one request
+            if q < ctx <= long_ctx:
+                steps.append(([q], [ctx]))
+        steps.append(([q], [q]))  # prefill
+    if budget >= 8:
+        steps.append(([1] * 8, [long_ctx] * 8))  # decode
+    # Mixed steps: decodes (the decode kernel, split and not) beside a prompt chunk, within the
+    # step's token budget (a chunk of 129 beside 8 decodes only where 137 tokens fit a step)
+    for q in (2, 129, cap):
+        q8, q1 = min(q, budget - 8, long_ctx - 1), min(q, budget - 1, long_ctx - 1)
+        if q8 >= 1:
+            steps.append(([1] * 8 + [q8], [long_ctx] * 8 + [q8]))
+        if q1 >= 1:
+            steps.append(([1, q1], [q1 + 1, long_ctx]))
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # (a small budget repeats some)
+    unique = []
+    for q_lens, seq_lens in steps:
+        if (key := (tuple(q_lens), tuple(seq_lens))) not in seen:
+            seen.add(key)
+            unique.append((q_lens, seq_lens))
+    return unique
+
+
 def start_runner(config: EngineConfig) -> ModelRunner:
     """The model runner of an engine. With tensor parallelism this starts the worker ranks first
     (`tilellm.distributed`); the calling process is rank 0."""
@@ -480,23 +516,13 @@ class ModelRunner:
         step per variant (nothing is stored) compiles them before serving starts.
         """
         t0 = time.perf_counter()
-        cap = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
-        q_lens = sorted({q for q in (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 129, 1024, cap) if 1 <= q <= cap})
         long_ctx = min(self.max_model_len, self.num_kv_blocks * self.block_size, 4096)
-        for q in q_lens:
-            for ctx in (q + 1, long_ctx):  # short context: no split-KV; long: splits for one request
-                if ctx > long_ctx or ctx <= q:
-                    continue
-                self._warmup_step([q], [ctx])
-            self._warmup_step([q], [q])  # prefill
-        self._warmup_step([1] * 8, [long_ctx] * 8)  # decode
-        # Mixed steps: decodes (the decode kernel, split and not) beside a prompt chunk.
-        for q in (2, 129, cap):
-            if q < long_ctx:
-                self._warmup_step([1] * 8 + [q], [long_ctx] * 8 + [q])
-                self._warmup_step([1, q], [q + 1, long_ctx])
+        steps = warmup_steps(self.config.max_num_batched_tokens, self.max_model_len, long_ctx)
+        for q_lens, seq_lens in steps:
+            self._warmup_step(q_lens, seq_lens)
         self._warmup_gluon_paged()
-        if long_ctx > 256:  # cascade decode (a shared prefix): its two passes and the merge
+        if long_ctx > 256 and self.config.max_num_batched_tokens >= 8:
+            # cascade decode (a shared prefix): its two passes and the merge
             self._warmup_step([1] * 8, [long_ctx] * 8, cascade_prefix=256)
         self._sync()
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - t0)
