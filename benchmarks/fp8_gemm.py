@@ -19,8 +19,9 @@ non-zero inputs:
 - `fp8+q`: the same with the activation quantization (`per_token_group_quant_fp8`) included;
 - `linear`: `w8a8_block_fp8_linear(x, W_q, W_s, [128, 128])`, the quantization inside the GEMM
   (what a layer runs for steps of up to 16 tokens);
-- `gemv`: the same through `fp8_gemv.py`'s kernel (`TILELLM_GEMV=1`, up to 8 tokens), with
-  dynamic and static activation scales;
+- `gemv`: the same through `fp8_gemv.py`'s kernel (`TILELLM_GEMV=1` for it, up to 8 tokens; the
+  engine runs it for one-row steps by default), with dynamic and static activation scales; every
+  other column runs with `TILELLM_GEMV=0`, so at one row it times `fp8_gemm.py`'s own kernels;
 - `scaled_mm`: `scaled_mm_block_fp8` (cuBLASLt's block-scaled GEMM), where torch supports it;
 - `static+q`, `static linear`: static activations (a checkpoint's calibrated `input_scale`, here
   the tensor's amax / 448): `scaled_fp8_quant(x, s)` then the GEMM with s broadcast, and
@@ -325,6 +326,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_gemm.py needs a CUDA GPU")
+    # every column but `gemv` times fp8_gemm.py's own kernels: no one-row GEMV dispatch
+    os.environ["TILELLM_GEMV"] = "0"
     torch.manual_seed(0)
     device = torch.device("cuda")
     print_header()

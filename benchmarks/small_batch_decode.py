@@ -18,8 +18,10 @@ per step (torch.profiler over 32 steps), and the device's idle time between a st
 the profile's kernel start and end times; `tilellm.bench.breakdown.kernel_gaps`). Needs a CUDA
 GPU. `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` runs the same with programmatic
 dependent launch (`tilellm/kernels/pdl.py`); compare the two on one machine, one after the other.
-`--ab TILELLM_GEMV=1 --repeat 2` does that in one command: an engine without the variable, then
-one with it (`gemv.py`'s one-row linear layers), alternated twice, each in a process of its own.
+`--ab TILELLM_GEMV=0 --repeat 2` does that in one command: an engine without the variable (the
+default: `gemv.py`'s kernels for one-row steps), then one with it (cuBLAS), alternated twice,
+each in a process of its own; `--ab TILELLM_GEMV=1` compares the default with those kernels at
+every batch of up to 8.
 `--quantization fp8` runs the same model with its linear layers quantized to FP8 at load
 (block-scaled W8A8, 128 x 128).
 """
@@ -201,7 +203,7 @@ def main() -> int:
     ap.add_argument(
         "--ab",
         metavar="NAME=VALUE",
-        help="time an engine without, then with, this environment variable (e.g. TILELLM_GEMV=1)",
+        help="time an engine without, then with, this environment variable (e.g. TILELLM_GEMV=0)",
     )
     ap.add_argument("--repeat", type=int, default=1, help="with --ab: alternate the two this many times")
     ap.add_argument(

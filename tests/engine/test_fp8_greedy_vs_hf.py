@@ -431,7 +431,7 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
     gate-up's, and give the tokens of the same engine without it, each step's top
     log-probabilities within fp32's summation-order error (the same x_q and scales, the same
     exact e4m3 products, summed in another order)."""
-    from tilellm.kernels import fp8_gemm, fp8_gemv
+    from tilellm.kernels import fp8_gemm, fp8_gemv, fused
 
     fp8_dir = checkpoints[name][0]
     prompts = _prompts()[:2]
@@ -470,6 +470,12 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
     # and the kernel loads x_q and its scales
     monkeypatch.setattr(fp8_gemv, "MAX_QUANT_ROWS_PER_WEIGHT_ROW", 0.0)
     launches.clear()
+    fused_quant: list = []  # the norm and SiLU-and-mul launches that quantized for the layer after
+    for op in ("rms_norm_per_token_group_quant_fp8", "silu_and_mul_per_token_group_quant_fp8"):
+        real_op = getattr(fused, op)
+        monkeypatch.setattr(
+            fused, op, lambda x, *a, _op=real_op, **k: fused_quant.append(x.shape[0]) or _op(x, *a, **k)
+        )
     again = run()
     assert [o.token_ids for o in again] == [o.token_ids for o in want]
     for g, w in zip(again, want):
@@ -477,3 +483,9 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
             for token, logprob in step_want.items():
                 assert abs(step_got[token].logprob - logprob.logprob) < 1e-3, (token, step_got, step_want)
     assert launches.count((2, False, False)) >= 4 * 2 * 3 and all(quantized[-len(launches) :]), launches
+    # dynamic scales: each decode step's norms (before qkv and gate-up) and SiLU-and-mul quantize;
+    # static ones quantize in the layer's own path (`scaled_fp8_quant`), never in those launches
+    if name.endswith("static"):
+        assert not fused_quant, fused_quant
+    else:
+        assert fused_quant.count(2) >= 3 * 2 * 3, fused_quant

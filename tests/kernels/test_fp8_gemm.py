@@ -26,6 +26,13 @@ GEMM_TOL_CPU = 1e-5  # fp32 accumulation order (interpreter vs torch), relative 
 GEMM_TOL_CUDA = 2e-3
 
 
+@pytest.fixture(autouse=True)
+def _gemm_kernels_only(monkeypatch):
+    """`TILELLM_GEMV=0`: one-row calls on a GPU run this file's GEMM, not `fp8_gemv.py`'s kernel
+    (tested in test_fp8_gemv.py), whatever the environment says."""
+    monkeypatch.setenv("TILELLM_GEMV", "0")
+
+
 @pytest.fixture
 def poison_outputs(monkeypatch):
     """Every output the kernels allocate starts as NaN (e4m3's NaN for x_q)."""

@@ -1,7 +1,7 @@
 """`gemv.py`'s kernels (one row, and up to GEMV_MAX_ROWS), reached through `skinny.py`'s wrappers:
 against the fp64 product, their gated and normalised launches against the separate launches bit
-for bit, the loop over long rows, and the layers' choice of them (`gemv_enabled`: a few 16-bit rows
-on a CUDA device, opt-in with `TILELLM_GEMV=1`), the LM head's included.
+for bit, the loop over long rows, and the layers' choice of them (`gemv_enabled`: one 16-bit row on
+a CUDA device, up to GEMV_MAX_ROWS with `TILELLM_GEMV=1`), the LM head's included.
 
 On the CPU the kernel runs under Triton's interpreter (16-bit products: the kernel sums in fp32
 without `tl.dot`, which the interpreter runs correctly in 16 bits), and through a decoder's
@@ -190,7 +190,8 @@ def test_one_cuda_row_by_default_more_when_asked(monkeypatch):
 
 @pytest.mark.interpreter  # CPU tensors through the kernel
 def test_switched_off_one_row_calls_keep_the_skinny_kernel(monkeypatch, gemv_calls):
-    """Without `TILELLM_GEMV=1`, `skinny.py`'s one-row calls (the PDL path's) run its own kernel.
+    """Without `TILELLM_GEMV=1`, `skinny.py`'s one-row calls on the CPU (the PDL path's) run its own
+    kernel.
     (fp16: that kernel's `tl.dot` is wrong in bf16 under the interpreter.)"""
     monkeypatch.delenv("TILELLM_GEMV")
     x, w, b = _operands(40, 96, torch.float16, "cpu", bias=True)

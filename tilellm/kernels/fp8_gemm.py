@@ -378,6 +378,10 @@ def w8a8_block_fp8_matmul(
         output_dtype: float32 / float16 / bfloat16.
         config: tiles to use instead of `block_fp8_config(M, N, block_size, K)` (benchmark sweeps).
 
+    Steps of a few rows (`fp8_gemv.fp8_gemv_runs`: one on a CUDA device by default) run
+    `fp8_gemv.py`'s kernel instead, which takes any bn and a power-of-two bk; a `config` keeps
+    them on the GEMM.
+
     Returns a new [M, N] tensor in `output_dtype`.
     """
     name = "w8a8_block_fp8_matmul"
@@ -408,7 +412,9 @@ def w8a8_block_fp8_linear(
     element: static activations) as `scaled_fp8_quant(x, input_scale)` quantizes it; b [N, K]
     e4m3 and b_s [ceil(N / bn), K // bk] fp32 as for `w8a8_block_fp8_matmul`; C [M, N] in
     `output_dtype` (default x's dtype). One launch and no x_q round trip through memory: what a
-    decode step's small GEMMs want.
+    decode step's small GEMMs want. Steps of a few rows (`fp8_gemv.fp8_gemv_runs`: one on a CUDA
+    device by default) run `fp8_gemv.py`'s kernel instead, which quantizes x itself or after one
+    quantization launch (`fp8_gemv_quantizes_x`); an explicit `config` keeps them on the GEMM.
     """
     name = "w8a8_block_fp8_linear"
     output_dtype = x.dtype if output_dtype is None else output_dtype
@@ -434,8 +440,8 @@ def w8a8_block_fp8_linear(
 
 
 def _gemv_takes(a: torch.Tensor, b: torch.Tensor, bk: int) -> bool:
-    """Whether `fp8_gemv.py` runs a checked call on a [M, K] and b [N, K]: a few rows with
-    `fp8_gemv_runs`), unit last-dim strides, nothing empty."""
+    """Whether `fp8_gemv.py` runs a checked call on a [M, K] and b [N, K]: a few rows
+    (`fp8_gemv_runs`), unit last-dim strides, nothing empty."""
     (M, K), N = a.shape, b.shape[0]
     return N > 0 and K > 0 and a.stride(1) == 1 and b.stride(1) == 1 and fp8_gemv_runs(M, bk, a.device)
 

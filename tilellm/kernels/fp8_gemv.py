@@ -20,10 +20,11 @@ in chunks (without the norm, which needs the whole row). With a static input sca
 every group's x_s is that scale.
 
 Every program quantizes every row of x for its own few weight rows, so the quantization is
-repeated N / BLOCK_N times. At one row that is a quarter of the weight's work and saves a launch;
-at more rows (or one weight row a program) it is the kernel's bottleneck, so x is quantized once,
-in a launch of its own or in the op before (`fp8_gemv_quantizes_x`), and the programs load x_q
-and its scales instead (`w8a8_block_fp8_matmul`'s operands).
+repeated N / BLOCK_N times. At one row against 8 weight rows a program that is 1/8 of the
+weight's work and saves a launch; at more rows, or fewer weight rows a program (rows of more than
+8192 channels), it becomes the kernel's bottleneck, so x is quantized once, in a launch of its
+own or in the op before (`fp8_gemv_quantizes_x`), and the programs load x_q and its scales
+instead (`w8a8_block_fp8_matmul`'s operands).
 
 The weight is loaded before x, so the layer's neighbours fit in the launch as in `gemv.py`
 (`fp8_gemv_linear`): the decoder's RMSNorm before qkv and gate-up (each program normalises x's

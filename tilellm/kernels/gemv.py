@@ -60,20 +60,21 @@ NUM_WARPS_NORM = 4
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 # Steps of 2 to GEMV_MAX_ROWS rows run the rows kernel: each program multiplies its weight tile by
 # every row at once, a [BLOCK_M, BLOCK_N, BLOCK_K] product of at most ROWS_PRODUCT_ELEMENTS (64
-# fp32 values a thread at 8 warps), so the rows share one pass over the weight. Not yet timed on
-# a GPU (docs/benchmarks.md, "One-row linear layers").
+# fp32 values a thread at 8 warps), so the rows share one pass over the weight. Timed in the
+# engine at 8 rows, it is compute-bound and slower than cuBLAS (docs/benchmarks.md, "One-row
+# linear layers"): only `TILELLM_GEMV=1` runs it.
 GEMV_MAX_ROWS = 8
 ROWS_PRODUCT_ELEMENTS = 16384
 # Column tiles a program of the rows kernel takes one after the other, reading x (and normalising
 # it) once for them all: at 8 rows of 1024 a [2, 1024] weight tile is 4 KB against x's 16 KB, so
-# with one tile a program the programs read 4x the weight's bytes of x from L2. Not yet timed.
+# with one tile a program the programs read 4x the weight's bytes of x from L2. Not yet swept.
 ROWS_N_TILES = 1
 
 # TILELLM_GEMV: unset, these kernels (and `fp8_gemv.py`'s) run the one-row steps of a CUDA device:
 # measured on an H100 (docs/benchmarks.md, "One-row linear layers"), Qwen3-0.6B's shape decodes a
 # step at batch 1 in 1.00 ms with them against 1.39 ms without, while at batch 8 the rows kernel
 # takes 2.98 ms against cuBLAS's 1.51-1.85. "1": also steps of 2 to GEMV_MAX_ROWS rows, on any
-# device (to measure and test them); "0": never.
+# device (to measure and test them); "0": never; any other value: as unset.
 DEFAULT_GEMV_ROWS = 1
 _gemv_all = env_flag("TILELLM_GEMV", "1")
 _gemv_off = env_flag("TILELLM_GEMV", "0")

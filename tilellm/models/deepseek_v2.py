@@ -126,8 +126,8 @@ class DeepseekV2Attention(nn.Module):
 
     def project_latents(self, hidden: LayerInput) -> tuple[LayerInput | None, torch.Tensor]:
         """hidden [T, hidden] -> (the q latent q_a_layernorm(q_a_proj(x)) [T, Lq] (FP8-quantized
-        for an FP8 q_b_proj from 17 tokens), or None without q_lora_rank; kv_a [T, L + Dr], before
-        kv_a_layernorm)."""
+        for an FP8 q_b_proj where it asks: `input_group_quant`), or None without q_lora_rank;
+        kv_a [T, L + Dr], before kv_a_layernorm)."""
         if self.q_lora_rank is None:
             return None, self.kv_a_proj_with_mqa(hidden)
         q_a, kv_a = self.fused_qkv_a_proj(hidden).split([self.q_lora_rank, self.kv_a_size], dim=-1)

@@ -16,7 +16,7 @@ class SiluAndMul(nn.Module):
     With `quant_for` (the linear layer that reads the output), the output comes out quantized to
     FP8 in the same launch, as a `QuantizedActivation` [T, I], on the steps where that layer would
     quantize it in a launch of its own (`LinearBase.input_group_quant`: an FP8 down projection's
-    many-token steps).
+    many-token steps, and the steps `fp8_gemv.py` runs on a quantized x).
     """
 
     def __init__(self, ops: types.ModuleType):

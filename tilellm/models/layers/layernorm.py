@@ -18,7 +18,8 @@ class RMSNorm(nn.Module):
     pre-norm decoder's "add the sublayer output to the residual stream, then normalise" in one op.
     With `quant_for` (the linear layer that reads y), y comes out quantized to FP8 in the same
     launch, as a `QuantizedActivation` [T, H], on the steps where that layer would quantize it in a
-    launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps) and the
+    launch of its own (`LinearBase.input_group_quant`: an FP8 layer's many-token steps, and the
+    steps `fp8_gemv.py` runs on a quantized x) and the
     group width is a power of two; or, where that layer runs the norm in its own launch
     (`LinearMethod.takes_normed_input`: one row on a CUDA device (`gemv.gemv_max_rows`), or under PDL;
     only with the kernel ops, `ops.runs_kernels`), y is a `NormedActivation` and the new residual
