@@ -30,11 +30,15 @@
 #               V1, V1-G2 and small batches over long contexts (paged.py's FP8 tiles, planned and at forced
 #               segment counts, and the Gluon kernel with 8 and 16 columns a program), then E4 over an FP8
 #               cache with paged.py and with the Gluon kernel (benchmarks/spec_decode.py --kv-cache-dtype fp8)
+#   gemv        the one-row GEMVs (gemv.py, fp8_gemv.py; the default for one-row steps on a CUDA device): their
+#               GPU tests and the engine's (greedy vs transformers, the GPU engine tests, FP8), then
+#               benchmarks/small_batch_decode.py against TILELLM_GEMV=0 (bf16 and --quantization fp8),
+#               and benchmarks/fp8_gemm.py's one-row and eight-row columns
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify, run in that order (default:
-#   the first three).
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify,gemv, run in that
+#   order (default: the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
 # step passed, 1 otherwise, 2 for an unknown step.
@@ -48,11 +52,11 @@
 # `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
 # engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
 # too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run
-# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8` and `verify` as calls of their own, each with
+# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8`, `verify` and `gemv` as calls of their own, each with
 # BUDGET_S=570.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify)
+ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify gemv)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -214,6 +218,19 @@ if selected verify; then
   run_step e4_fp8_paged 100 "$PYTHON" benchmarks/spec_decode.py --kv-cache-dtype fp8 --json "$OUT/e4_fp8_paged.json"
   run_step e4_fp8_gluon 100 env TILELLM_FP8_VERIFY=gluon "$PYTHON" benchmarks/spec_decode.py --kv-cache-dtype fp8 \
     --json "$OUT/e4_fp8_gluon.json"
+fi
+
+if selected gemv; then
+  run_step gemv_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 8 -m gpu \
+    tests/kernels/test_gemv.py tests/kernels/test_skinny.py tests/kernels/test_fp8_gemv.py tests/kernels/test_fp8_gemm.py
+  run_step gemv_engine_tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 8 \
+    tests/engine/test_greedy_vs_hf.py tests/engine/test_gpu.py tests/engine/test_fp8_greedy_vs_hf.py
+  run_step gemv_small_batch 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
+    --ab TILELLM_GEMV=0 --repeat 2 --json "$OUT/gemv_small_batch.json"
+  run_step gemv_small_batch_fp8 120 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 \
+    --quantization fp8 --ab TILELLM_GEMV=0 --json "$OUT/gemv_small_batch_fp8.json"
+  run_step gemv_fp8_gemm 100 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep --ms 1,8 --models qwen3-0.6b,qwen3-8b \
+    --json "$OUT/gemv_fp8_gemm.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
