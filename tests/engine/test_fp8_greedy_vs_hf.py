@@ -442,6 +442,15 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
     want = run()
+
+    def _assert_same_choices(outputs, want):
+        """The same tokens, and each step's top log-probabilities within 1e-3."""
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in want]
+        for g, w in zip(outputs, want):
+            for step_got, step_want in zip(g.logprobs, w.logprobs):
+                for token, logprob in step_want.items():
+                    assert abs(step_got[token].logprob - logprob.logprob) < 1e-3, (token, step_got, step_want)
+
     monkeypatch.setenv("TILELLM_GEMV", "1")
     launches: list = []  # (rows, gated, normalised) of each launch
     quantized: list = []  # whether each launch read an x quantized before it
@@ -455,17 +464,13 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
     for module in (fp8_gemm, fp8_gemv):  # (`w8a8_block_fp8_linear`'s launches, `fp8_gemv_linear`'s)
         monkeypatch.setattr(module, "launch_fp8_gemv", spy)
     got = run()
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for g, w in zip(got, want):
-        for step_got, step_want in zip(g.logprobs, w.logprobs):
-            for token, logprob in step_want.items():
-                assert abs(step_got[token].logprob - logprob.logprob) < 1e-3, (token, step_got, step_want)
+    _assert_same_choices(got, want)
     # each layer's 4 launches of each decode step at two rows (3 a prompt, the two together):
     # norm + qkv, o_proj, norm + gate-up + SiLU, down_proj
     for kind in ((2, False, True), (2, False, False), (2, True, True)):
         assert launches.count(kind) >= (2 if kind[2] or kind[1] else 4) * 3, (kind, launches)
     assert not any(quantized)
-    # rows quantized before the launch (as for more rows, or one weight row a program): the norm
+    # rows quantized before the launch (as for more rows, or fewer weight rows a program): the norm
     # and SiLU-and-mul launches quantize (dynamic scales; static ones, the layer's own launch),
     # and the kernel loads x_q and its scales
     monkeypatch.setattr(fp8_gemv, "MAX_QUANT_ROWS_PER_WEIGHT_ROW", 0.0)
@@ -477,11 +482,7 @@ def test_fp8_gemv_keeps_the_greedy_tokens(checkpoints, name, monkeypatch):
             fused, op, lambda x, *a, _op=real_op, **k: fused_quant.append(x.shape[0]) or _op(x, *a, **k)
         )
     again = run()
-    assert [o.token_ids for o in again] == [o.token_ids for o in want]
-    for g, w in zip(again, want):
-        for step_got, step_want in zip(g.logprobs, w.logprobs):
-            for token, logprob in step_want.items():
-                assert abs(step_got[token].logprob - logprob.logprob) < 1e-3, (token, step_got, step_want)
+    _assert_same_choices(again, want)
     assert launches.count((2, False, False)) >= 4 * 2 * 3 and all(quantized[-len(launches) :]), launches
     # dynamic scales: each decode step's norms (before qkv and gate-up) and SiLU-and-mul quantize;
     # static ones quantize in the layer's own path (`scaled_fp8_quant`), never in those launches
