@@ -32,8 +32,8 @@
 #               cache with paged.py and with the Gluon kernel (benchmarks/spec_decode.py --kv-cache-dtype fp8)
 #   gemv        the one-row GEMVs (gemv.py, fp8_gemv.py; the default for one-row steps on a CUDA device): their
 #               GPU tests and the engine's (greedy vs transformers, the GPU engine tests, FP8), then
-#               benchmarks/small_batch_decode.py against TILELLM_GEMV=0 (bf16 and --quantization fp8),
-#               and benchmarks/fp8_gemm.py's one-row and eight-row columns
+#               benchmarks/small_batch_decode.py against TILELLM_GEMV=0 (bf16 and --quantization fp8)
+#               and against TILELLM_PDL=1, and benchmarks/fp8_gemm.py's one-row and eight-row columns
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
@@ -227,6 +227,9 @@ if selected gemv; then
     tests/engine/test_greedy_vs_hf.py tests/engine/test_gpu.py tests/engine/test_fp8_greedy_vs_hf.py
   run_step gemv_small_batch 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
     --ab TILELLM_GEMV=0 --repeat 2 --json "$OUT/gemv_small_batch.json"
+  # programmatic dependent launch with them: their weight loads start before the kernel before ends
+  run_step gemv_small_batch_pdl 150 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
+    --ab TILELLM_PDL=1 --json "$OUT/gemv_small_batch_pdl.json"
   run_step gemv_small_batch_fp8 120 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 \
     --quantization fp8 --ab TILELLM_GEMV=0 --json "$OUT/gemv_small_batch_fp8.json"
   run_step gemv_fp8_gemm 100 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep --ms 1,8 --models qwen3-0.6b,qwen3-8b \
