@@ -52,7 +52,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import cdiv, interpreting, next_power_of_2
 from tilellm.kernels.fp8 import quantize_groups, to_fp8
-from tilellm.kernels.gemv import GEMV_MAX_ROWS, gemv_max_rows, input_row, rounded_silu_and_mul
+from tilellm.kernels.gemv import GEMV_MAX_ROWS, gemv_max_rows, input_row, store_rows
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fp8_gemm import check_block_fp8_matmul, check_input_scale
@@ -217,12 +217,7 @@ def _fp8_gemv_kernel(
                 acc += tl.where(rows[:, None] == m, _scaled_sum(w, b_s, x_q, a_s)[None, :], 0.0)
                 if GATED:
                     acc_up += tl.where(rows[:, None] == m, _scaled_sum(u, bu_s, x_q, a_s)[None, :], 0.0)
-    if GATED:
-        acc = rounded_silu_and_mul(acc, acc_up, Y)
-    y_ok = (rows < M)[:, None] & col_ok[None, :]
-    tl.store(
-        Y + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=y_ok
-    )
+    store_rows(acc, acc_up, Y, Y, cols, col_ok, N, rows.to(tl.int64), rows < M, stride_ym, False, GATED)
 
 
 _fp8_gemv_launch = FastLaunch(_fp8_gemv_kernel)

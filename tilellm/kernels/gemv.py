@@ -239,11 +239,12 @@ def _input_rows(
 
 
 @triton.jit
-def _store_rows(
+def store_rows(
     acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS: tl.constexpr, GATED: tl.constexpr
 ):  # fmt: skip
     """Y[rows, cols] = acc [BLOCK_M, BLOCK_N] (+ bias; GATED: silu(acc) * acc_up, each rounded to
-    Y's dtype first, as `fused.silu_and_mul` computes it)."""
+    Y's dtype first, as `fused.silu_and_mul` computes it): the epilogue of the few-row linear
+    kernels (these, `skinny.py`'s and `fp8_gemv.py`'s)."""
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -287,7 +288,7 @@ def _gemv_rows_kernel(
         acc_up = acc
         if GATED:
             acc_up = tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
-        _store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
+        store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
         for t in tl.range(1, N_TILES, num_stages=2):  # the program's other column tiles, on the same x
             cols = (pid * N_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < N
@@ -298,7 +299,7 @@ def _gemv_rows_kernel(
             acc_up = acc
             if GATED:
                 acc_up = tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
-            _store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
+            store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
     else:
         pdl_start(USE_PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -312,7 +313,7 @@ def _gemv_rows_kernel(
             acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
             if GATED:
                 acc_up += tl.sum(u.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
-        _store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
+        store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
 
 
 _gemv_rows_launch = FastLaunch(_gemv_rows_kernel)

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from tilellm.kernels.config import cdiv, dot_precision, interpreting, next_power_of_2, num_sms
 from tilellm.kernels.fused import rms_norm, silu_and_mul
-from tilellm.kernels.gemv import gemv_fuses_norm, gemv_runs, launch_gemv, rounded_silu_and_mul
+from tilellm.kernels.gemv import gemv_fuses_norm, gemv_runs, launch_gemv, store_rows
 from tilellm.kernels.launch import FastLaunch
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
 from tilellm.kernels.reference.fused import check_rms_norm
@@ -150,14 +150,7 @@ def _skinny_linear_kernel(
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(B + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        acc = rounded_silu_and_mul(acc, acc_up, Y)
-    y = Y + rows64[:, None] * stride_ym + cols[None, :]
-    tl.store(y, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_rows(acc, acc_up, B, Y, cols, col_ok, N, rows64, row_ok, stride_ym, HAS_BIAS, GATED)
 
 
 _skinny_launch = FastLaunch(_skinny_linear_kernel)
