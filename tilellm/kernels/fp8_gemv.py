@@ -263,7 +263,7 @@ def launch_fp8_gemv(
         GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, G_TILES=g_tiles,
         STATIC_A=input_scale is not None and not quantized_x, GATED=gated, NORM=norm is not None,
         HAS_RESIDUAL=has_res, QUANTIZED_X=quantized_x,
-        num_warps=1 if interpreting() else NUM_WARPS, num_stages=1, **pdl_launch_kwargs(x.device),
+        num_warps=1 if interpreting() else NUM_WARPS, num_stages=1, **pdl_launch_kwargs(x.device, M),
     )  # fmt: skip
 
 

@@ -122,14 +122,15 @@ def rms_norm(
         grid = (cdiv(n, block_n),)
         scalars = (x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0), n, h, float(eps))
         has_residual = res_out is not y
+        pdl = pdl_launch_kwargs(x.device, n)
         _rms_norm_launch.run(
             grid,
             (x, residual, weight, y, res_out, *scalars),
             lambda: dict(
                 HAS_RESIDUAL=has_residual, BLOCK_N=block_n, BLOCK_H=block_h,
-                num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device),
+                num_warps=4 if block_n * block_h <= 4096 else 8, **pdl,
             ),
-            key=(x.device, has_residual, scalars[:4], h),  # all but n; the blocks follow from h
+            key=(x.device, has_residual, scalars[:4], h, pdl["USE_PDL"]),  # all but n; the blocks follow from h
         )  # fmt: skip
     return y if res_out is y else (y, res_out)
 
@@ -205,7 +206,7 @@ def rms_norm_per_token_group_quant_fp8(
             x.stride(0), residual.stride(0), x_q.stride(0), x_s.stride(0), x_s.stride(1), res_out.stride(0),
             n, h, float(eps), float(quant_eps),
             HAS_RESIDUAL=res_out is not x, GROUP=group_size, BLOCK_N=block_n, BLOCK_H=block_h,
-            num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device),
+            num_warps=4 if block_n * block_h <= 4096 else 8, **pdl_launch_kwargs(x.device, n),
         )  # fmt: skip
     return (x_q, x_s) if res_out is x else (x_q, x_s, res_out)
 
@@ -247,11 +248,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block_n = max(1, min(64, 4096 // block_i))
         grid = (cdiv(n, block_n), cdiv(i, block_i))
         scalars = (x.stride(0), out.stride(0), n, i)
+        pdl = pdl_launch_kwargs(x.device, n)
         _silu_and_mul_launch.run(
             grid,
             (x, out, *scalars),
-            lambda: dict(BLOCK_N=block_n, BLOCK_I=block_i, **pdl_launch_kwargs(x.device)),
-            key=(x.device, scalars[:2], i),  # all but n; the blocks follow from i
+            lambda: dict(BLOCK_N=block_n, BLOCK_I=block_i, **pdl),
+            key=(x.device, scalars[:2], i, pdl["USE_PDL"]),  # all but n; the blocks follow from i
         )
     return out
 
@@ -561,15 +563,18 @@ def _plan_rotary(
         t, hq, hk, num_q_programs, half, float(eps),
     )  # fmt: skip
     unit = unit_scale(k.device) if quantize and (k_scale is None or v_scale is None) else None
+    pdl = pdl_launch_kwargs(q.device, t)
     return _RotaryLaunch(
         grid=(num_q_programs + cdiv(t * hk, block_r),),
         scalars=scalars,
         consts=dict(
             HAS_NORM=has_norm, INTERLEAVED=bool(interleaved), STORE=store, QUANTIZE=quantize, BLOCK_R=block_r,
-            BLOCK_HALF=block_half, **pdl_launch_kwargs(q.device),
+            BLOCK_HALF=block_half, **pdl,
         ),
         # all but the token counts; the blocks follow from half
-        key=LaunchKey((q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half)),
+        key=LaunchKey(
+            (q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half, pdl["USE_PDL"])
+        ),
         store=store,
         quantize=quantize,
         unit=unit,

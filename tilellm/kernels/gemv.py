@@ -349,7 +349,7 @@ def launch_gemv(
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=k_tiles, EVEN_N=N % block_n == 0,
         GATED=gated, NORM=norm is not None, HAS_RESIDUAL=has_res,
         num_warps=1 if interpreting() else NUM_WARPS if norm is None or M > 1 else NUM_WARPS_NORM,
-        num_stages=1, **pdl_launch_kwargs(x.device),
+        num_stages=1, **pdl_launch_kwargs(x.device, M),
     )  # fmt: skip
     b = bias if bias is not None else weight
     if block_m == 1:

@@ -213,7 +213,7 @@ def plan_merge(
     lse_parts [S, T, H] (`lse_stride`) into out [T, H, D] (`out_stride`)."""
     S, T, H, D = parts_shape
     scalars = (S, H, *parts_stride[:3], *lse_stride[:2], *out_stride[:2])
-    consts = (device, D, S, write_lse)
+    consts = (device, D, S, write_lse, pdl_launch_kwargs(device, T)["USE_PDL"])
     return MergeLaunch((T, H), scalars, consts, LaunchKey((consts, scalars[1], scalars[4], scalars[-2:])))
 
 
@@ -233,9 +233,12 @@ def run_merge(
     )
 
 
-def _merge_constexprs(device: torch.device, head_dim: int, splits: int, write_lse: bool) -> dict:
-    """The merge kernel's constexprs and launch options for a launch's shape."""
+def _merge_constexprs(
+    device: torch.device, head_dim: int, splits: int, write_lse: bool, use_pdl: bool
+) -> dict:
+    """The merge kernel's constexprs and launch options for a launch's shape (`use_pdl`: from
+    `pdl_launch_kwargs` for its rows)."""
     return dict(
         HEAD_DIM=head_dim, SPLITS_PAD=_splits_pad(splits), WRITE_LSE=write_lse,
-        num_warps=4 if head_dim >= 128 else 2, **pdl_launch_kwargs(device),
+        num_warps=4 if head_dim >= 128 else 2, USE_PDL=use_pdl, launch_pdl=use_pdl,
     )  # fmt: skip

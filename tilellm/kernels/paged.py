@@ -560,6 +560,7 @@ def _triton_launch(
     consts = (
         q.device, q.dtype, kv_fp8, group, D, page, cfg, block_q, splits > 1 or partials, is_decode, has_kv_lo,
         has_kv_hi, record_stats, tiles_fastest, (1 if is_decode else max_seqlen_q) <= SHORT_TILE_TOKENS, merge_last,
+        pdl_launch_kwargs(q.device, T)["USE_PDL"],
     )  # fmt: skip
     merge = None
     if splits > 1 and not partials and not merge_last:
@@ -668,9 +669,10 @@ _paged_launch = FastLaunch(_paged_kernel)
 
 def _paged_constexprs(
     device, dtype, kv_fp8, group, head_dim, page, cfg, block_q, split, is_decode, has_kv_lo, has_kv_hi,
-    record_stats, tiles_fastest, short_tiles, merge_last,
+    record_stats, tiles_fastest, short_tiles, merge_last, use_pdl,
 ) -> dict:  # fmt: skip
-    """The paged kernel's constexprs and launch options for a launch's shape."""
+    """The paged kernel's constexprs and launch options for a launch's shape (`use_pdl`: from
+    `pdl_launch_kwargs` for its tokens)."""
     return dict(
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
@@ -680,7 +682,7 @@ def _paged_constexprs(
         DOT_FP16=kv_fp8 and dtype in (torch.float16, torch.bfloat16),
         PIPELINE_MASKED=not (kv_fp8 and short_tiles and not has_kv_lo),
         MERGE_LAST=merge_last, MERGE_UNROLL=merge_unroll(cfg.block_m, head_dim),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_PDL=use_pdl, launch_pdl=use_pdl,
     )  # fmt: skip
 
 

@@ -12,14 +12,21 @@ write, nor write anything: here, only loads of weights and L2 prefetches of them
 before, this one and the next hold SM slots at a time. A kernel launched so after one that was not (cuBLAS's, NCCL's, a copy) waits for
 it as usual.
 
-`TILELLM_PDL=1` turns PDL on for the kernels of a decoder layer's decode path: RMSNorm, rotary,
-the K/V store, paged attention and its split-KV merge, SiLU-and-mul, and the linear layers of up
-to `SKINNY_MAX_ROWS` rows (`skinny_linear` instead of cuBLAS; a gated MLP's gate-up projection and
-its SiLU-and-mul as one `skinny_linear_silu_and_mul`, and the RMSNorm before qkv and gate-up in
-their launches, `skinny_rms_norm_linear`). Off by default: the decode step of a small batch is
-slower with it than with cuBLAS and separate launches (docs/benchmarks.md, "Programmatic
-dependent launch"; `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` against the same
-command without it).
+The kernels that take part are those of a decoder layer's decode path: RMSNorm, rotary, the K/V
+store, paged attention and its split-KV merge, SiLU-and-mul, and the few-row linear layers
+(`gemv.py`, `fp8_gemv.py`, `skinny.py`). Each launch asks with its row (token) count:
+
+- `TILELLM_PDL=1`: every such launch, and the linear layers of up to `SKINNY_MAX_ROWS` rows run
+  `skinny_linear` instead of cuBLAS (a gated MLP's gate-up projection and its SiLU-and-mul as one
+  `skinny_linear_silu_and_mul`, the RMSNorm before qkv and gate-up in their launches,
+  `skinny_rms_norm_linear`); at eight rows the step is slower than with cuBLAS (docs/benchmarks.md,
+  "Programmatic dependent launch");
+- `TILELLM_PDL=0`: none;
+- unset (or any other value): launches of at most DEFAULT_PDL_ROWS rows, whose linear layers run
+  `gemv.py`'s one-row kernels anyway (`gemv.gemv_max_rows`).
+
+`TILELLM_PDL=1 python benchmarks/small_batch_decode.py` against the same command with
+`TILELLM_PDL=0` measures it.
 """
 
 from __future__ import annotations
@@ -32,30 +39,45 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tilellm.kernels.config import interpreting
+from tilellm.kernels.config import env_flag, interpreting
+
+# Launches of at most this many rows take part when TILELLM_PDL is unset (0: none).
+DEFAULT_PDL_ROWS = 0
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: `TILELLM_PDL=1`, a CUDA device of compute
-    capability 9.0 or newer, and not Triton's interpreter."""
+def pdl_enabled(device: torch.device, rows: int | None = None) -> bool:
+    """Whether a launch of `rows` rows (tokens) on `device` uses PDL: a CUDA device of compute
+    capability 9.0 or newer, not Triton's interpreter, and `TILELLM_PDL=1`, or `TILELLM_PDL`
+    unset and at most DEFAULT_PDL_ROWS rows (module docstring). `rows` None: whether every
+    launch does (`TILELLM_PDL=1`)."""
     if device.type != "cuda":
         return False
-    return _pdl_enabled(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _pdl_enabled(index):
+        return True
+    return rows is not None and rows <= DEFAULT_PDL_ROWS and not _pdl_off() and _pdl_capable(index)
 
 
-def pdl_launch_kwargs(device: torch.device) -> dict[str, bool]:
-    """The launch keywords of a kernel that takes part: its `USE_PDL` constexpr and Triton's
-    `launch_pdl` option, always set together (a kernel launched with PDL must wait before it
-    reads; the wait is compiled in only with USE_PDL)."""
-    on = pdl_enabled(device)
+def pdl_launch_kwargs(device: torch.device, rows: int | None = None) -> dict[str, bool]:
+    """The launch keywords of a kernel that takes part, for a launch of `rows` rows: its `USE_PDL`
+    constexpr and Triton's `launch_pdl` option, always set together (a kernel launched with PDL
+    must wait before it reads; the wait is compiled in only with USE_PDL)."""
+    on = pdl_enabled(device, rows)
     return {"USE_PDL": on, "launch_pdl": on}
+
+
+_pdl_off = env_flag("TILELLM_PDL", "0")
 
 
 @functools.cache
 def _pdl_enabled(index: int) -> bool:
-    if os.environ.get("TILELLM_PDL") != "1" or interpreting():
-        return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """`TILELLM_PDL=1` on a device that can (cached: tests clear it when they set the variable)."""
+    return os.environ.get("TILELLM_PDL") == "1" and _pdl_capable(index)
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return not interpreting() and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit

@@ -351,7 +351,7 @@ def _skinny(
         # one row or a few: `gemv.py`'s kernels, which load each program's weight tile at once
         launch_gemv(x, weight, bias.contiguous() if bias is not None else None, y, gated, norm)
         return y
-    pdl = pdl_launch_kwargs(x.device)
+    pdl = pdl_launch_kwargs(x.device, M)
     block_n, block_k, warps, stages, chunks, chunk_bytes = _plan(
         M, N, K, weight.element_size(), interpreting(), 2 if gated else 1
     )

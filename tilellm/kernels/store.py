@@ -93,7 +93,15 @@ def store_kvcache(
     scalars = (
         k.stride(0), k.stride(1), v.stride(0) if has_v else 0, v.stride(1) if has_v else 0, k_cache.stride(1)
     )  # fmt: skip
-    consts = (k.device, Hkv, D, has_v, quantize)  # with the scalars, the launch key (`FastLaunch`)
+    pdl = pdl_launch_kwargs(k.device, T)
+    consts = (
+        k.device,
+        Hkv,
+        D,
+        has_v,
+        quantize,
+        pdl["USE_PDL"],
+    )  # with the scalars, the launch key (`FastLaunch`)
     _store_launch.run(
         (T,),
         (
@@ -104,7 +112,7 @@ def store_kvcache(
         ),
         lambda: dict(
             HEADS=Hkv, HEAD_DIM=D, BLOCK=next_power_of_2(Hkv * D), HAS_V=has_v, QUANTIZE=quantize,
-            num_warps=4 if Hkv * D >= 1024 else 1, **pdl_launch_kwargs(k.device),
+            num_warps=4 if Hkv * D >= 1024 else 1, **pdl,
         ),
         key=(consts, scalars),
     )  # fmt: skip
@@ -163,5 +171,5 @@ def concat_and_cache_mla(
     _mla_rows_launch[(t,)](
         kv_c, k_pe, kv_cache, slot_mapping, scale, kv_c.stride(0), k_pe.stride(0), kv_cache.stride(1),
         L=width, DR=dr, BLOCK_L=next_power_of_2(width), BLOCK_R=next_power_of_2(dr), QUANTIZE=quantize,
-        num_warps=4 if width + dr >= 1024 else 1, **pdl_launch_kwargs(kv_c.device),
+        num_warps=4 if width + dr >= 1024 else 1, **pdl_launch_kwargs(kv_c.device, t),
     )  # fmt: skip
