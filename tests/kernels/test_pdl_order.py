@@ -2,7 +2,9 @@
 
 A kernel launched with PDL may run while the kernel before it still writes its outputs, so each
 one must execute `griddepcontrol.wait` (SASS `ACQBULK`) before its first load or store of global
-memory; the only exception is `skinny_linear`'s L2 prefetch of its weight (`UBLKPF`). Every
+memory. The exceptions read only the weight, which no kernel writes: `skinny_linear`'s L2
+prefetch of it (`UBLKPF`), and the one-row GEMVs' loads of their whole weight tile (`gemv.py`,
+`fp8_gemv.py`: loads, but no store, before the wait). Every
 kernel of the PDL decode path is compiled here for sm_90a with USE_PDL=True (Triton ships ptxas
 and cuobjdump) and its SASS is read in program order up to the wait: no global memory access,
 and no exit, may come before it. (The compiling runs in a subprocess without
@@ -22,7 +24,7 @@ import pytest
 import torch
 import triton
 
-from tilellm.kernels import fused, merge, paged, skinny, store
+from tilellm.kernels import fp8_gemv, fused, gemv, merge, paged, skinny, store
 from tilellm.kernels.config import paged_config
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Trit
 # global memory accesses in SASS (loads, stores, cp.async, atomics, TMA), and the bulk L2 prefetch
 GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG?|RED|UTMALDG|UTMASTG)\b")
 PREFETCH = re.compile(r"\bUBLKPF\b")
+LOAD = re.compile(r"\b(LDG|LDGSTS|UTMALDG)\b")  # global loads (into registers or shared memory)
 
 
 def _compile(fn, types: dict[str, str], constexprs: dict, aligned=(), **options):
@@ -181,6 +184,41 @@ def _cases() -> dict[str, tuple]:
         cases[name] = (
             skinny._skinny_linear_kernel, skinny_types, constexprs, skinny_aligned, options, True,
         )  # fmt: skip
+    gemv_types = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "NW": "*bf16", "R": "*bf16"}
+    gemv_types |= {"RO": "*bf16", "eps": "fp32"}
+    # (as Qwen3's layers launch them: pointers and strides divisible by 16, vectorised loads)
+    gemv_aligned = ("X", "W", "Y", "NW", "R", "RO", "N", "K", "stride_wn")
+    rows_aligned = gemv_aligned + ("stride_xm", "stride_ym", "stride_rm", "stride_om")
+    fp8_aligned = gemv_aligned + ("stride_xm", "stride_ym", "stride_bs_n")
+    for gated, norm in ((False, False), (False, True), (True, True)):  # one row: the whole tile at once
+        constexprs = dict(
+            HAS_BIAS=False, BLOCK_N=4, BLOCK_K=1024, K_TILES=1, EVEN_N=True, GATED=gated, NORM=norm,
+            HAS_RESIDUAL=norm, USE_PDL=True,
+        )  # fmt: skip
+        name = "gemv" + ("-gated" if gated else "") + ("-norm" if norm else "")
+        cases[name] = (gemv._gemv_kernel, gemv_types, constexprs, gemv_aligned, {"num_warps": 8}, False)
+    constexprs = dict(
+        HAS_BIAS=False, BLOCK_M=8, BLOCK_N=2, BLOCK_K=1024, K_TILES=1, N_TILES=1, EVEN_N=True, GATED=True,
+        NORM=True, HAS_RESIDUAL=True, USE_PDL=True,
+    )  # fmt: skip
+    cases["gemv_rows-gated-norm"] = (
+        gemv._gemv_rows_kernel, gemv_types, constexprs, rows_aligned, {"num_warps": 8}, False,
+    )  # fmt: skip
+    fp8_types = {"X": "*bf16", "Xs": "*fp32", "W": "*fp8e4nv", "Bs": "*fp32", "As": "*fp32", "Y": "*bf16"}
+    fp8_types |= {"eps": "fp32", "NW": "*bf16", "R": "*bf16", "RO": "*bf16", "norm_eps": "fp32"}
+    for quantized_x, gated, norm in ((False, False, False), (False, True, True), (True, False, False)):
+        constexprs = dict(
+            GROUP_N=128, GROUP_K=128, BLOCK_M=1, BLOCK_N=8, BLOCK_G=8, G_TILES=1, STATIC_A=False, GATED=gated,
+            NORM=norm, HAS_RESIDUAL=norm, QUANTIZED_X=quantized_x, USE_PDL=True,
+        )  # fmt: skip
+        types = fp8_types | ({"X": "*fp8e4nv"} if quantized_x else {})
+        name = (
+            "fp8_gemv"
+            + ("-x_q" if quantized_x else "")
+            + ("-gated" if gated else "")
+            + ("-norm" if norm else "")
+        )
+        cases[name] = (fp8_gemv._fp8_gemv_kernel, types, constexprs, fp8_aligned, {"num_warps": 8}, False)
     return cases
 
 
@@ -202,7 +240,11 @@ CASES = (
         "skinny_linear-block_n=32-norm",
         "skinny_linear-block_n=16-gated-norm",
     ]
+    + ["gemv", "gemv-norm", "gemv-gated-norm", "gemv_rows-gated-norm"]
+    + ["fp8_gemv", "fp8_gemv-gated-norm", "fp8_gemv-x_q"]
 )
+# the kernels that load their weight tile before the wait (the one-row GEMVs: K in one tile)
+WEIGHT_LOADS_FIRST = ("gemv", "gemv_rows", "fp8_gemv")
 
 
 def _analyse_all() -> dict[str, dict]:
@@ -235,16 +277,26 @@ def analysis() -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", CASES)
 def test_waits_before_touching_memory(analysis, name):
-    """No global load, store, atomic or exit before the wait; only skinny_linear's weight
-    prefetch, which it must issue there. Nor the trigger that lets the next kernel launch
+    """No global store, atomic or exit before the wait, and no load either but the weight's: the
+    L2 prefetch skinny_linear must issue there, and the GEMVs' loads of their weight tile, which
+    must come there to overlap the kernel before. Nor the trigger that lets the next kernel launch
     (`griddepcontrol.launch_dependents`, PREEXIT): before its own wait it lets every later kernel
     of the chain launch and wait on the SMs."""
     result = analysis[name]
     assert "error" not in result, result.get("error")
     assert result["launch_pdl"]
     before = result["before"]
-    touches = [ins for ins in before if GLOBAL_ACCESS.search(ins) or re.search(r"\bEXIT\b", ins)]
-    assert not touches, f"{name}: global memory or exit before the wait: {touches}"
+    loads = [ins for ins in before if LOAD.search(ins)]
+    others = [
+        ins
+        for ins in before
+        if (GLOBAL_ACCESS.search(ins) and not LOAD.search(ins)) or re.search(r"\bEXIT\b", ins)
+    ]
+    assert not others, f"{name}: a store, atomic or exit before the wait: {others}"
+    if name.split("-")[0] in WEIGHT_LOADS_FIRST:
+        assert loads, f"{name}: no load of the weight before the wait"
+    else:
+        assert not loads, f"{name}: a global load before the wait: {loads}"
     assert not [ins for ins in before if "PREEXIT" in ins], (
         f"{name}: the next kernel let launch before the wait"
     )
