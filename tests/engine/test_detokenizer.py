@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from tilellm.engine.detokenizer import IncrementalDetokenizer
+from tilellm.engine.detokenizer import IncrementalDetokenizer, backend_decode
 
 TEXTS = ["Zürich 東京 漢字😀 ñandú 🚀.", "plain ascii text, with words", "🙂🙂🙂 a b  c"]
 
@@ -62,3 +64,33 @@ def test_long_streams_stay_consistent(tokenizer):
     detok.flush()
     assert detok.text == tokenizer.decode(ids)
     assert len(detok.tokens) < 200  # the decoded window is trimmed
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 2047), max_size=12), skip=st.booleans())
+def test_backend_decode_is_the_tokenizers_decode(tokenizer, ids, skip):
+    """The Rust backend's decode, which the detokenizer calls directly, gives `tokenizer.decode`'s
+    text for any ids (special ones included) with and without skipping special tokens."""
+    decode = backend_decode(tokenizer)
+    assert decode is not None  # a fast tokenizer without clean-up: the direct path is taken
+    ids = [i % len(tokenizer) for i in ids] + [tokenizer.eos_token_id] * (len(ids) % 2)
+    assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_backend_decode_only_where_it_is_the_same(tokenizer):
+    """No direct path where `decode` would clean up tokenization spaces, or for a tokenizer with
+    no Rust backend: the detokenizer then calls `decode` itself."""
+
+    class Cleaning:
+        backend_tokenizer = tokenizer.backend_tokenizer
+        clean_up_tokenization_spaces = True
+
+    class Slow:
+        clean_up_tokenization_spaces = False
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "|".join(map(str, ids))
+
+    assert backend_decode(Cleaning()) is None and backend_decode(Slow()) is None
+    detok = IncrementalDetokenizer(Slow(), [7])
+    assert detok.add([1, 2]) == "|1|2" and detok.text == "|1|2"

@@ -5,10 +5,16 @@ tokenizers drop a word's leading space when it starts the decoded span. Both are
 decoding a short window twice: `tokens[prefix:read]` (already emitted) and `tokens[prefix:]`
 (with the new tokens); the new text is the difference, released only when it does not end in
 U+FFFD (an incomplete character). The window starts with a few prompt tokens as context.
+
+A fast (Rust-backed) tokenizer that does no clean-up of tokenization spaces is asked directly
+(`backend_tokenizer.decode`): what transformers' `decode` returns for it, without that method's
+Python around the call (its argument conversion walks the ids), which every running request pays
+twice a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # Prompt tokens decoded as context before the first generated token.
@@ -23,7 +29,15 @@ class IncrementalDetokenizer:
     `flush()` releases what is held back (at the end of the sequence, even an incomplete char).
     """
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "tokens", "prefix_offset", "read_offset", "text")
+    __slots__ = (
+        "tokenizer",
+        "skip_special_tokens",
+        "tokens",
+        "prefix_offset",
+        "read_offset",
+        "text",
+        "_decode_ids",
+    )
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -32,9 +46,10 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.text = ""
+        self._decode_ids = backend_decode(tokenizer) or tokenizer.decode
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_token_ids: list[int]) -> str:
         self.tokens.extend(new_token_ids)
@@ -65,3 +80,12 @@ class IncrementalDetokenizer:
             del self.tokens[: self.prefix_offset]
             self.read_offset -= self.prefix_offset
             self.prefix_offset = 0
+
+
+def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
+    """`decode(ids, skip_special_tokens=...)` of a fast tokenizer's Rust backend where it returns
+    what `tokenizer.decode` does (no clean-up of tokenization spaces), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode

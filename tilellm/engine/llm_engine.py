@@ -39,7 +39,7 @@ import numpy as np
 
 from tilellm.cache.block_manager import SHARED_ROOT, BlockManager, request_root
 from tilellm.config import EngineConfig
-from tilellm.engine.detokenizer import IncrementalDetokenizer
+from tilellm.engine.detokenizer import IncrementalDetokenizer, backend_decode
 from tilellm.engine.generation_config import default_sampling_values
 from tilellm.engine.metrics import Metric, engine_metrics
 from tilellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -860,7 +860,8 @@ class LLMEngine:
         self.scheduler.finish(seq)
         if seq.detokenizer is None and self.tokenizer is not None:
             skip = seq.request.params.skip_special_tokens
-            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
+            decode = backend_decode(self.tokenizer) or self.tokenizer.decode
+            seq.text = decode(seq.output_token_ids, skip_special_tokens=skip)
         req = seq.request
         if req.is_finished:
             req.metrics.finished_time = time.perf_counter()
@@ -878,8 +879,9 @@ class LLMEngine:
                 if tid not in entry:
                     entry[tid] = Logprob(v, rank)
         if self.tokenizer is not None:
+            decode = backend_decode(self.tokenizer) or self.tokenizer.decode
             for tid, item in entry.items():
-                item.decoded_token = self.tokenizer.decode([tid])
+                item.decoded_token = decode([tid], skip_special_tokens=False)
         seq.logprobs.append(entry)
         seq.cumulative_logprob += lp
 
