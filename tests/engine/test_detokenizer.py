@@ -78,12 +78,11 @@ def test_backend_decode_is_the_tokenizers_decode(tokenizer, ids, skip):
 
 
 def test_backend_decode_only_where_it_is_the_same(tokenizer):
-    """No direct path where `decode` would clean up tokenization spaces, or for a tokenizer with
-    no Rust backend: the detokenizer then calls `decode` itself."""
+    """No direct path where `decode` would clean up tokenization spaces, where a tokenizer's class
+    rewrites the decoded text, or for a tokenizer with no Rust backend: the detokenizer then calls
+    `decode` itself."""
 
-    class Cleaning:
-        backend_tokenizer = tokenizer.backend_tokenizer
-        clean_up_tokenization_spaces = True
+    cleaning = type(tokenizer).from_pretrained(tokenizer.name_or_path, clean_up_tokenization_spaces=True)
 
     class Slow:
         clean_up_tokenization_spaces = False
@@ -91,6 +90,16 @@ def test_backend_decode_only_where_it_is_the_same(tokenizer):
         def decode(self, ids, skip_special_tokens=False):
             return "|".join(map(str, ids))
 
-    assert backend_decode(Cleaning()) is None and backend_decode(Slow()) is None
+    class Rewriting(type(tokenizer)):  # a model's tokenizer that edits the decoded text
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).replace(" ", "_")
+
+    rewriting = Rewriting.from_pretrained(tokenizer.name_or_path)
+    assert backend_decode(cleaning) is None and backend_decode(Slow()) is None
+    assert backend_decode(rewriting) is None
+    ids = tokenizer.encode("two words")
+    detok = IncrementalDetokenizer(rewriting, [])
+    detok.add(ids)
+    assert detok.text == rewriting.decode(ids) == "two_words"
     detok = IncrementalDetokenizer(Slow(), [7])
     assert detok.add([1, 2]) == "|1|2" and detok.text == "|1|2"

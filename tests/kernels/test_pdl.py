@@ -41,6 +41,7 @@ def test_unset_takes_launches_of_at_most_the_default_rows(capable, default_rows)
             "launch_pdl": rows <= default_rows,
         }
     assert not pdl.pdl_enabled(HOPPER)  # a launch that does not say its rows: only when forced
+    assert not pdl.pdl_enabled(HOPPER, 0)  # (nothing to launch)
 
 
 def test_one_forces_every_launch_and_zero_none(capable):

@@ -68,6 +68,42 @@ def _before_wait(compiled) -> list[str]:
     return code[: waits[0]]
 
 
+_REG = re.compile(r"%[a-z]+[0-9]+")
+
+
+def _early_load_params(compiled, fn, constexprs: dict) -> list[str]:
+    """The kernel arguments the addresses of its global loads before the wait are computed from,
+    read from the PTX: each register's value is traced back (through every instruction that wrote
+    it) to the kernel parameters loaded with `ld.param`; the names of those parameters, over all
+    the loads that come before `griddepcontrol.wait`."""
+    args = [n for n in fn.arg_names if n not in constexprs]  # the PTX's parameters, in order
+    ptx = compiled.asm["ptx"]
+    body = ptx[ptx.index("{", ptx.index(".entry")) : ptx.index("griddepcontrol.wait")]
+    origin: dict[str, set[str]] = {}
+    used: set[str] = set()
+    for line in body.splitlines():
+        ins = re.sub(r"^\s*@!?%p[0-9]+\s+", "", line.split("//")[0]).strip()
+        if not ins or ins.startswith((".", "$", "{", "}")):
+            continue
+        op, _, operands = ins.partition(" ")
+        if op.startswith("ld.param"):
+            dst, index = re.match(r"(%[a-z]+[0-9]+),\s*\[\w+_param_([0-9]+)\]", operands.strip()).groups()
+            origin[dst] = {args[int(index)]} if int(index) < len(args) else {"(scratch)"}
+            continue
+        regs = _REG.findall(operands)
+        if op.startswith("ld.global"):  # { destinations }, [ address ]
+            address = _REG.findall(operands[operands.index("[") :])
+            used |= set().union(*(origin.get(r, set()) for r in address))
+            continue
+        if not regs or op.startswith(("st.", "setp", "bra", "prefetch")):
+            if op.startswith("setp") and regs:  # a predicate: from its operands
+                origin[regs[0]] = set().union(*(origin.get(r, set()) for r in regs[1:]))
+            continue
+        dst, srcs = regs[0], regs[1:]
+        origin[dst] = origin.get(dst, set()) | set().union(*(origin.get(r, set()) for r in srcs))
+    return sorted(used)
+
+
 def _cases() -> dict[str, tuple]:
     """name -> (kernel, argument types, constexprs, 16-divisible arguments, options, prefetch allowed)."""
     cases: dict[str, tuple] = {}
@@ -245,6 +281,7 @@ CASES = (
 )
 # the kernels that load their weight tile before the wait (the one-row GEMVs: K in one tile)
 WEIGHT_LOADS_FIRST = ("gemv", "gemv_rows", "fp8_gemv")
+WEIGHT_ARGS = {"W", "Bs"}  # the weight and its block scales: no kernel writes them
 
 
 def _analyse_all() -> dict[str, dict]:
@@ -253,7 +290,11 @@ def _analyse_all() -> dict[str, dict]:
     for name, (fn, types, constexprs, aligned, options, _) in _cases().items():
         try:
             compiled = _compile(fn, types, constexprs, aligned, **options)
-            out[name] = {"before": _before_wait(compiled), "launch_pdl": bool(compiled.metadata.launch_pdl)}
+            out[name] = {
+                "before": _before_wait(compiled),
+                "launch_pdl": bool(compiled.metadata.launch_pdl),
+                "early_load_params": _early_load_params(compiled, fn, constexprs),
+            }
         except Exception as e:  # reported by the test of this case
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -295,6 +336,10 @@ def test_waits_before_touching_memory(analysis, name):
     assert not others, f"{name}: a store, atomic or exit before the wait: {others}"
     if name.split("-")[0] in WEIGHT_LOADS_FIRST:
         assert loads, f"{name}: no load of the weight before the wait"
+        pointers = {n for n in result["early_load_params"] if _cases()[name][1].get(n, "").startswith("*")}
+        assert pointers and pointers <= WEIGHT_ARGS, (
+            f"{name}: loads before the wait read from {sorted(pointers)}, not only from the weight"
+        )
     else:
         assert not loads, f"{name}: a global load before the wait: {loads}"
     assert not [ins for ins in before if "PREEXIT" in ins], (

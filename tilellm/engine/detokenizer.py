@@ -84,8 +84,17 @@ class IncrementalDetokenizer:
 
 def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
     """`decode(ids, skip_special_tokens=...)` of a fast tokenizer's Rust backend where it returns
-    what `tokenizer.decode` does (no clean-up of tokenization spaces), else None."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    what `tokenizer.decode` does: a `PreTrainedTokenizerFast` whose class keeps that class's
+    `decode` and `_decode` (some models' tokenizers rewrite the text there) and cleans up no
+    tokenization spaces; else None."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    if (
+        not isinstance(tokenizer, PreTrainedTokenizerFast)
+        or cls.decode is not PreTrainedTokenizerFast.decode
+        or cls._decode is not PreTrainedTokenizerFast._decode
+        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
         return None
-    return backend.decode
+    return tokenizer.backend_tokenizer.decode

@@ -48,14 +48,14 @@ DEFAULT_PDL_ROWS = 0
 def pdl_enabled(device: torch.device, rows: int | None = None) -> bool:
     """Whether a launch of `rows` rows (tokens) on `device` uses PDL: a CUDA device of compute
     capability 9.0 or newer, not Triton's interpreter, and `TILELLM_PDL=1`, or `TILELLM_PDL`
-    unset and at most DEFAULT_PDL_ROWS rows (module docstring). `rows` None: whether every
-    launch does (`TILELLM_PDL=1`)."""
+    unset (or any value but 0 and 1) and 1 to DEFAULT_PDL_ROWS rows (module docstring). `rows`
+    None: whether every launch does (`TILELLM_PDL=1`)."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _pdl_enabled(index):
         return True
-    return rows is not None and rows <= DEFAULT_PDL_ROWS and not _pdl_off() and _pdl_capable(index)
+    return rows is not None and 0 < rows <= DEFAULT_PDL_ROWS and not _pdl_off() and _pdl_capable(index)
 
 
 def pdl_launch_kwargs(device: torch.device, rows: int | None = None) -> dict[str, bool]:
@@ -75,9 +75,13 @@ def _pdl_enabled(index: int) -> bool:
     return os.environ.get("TILELLM_PDL") == "1" and _pdl_capable(index)
 
 
-@functools.cache
 def _pdl_capable(index: int) -> bool:
-    return not interpreting() and torch.cuda.get_device_capability(index)[0] >= 9
+    return not interpreting() and _compute_capability(index) >= 9
+
+
+@functools.cache
+def _compute_capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @triton.jit
