@@ -34,10 +34,15 @@
 #               GPU tests and the engine's (greedy vs transformers, the GPU engine tests, FP8), then
 #               benchmarks/small_batch_decode.py against TILELLM_GEMV=0 (bf16 and --quantization fp8)
 #               and against TILELLM_PDL=1, and benchmarks/fp8_gemm.py's one-row and eight-row columns
+#   smallbatch  what a small batch's decode step may still gain: benchmarks/small_batch_decode.py against
+#               TILELLM_PDL=1 (at batch 1 the same kernels as the default, launched with PDL: whether
+#               pdl.DEFAULT_PDL_ROWS should be 1), the engine's and the kernels' PDL tests,
+#               benchmarks/decode_splits.py (split-KV segments over short contexts) and
+#               benchmarks/few_row_tiles.py (the linear layers at 2-16 rows by kernel and tile)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify,gemv, run in that
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify,gemv,smallbatch, run in that
 #   order (default: the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
@@ -52,11 +57,11 @@
 # `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
 # engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
 # too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run
-# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8`, `verify` and `gemv` as calls of their own, each with
+# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8`, `verify`, `gemv` and `smallbatch` as calls of their own, each with
 # BUDGET_S=570.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify gemv)
+ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify gemv smallbatch)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -234,6 +239,15 @@ if selected gemv; then
     --quantization fp8 --ab TILELLM_GEMV=0 --json "$OUT/gemv_small_batch_fp8.json"
   run_step gemv_fp8_gemm 100 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep --ms 1,8 --models qwen3-0.6b,qwen3-8b \
     --json "$OUT/gemv_fp8_gemm.json"
+fi
+
+if selected smallbatch; then
+  run_step smallbatch_pdl 150 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
+    --ab TILELLM_PDL=1 --json "$OUT/smallbatch_pdl.json"
+  run_step smallbatch_pdl_engine_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
+    tests/engine/test_pdl.py tests/kernels/test_pdl.py tests/kernels/test_pdl_order.py
+  run_step smallbatch_splits 60 "$PYTHON" benchmarks/decode_splits.py --json "$OUT/decode_splits.json"
+  run_step smallbatch_tiles 200 "$PYTHON" benchmarks/few_row_tiles.py --json "$OUT/few_row_tiles.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
