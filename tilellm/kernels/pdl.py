@@ -7,10 +7,11 @@ serialization" attribute (Triton's `launch_pdl=True`) may start as soon as every
 kernel before it has run `griddepcontrol.launch_dependents` (or finished), and waits where it
 must with `griddepcontrol.wait`, which returns once the kernel before has completed and its writes
 are visible. Whatever a kernel does before that wait must not read what the kernels before it
-write, nor write anything: here, only loads of weights and L2 prefetches of them
-(`skinny.py`). Each kernel lets the next launch right after its own wait, so at most the kernel
-before, this one and the next hold SM slots at a time. A kernel launched so after one that was not (cuBLAS's, NCCL's, a copy) waits for
-it as usual.
+write, nor write anything: here, only loads of weights (the GEMVs' whole weight tiles,
+`gemv.py` and `fp8_gemv.py`) and L2 prefetches of them (`skinny.py`); `tests/kernels/
+test_pdl_order.py` reads each kernel's machine code for it. Each kernel lets the next launch right
+after its own wait, so at most the kernel before, this one and the next hold SM slots at a time.
+A kernel launched so after one that was not (cuBLAS's, NCCL's, a copy) waits for it as usual.
 
 The kernels that take part are those of a decoder layer's decode path: RMSNorm, rotary, the K/V
 store, paged attention and its split-KV merge, SiLU-and-mul, and the few-row linear layers
