@@ -319,7 +319,7 @@ def analysis() -> dict[str, dict]:
 @pytest.mark.parametrize("name", CASES)
 def test_waits_before_touching_memory(analysis, name):
     """No global store, atomic or exit before the wait, and no load either but the weight's: the
-    L2 prefetch skinny_linear must issue there, and the GEMVs' loads of their weight tile, which
+    L2 prefetch that skinny_linear must place there, and the GEMVs' loads of their weight tile, which
     must come there to overlap the kernel before. Nor the trigger that lets the next kernel launch
     (`griddepcontrol.launch_dependents`, PREEXIT): before its own wait it lets every later kernel
     of the chain launch and wait on the SMs."""

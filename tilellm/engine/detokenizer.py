@@ -39,14 +39,21 @@ class IncrementalDetokenizer:
         "_decode_ids",
     )
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        decode_ids: Callable[..., str] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.text = ""
-        self._decode_ids = backend_decode(tokenizer) or tokenizer.decode
+        # `decode_ids`: the tokenizer's decode as its owner chose it once (`backend_decode`)
+        self._decode_ids = decode_ids or backend_decode(tokenizer) or tokenizer.decode
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)

@@ -153,6 +153,10 @@ class LLMEngine:
             except BaseException:
                 self.shutdown()  # no worker processes left behind
                 raise
+        # the tokenizer's decode, or its Rust backend's where that gives the same text
+        self._decode_ids = (
+            None if self.tokenizer is None else backend_decode(self.tokenizer) or self.tokenizer.decode
+        )
         self.eos_token_ids = _eos_token_ids(cfg.model, self.model_config, self.tokenizer)
         self._eos_array = np.asarray(self.eos_token_ids, dtype=np.int64)
         self.block_manager = BlockManager(
@@ -825,7 +829,10 @@ class LLMEngine:
         detok = seq.detokenizer
         if detok is None:
             detok = seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], params.skip_special_tokens
+                self.tokenizer,
+                seq.token_ids[: seq.num_prompt_tokens],
+                params.skip_special_tokens,
+                self._decode_ids,
             )
             if pos > seq.num_prompt_tokens:  # tokens generated before streaming began
                 detok.add(seq.token_ids[seq.num_prompt_tokens : pos])
@@ -860,8 +867,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         if seq.detokenizer is None and self.tokenizer is not None:
             skip = seq.request.params.skip_special_tokens
-            decode = backend_decode(self.tokenizer) or self.tokenizer.decode
-            seq.text = decode(seq.output_token_ids, skip_special_tokens=skip)
+            seq.text = self._decode_ids(seq.output_token_ids, skip_special_tokens=skip)
         req = seq.request
         if req.is_finished:
             req.metrics.finished_time = time.perf_counter()
@@ -879,9 +885,8 @@ class LLMEngine:
                 if tid not in entry:
                     entry[tid] = Logprob(v, rank)
         if self.tokenizer is not None:
-            decode = backend_decode(self.tokenizer) or self.tokenizer.decode
             for tid, item in entry.items():
-                item.decoded_token = decode([tid], skip_special_tokens=False)
+                item.decoded_token = self._decode_ids([tid], skip_special_tokens=False)
         seq.logprobs.append(entry)
         seq.cumulative_logprob += lp
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from tilellm.kernels import validation
 from tilellm.kernels.config import LOG2_E, next_power_of_2
 from tilellm.kernels.launch import FastLaunch, LaunchKey
-from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
+from tilellm.kernels.pdl import pdl_flags, pdl_launch_kwargs, pdl_start
 
 LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
@@ -240,5 +240,5 @@ def _merge_constexprs(
     `pdl_launch_kwargs` for its rows)."""
     return dict(
         HEAD_DIM=head_dim, SPLITS_PAD=_splits_pad(splits), WRITE_LSE=write_lse,
-        num_warps=4 if head_dim >= 128 else 2, USE_PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=4 if head_dim >= 128 else 2, **pdl_flags(use_pdl),
     )  # fmt: skip

@@ -56,7 +56,7 @@ from tilellm.kernels.merge import (
     plan_merge,
     run_merge,
 )
-from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
+from tilellm.kernels.pdl import pdl_flags, pdl_launch_kwargs, pdl_start
 from tilellm.kernels.prefill import rows_view
 from tilellm.kernels.schedule import (
     PagedPlan,
@@ -682,7 +682,7 @@ def _paged_constexprs(
         DOT_FP16=kv_fp8 and dtype in (torch.float16, torch.bfloat16),
         PIPELINE_MASKED=not (kv_fp8 and short_tiles and not has_kv_lo),
         MERGE_LAST=merge_last, MERGE_UNROLL=merge_unroll(cfg.block_m, head_dim),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, USE_PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_flags(use_pdl),
     )  # fmt: skip
 
 

@@ -63,7 +63,11 @@ def pdl_launch_kwargs(device: torch.device, rows: int | None = None) -> dict[str
     """The launch keywords of a kernel that takes part, for a launch of `rows` rows: its `USE_PDL`
     constexpr and Triton's `launch_pdl` option, always set together (a kernel launched with PDL
     must wait before it reads; the wait is compiled in only with USE_PDL)."""
-    on = pdl_enabled(device, rows)
+    return pdl_flags(pdl_enabled(device, rows))
+
+
+def pdl_flags(on: bool) -> dict[str, bool]:
+    """`USE_PDL` and `launch_pdl`, both `on`: a launch decided before (`pdl_enabled`)."""
     return {"USE_PDL": on, "launch_pdl": on}
 
 
