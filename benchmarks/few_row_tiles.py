@@ -38,6 +38,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from tilellm.bench.timing import graph_replay_us
 from tilellm.kernels import gemv, skinny
@@ -101,7 +102,11 @@ def measure(name: str, rows: int) -> dict[str, float]:
         with mock.patch.dict(os.environ, env), contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
-            out = ours(*operands[0]).float()
+            try:
+                out = ours(*operands[0]).float()
+            except triton.runtime.errors.OutOfResources as exc:  # (a tile past the SM's shared memory)
+                print(f"  {name} M={rows} {label}: {exc}, not timed", file=sys.stderr)
+                return
             err = ((out - reference).abs().max() / reference.abs().max()).item()
             if err > 2e-2:
                 print(f"  {name} M={rows} {label}: relative error {err:.3g}, not timed", file=sys.stderr)
