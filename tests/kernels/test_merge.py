@@ -27,8 +27,9 @@ def check(o_parts, lse_parts, device, what):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_parts", [1, 2, 3, 7, 16])
+@pytest.mark.parametrize("num_parts", [1, 2, 3, 7, 9, 16, 40])
 def test_parts(num_parts, dtype, device):
+    """Every lane count of the kernel: 8 lanes (up to 8 parts), 16 (9-16), 64 (17-64)."""
     check(*make(num_parts, 9, 5, 32, dtype, device, seed=num_parts), device, f"S={num_parts}")
 
 

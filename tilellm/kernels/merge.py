@@ -29,12 +29,18 @@ LOG2_E_C = tl.constexpr(LOG2_E)  # usable inside @jit
 
 
 def _splits_pad(num_splits: int) -> int:
-    """The kernel's split lanes: few variants (8 or 64 lanes up to the 16-bit planner's 64
+    """The kernel's split lanes: few variants (8, 16 or 64 lanes up to the 16-bit planner's 64
     splits; 128 for the FP8 rule's up to 128, planned only for contexts of 128k keys or more, so
     the decode graphs captured for such a max_model_len compile it before serving), so that a new
-    split count in the middle of serving does not compile a new kernel."""
+    split count in the middle of serving does not compile a new kernel. 16 lanes serve the small
+    batches' plans (`schedule.SMALL_BATCH_MAX_SPLITS`), which a decode graph makes for its
+    longest context: each program loads [lanes, head_dim] partials, and at one request over a
+    few hundred keys 64 lanes cost about 1.6 us a call more than 8 (docs/benchmarks.md, "Split-KV
+    segments over short contexts")."""
     if num_splits <= 8:
         return 8
+    if num_splits <= 16:
+        return 16
     return max(64, next_power_of_2(num_splits))
 
 

@@ -42,8 +42,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tilellm.kernels.config import env_flag, interpreting
 
-# Launches of at most this many rows take part when TILELLM_PDL is unset (0: none).
-DEFAULT_PDL_ROWS = 0
+# Launches of at most this many rows take part when TILELLM_PDL is unset (0: none). One: a
+# batch-1 decode step (its linear layers are `gemv.py`'s, which load their weight before the
+# wait) measured 7% less device time with PDL on an H100 (docs/benchmarks.md, "Programmatic
+# dependent launch at one row"); at eight rows the step runs cuBLAS, which does not take part.
+DEFAULT_PDL_ROWS = 1
 
 
 def pdl_enabled(device: torch.device, rows: int | None = None) -> bool:
