@@ -35,10 +35,10 @@
 #               benchmarks/small_batch_decode.py against TILELLM_GEMV=0 (bf16 and --quantization fp8)
 #               and against TILELLM_PDL=1, and benchmarks/fp8_gemm.py's one-row and eight-row columns
 #   smallbatch  what a small batch's decode step may still gain: benchmarks/small_batch_decode.py against
-#               TILELLM_PDL=1 (at batch 1 the same kernels as the default, launched with PDL: whether
-#               pdl.DEFAULT_PDL_ROWS should be 1), the engine's and the kernels' PDL tests,
+#               TILELLM_PDL=0 (the default launches one-row steps' kernels with PDL: what that gives),
+#               twice, with the host's Python profile at batch 1; the PDL and merge tests,
 #               benchmarks/decode_splits.py (split-KV segments over short contexts) and
-#               benchmarks/few_row_tiles.py (the linear layers at 2-16 rows by kernel and tile)
+#               benchmarks/few_row_tiles.py (the linear layers at 8 rows by kernel and tile)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
@@ -232,9 +232,9 @@ if selected gemv; then
     tests/engine/test_greedy_vs_hf.py tests/engine/test_gpu.py tests/engine/test_fp8_greedy_vs_hf.py
   run_step gemv_small_batch 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
     --ab TILELLM_GEMV=0 --repeat 2 --json "$OUT/gemv_small_batch.json"
-  # programmatic dependent launch with them: their weight loads start before the kernel before ends
+  # programmatic dependent launch with them (one-row launches, the default) against none
   run_step gemv_small_batch_pdl 150 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
-    --ab TILELLM_PDL=1 --json "$OUT/gemv_small_batch_pdl.json"
+    --ab TILELLM_PDL=0 --json "$OUT/gemv_small_batch_pdl.json"
   run_step gemv_small_batch_fp8 120 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 \
     --quantization fp8 --ab TILELLM_GEMV=0 --json "$OUT/gemv_small_batch_fp8.json"
   run_step gemv_fp8_gemm 100 "$PYTHON" benchmarks/fp8_gemm.py --no-sweep --ms 1,8 --models qwen3-0.6b,qwen3-8b \
@@ -242,12 +242,14 @@ if selected gemv; then
 fi
 
 if selected smallbatch; then
-  run_step smallbatch_pdl 150 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
-    --ab TILELLM_PDL=1 --json "$OUT/smallbatch_pdl.json"
-  run_step smallbatch_pdl_engine_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra \
-    tests/engine/test_pdl.py tests/kernels/test_pdl.py tests/kernels/test_pdl_order.py
+  # the default (PDL for one-row launches) against none, twice, with the host's Python profile
+  run_step smallbatch_pdl 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
+    --ab TILELLM_PDL=0 --repeat 2 --cprofile 40 --json "$OUT/smallbatch_pdl.json"
+  run_step smallbatch_pdl_engine_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 8 \
+    tests/engine/test_pdl.py tests/kernels/test_pdl.py tests/kernels/test_pdl_order.py tests/kernels/test_merge.py \
+    tests/kernels/test_merge_in_kernel.py
   run_step smallbatch_splits 60 "$PYTHON" benchmarks/decode_splits.py --json "$OUT/decode_splits.json"
-  run_step smallbatch_tiles 200 "$PYTHON" benchmarks/few_row_tiles.py --json "$OUT/few_row_tiles.json"
+  run_step smallbatch_tiles 150 "$PYTHON" benchmarks/few_row_tiles.py --rows 8 --json "$OUT/few_row_tiles.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
