@@ -106,6 +106,7 @@ def test_graph_step_is_padded_to_the_graph_size():
     assert got.slot_mapping.tolist() == x.slot_mapping.tolist() + [-1] * 5
     assert got.seq_lens.tolist() == x.seq_lens.tolist() + [1] * 5
     assert got.block_table.tolist() == x.block_table.tolist()
+    _same(_sent(x.padded_to(3)), dataclasses.replace(x, graph_size=3))  # a full bucket: no padding
     with pytest.raises(ValueError, match="decode batch of at most 2"):
         x.padded_to(2)
     with pytest.raises(ValueError, match="decode batch"):

@@ -137,6 +137,8 @@ class DecodeGraphs:
         # steps by graph variant ("piecewise": prefill and mixed steps, counted by the runner)
         self.replays = {"plain": 0, "short": 0, "cascade": 0, "verify": 0, "piecewise": 0}
         self.pool = None  # the memory pool the graphs share, once captured
+        # bucket -> the static input_ids, positions, slot_mapping and seq_lens of its rows
+        self._bucket_views: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.variants["plain"])
@@ -309,10 +311,13 @@ class DecodeGraphs:
             return self._replay_verify(x)
         bucket, s = x.graph_size, self.static
         nb = x.block_table.shape[1]
-        s.input_ids[:bucket].copy_(x.input_ids)
-        s.positions[:bucket].copy_(x.positions)
-        s.slot_mapping[:bucket].copy_(x.slot_mapping)
-        s.seq_lens[:bucket].copy_(x.seq_lens)
+        views = self._bucket_views.get(bucket)
+        if views is None:  # (made once a bucket: each slice is host work on every step)
+            views = self._bucket_views[bucket] = tuple(
+                t[:bucket] for t in (s.input_ids, s.positions, s.slot_mapping, s.seq_lens)
+            )
+        for static, step in zip(views, (x.input_ids, x.positions, x.slot_mapping, x.seq_lens)):
+            static.copy_(step)
         s.block_table[: x.num_reqs, :nb].copy_(x.block_table)
         if x.cascade_prefix_len is not None:
             s.cascade_prefix_len.copy_(x.cascade_prefix_len)

@@ -243,6 +243,7 @@ class ModelRunner:
                 torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
             ]
         self._parity = 0
+        self._events: dict[tuple[int, bool, bool], torch.cuda.Event] = {}  # (`_step_event`)
         self._step_id = 0
         self._recv_payload: torch.Tensor | None = None  # workers: where each step's payload lands
         # CUDA-event timing of each step (benchmarks turn it on; TILELLM_TIME_DEVICE=1 from the start,
@@ -810,7 +811,7 @@ class ModelRunner:
         # The device span starts here: when the host is late, the idle time before it is excluded.
         start_ev = None
         if self.time_device:
-            start_ev = torch.cuda.Event(enable_timing=True)
+            start_ev = self._step_event(parity, start=True)
             start_ev.record()
         dev = st.commit()
         md = sampling.to_metadata({name: dev[i] for name, i in where.items() if not name.startswith("patch")})
@@ -921,9 +922,19 @@ class ModelRunner:
             top_token_ids=host(out.top_token_ids),
             prompt=out.prompt.map(host) if out.prompt is not None else None,
         )
-        event = torch.cuda.Event(enable_timing=self.time_device)
+        event = self._step_event(parity)
         event.record()
         return StepHandle(tokens_dev=out.token_ids, out=out, host=host_result, event=event)
+
+    def _step_event(self, parity: int, start: bool = False) -> torch.cuda.Event:
+        """The CUDA event that ends (`start`: begins) the steps of this parity, made once: like
+        the pinned token buffers, it is recorded again two steps later, once the engine has
+        waited for the step that recorded it (an event's creation is host work on every step)."""
+        key = (parity, start, self.time_device)
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = torch.cuda.Event(enable_timing=self.time_device)
+        return event
 
     def wait(self, handle: StepHandle) -> StepResult:
         """Block until `handle`'s step is done; its sampled tokens (and logprobs) on the host."""

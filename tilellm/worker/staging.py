@@ -25,9 +25,14 @@ class PinnedStaging:
         self._offset = 0
 
     def _alloc(self, nbytes: int) -> None:
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        nbytes = -(-nbytes // self._ALIGN) * self._ALIGN  # (whole elements of every dtype)
+        # (pinned for a CUDA device, so the copy is asynchronous; plain memory elsewhere)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self.host_np = self.host.numpy()
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # the device buffer viewed as each dtype, made once: a step's arrays are slices of these
+        # (items are _ALIGN-aligned, so every offset is a whole number of elements)
+        self._dev_views = {np_dtype: self.dev.view(t) for np_dtype, t in _TORCH_DTYPES.items()}
 
     def add(self, a: np.ndarray) -> int:
         a = np.ascontiguousarray(a)
@@ -54,8 +59,9 @@ class PinnedStaging:
         self.dev[: self._offset].copy_(self.host[: self._offset], non_blocking=True)
         out = []
         for off, n, dtype, shape in self._items:
-            t = self.dev[off : off + n].view(_TORCH_DTYPES[np.dtype(dtype)]).view(shape)
-            out.append(t)
+            size = dtype.itemsize
+            t = self._dev_views[dtype][off // size : (off + n) // size]
+            out.append(t if len(shape) == 1 else t.view(shape))
         self._items, self._offset = [], 0
         return out
 

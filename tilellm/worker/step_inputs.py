@@ -108,10 +108,10 @@ class StepInputs:
         return dataclasses.replace(
             self,
             graph_size=graph_size,
-            input_ids=np.pad(self.input_ids, (0, pad)),
-            positions=np.pad(self.positions, (0, pad)),
-            slot_mapping=np.pad(self.slot_mapping, (0, pad), constant_values=-1),
-            seq_lens=np.pad(self.seq_lens, (0, pad), constant_values=1),
+            input_ids=_pad_rows(self.input_ids, pad, 0),
+            positions=_pad_rows(self.positions, pad, 0),
+            slot_mapping=_pad_rows(self.slot_mapping, pad, -1),
+            seq_lens=_pad_rows(self.seq_lens, pad, 1),
         )
 
     def padded_requests_to(self, graph_size: int) -> StepInputs:
@@ -128,11 +128,11 @@ class StepInputs:
             self,
             num_reqs=graph_size,
             graph_size=graph_size,
-            input_ids=np.pad(self.input_ids, (0, pad * w)),
-            positions=np.pad(self.positions, (0, pad * w)),
-            slot_mapping=np.pad(self.slot_mapping, (0, pad * w), constant_values=-1),
-            seq_lens=np.pad(self.seq_lens, (0, pad), constant_values=w),
-            block_table=np.pad(self.block_table, ((0, pad), (0, 0))),
+            input_ids=_pad_rows(self.input_ids, pad * w, 0),
+            positions=_pad_rows(self.positions, pad * w, 0),
+            slot_mapping=_pad_rows(self.slot_mapping, pad * w, -1),
+            seq_lens=_pad_rows(self.seq_lens, pad, w),
+            block_table=_pad_rows(self.block_table, pad, 0),
             cu_seqlens_q=np.arange(graph_size + 1, dtype=np.int32) * w,
         )
 
@@ -140,29 +140,39 @@ class StepInputs:
 
     def header(self, step_id: int = 0) -> np.ndarray:
         """[HEADER_WORDS] int64: op, step id, payload words, the scalars, every array's shape."""
-        header = np.zeros(HEADER_WORDS, dtype=np.int64)
-        header[OP], header[STEP_ID] = OP_STEP, step_id
-        for i, f in enumerate(_SCALARS):
+        # (built as a list, then one array: every step builds one, and per-element numpy writes
+        # cost more than the list)
+        words = [0] * _SCALAR_BASE
+        words[OP], words[STEP_ID] = OP_STEP, step_id
+        for f in _SCALARS:
             value = getattr(self, f.name)
-            header[_SCALAR_BASE + i] = _KINDS.index(value) if f.name == "kind" else int(value)
-        for i, f in enumerate(_ARRAYS):
+            words.append(_KINDS.index(value) if f.name == "kind" else int(value))
+        shapes = []
+        for f in _ARRAYS:
             a = getattr(self, f.name)
-            shape = (-1, -1) if a is None else (tuple(a.shape) + (0,))[:2]
-            header[_SHAPE_BASE + 2 * i : _SHAPE_BASE + 2 * i + 2] = shape
-        header[NUM_WORDS] = _layout(header)[1]
+            if a is None:
+                shapes += (-1, -1)
+            else:
+                shape = a.shape
+                shapes += (int(shape[0]), int(shape[1]) if len(shape) > 1 else 0)
+        words[NUM_WORDS] = _layout_of(tuple(shapes))[1]
+        words += shapes
+        header = np.zeros(HEADER_WORDS, dtype=np.int64)
+        header[: len(words)] = words
         return header
 
     def write(self, out: np.ndarray, header: np.ndarray) -> None:
         """Pack the arrays into `out` ([header[NUM_WORDS]] int64), where `header` says."""
+        out32 = out.view(np.int32)  # (int32 arrays start on a whole word: at 2 * offset here)
         for name, dtype, shape, offset in _layout(header)[0]:
             count = math.prod(shape)
             a = getattr(self, name)
             if dtype == _I64:
                 out[offset : offset + count] = a.reshape(-1)
             else:
-                words = out[offset : offset + (count + 1) // 2].view(np.int32)
-                words[:count] = a.reshape(-1)
-                words[count:] = 0
+                out32[2 * offset : 2 * offset + count] = a.reshape(-1)
+                if count % 2:
+                    out32[2 * offset + count] = 0  # the last word's unused half
 
     def to_words(self, header: np.ndarray) -> np.ndarray:
         out = np.empty(int(header[NUM_WORDS]), dtype=np.int64)
@@ -176,16 +186,19 @@ class StepInputs:
         if payload.dtype != torch.int64 or payload.dim() != 1 or payload.shape[0] < num_words:
             raise ValueError(f"payload must be a 1-D int64 tensor of at least {num_words} words")
         values: dict[str, Any] = {}
-        for i, f in enumerate(_SCALARS):
-            v = int(header[_SCALAR_BASE + i])
+        scalars = header[_SCALAR_BASE : _SCALAR_BASE + len(_SCALARS)].tolist()
+        for f, v in zip(_SCALARS, scalars):
             values[f.name] = _KINDS[v] if f.name == "kind" else v
+        payload32 = None  # (one int32 view for every int32 array: each view op costs host time)
         for name, dtype, shape, offset in layout:
             count = math.prod(shape)
             if dtype == _I64:
-                values[name] = payload[offset : offset + count].view(shape)
+                t = payload[offset : offset + count]
             else:
-                words = payload[offset : offset + (count + 1) // 2]
-                values[name] = words.view(torch.int32)[:count].view(shape)
+                if payload32 is None:
+                    payload32 = payload.view(torch.int32)
+                t = payload32[2 * offset : 2 * offset + count]
+            values[name] = t if len(shape) == 1 else t.view(shape)
         return cls(**values)
 
     # -- what the attention layers read -----------------------------------------------------
@@ -205,6 +218,17 @@ class StepInputs:
         )
 
 
+def _pad_rows(a: np.ndarray, pad: int, value: int) -> np.ndarray:
+    """`a` with `pad` rows of `value` appended (`a` itself for none). Every decode step of a
+    graph pads its arrays: `np.pad` costs about 8 us a call on the host, this about 1."""
+    if pad == 0:
+        return a
+    out = np.empty((a.shape[0] + pad, *a.shape[1:]), dtype=a.dtype)
+    out[: a.shape[0]] = a
+    out[a.shape[0] :] = value
+    return out
+
+
 _SCALARS = [f for f in dataclasses.fields(StepInputs) if f.metadata.get("scalar")]
 _ARRAYS = [f for f in dataclasses.fields(StepInputs) if "dtype" in f.metadata]
 
@@ -219,7 +243,7 @@ assert HEADER_WORDS <= CONTROL_WORDS
 def _layout(header: np.ndarray) -> tuple[tuple[tuple[str, np.dtype, tuple[int, ...], int], ...], int]:
     """((name, dtype, shape, word offset), ...) of the arrays present, and the payload's length in
     words. Read once per step by each of header / write / from_payload: cached by the shapes."""
-    return _layout_of(tuple(int(x) for x in header[_SHAPE_BASE:HEADER_WORDS]))
+    return _layout_of(tuple(header[_SHAPE_BASE:HEADER_WORDS].tolist()))
 
 
 @functools.lru_cache(maxsize=512)
