@@ -47,3 +47,12 @@ def test_commit_gives_each_array_back(items, seed):
         for a, t in zip(arrays, views):
             assert t.dtype == torch.from_numpy(a).dtype and tuple(t.shape) == a.shape
             assert t.numpy().tolist() == a.tolist()
+
+
+def test_discard_forgets_what_a_failed_step_added():
+    staging = PinnedStaging(torch.device("cpu"), nbytes=64)
+    staging.add(np.arange(100, dtype=np.int64))  # (grows the buffer)
+    staging.discard()
+    assert staging.add(np.array([7, 8, 9], dtype=np.int32)) == 0
+    (view,) = staging.commit()
+    assert view.tolist() == [7, 8, 9]

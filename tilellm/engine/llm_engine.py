@@ -160,8 +160,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(cfg.model, self.model_config, self.tokenizer)
         # [V] bool: whether a sampled token id is an end-of-sequence token (one table read a
         # token in each step's stop check, where np.isin cost about 10 us a step)
-        self._is_eos = np.zeros(max([self.vocab_size, *(t + 1 for t in self.eos_token_ids)]), dtype=bool)
-        self._is_eos[np.asarray(self.eos_token_ids, dtype=np.int64)] = True
+        eos_ids = [t for t in self.eos_token_ids if t >= 0]
+        self._is_eos = np.zeros(max([self.vocab_size, *(t + 1 for t in eos_ids)]), dtype=bool)
+        self._is_eos[np.asarray(eos_ids, dtype=np.int64)] = True
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks,
             cfg.block_size,

@@ -801,8 +801,11 @@ class ModelRunner:
     ) -> StepHandle:
         if not self.is_cuda:
             return self._launch_cpu(inputs, header, sampling, patch, verification, bitmask)
-        parity, self._parity = self._parity, self._parity ^ 1
+        # The parity flips once the step is launched: a launch that fails leaves the other parity
+        # to the step still in flight (its staging, token buffer and events).
+        parity = self._parity
         st = self._stagings[parity]
+        st.discard()  # (what a failed launch added)
         inputs.write(st.reserve((int(header[NUM_WORDS]),), np.int64)[1], header)  # item 0: the payload
         where = {name: st.add(a) for name, a in sampling.device_arrays().items()}
         if patch is not None:
@@ -832,6 +835,7 @@ class ModelRunner:
         out.prompt = prompt
         handle = self._copy_out(out, parity)
         handle.start_event = start_ev
+        self._parity = parity ^ 1
         t4 = time.perf_counter()
         path = "graph" if x.graph_size else "eager"
         if not x.graph_size and self.piecewise_graphs.bucket(x.num_tokens) is not None:

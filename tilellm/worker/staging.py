@@ -54,6 +54,10 @@ class PinnedStaging:
         self._offset = end
         return len(self._items) - 1, self.host_np[off:end].view(dtype).reshape(shape)
 
+    def discard(self) -> None:
+        """Forget what was added since the last commit."""
+        self._items, self._offset = [], 0
+
     def commit(self) -> list[torch.Tensor]:
         """Copy everything added since the last commit; returns the device views, in order."""
         self.dev[: self._offset].copy_(self.host[: self._offset], non_blocking=True)
@@ -62,7 +66,7 @@ class PinnedStaging:
             size = dtype.itemsize
             t = self._dev_views[dtype][off // size : (off + n) // size]
             out.append(t if len(shape) == 1 else t.view(shape))
-        self._items, self._offset = [], 0
+        self.discard()
         return out
 
 
