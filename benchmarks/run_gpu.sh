@@ -243,9 +243,9 @@ fi
 
 if selected smallbatch; then
   # the default (PDL for one-row launches) against none, twice, with the host's Python profile
-  run_step smallbatch_pdl 200 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
+  run_step smallbatch_pdl 300 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \
     --ab TILELLM_PDL=0 --repeat 2 --cprofile 40 --json "$OUT/smallbatch_pdl.json"
-  run_step smallbatch_pdl_engine_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 8 \
+  run_step smallbatch_pdl_engine_tests 100 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 8 \
     tests/engine/test_pdl.py tests/kernels/test_pdl.py tests/kernels/test_pdl_order.py tests/kernels/test_merge.py \
     tests/kernels/test_merge_in_kernel.py
   run_step smallbatch_splits 60 "$PYTHON" benchmarks/decode_splits.py --json "$OUT/decode_splits.json"
