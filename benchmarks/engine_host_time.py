@@ -1,6 +1,6 @@
 """The engine's host work per decode step, without the model: microseconds a step by batch size.
 
-    python benchmarks/engine_host_time.py [--batches 1,8,32] [--steps 40] [--runs 3] [--json F]
+    python benchmarks/engine_host_time.py [--batches 1,8,32] [--steps 40] [--repeat N] [--json F]
 
 (with tilellm installed, or from the repository root with `PYTHONPATH=.`)
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="times each batch size is measured")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     runner._forward = _constant_forward(runner.vocab_size, runner.device)
     results = {}
     for batch in batches:
-        runs = [measure(llm, batch, args.steps, r) for r in range(args.runs)]
+        runs = [measure(llm, batch, args.steps, r) for r in range(args.repeat)]
         results[batch] = runs
         steps = [r["us_per_step"] for r in runs]
         best = min(runs, key=lambda r: r["us_per_step"])
