@@ -34,6 +34,9 @@
 #               GPU tests and the engine's (greedy vs transformers, the GPU engine tests, FP8), then
 #               benchmarks/small_batch_decode.py against TILELLM_GEMV=0 (bf16 and --quantization fp8)
 #               and against TILELLM_PDL=1, and benchmarks/fp8_gemm.py's one-row and eight-row columns
+#   pdlrows     PDL for the Triton kernels of steps of up to 256 rows, cuBLAS kept for the linear layers
+#               (TILELLM_PDL_ROWS=256) against the default (one-row launches): its tests on the GPU,
+#               benchmarks/small_batch_decode.py at batch 1, 8 and 32 and E1, three runs each way
 #   smallbatch  what a small batch's decode step may still gain: benchmarks/small_batch_decode.py against
 #               TILELLM_PDL=0 (the default launches one-row steps' kernels with PDL: what that gives),
 #               twice, with the host's Python profile at batch 1; the PDL and merge tests,
@@ -42,7 +45,7 @@
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify,gemv,smallbatch, run in that
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify,gemv,pdlrows,smallbatch, run in that
 #   order (default: the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
@@ -57,11 +60,11 @@
 # `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
 # engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
 # too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run
-# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8`, `verify`, `gemv` and `smallbatch` as calls of their own, each with
+# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8`, `verify`, `gemv`, `pdlrows` and `smallbatch` as calls of their own, each with
 # BUDGET_S=570.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify gemv smallbatch)
+ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify gemv pdlrows smallbatch)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -241,6 +244,16 @@ if selected gemv; then
     --json "$OUT/gemv_fp8_gemm.json"
 fi
 
+if selected pdlrows; then
+  run_step pdlrows_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 4 \
+    tests/kernels/test_pdl.py tests/engine/test_pdl.py
+  run_step pdlrows_small_batch 150 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8,32 --steps 64 \
+    --kernels 8 --ab TILELLM_PDL_ROWS=256 --json "$OUT/pdlrows_small_batch.json"
+  run_step pdlrows_e1 120 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 --repeat 3 \
+    --json "$OUT/pdlrows_e1_default.json"
+  run_step pdlrows_e1_256 120 env TILELLM_PDL_ROWS=256 "$PYTHON" -m tilellm.cli bench throughput --workloads E1 \
+    --repeat 3 --json "$OUT/pdlrows_e1_256.json"
+fi
 if selected smallbatch; then
   # the default (PDL for one-row launches) against none, twice, with the host's Python profile
   run_step smallbatch_pdl 300 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8 --steps 64 --kernels 8 \

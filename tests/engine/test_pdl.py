@@ -54,6 +54,42 @@ def test_qwen3_greedy_matches_hf_under_pdl(tiny_qwen3, config, pdl_on, monkeypat
     assert first == want and second == want
 
 
+@pytest.fixture
+def pdl_rows(monkeypatch):
+    """TILELLM_PDL unset and TILELLM_PDL_ROWS=256: launches of up to 256 rows take part."""
+    monkeypatch.delenv("TILELLM_PDL", raising=False)
+    monkeypatch.setenv("TILELLM_PDL_ROWS", "256")
+    pdl._pdl_enabled.cache_clear()
+    pdl._rows_bound.cache_clear()
+    yield
+    pdl._pdl_enabled.cache_clear()
+    pdl._rows_bound.cache_clear()
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", ["default", "async_chunked", "tiny_pool_preempts"])
+def test_qwen3_greedy_matches_hf_with_pdl_beside_cublas(tiny_qwen3, config, pdl_rows, monkeypatch):
+    """`TILELLM_PDL_ROWS=256`: the Triton kernels of steps of several rows launch with PDL while
+    those steps' linear layers stay on cuBLAS (whose kernels do not take part): the tokens stay
+    transformers', in decode graphs too."""
+    asked: list[tuple[int | None, bool]] = []
+    real = pdl.pdl_enabled
+
+    def spied(device, rows=None):
+        on = real(device, rows)
+        asked.append((rows, on))
+        return on
+
+    monkeypatch.setattr(pdl, "pdl_enabled", spied)
+    llm, first, second = run_twice(tiny_qwen3, **CONFIGS[config])
+    several = [on for rows, on in asked if rows is not None and rows > 1]
+    assert any(several), "no launch of several rows took part"
+    assert not real(torch.device("cuda")), "the linear layers must keep cuBLAS (TILELLM_PDL is unset)"
+    assert sum(llm.llm_engine.runner.graph_replays.values()) > 0, "no decode step replayed a CUDA graph"
+    want = expected(tiny_qwen3)
+    assert first == want and second == want
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the test above")
 def test_qwen3_greedy_matches_hf_with_the_pdl_layers_on_the_cpu(tiny_qwen3, monkeypatch):
     """The linear layers' PDL choices forced on the CPU: steps of up to 16 tokens run the norm,

@@ -17,9 +17,12 @@ HOPPER = torch.device("cuda", 0)
 def capable(monkeypatch):
     """A device 0 that can launch with PDL, whatever this machine has."""
     monkeypatch.setattr(pdl, "_pdl_capable", lambda index: True)
+    monkeypatch.delenv("TILELLM_PDL_ROWS", raising=False)
     pdl._pdl_enabled.cache_clear()
+    pdl._rows_bound.cache_clear()
     yield monkeypatch
     pdl._pdl_enabled.cache_clear()
+    pdl._rows_bound.cache_clear()
 
 
 def _set(monkeypatch, value: str | None) -> None:
@@ -52,6 +55,32 @@ def test_one_forces_every_launch_and_zero_none(capable):
     assert not pdl.pdl_enabled(HOPPER) and not pdl.pdl_enabled(HOPPER, 1)
     _set(capable, "yes")  # any other value: as unset
     assert pdl.pdl_enabled(HOPPER, 1) and not pdl.pdl_enabled(HOPPER, 2)
+
+
+@pytest.mark.parametrize("bound", [0, 8, 256])
+def test_pdl_rows_moves_the_bound_of_unset(capable, bound):
+    """TILELLM_PDL_ROWS=N: launches of 1 to N rows take part where TILELLM_PDL is unset; "0"
+    turns them all off; TILELLM_PDL=1 and =0 still decide alone."""
+    capable.setattr(pdl, "DEFAULT_PDL_ROWS", 1)
+    capable.setenv("TILELLM_PDL_ROWS", str(bound))
+    pdl._rows_bound.cache_clear()
+    _set(capable, None)
+    for rows in (1, 2, 8, 9, 256, 257):
+        assert pdl.pdl_enabled(HOPPER, rows) == (rows <= bound)
+    assert not pdl.pdl_enabled(HOPPER) and not pdl.pdl_enabled(HOPPER, 0)
+    _set(capable, "0")
+    assert not pdl.pdl_enabled(HOPPER, 1)
+    _set(capable, "1")
+    assert pdl.pdl_enabled(HOPPER, 4096)
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "2.5"])
+def test_pdl_rows_says_what_it_takes(capable, value):
+    capable.setenv("TILELLM_PDL_ROWS", value)
+    pdl._rows_bound.cache_clear()
+    _set(capable, None)
+    with pytest.raises(ValueError, match="TILELLM_PDL_ROWS=.*row count >= 0"):
+        pdl.pdl_enabled(HOPPER, 1)
 
 
 def test_never_off_a_capable_cuda_device(monkeypatch):

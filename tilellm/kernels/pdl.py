@@ -24,10 +24,12 @@ store, paged attention and its split-KV merge, SiLU-and-mul, and the few-row lin
   "Programmatic dependent launch");
 - `TILELLM_PDL=0`: none;
 - unset (or any other value): launches of at most DEFAULT_PDL_ROWS rows, whose linear layers run
-  `gemv.py`'s one-row kernels anyway (`gemv.gemv_max_rows`).
+  `gemv.py`'s one-row kernels anyway (`gemv.gemv_max_rows`). `TILELLM_PDL_ROWS=N` moves that
+  bound to N rows; the linear layers of more than one row keep cuBLAS, whose kernels do not take
+  part (the Triton kernels between them do).
 
 `TILELLM_PDL=1 python benchmarks/small_batch_decode.py` against the same command with
-`TILELLM_PDL=0` measures it.
+`TILELLM_PDL=0` measures it; `--ab TILELLM_PDL_ROWS=N` the bound.
 """
 
 from __future__ import annotations
@@ -52,14 +54,17 @@ DEFAULT_PDL_ROWS = 1
 def pdl_enabled(device: torch.device, rows: int | None = None) -> bool:
     """Whether a launch of `rows` rows (tokens) on `device` uses PDL: a CUDA device of compute
     capability 9.0 or newer, not Triton's interpreter, and `TILELLM_PDL=1`, or `TILELLM_PDL`
-    unset (or any value but 0 and 1) and 1 to DEFAULT_PDL_ROWS rows (module docstring). `rows`
-    None: whether every launch does (`TILELLM_PDL=1`)."""
+    unset (or any value but 0 and 1) and 1 to DEFAULT_PDL_ROWS rows (`TILELLM_PDL_ROWS`, where
+    set; module docstring). `rows` None: whether every launch does (`TILELLM_PDL=1`)."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _pdl_enabled(index):
         return True
-    return rows is not None and 0 < rows <= DEFAULT_PDL_ROWS and not _pdl_off() and _pdl_capable(index)
+    if rows is None or rows <= 0:
+        return False
+    bound = _rows_bound()
+    return rows <= (DEFAULT_PDL_ROWS if bound is None else bound) and not _pdl_off() and _pdl_capable(index)
 
 
 def pdl_launch_kwargs(device: torch.device, rows: int | None = None) -> dict[str, bool]:
@@ -75,6 +80,22 @@ def pdl_flags(on: bool) -> dict[str, bool]:
 
 
 _pdl_off = env_flag("TILELLM_PDL", "0")
+
+
+@functools.cache
+def _rows_bound() -> int | None:
+    """`TILELLM_PDL_ROWS` as an int, or None where it is unset (then DEFAULT_PDL_ROWS holds);
+    cached: tests clear it when they set the variable."""
+    value = os.environ.get("TILELLM_PDL_ROWS")
+    if value is None or value == "":
+        return None
+    try:
+        bound = int(value)
+    except ValueError:
+        bound = -1
+    if bound < 0:
+        raise ValueError(f"TILELLM_PDL_ROWS={value!r}: give a row count >= 0 (0: no launch takes part)")
+    return bound
 
 
 @functools.cache
