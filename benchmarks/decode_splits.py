@@ -12,9 +12,13 @@ of 130-290 keys (docs/benchmarks.md, "One-row linear layers"). This times `decod
 Qwen3-0.6B's heads (16 query heads over 8 KV heads, head dim 128, bf16, pages of 16 keys) for
 every batch size and context length given: the plan a graph step gets (planned for 4096 keys, so
 short requests leave most segments empty) and each forced count of 1 to 16 segments planned for
-the context itself. Each variant's 28 calls, on caches of their own, are captured in one CUDA
-graph and its replay timed (`tilellm.bench.timing.graph_replay_us`); every variant's output is
-checked against the one-segment call first. Needs a CUDA GPU.
+the context itself. A decode graph step whose contexts are all shorter than MIN_CONTEXT_TO_SPLIT
+replays the bucket's "short" graph where one was captured (`tilellm.worker.cuda_graphs`): its plan,
+made for MIN_CONTEXT_TO_SPLIT - 1 keys, is the "short graph plan". Each variant's 28 calls, on
+caches of their own, are captured in one CUDA graph and its replay timed
+(`tilellm.bench.timing.graph_replay_us`); every variant's output is checked against the one-segment
+call first.
+Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from tilellm.bench.timing import graph_replay_us
 from tilellm.kernels import decode_attention
+from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT
 
 NUM_LAYERS = 28
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
@@ -55,6 +60,8 @@ def measure(batch: int, context: int) -> dict[str, float]:
     variants: dict[str, tuple[int | None, int]] = {
         f"graph plan ({GRAPH_MAX_KEYS} keys)": (None, GRAPH_MAX_KEYS)
     }
+    if context < MIN_CONTEXT_TO_SPLIT:  # a step whose contexts are all this short replays the "short" graph
+        variants[f"short graph plan ({MIN_CONTEXT_TO_SPLIT - 1} keys)"] = (None, MIN_CONTEXT_TO_SPLIT - 1)
     variants |= {f"{n} segment{'s' if n > 1 else ''}": (n, context) for n in SPLITS if n * PAGE <= context}
     reference = decode_attention(*layers[0], seq_lens, num_splits=1, max_seqlen_k=context).float()
     row = {}

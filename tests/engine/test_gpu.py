@@ -66,20 +66,23 @@ def test_sampling_with_graphs(tiny_qwen3, dtype):
     assert llm.llm_engine.runner.graphs
 
 
-def test_short_and_long_context_graphs_match_eager(tmp_path):
+@pytest.mark.parametrize("num_short", [70, 140])
+def test_short_and_long_context_graphs_match_eager(tmp_path, num_short):
     """With max_model_len >= 2 * MIN_KEYS_PER_SPLIT the decode graphs of batches that fill the
-    GPU split the KV range, and a second graph per bucket without split-KV runs while contexts
-    are short (small batches split short contexts too: their one graph serves both). Every graph
-    gives the eager engine's greedy tokens: short prompts replay the short graphs, a prompt past
-    the split threshold replays the splitting ones (its batch's longest context decides), and a
-    single short prompt replays its bucket's plain graph, split into short segments."""
-    from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT
+    GPU split the KV range, and a second graph per bucket runs while contexts are short: without
+    split-KV where the batch has SMALL_BATCH_SPLIT_BELOW programs per SM or more (140 requests of
+    the tiny model's 2 KV heads: 280 programs on 132 SMs), in short segments below that (70
+    requests: 140 programs); the smallest batches split short contexts in their one graph. Every
+    graph gives the eager engine's greedy tokens: short prompts replay the short graphs, a prompt
+    past the split threshold replays the splitting ones (its batch's longest context decides), and
+    a single short prompt replays its bucket's plain graph, split into short segments."""
+    from tilellm.kernels.schedule import MIN_CONTEXT_TO_SPLIT, SMALL_BATCH_SPLIT_BELOW
     from tilellm.testing import make_tiny_model
 
     model = str(make_tiny_model(tmp_path / "m", seed=4, max_position_embeddings=4 * MIN_CONTEXT_TO_SPLIT))
     g = torch.Generator().manual_seed(0)
-    # 70 requests of the tiny model's 2 KV heads: 140 programs, more than the SMs (large batch)
-    short = [torch.randint(0, 300, (int(n),), generator=g).tolist() for n in torch.randint(5, 300, (70,))]
+    lengths = torch.randint(5, 300, (num_short,), generator=g)
+    short = [torch.randint(0, 300, (int(n),), generator=g).tolist() for n in lengths]
     long = [torch.randint(0, 300, (MIN_CONTEXT_TO_SPLIT + 7,), generator=g).tolist()]
     single = [torch.randint(0, 300, (700,), generator=g).tolist()]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -94,6 +97,11 @@ def test_short_and_long_context_graphs_match_eager(tmp_path):
     runner = llm.llm_engine.runner
     assert runner.short_graphs and set(runner.short_graphs) <= set(runner.graphs)
     assert 1 not in runner.short_graphs and runner.decode_splits(1, 700) > 1
+    bucket = runner.decode_graphs.bucket(num_short)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    few_per_sm = 2 * bucket < SMALL_BATCH_SPLIT_BELOW * sms  # (2 KV heads: 2 programs a request)
+    assert bucket in runner.short_graphs
+    assert (runner.decode_splits(bucket, MIN_CONTEXT_TO_SPLIT - 1) > 1) == few_per_sm
     assert run(llm, short) == want_short
     # (a step of only part of the batch, between its prefill chunks, may replay a small bucket's plain graph)
     assert runner.graph_replays["short"] > runner.graph_replays["plain"]

@@ -55,6 +55,14 @@ FILL_SHARE = 0.8
 SMALL_BATCH_MIN_KEYS = 64
 SMALL_BATCH_MAX_SPLITS = 16
 SMALL_BATCH_PROGRAMS_PER_SM = 4
+# Over a 16-bit cache the rule above also takes decode batches of up to SMALL_BATCH_SPLIT_BELOW
+# programs per SM (batch 17-32 of 8 KV heads on 132 SMs: 3-4 segments where their contexts are
+# too short for the bandwidth rule). Unsplit, such a batch's programs walk their keys one tile
+# after the other at one or two programs per SM: on an H100, a step at batch 32 over 130-190 keys
+# spent 524 us of its 1.66 ms in the paged kernel (18.7 us a call) against 241 us at batch 8,
+# which splits (docs/benchmarks.md, "Split-KV segments over short contexts"). FP8 caches keep
+# the rule below one program per SM (their tiles were measured there only).
+SMALL_BATCH_SPLIT_BELOW = 2
 # Tiles over an FP8 cache (half the bytes a key: decode, and verification of a few new tokens):
 # up to SMALL_BATCH_MAX_SPLITS_FP8 segments, a power of two of them (segments of whole key tiles,
 # no short last one). Measured on an H100 in CUDA graphs, GB/s of FP8 bytes by segment count:
@@ -136,8 +144,9 @@ def choose_num_splits(
     No split when contexts are short or the programs already reach FILL_SHARE of
     `target_programs` (PROGRAMS_PER_SM decode tiles per SM, LARGE_TILE_PROGRAMS_PER_SM of larger
     ones); otherwise enough segments for the target, each of at least MIN_KEYS_PER_SPLIT keys of
-    the longest context, at most MAX_SPLITS. Decode batches of fewer programs than SMs also
-    split short contexts (`_plan_small_batch`); tiles of at most DECODE_ROWS rows over an FP8
+    the longest context, at most MAX_SPLITS. Decode batches of fewer programs than
+    SMALL_BATCH_SPLIT_BELOW per SM (over an FP8 cache: one) also split short contexts
+    (`_plan_small_batch`); tiles of at most DECODE_ROWS rows over an FP8
     cache (`kv_fp8`: decode, and verification of a few tokens at small GQA groups) follow
     `_plan_fp8` instead of the bandwidth rule (`one_wave`: within one wave of its target, for
     verification programs), and their small batches split further (SMALL_BATCH_MAX_SPLITS_FP8).
@@ -160,13 +169,14 @@ def choose_num_splits(
         plan = _plan_fp8(base, max_seqlen_k, sms, one_wave)
     else:
         plan = _plan_large(base, max_seqlen_k, sms, rows_per_program)
-    if rows_per_program <= DECODE_ROWS and 0 < base < sms:
+    small_below = sms if kv_fp8 else SMALL_BATCH_SPLIT_BELOW * sms
+    if rows_per_program <= DECODE_ROWS and 0 < base < small_below:
         return _plan_small_batch(plan, max_seqlen_k)
     return plan
 
 
 def _plan_small_batch(plan: SplitPlan, max_seqlen_k: int) -> SplitPlan:
-    """A decode batch of fewer programs than SMs (see SMALL_BATCH_MIN_KEYS): at least the
+    """A decode batch of few programs (see SMALL_BATCH_MIN_KEYS): at least the
     bandwidth rule's segments, but as short as SMALL_BATCH_MIN_KEYS keys; over an FP8 cache
     (`plan.kv_fp8`): a power of two of them, up to SMALL_BATCH_MAX_SPLITS_FP8."""
     base, sms, fp8 = plan.base_programs, plan.num_sms, plan.kv_fp8
