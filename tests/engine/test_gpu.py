@@ -70,9 +70,10 @@ def test_sampling_with_graphs(tiny_qwen3, dtype):
 def test_short_and_long_context_graphs_match_eager(tmp_path, num_short):
     """With max_model_len >= 2 * MIN_KEYS_PER_SPLIT the decode graphs of batches that fill the
     GPU split the KV range, and a second graph per bucket runs while contexts are short: without
-    split-KV where the batch has SMALL_BATCH_SPLIT_BELOW programs per SM or more (140 requests of
-    the tiny model's 2 KV heads: 280 programs on 132 SMs), in short segments below that (70
-    requests: 140 programs); the smallest batches split short contexts in their one graph. Every
+    split-KV where the batch has SMALL_BATCH_SPLIT_BELOW programs per SM or more, in short
+    segments below that (70 and 140 requests of the tiny model's 2 KV heads: 140 and 280
+    programs, on either side of a bound of 2 on 132 SMs); the smallest batches split short
+    contexts in their one graph. Every
     graph gives the eager engine's greedy tokens: short prompts replay the short graphs, a prompt
     past the split threshold replays the splitting ones (its batch's longest context decides), and
     a single short prompt replays its bucket's plain graph, split into short segments."""

@@ -20,9 +20,10 @@ def test_decode_graph_split_plan_follows_max_model_len(tmp_path):
     # as short as SMALL_BATCH_MIN_KEYS keys: the short plan is the plain one, no second graph.
     assert splits(1, long_ctx.max_model_len) == splits(1, MIN_CONTEXT_TO_SPLIT - 1) > 1
     assert splits(1, 2 * SMALL_BATCH_MIN_KEYS - 1) == 1
-    # A larger batch splits only long contexts: its short graph has no split-KV.
-    assert splits(100, long_ctx.max_model_len) > 1
-    assert splits(100, MIN_CONTEXT_TO_SPLIT - 1) == 1
+    # A larger batch (200 requests of 2 KV heads: past the small-batch rule's bound) splits only
+    # long contexts: its short graph has no split-KV.
+    assert splits(200, long_ctx.max_model_len) > 1
+    assert splits(200, MIN_CONTEXT_TO_SPLIT - 1) == 1
     short_ctx = LLM(
         model,
         num_kv_blocks=600,
@@ -31,4 +32,4 @@ def test_decode_graph_split_plan_follows_max_model_len(tmp_path):
         attention_backend="triton",
     )
     short = short_ctx.llm_engine.runner
-    assert short.decode_splits(100, short.max_model_len) == 1  # never long enough to split
+    assert short.decode_splits(200, short.max_model_len) == 1  # never long enough to split

@@ -166,8 +166,9 @@ def test_plain_words_for_idle_programs_and_the_split_plan():
     idle = insp.schedule.num_empty_programs
     assert idle > 0
     sentence = f"{idle} programs find their query tile past the request's end and exit immediately"
-    # 17 requests x 8 KV heads: more programs than SMs, so only the long request's keys are cut
-    split = describe_batch([(1, 3000)] + [(1, 40)] * 16, num_q_heads=32, num_kv_heads=8, head_dim=128)
+    # 33 requests x 8 KV heads: two programs per SM (the small-batch rule's bound), so only the
+    # long request's keys are cut
+    split = describe_batch([(1, 3000)] + [(1, 40)] * 32, num_q_heads=32, num_kv_heads=8, head_dim=128)
     assert split.schedule.split_plan.num_splits > 1
     aim = f"the split plan aims for 16 programs per SM, {16 * split.schedule.split_plan.num_sms} on"
     for render in (render_text, render_html):

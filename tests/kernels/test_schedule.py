@@ -94,15 +94,18 @@ def test_small_fp8_batches_split_into_a_power_of_two_up_to_32(batch, longest, fp
     assert _decode(batch, longest, kv_fp8=False).num_splits == bf16_splits
 
 
+@pytest.mark.parametrize("bound", [1, 2])
 @pytest.mark.parametrize("batch, splits", [(16, 5), (17, 4), (24, 3), (32, 3), (33, 1), (64, 1)])
-def test_batches_of_few_programs_per_sm_split_short_contexts(batch, splits):
+def test_batches_of_few_programs_per_sm_split_short_contexts(monkeypatch, bound, batch, splits):
     """Over a 16-bit cache, decode batches of fewer than SMALL_BATCH_SPLIT_BELOW programs per SM
     split a context too short for the bandwidth rule (into about SMALL_BATCH_PROGRAMS_PER_SM
-    programs per SM); over an FP8 cache only those of fewer programs than SMs do."""
+    programs per SM), the others not; over an FP8 cache only those of fewer programs than SMs."""
+    monkeypatch.setattr(schedule, "SMALL_BATCH_SPLIT_BELOW", bound)
     assert schedule.MIN_CONTEXT_TO_SPLIT == 2048
-    assert _decode(batch, 2047, kv_fp8=False).num_splits == splits
+    want = splits if batch * 8 < bound * SMS else 1
+    assert _decode(batch, 2047, kv_fp8=False).num_splits == want
     assert (_decode(batch, 2047, kv_fp8=True).num_splits > 1) == (batch * 8 < SMS)
-    assert _decode(batch, 192, kv_fp8=False).num_splits == min(splits, 192 // schedule.SMALL_BATCH_MIN_KEYS)
+    assert _decode(batch, 192, kv_fp8=False).num_splits == min(want, 192 // schedule.SMALL_BATCH_MIN_KEYS)
 
 
 @settings(max_examples=200, deadline=None)

@@ -55,14 +55,15 @@ FILL_SHARE = 0.8
 SMALL_BATCH_MIN_KEYS = 64
 SMALL_BATCH_MAX_SPLITS = 16
 SMALL_BATCH_PROGRAMS_PER_SM = 4
-# Over a 16-bit cache the rule above also takes decode batches of up to SMALL_BATCH_SPLIT_BELOW
-# programs per SM (batch 17-32 of 8 KV heads on 132 SMs: 3-4 segments where their contexts are
-# too short for the bandwidth rule). Unsplit, such a batch's programs walk their keys one tile
-# after the other at one or two programs per SM: on an H100, a step at batch 32 over 130-190 keys
-# spent 524 us of its 1.66 ms in the paged kernel (18.7 us a call) against 241 us at batch 8,
-# which splits (docs/benchmarks.md, "Split-KV segments over short contexts"). FP8 caches keep
-# the rule below one program per SM (their tiles were measured there only).
-SMALL_BATCH_SPLIT_BELOW = 2
+# The rule above takes decode batches of fewer than SMALL_BATCH_SPLIT_BELOW programs per SM (over an
+# FP8 cache: fewer than one, where its tiles were measured). Unsplit, the batches just past one
+# program per SM walk their keys one tile after the other at one or two programs per SM: on an
+# H100 a step at batch 32 over 130-190 keys spent 524 us of its 1.66 ms in the paged kernel
+# (18.7 us a call) against 241 us at batch 8, which splits (docs/benchmarks.md, "PDL beside
+# cuBLAS"). A bound of 2 (batch 17-32 of 8 KV heads on 132 SMs in 3-4 segments) is built and
+# tested but not yet timed: `python benchmarks/decode_splits.py --batches 32,64 --contexts
+# 192,1024` ("short graph plan" against the forced counts) decides it.
+SMALL_BATCH_SPLIT_BELOW = 1
 # Tiles over an FP8 cache (half the bytes a key: decode, and verification of a few new tokens):
 # up to SMALL_BATCH_MAX_SPLITS_FP8 segments, a power of two of them (segments of whole key tiles,
 # no short last one). Measured on an H100 in CUDA graphs, GB/s of FP8 bytes by segment count:
