@@ -40,7 +40,7 @@
 #   smallbatch  what a small batch's decode step may still gain: benchmarks/small_batch_decode.py against
 #               TILELLM_PDL=0 (the default launches one-row steps' kernels with PDL: what that gives),
 #               twice, with the host's Python profile at batch 1; the PDL and merge tests,
-#               benchmarks/decode_splits.py (split-KV segments over short contexts) and
+#               benchmarks/decode_splits.py (split-KV segments over short contexts, batch 1-64) and
 #               benchmarks/few_row_tiles.py (the linear layers at 8 rows by kernel and tile)
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
@@ -261,7 +261,10 @@ if selected smallbatch; then
   run_step smallbatch_pdl_engine_tests 100 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 8 \
     tests/engine/test_pdl.py tests/kernels/test_pdl.py tests/kernels/test_pdl_order.py tests/kernels/test_merge.py \
     tests/kernels/test_merge_in_kernel.py
-  run_step smallbatch_splits 60 "$PYTHON" benchmarks/decode_splits.py --json "$OUT/decode_splits.json"
+  # (batches 16-64: whether the small-batch split rule should take batches of up to two programs
+  # per SM, schedule.SMALL_BATCH_SPLIT_BELOW: compare the short graph plan with 3-4 segments)
+  run_step smallbatch_splits 90 "$PYTHON" benchmarks/decode_splits.py --batches 1,8,16,32,64 \
+    --contexts 192,512,1024 --json "$OUT/decode_splits.json"
   run_step smallbatch_tiles 150 "$PYTHON" benchmarks/few_row_tiles.py --rows 8 --json "$OUT/few_row_tiles.json"
 fi
 
