@@ -16,9 +16,8 @@ the context itself. A decode graph step whose contexts are all shorter than MIN_
 replays the bucket's "short" graph where one was captured (`tilellm.worker.cuda_graphs`): its plan,
 made for MIN_CONTEXT_TO_SPLIT - 1 keys, is the "short graph plan". Each variant's 28 calls, on
 caches of their own, are captured in one CUDA graph and its replay timed
-(`tilellm.bench.timing.graph_replay_us`); every variant's output is checked against the one-segment
-call first.
-Needs a CUDA GPU.
+(`tilellm.bench.timing.graph_replay_us`); every variant's output is checked against the
+one-segment call first. Needs a CUDA GPU.
 """
 
 from __future__ import annotations

@@ -147,8 +147,8 @@ def choose_num_splits(
     ones); otherwise enough segments for the target, each of at least MIN_KEYS_PER_SPLIT keys of
     the longest context, at most MAX_SPLITS. Decode batches of fewer programs than
     SMALL_BATCH_SPLIT_BELOW per SM (over an FP8 cache: one) also split short contexts
-    (`_plan_small_batch`); tiles of at most DECODE_ROWS rows over an FP8
-    cache (`kv_fp8`: decode, and verification of a few tokens at small GQA groups) follow
+    (`_plan_small_batch`); tiles of at most DECODE_ROWS rows over an FP8 cache (`kv_fp8`:
+    decode, and verification of a few tokens at small GQA groups) follow
     `_plan_fp8` instead of the bandwidth rule (`one_wave`: within one wave of its target, for
     verification programs), and their small batches split further (SMALL_BATCH_MAX_SPLITS_FP8).
     `num_splits` forces the count. The longest
