@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tilellm.attention import AttentionBackend, get_attention_backend
+from tilellm.kernels.prefetch import l2_prefetch_enabled, l2_prefetch_table
 from tilellm.models.layers.attention import Attention
 from tilellm.models.layers.layernorm import RMSNorm
 from tilellm.models.layers.linear import (
@@ -137,6 +138,19 @@ class PreNormDecoderLayer(nn.Module):
         mlp_in = getattr(self.mlp, "input_linear", None)
         hidden, residual = self.post_attention_layernorm(hidden, residual, quant_for=mlp_in)
         return self.mlp(hidden), residual
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        """Once the weights are final (the loader runs the children's hooks first): where L2
+        prefetching is on (`tilellm.kernels.prefetch`), the attention's rotary launch asks for the
+        weights this layer reads after it, o_proj's, gate-up's and down_proj's."""
+        attn = getattr(self.self_attn, "attn", None)
+        later = [getattr(self.self_attn, "o_proj", None)]
+        later += [getattr(self.mlp, name, None) for name in ("gate_up_proj", "down_proj")]
+        if not isinstance(attn, Attention) or attn.rotary is None or any(m is None for m in later):
+            return
+        weights = [m.weight for m in later]
+        if l2_prefetch_enabled(weights[0].device) and all(w.is_contiguous() for w in weights):
+            attn.l2_prefetch = l2_prefetch_table(weights)
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
