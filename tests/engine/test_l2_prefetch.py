@@ -42,22 +42,31 @@ def _tables(llm) -> list[torch.Tensor]:
     return [m.l2_prefetch for m in model.modules() if isinstance(m, Attention) and m.l2_prefetch is not None]
 
 
-def _later_weight_bytes(llm) -> int:
-    model = llm.llm_engine.runner.model
-    layer = model.model.layers[0]
-    weights = [layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-    return sum(w.numel() * w.element_size() // 16 * 16 for w in weights)
+def _table_bytes(llm, mode: str) -> list[int]:
+    """What each layer's table should cover: o_proj, gate-up and down_proj, and in the "next"
+    mode the next layer's qkv projection (the last layer: none)."""
+    layers = list(llm.llm_engine.runner.model.model.layers)
+
+    def nbytes(w):
+        return w.numel() * w.element_size() // 16 * 16
+
+    want = []
+    for i, layer in enumerate(layers):
+        weights = [layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+        if mode == "next" and i + 1 < len(layers):
+            weights.append(layers[i + 1].self_attn.qkv_proj.weight)
+        want.append(sum(nbytes(w) for w in weights))
+    return want
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the test below")
-def test_tables_bound_and_tokens_kept_on_the_cpu(tiny_qwen3, monkeypatch):
-    monkeypatch.setattr(llama, "l2_prefetch_enabled", lambda device: True)
+@pytest.mark.parametrize("mode", ["1", "next"])
+def test_tables_bound_and_tokens_kept_on_the_cpu(tiny_qwen3, mode, monkeypatch):
+    monkeypatch.setattr(llama, "l2_prefetch_mode", lambda device: mode)
     planned = _spy_rotary(monkeypatch)
     llm, first, second = run_twice(tiny_qwen3, attention_backend="triton", **CONFIGS["default"])
     tables = _tables(llm)
-    layers = len(llm.llm_engine.runner.model.model.layers)
-    assert len(tables) == layers, "a decoder layer has no prefetch table"
-    assert all(int(t[1].sum()) == _later_weight_bytes(llm) for t in tables)
+    assert [int(t[1].sum()) for t in tables] == _table_bytes(llm, mode)
     assert any(given for given, _ in planned), "no rotary launch was handed its layer's table"
     assert not any(on for _, on in planned), "a CPU launch planned the bulk prefetch"
     want = expected(tiny_qwen3)
@@ -73,12 +82,15 @@ def test_no_tables_unless_asked(tiny_qwen3, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the bulk L2 prefetch needs sm_90 or newer")
-@pytest.mark.parametrize("config", ["default", "async_chunked", "tiny_pool_preempts"])
-def test_qwen3_greedy_matches_hf_with_l2_prefetch(tiny_qwen3, config, monkeypatch):
-    monkeypatch.setenv("TILELLM_L2_PREFETCH", "1")
+@pytest.mark.parametrize(
+    ("mode", "config"),
+    [("1", "default"), ("1", "async_chunked"), ("1", "tiny_pool_preempts"), ("next", "default")],
+)
+def test_qwen3_greedy_matches_hf_with_l2_prefetch(tiny_qwen3, mode, config, monkeypatch):
+    monkeypatch.setenv("TILELLM_L2_PREFETCH", mode)
     planned = _spy_rotary(monkeypatch)
     llm, first, second = run_twice(tiny_qwen3, **CONFIGS[config])
-    assert len(_tables(llm)) == len(llm.llm_engine.runner.model.model.layers)
+    assert [int(t[1].sum()) for t in _tables(llm)] == _table_bytes(llm, mode)
     assert any(on for _, on in planned), "no rotary launch prefetched"
     assert sum(llm.llm_engine.runner.graph_replays.values()) > 0, "no decode step replayed a CUDA graph"
     want = expected(tiny_qwen3)

@@ -14,7 +14,8 @@ int64 [2, chunks] tensor of each chunk's address and byte count, chunks of PREFE
 before a kernel waits for the one before it (`pdl.py`).
 
 `TILELLM_L2_PREFETCH=1` turns it on for steps of up to L2_PREFETCH_MAX_ROWS tokens on a CUDA
-device of compute capability 9.0 or newer (off by default until it is timed in the engine).
+device of compute capability 9.0 or newer (off by default until it is timed in the engine);
+`TILELLM_L2_PREFETCH=next` also asks for the next layer's qkv projection in the same launch.
 """
 
 from __future__ import annotations
@@ -35,12 +36,20 @@ L2_PREFETCH_MAX_ROWS = 16
 PREFETCH_BLOCK = tl.constexpr(128)
 
 _prefetch_on = env_flag("TILELLM_L2_PREFETCH", "1")
+_prefetch_next = env_flag("TILELLM_L2_PREFETCH", "next")
+
+
+def l2_prefetch_mode(device: torch.device) -> str | None:
+    """What layers on `device` prefetch, where the device can (`bulk_prefetch_capable`): "1"
+    (`TILELLM_L2_PREFETCH=1`) the weights each layer reads after its attention, "next"
+    (`TILELLM_L2_PREFETCH=next`) those and the next layer's qkv projection; None: nothing."""
+    mode = "1" if _prefetch_on() else "next" if _prefetch_next() else None
+    return mode if mode is not None and bulk_prefetch_capable(device) else None
 
 
 def l2_prefetch_enabled(device: torch.device) -> bool:
-    """Whether layers on `device` prefetch their later weights: `TILELLM_L2_PREFETCH=1` where
-    the device can (`bulk_prefetch_capable`)."""
-    return _prefetch_on() and bulk_prefetch_capable(device)
+    """Whether layers on `device` prefetch their later weights (`l2_prefetch_mode`)."""
+    return l2_prefetch_mode(device) is not None
 
 
 def bulk_prefetch_capable(device: torch.device) -> bool:
