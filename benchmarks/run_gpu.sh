@@ -42,13 +42,10 @@
 #               twice, with the host's Python profile at batch 1; the PDL and merge tests,
 #               benchmarks/decode_splits.py (split-KV segments over short contexts, batch 1-64) and
 #               benchmarks/few_row_tiles.py (the linear layers at 8 rows by kernel and tile)
-#   l2prefetch  a layer's later weights prefetched into L2 by its rotary launch (TILELLM_L2_PREFETCH=1, and
-#               =next with the next layer's qkv): its GPU tests and the PDL order test, then
-#               benchmarks/small_batch_decode.py at batch 1, 8 and 16 against the default, twice, and with next
 # Workloads, counting and targets: docs/workloads.md; the current figures: docs/benchmarks.md.
 #
 # Usage: bash benchmarks/run_gpu.sh [STEPS]
-#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify,gemv,pdlrows,smallbatch,l2prefetch, run in that
+#   STEPS: comma-separated subset of tests,kernels,throughput,pdl,merge,rope,hopper,fp8,verify,gemv,pdlrows,smallbatch, run in that
 #   order (default: the first three).
 # Each step writes $OUT/<step>.log (and kernels.json / throughput.json); a step that fails or runs
 # past its time limit is reported and the next step still runs. Exit status: 0 when every selected
@@ -63,11 +60,11 @@
 # `tests` runs the kernel tests in TEST_WORKERS processes (default 4, with pytest-xdist), then the
 # engine's and models' (tests_engine). Where one call may run 10 minutes at most and that is still
 # too long, split the kernel tests with TESTS (e.g. "$(echo tests/kernels/test_[a-m]*.py)"). Run
-# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8`, `verify`, `gemv`, `pdlrows`, `smallbatch` and `l2prefetch` as calls of their own, each with
+# `kernels,throughput`, `pdl`, `merge`, `rope`, `hopper`, `fp8`, `verify`, `gemv`, `pdlrows` and `smallbatch` as calls of their own, each with
 # BUDGET_S=570.
 set -uo pipefail
 
-ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify gemv pdlrows smallbatch l2prefetch)
+ALL_STEPS=(tests kernels throughput pdl merge rope hopper fp8 verify gemv pdlrows smallbatch)
 STEPS=${1:-tests,kernels,throughput}
 OUT=${OUT:-./artifacts}
 PYTHON=${PYTHON:-python3}
@@ -269,14 +266,6 @@ if selected smallbatch; then
   run_step smallbatch_splits 90 "$PYTHON" benchmarks/decode_splits.py --batches 1,8,16,32,64 \
     --contexts 192,512,1024 --json "$OUT/decode_splits.json"
   run_step smallbatch_tiles 150 "$PYTHON" benchmarks/few_row_tiles.py --rows 8 --json "$OUT/few_row_tiles.json"
-fi
-if selected l2prefetch; then
-  run_step l2prefetch_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 4 \
-    tests/kernels/test_prefetch.py tests/engine/test_l2_prefetch.py tests/kernels/test_pdl_order.py
-  run_step l2prefetch_small_batch 240 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8,16 --steps 64 \
-    --kernels 8 --ab TILELLM_L2_PREFETCH=1 --repeat 2 --json "$OUT/l2prefetch_small_batch.json"
-  run_step l2prefetch_next 150 "$PYTHON" benchmarks/small_batch_decode.py --batches 1,8,16 --steps 64 \
-    --ab TILELLM_L2_PREFETCH=next --json "$OUT/l2prefetch_next.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then

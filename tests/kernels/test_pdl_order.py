@@ -131,7 +131,6 @@ def _cases() -> dict[str, tuple]:
     rotary_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "qw_ptr", "kw_ptr")}
     rotary_types |= {"pos_ptr": "*i64", "cache_ptr": "*fp32", "eps": "fp32"}
     rotary_types |= {"v_ptr": "*bf16", "slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
-    rotary_types |= {"prefetch_table": "*i64"}
     for norm in (False, True):
         constexprs = dict(
             HAS_NORM=norm,
@@ -141,19 +140,11 @@ def _cases() -> dict[str, tuple]:
             BLOCK_R=32,
             BLOCK_HALF=64,
             USE_PDL=True,
-            PREFETCH=False,
         )
         types = rotary_types | {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
         cases[f"rotary-norm={norm}"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
     constexprs = dict(  # DeepSeek's interleaved pairs
-        HAS_NORM=False,
-        INTERLEAVED=True,
-        STORE=False,
-        QUANTIZE=False,
-        BLOCK_R=64,
-        BLOCK_HALF=32,
-        USE_PDL=True,
-        PREFETCH=False,
+        HAS_NORM=False, INTERLEAVED=True, STORE=False, QUANTIZE=False, BLOCK_R=64, BLOCK_HALF=32, USE_PDL=True
     )
     cases["rotary-interleaved"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
     for fp8 in (False, True):  # rotation and the cache store in one launch
@@ -165,15 +156,10 @@ def _cases() -> dict[str, tuple]:
             BLOCK_R=32,
             BLOCK_HALF=64,
             USE_PDL=True,
-            PREFETCH=False,
         )
         cache = "*fp8e4nv" if fp8 else "*bf16"
         types = rotary_types | {"k_cache_ptr": cache, "v_cache_ptr": cache}
         cases[f"rotary_store-fp8={fp8}"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
-    # with the layer's later weights asked for in L2 first (`prefetch.py`)
-    constexprs = constexprs | dict(QUANTIZE=False, PREFETCH=True)
-    types = rotary_types | {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
-    cases["rotary_prefetch"] = (fused._rotary_kernel, types, constexprs, (), {}, False)
     for fp8 in (False, True):  # including the early return of padding rows (slot -1)
         cache = "*fp8e4nv" if fp8 else "*bf16"
         types = {"K": "*bf16", "V": "*bf16", "K_cache": cache, "V_cache": cache, "slot_mapping": "*i64"}
@@ -279,7 +265,6 @@ CASES = (
     + [f"rotary-norm={n}" for n in (False, True)]
     + ["rotary-interleaved"]
     + [f"rotary_store-fp8={f}" for f in (False, True)]
-    + ["rotary_prefetch"]
     + [f"store-fp8={f}" for f in (False, True)]
     + [f"mla_rows-fp8={f}" for f in (False, True)]
     + ["merge"]
@@ -294,11 +279,9 @@ CASES = (
     + ["gemv", "gemv-norm", "gemv-gated-norm", "gemv_rows-gated-norm"]
     + ["fp8_gemv", "fp8_gemv-gated-norm", "fp8_gemv-x_q"]
 )
-# the kernels that load their weight tile before the wait (the one-row GEMVs: K in one tile), and
-# the rotary launch that reads its L2 prefetch table there
-WEIGHT_LOADS_FIRST = ("gemv", "gemv_rows", "fp8_gemv", "rotary_prefetch")
-# the weight, its block scales and the prefetch table of weight addresses: no kernel writes them
-WEIGHT_ARGS = {"W", "Bs", "prefetch_table"}
+# the kernels that load their weight tile before the wait (the one-row GEMVs: K in one tile)
+WEIGHT_LOADS_FIRST = ("gemv", "gemv_rows", "fp8_gemv")
+WEIGHT_ARGS = {"W", "Bs"}  # the weight and its block scales: no kernel writes them
 
 
 def _analyse_all() -> dict[str, dict]:
@@ -363,7 +346,7 @@ def test_waits_before_touching_memory(analysis, name):
         f"{name}: the next kernel let launch before the wait"
     )
     prefetches = [ins for ins in before if PREFETCH.search(ins)]
-    if name.startswith(("skinny_linear", "rotary_prefetch")):
+    if name.startswith("skinny_linear"):
         assert prefetches, f"{name}: no L2 prefetch of the weight before the wait"
     else:
         assert not prefetches, f"{name}: a prefetch before the wait"

@@ -33,13 +33,6 @@ from tilellm.kernels.fp8 import is_fp8, quantize_groups, to_cache, unit_scale
 from tilellm.kernels.fp8_gemm import group_quant_outputs, group_quant_tile
 from tilellm.kernels.launch import FastLaunch, LaunchKey
 from tilellm.kernels.pdl import pdl_launch_kwargs, pdl_start
-from tilellm.kernels.prefetch import (
-    L2_PREFETCH_MAX_ROWS,
-    PREFETCH_BLOCK,
-    bulk_prefetch_capable,
-    check_l2_prefetch_table,
-    prefetch_l2,
-)
 from tilellm.kernels.reference.fused import (
     check_apply_rotary,
     check_rms_norm,
@@ -413,16 +406,12 @@ def _rotary_kernel(
     v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache, stride_vt, stride_vh, stride_cslot,
-    num_tokens, num_q_heads, num_k_heads, num_q_programs, half, eps, prefetch_table, prefetch_chunks,
+    num_tokens, num_q_heads, num_k_heads, num_q_programs, half, eps,
     HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr, QUANTIZE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The first num_q_programs programs handle q's (token, head) rows, the rest k's; with STORE,
-    a k program also writes its rotated rows and the same rows of v into the paged cache. With
-    PREFETCH the programs first ask for the chunks of `prefetch_table` in L2 (`prefetch.py`: the
-    layer's later weights, which no kernel writes, so before the wait)."""
-    if PREFETCH:
-        prefetch_l2(prefetch_table, prefetch_chunks, tl.program_id(0), tl.num_programs(0), PREFETCH_BLOCK)
+    a k program also writes its rotated rows and the same rows of v into the paged cache."""
     pdl_start(USE_PDL)
     pid = tl.program_id(0)
     if pid < num_q_programs:
@@ -462,17 +451,13 @@ class _RotaryLaunch(NamedTuple):
     store: bool  # the rotated keys and v go to the paged cache
     quantize: bool  # ... an FP8 one, with scales
     unit: torch.Tensor | None  # 1.0 for an FP8 cache's scale not given
-    prefetch: bool  # the programs ask for the L2 prefetch table's chunks first
 
-    def run(
-        self, q, k, positions, cache, qw, kw, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, l2_prefetch
-    ):  # fmt: skip
+    def run(self, q, k, positions, cache, qw, kw, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
         """Launch over a call's tensors of the planned layout (`apply_rotary`'s arguments: q
         [T, Hq, D], k [T, Hkv, D], positions [T], cache [max_pos, D], the norm weights [D] or
         None, the store's v [T, Hkv, D], caches [blocks, page, Hkv, D], slot_mapping [T] and
-        scales or None, the L2 prefetch table or None): (q_out [T, Hq, D], k_out [T, Hkv, D]),
-        contiguous. The arguments the kernel does not read go as None (its binary was bound with
-        None there)."""
+        scales or None): (q_out [T, Hq, D], k_out [T, Hkv, D]), contiguous. The arguments the
+        kernel does not read go as None (its binary was bound with None there)."""
         q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
         k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
         if not self.store:
@@ -482,11 +467,10 @@ class _RotaryLaunch(NamedTuple):
         elif self.unit is not None:
             k_scale = k_scale if k_scale is not None else self.unit
             v_scale = v_scale if v_scale is not None else self.unit
-        table, chunks = (l2_prefetch, l2_prefetch.shape[1]) if self.prefetch else (None, 0)
         _rotary_launch.run(
             self.grid,
             (q, k, q_out, k_out, qw, kw, positions, cache, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-             *self.scalars, table, chunks),
+             *self.scalars),
             self.consts,
             key=self.key,
         )  # fmt: skip
@@ -514,7 +498,6 @@ def apply_rotary(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     interleaved: bool = False,
-    l2_prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX / HF "rotate_half" rotary embedding on q [T, Hq, D] and k [T, Hkv, D]; new tensors.
 
@@ -531,20 +514,14 @@ def apply_rotary(
     layout, GPT-J's), the norm weights too; the outputs are those of the call on q[..., perm],
     k[..., perm] and the weights [perm] with perm = [0, 2, ..., D - 2, 1, 3, ..., D - 1]: the
     pairs' halves in the NeoX layout, without the gathers.
-
-    `l2_prefetch`: an int64 [2, chunks] table (`prefetch.l2_prefetch_table`) of weights the
-    launch asks for in L2 before it starts, in steps of up to `prefetch.L2_PREFETCH_MAX_ROWS`
-    tokens on a CUDA device (the layer's next weights, `prefetch.py`); a hint, the outputs are
-    the same.
     """
     tensors = (q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, v, k_cache, v_cache, slot_mapping,
-               k_scale, v_scale, l2_prefetch)  # fmt: skip
+               k_scale, v_scale)  # fmt: skip
     call = validation.call_key("apply_rotary", tensors, (eps, interleaved))
     launch = validation.remembered(_ROTARY_REMEMBERED, call)
     if launch is not None and not validation.deep_checks_enabled(q):
         return launch.run(*tensors)
     check_apply_rotary(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
-    check_l2_prefetch_table(l2_prefetch, q.device)
     store = check_rotary_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     args = (
         _last_dim_contiguous(q), _last_dim_contiguous(k), positions.contiguous(), _last_dim_contiguous(cos_sin_cache),
@@ -558,20 +535,15 @@ def apply_rotary(
             torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
         )
-    prefetch = l2_prefetch is not None and t <= L2_PREFETCH_MAX_ROWS and bulk_prefetch_capable(q.device)
-    launch = _plan_rotary(
-        q, k, cache, v, k_cache, qw is not None, store, interleaved, eps, k_scale, v_scale, prefetch
-    )
-    out = launch.run(
-        q, k, positions, cache, qw, kw, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, l2_prefetch
-    )
+    launch = _plan_rotary(q, k, cache, v, k_cache, qw is not None, store, interleaved, eps, k_scale, v_scale)
+    out = launch.run(q, k, positions, cache, qw, kw, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if all(a is b for a, b in zip(args, tensors)):
         validation.remember(_ROTARY_REMEMBERED, call, launch)
     return out
 
 
 def _plan_rotary(
-    q, k, cache, v, k_cache, has_norm, store, interleaved, eps, k_scale, v_scale, prefetch=False
+    q, k, cache, v, k_cache, has_norm, store, interleaved, eps, k_scale, v_scale
 ) -> _RotaryLaunch:
     """The rotary kernel's launch for these checked, last-dim contiguous tensors (q [T, Hq, D],
     k [T, Hkv, D], cache [max_pos, D]; v and k_cache as `apply_rotary`'s, read only to `store`),
@@ -597,15 +569,13 @@ def _plan_rotary(
         scalars=scalars,
         consts=dict(
             HAS_NORM=has_norm, INTERLEAVED=bool(interleaved), STORE=store, QUANTIZE=quantize, BLOCK_R=block_r,
-            BLOCK_HALF=block_half, PREFETCH=prefetch, **pdl,
+            BLOCK_HALF=block_half, **pdl,
         ),
         # all but the token counts; the blocks follow from half
         key=LaunchKey(
-            (q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half, pdl["USE_PDL"],
-             prefetch)
+            (q.device, has_norm, bool(interleaved), store, quantize, scalars[:12], hq, hk, half, pdl["USE_PDL"])
         ),
         store=store,
         quantize=quantize,
         unit=unit,
-        prefetch=prefetch,
     )  # fmt: skip

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from tilellm.attention import AttentionBackend, get_attention_backend
-from tilellm.kernels.prefetch import l2_prefetch_mode, l2_prefetch_table
 from tilellm.models.layers.attention import Attention
 from tilellm.models.layers.layernorm import RMSNorm
 from tilellm.models.layers.linear import (
@@ -197,27 +196,6 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-
-    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
-        """Once the weights are final (the loader runs the children's hooks first): where L2
-        prefetching is on (`tilellm.kernels.prefetch`), each layer's rotary launch asks for the
-        weights the layer reads after it (o_proj, gate-up, down_proj) and, in the "next" mode, the
-        next layer's qkv projection too."""
-        mode = l2_prefetch_mode(self.embed_tokens.weight.device)
-        if mode is None:
-            return
-        layers = list(self.layers)
-        for layer, after in zip(layers, layers[1:] + [None]):
-            attn = getattr(layer.self_attn, "attn", None)
-            later = [getattr(layer.self_attn, "o_proj", None)]
-            later += [getattr(layer.mlp, name, None) for name in ("gate_up_proj", "down_proj")]
-            if mode == "next" and after is not None:
-                later.append(getattr(after.self_attn, "qkv_proj", None))
-            if not isinstance(attn, Attention) or attn.rotary is None or any(m is None for m in later):
-                continue
-            weights = [m.weight for m in later]
-            if all(w.is_contiguous() for w in weights):
-                attn.l2_prefetch = l2_prefetch_table(weights)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

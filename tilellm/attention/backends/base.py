@@ -167,8 +167,6 @@ class AttentionBackend:
                 kv_store = dict(
                     v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping, **kv_scales
                 )
-                if layer.l2_prefetch is not None:  # (the layer's later weights, `prefetch.py`)
-                    kv_store["l2_prefetch"] = layer.l2_prefetch
             q, k = layer.rotate(q, k, positions, kv_store)
             stored = fuse
         if k_cache.numel() == 0:

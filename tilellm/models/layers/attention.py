@@ -60,9 +60,6 @@ class Attention(nn.Module):
         self.calibrate_kv_scales = False
         # {"k": scale, "v": scale} when the checkpoint ships them (the loader fills it)
         self.checkpoint_kv_scales: dict[str, float] = {}
-        # int64 [2, chunks]: the weights the decoder layer reads after attention, which the rotary
-        # launch asks for in L2 (`tilellm.kernels.prefetch`); None: no prefetch
-        self.l2_prefetch: torch.Tensor | None = None
 
     def bind_kv_cache(
         self,
