@@ -261,8 +261,8 @@ if selected smallbatch; then
   run_step smallbatch_pdl_engine_tests 100 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -n 8 \
     tests/engine/test_pdl.py tests/kernels/test_pdl.py tests/kernels/test_pdl_order.py tests/kernels/test_merge.py \
     tests/kernels/test_merge_in_kernel.py
-  # (batches 16-64: whether the small-batch split rule should take batches of up to two programs
-  # per SM, schedule.SMALL_BATCH_SPLIT_BELOW: compare the short graph plan with 3-4 segments)
+  # (batches 16-64: the small-batch split rule's bound, schedule.SMALL_BATCH_SPLIT_BELOW; docs/benchmarks.md,
+  # "Split-KV segments at batch 16-64")
   run_step smallbatch_splits 90 "$PYTHON" benchmarks/decode_splits.py --batches 1,8,16,32,64 \
     --contexts 192,512,1024 --json "$OUT/decode_splits.json"
   run_step smallbatch_tiles 150 "$PYTHON" benchmarks/few_row_tiles.py --rows 8 --json "$OUT/few_row_tiles.json"
