@@ -60,8 +60,8 @@ SMALL_BATCH_PROGRAMS_PER_SM = 4
 # program per SM walk their keys one tile after the other at one or two programs per SM: on an
 # H100 a step at batch 32 over 130-190 keys spent 524 us of its 1.66 ms in the paged kernel
 # (18.7 us a call) against 241 us at batch 8, which splits (docs/benchmarks.md, "PDL beside
-# cuBLAS"). But splitting them does not help: on an H100 at batch 32 and 64 over 192 and 512 keys
-# every split count (2-8) was 9-31% slower than one segment, the walk included
+# cuBLAS"). Splitting them does not help: on an H100 at batch 32 and 64 over 192 and 512 keys
+# every split count (2-8) was slower than one segment, 9-31% at 2-4 segments
 # (`benchmarks/decode_splits.py`; docs/benchmarks.md, "Split-KV segments at batch 16-64"), so the
 # bound stays one program per SM (2 would put batch 17-32 in 3-4 segments).
 SMALL_BATCH_SPLIT_BELOW = 1
